@@ -1,0 +1,136 @@
+/*
+ * engine: request state, the continuous-batching scheduler (token budget per step,
+ * chunked prefill mixed with decodes, preemption by recompute), the sampler, stop
+ * conditions and streaming detokenization. One engine thread owns all request and KV
+ * state; other threads talk to it only through engine_submit / engine_cancel (queues)
+ * and read engine_get_stats (a snapshot under a mutex).
+ *
+ * Request state machine:
+ *
+ *   submit -> WAITING --admit (blocks allocated)--> PREFILL --last prompt chunk--> DECODE
+ *                ^                                    |                            |
+ *                +------- preempted (blocks freed, recompute later) <--------------+
+ *   any state --cancel--> CANCELLED;  DECODE --eos/stop/length--> FINISHED;  errors -> FAILED
+ *
+ * Scheduling per step (after vLLM v1 / TRT-LLM): running DECODE requests first (1 token
+ * each), then PREFILL chunks of running requests, then admit WAITING requests in arrival
+ * order while the step has token budget (max_num_tokens) and batch slots (max_batch_size)
+ * and the pool has blocks. When a running request needs a block and none is free, the
+ * newest running request is preempted (its blocks freed; it goes back to the front of
+ * WAITING and recomputes prompt + generated tokens later). Results never depend on
+ * batching: each sequence's tokens are computed exactly as if it ran alone.
+ *
+ * Events: for every request the callback receives zero or more ENGINE_EV_DELTA events and
+ * then exactly one terminal event (ENGINE_EV_FINISH or ENGINE_EV_ERROR), also after
+ * engine_cancel and engine shutdown. The callback runs on the engine thread, must not
+ * block and must not call back into the engine; event data is only valid during the call.
+ * The `user` pointer must stay valid until the terminal event.
+ */
+#ifndef KV_ENGINE_H
+#define KV_ENGINE_H
+
+#include "../backend/backend.h"
+#include "../base/base.h"
+#include "../model/model.h"
+#include "../tokenizer/tokenizer.h"
+
+struct sampling_params {
+    float temperature;        /* 0 = greedy (argmax; ties -> lowest id) */
+    int top_k;                /* <= 0 disables */
+    float top_p;              /* 1.0 disables */
+    float min_p;              /* 0 disables */
+    bool has_seed;
+    uint64_t seed;            /* same seed + same prompt + same params -> same output */
+    float presence_penalty;   /* OpenAI semantics, over generated tokens */
+    float frequency_penalty;  /* OpenAI semantics, over generated tokens */
+    float repetition_penalty; /* 1.0 disables; CTRL-style over prompt + generated tokens */
+    int top_logprobs;         /* number of alternatives per token (0..20) */
+    bool logprobs;            /* report the chosen token's logprob */
+};
+void sampling_params_default(struct sampling_params *sp);
+
+struct engine_request_params {
+    const int32_t *prompt_ids; /* copied by engine_submit */
+    size_t n_prompt;           /* >= 1 */
+    struct sampling_params sp;
+    int max_tokens;            /* >= 1; the engine also caps at max_model_len - n_prompt */
+    const char *const *stop;   /* stop strings (copied); never appear in the output */
+    int n_stop;
+    bool ignore_eos;
+};
+
+enum engine_event_type { ENGINE_EV_DELTA = 0, ENGINE_EV_FINISH, ENGINE_EV_ERROR };
+
+enum finish_reason { FINISH_NONE = 0, FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED };
+const char *finish_reason_str(enum finish_reason r); /* "stop", "length", "cancelled" */
+
+struct token_logprob {
+    int32_t id;
+    float logprob;            /* natural log of the post-penalty, pre-temperature softmax */
+};
+
+struct engine_event {
+    enum engine_event_type type;
+    uint64_t req_id;
+    /* DELTA (and possibly FINISH, with the final held-back text): */
+    const char *text;         /* newly final UTF-8 text (stop strings removed); may be "" */
+    size_t text_len;
+    const int32_t *ids;       /* tokens generated since the last event */
+    int n_ids;
+    const struct token_logprob *logprobs; /* (n_ids) chosen tokens, NULL unless requested */
+    const struct token_logprob *top;      /* (n_ids * n_top) alternatives, NULL unless requested */
+    int n_top;
+    /* FINISH: */
+    enum finish_reason finish;
+    int prompt_tokens;
+    int completion_tokens;
+    int cached_tokens;
+    /* ERROR: */
+    kv_status status;
+    const char *message;
+    /* timings (monotonic ns): arrival, first token */
+    uint64_t t_arrival_ns, t_first_token_ns;
+};
+
+typedef void (*engine_event_cb)(const struct engine_event *ev, void *user);
+
+struct engine_config {
+    int tokens_per_block;     /* default 16 */
+    int n_blocks;             /* KV pool size in blocks (>= blocks for one max_model_len seq) */
+    int max_batch_size;       /* sequences per step, default 64 */
+    int max_num_tokens;       /* token budget per step, default 512 */
+    int max_model_len;        /* prompt + generated tokens per request */
+    int max_queue;            /* waiting requests before submit returns KV_EBUSY, default 1024 */
+};
+
+struct engine_stats {
+    uint64_t requests_total, requests_finished, requests_failed, requests_cancelled;
+    uint64_t prompt_tokens_total, generation_tokens_total, prefill_tokens_computed;
+    uint64_t preemptions_total, steps_total;
+    int n_waiting, n_running;
+    int kv_blocks_total, kv_blocks_free, kv_blocks_used;
+};
+
+typedef struct engine engine_t;
+
+/* Creates the engine (allocates the KV pool through the backend) and starts its thread.
+ * Borrowed: model, tokenizer, backend (must outlive the engine). KV_EINVAL if the config
+ * is inconsistent (e.g. the pool cannot hold one max_model_len sequence); KV_ENOMEM. */
+kv_status engine_start(const struct engine_config *cfg, const model_t *m, const tokenizer_t *t,
+                       backend_t *be, engine_t **out, char *err, size_t errlen);
+/* Stops the thread: every live request gets ENGINE_EV_ERROR (KV_ECANCELLED) first. */
+void engine_stop(engine_t *e);
+
+/* Queues a request (thread-safe). On KV_OK *req_id is set and cb will receive the events
+ * (possibly before engine_submit returns). Errors (nothing queued, cb never called):
+ * KV_EINVAL (empty prompt, bad params), KV_ETOOLONG (prompt does not fit max_model_len),
+ * KV_EBUSY (queue full). err gets a client-facing message. */
+kv_status engine_submit(engine_t *e, const struct engine_request_params *p, engine_event_cb cb,
+                        void *user, uint64_t *req_id, char *err, size_t errlen);
+/* Cancels (thread-safe, idempotent, unknown ids ignored). The request's blocks are free by
+ * the next step; its terminal event is ENGINE_EV_FINISH with FINISH_CANCELLED. */
+void engine_cancel(engine_t *e, uint64_t req_id);
+void engine_get_stats(engine_t *e, struct engine_stats *out);
+const struct engine_config *engine_config(const engine_t *e);
+
+#endif

@@ -1,0 +1,33 @@
+/*
+ * http: the OpenAI-compatible HTTP front of a worker (libevent evhttp, one loop thread).
+ * Routes: POST /v1/completions, POST /v1/chat/completions (stream and non-stream),
+ * GET /v1/models, GET /health, POST /tokenize, POST /detokenize, GET /metrics.
+ * The loop never blocks on the engine: requests are validated, rendered and tokenized
+ * here, handed to engine_submit, and engine events come back through a locked queue and
+ * event_active(). A client disconnect cancels the request.
+ * Errors: OpenAI error JSON {"error":{"message","type","param","code"}} with 400 (bad JSON,
+ * invalid parameter, prompt too long), 404 (unknown route/model), 413 (body too large),
+ * 503 (queue full). After the first streamed byte, an error is a `data: {"error":...}`
+ * event followed by `data: [DONE]`.
+ */
+#ifndef KV_HTTP_H
+#define KV_HTTP_H
+
+#include "../engine/engine.h"
+
+struct http_config {
+    const char *host;        /* default "127.0.0.1" */
+    int port;                /* default 8000; 0 = pick a free port (logged) */
+    size_t max_body_bytes;   /* default 16 MiB; larger bodies get 413 */
+    const char *served_model_name; /* id in /v1/models and responses; default model name */
+    const char *port_file;   /* optional: write the bound port here once listening */
+};
+
+/* Serves until SIGINT/SIGTERM (or http_server_stop from another thread); returns KV_OK on a
+ * clean stop, KV_EIO if the address cannot be bound (message in err). Borrowed: engine,
+ * model, tokenizer. */
+kv_status http_serve(const struct http_config *cfg, engine_t *e, const model_t *m,
+                     const tokenizer_t *t, char *err, size_t errlen);
+void http_server_stop(void);
+
+#endif

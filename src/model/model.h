@@ -1,0 +1,131 @@
+/*
+ * model: model configuration, checkpoint readers (GGUF v2/v3, Hugging Face safetensors
+ * directories) and weight loading. Every weight is converted to f32 at load time
+ * (F32, F16, BF16, Q8_0 sources), row-major.
+ *
+ * Example:
+ *   model_t *m; char err[256];
+ *   if (model_load("stories260K.gguf", &m, err, sizeof err)) { fprintf(stderr, "%s\n", err); ... }
+ *   ... m->cfg.n_layers, m->w.layers[0].wq ...
+ *   model_free(m);
+ *
+ * Matrix convention: a weight named W with shape comment (out, in) is stored as out rows of
+ * `in` floats, and y = W x means y[o] = sum_i W[o*in + i] * x[i] (the PyTorch nn.Linear
+ * convention; GGUF's ne[0] is `in`).
+ *
+ * RoPE convention (cfg.rope_neox):
+ *   false: rotate adjacent pairs (x[2i], x[2i+1]) -- llama.cpp LLAMA_ROPE_TYPE_NORM, used by
+ *          GGUF `llama` files whose q/k rows were permuted by the HF->GGUF converter.
+ *   true:  rotate halves (x[i], x[i + head_dim/2]) -- HF `rotate_half`, used for every HF
+ *          checkpoint and for GGUF qwen2/qwen3.
+ */
+#ifndef KV_MODEL_H
+#define KV_MODEL_H
+
+#include "../base/base.h"
+
+typedef enum {
+    MODEL_ARCH_LLAMA = 0, /* Llama-2/3, Mistral, TinyLlama, llama2.c stories */
+    MODEL_ARCH_QWEN2,     /* q/k/v bias */
+    MODEL_ARCH_QWEN3,     /* q/k RMSNorm (per head, head_dim weights), explicit head_dim */
+} model_arch;
+
+const char *model_arch_name(model_arch a);
+
+/* Llama-3 style RoPE frequency scaling (rope_scaling.rope_type == "llama3"). */
+struct rope_scaling {
+    int type;                 /* 0 none, 1 llama3, 2 linear */
+    float factor;             /* linear and llama3 */
+    float low_freq_factor;    /* llama3 */
+    float high_freq_factor;   /* llama3 */
+    int original_max_pos;     /* llama3 */
+};
+
+struct model_config {
+    model_arch arch;
+    int n_vocab;          /* rows of the embedding / output matrices */
+    int dim;              /* hidden size */
+    int n_layers;
+    int n_heads;          /* query heads */
+    int n_kv_heads;       /* key/value heads (GQA: n_heads % n_kv_heads == 0) */
+    int head_dim;         /* per head; usually dim / n_heads (Qwen3: explicit) */
+    int ffn_dim;          /* SwiGLU intermediate size */
+    float rms_eps;
+    float rope_theta;
+    bool rope_neox;       /* see file comment */
+    struct rope_scaling rope_scaling;
+    int max_ctx;          /* context length the model declares (tokens) */
+    bool attn_bias;       /* q/k/v biases present (Qwen2) */
+    bool qk_norm;         /* per-head RMSNorm on q and k before RoPE (Qwen3) */
+    bool tied_embeddings; /* output matrix == token embedding matrix */
+    int bos_id;           /* -1 if none */
+    int eos_id;           /* -1 if none; primary EOS */
+    int eos_ids[8];       /* all ids that end generation (generation_config eos_token_id list) */
+    int n_eos_ids;
+    char name[128];       /* model id for /v1/models: file or directory base name */
+};
+
+struct layer_weights {
+    float *attn_norm;     /* (dim) */
+    float *wq;            /* (n_heads*head_dim, dim) */
+    float *wk;            /* (n_kv_heads*head_dim, dim) */
+    float *wv;            /* (n_kv_heads*head_dim, dim) */
+    float *bq, *bk, *bv;  /* (n_heads*head_dim), (n_kv_heads*head_dim) x2; NULL unless attn_bias */
+    float *q_norm;        /* (head_dim) NULL unless qk_norm */
+    float *k_norm;        /* (head_dim) NULL unless qk_norm */
+    float *wo;            /* (dim, n_heads*head_dim) */
+    float *ffn_norm;      /* (dim) */
+    float *w_gate;        /* (ffn_dim, dim) */
+    float *w_up;          /* (ffn_dim, dim) */
+    float *w_down;        /* (dim, ffn_dim) */
+};
+
+struct model_weights {
+    float *tok_embd;      /* (n_vocab, dim) */
+    float *out_norm;      /* (dim) */
+    float *output;        /* (n_vocab, dim); == tok_embd when tied */
+    struct layer_weights *layers; /* n_layers entries */
+};
+
+typedef enum { MODEL_FORMAT_GGUF = 0, MODEL_FORMAT_HF_DIR } model_format;
+
+typedef struct model {
+    struct model_config cfg;
+    struct model_weights w;
+    model_format format;
+    char path[4096];      /* what was loaded: GGUF file or HF directory */
+    bool is_demo;         /* the embedded random-weight demo model */
+    /* private: owned allocations of the weights */
+    void *priv;
+} model_t;
+
+/* Loads a GGUF file or a Hugging Face directory (detected from the path).
+ * On failure returns a negative kv_status, leaves *out untouched and writes a message
+ * naming the file and the problem (missing tensor, bad shape, truncated data, unsupported
+ * architecture or dtype) into err. Never crashes on malformed input. */
+kv_status model_load(const char *path, model_t **out, char *err, size_t errlen);
+void model_free(model_t *m);
+
+/* Allocates an empty model with all weight arrays for cfg (zeroed). For tests and the
+ * demo model generator. */
+kv_status model_alloc(const struct model_config *cfg, model_t **out);
+
+/* Fills every weight with deterministic pseudo-random values (N(0, std) approximated;
+ * norms around 1.0) from seed. Biases and q/k norms included when cfg enables them. */
+void model_randomize(model_t *m, uint64_t seed, float std);
+
+/* Writes m as a GGUF v3 file (F32 tensors, `llama` architecture metadata; for qwen2/qwen3
+ * the matching architecture keys). tok_meta_writer (optional) may add tokenizer metadata.
+ * Used by the demo model generator and by tests that need model files. */
+struct gguf_writer;
+typedef kv_status (*model_gguf_extra_fn)(struct gguf_writer *w, void *user);
+kv_status model_save_gguf(const model_t *m, const char *path, model_gguf_extra_fn extra, void *user,
+                          char *err, size_t errlen);
+
+/* Path of the embedded demo model (~/.cache/kvserve/demo-llama-v1.gguf, honouring
+ * XDG_CACHE_HOME and KVSERVE_CACHE_DIR). Generates it deterministically on first use:
+ * llama architecture, random weights, byte-level vocabulary (llama/SPM type: <unk>, <s>,
+ * </s> then the 256 byte tokens <0x00>..<0xFF>, no space prefix). */
+kv_status model_demo_path(char *out, size_t outlen, char *err, size_t errlen);
+
+#endif
