@@ -45,7 +45,8 @@ bool gguf_get_str(const gguf_t *g, const char *key, const char **s, size_t *len)
 bool gguf_get_arr_info(const gguf_t *g, const char *key, enum gguf_type *elem_type, uint64_t *n);
 /* i-th string of a string array (borrowed, not NUL-terminated). */
 bool gguf_get_arr_str(const gguf_t *g, const char *key, uint64_t i, const char **s, size_t *len);
-/* Pointer to the raw elements of a numeric array (little-endian, packed). */
+/* Pointer to the raw elements of a numeric array (little-endian, packed; may be unaligned, so
+ * read elements with memcpy). NULL for absent keys, non-arrays and string/nested arrays. */
 const void *gguf_get_arr_data(const gguf_t *g, const char *key);
 
 /* ---- tensors ---- */
@@ -81,6 +82,13 @@ kv_status gguf_w_arr_i32(gguf_writer_t *w, const char *key, const int32_t *vals,
 /* F32 tensor, shape ne[0..n_dims) with ne[0] fastest; data is copied. */
 kv_status gguf_w_tensor_f32(gguf_writer_t *w, const char *name, int n_dims, const uint64_t *ne,
                             const float *data);
+/* Tensor of any ggml type with raw, already-encoded bytes (nbytes must match the type's
+ * block layout; e.g. Q8_0: ne[0] % 32 == 0, 34 bytes per block). Data is copied. For tests
+ * and converters. */
+kv_status gguf_w_tensor_raw(gguf_writer_t *w, const char *name, int n_dims, const uint64_t *ne, uint32_t type,
+                            const void *data, uint64_t nbytes);
+/* Writes the GGUF v3 file (alignment 32; a later key set twice keeps the last value).
+ * KV_EIO on write failure. */
 kv_status gguf_writer_save(gguf_writer_t *w, const char *path, char *err, size_t errlen);
 
 #endif

@@ -122,6 +122,20 @@ typedef kv_status (*model_gguf_extra_fn)(struct gguf_writer *w, void *user);
 kv_status model_save_gguf(const model_t *m, const char *path, model_gguf_extra_fn extra, void *user,
                           char *err, size_t errlen);
 
+/* Reads only the configuration of a GGUF file or HF directory (no weights are converted).
+ * cfg->n_vocab comes from the embedding shape when the metadata lacks it. *fmt (optional)
+ * receives the format. Errors as model_load; *cfg is untouched on failure. */
+kv_status model_read_config(const char *path, struct model_config *cfg, model_format *fmt, char *err,
+                            size_t errlen);
+
+/* Calls cb once per tensor stored in the GGUF file / HF checkpoint, in file order. dtype is
+ * the format's name ("F32", "Q8_0", "BF16", ...); shape is outermost first (PyTorch order:
+ * a GGUF tensor with ne = [in, out] is reported as [out, in]). Strings are borrowed for the
+ * call only. Errors as model_load. */
+typedef void (*model_tensor_fn)(void *user, const char *name, const char *dtype, int n_dims,
+                                const uint64_t *shape);
+kv_status model_list_tensors(const char *path, model_tensor_fn cb, void *user, char *err, size_t errlen);
+
 /* Path of the embedded demo model (~/.cache/kvserve/demo-llama-v1.gguf, honouring
  * XDG_CACHE_HOME and KVSERVE_CACHE_DIR). Generates it deterministically on first use:
  * llama architecture, random weights, byte-level vocabulary (llama/SPM type: <unk>, <s>,

@@ -1,0 +1,294 @@
+/*
+ * bench_engine: prefill and decode throughput of the engine + CPU backend, without HTTP.
+ *
+ *   bench_engine --model PATH [--threads N] [--prompt-len 256] [--gen-len 64]
+ *                [--concurrency 1,16] [--tokens-per-block 16] [--max-num-tokens 2048]
+ *   bench_engine --make-model OUT.gguf --vocab-from VOCAB.gguf [--layers 12 --dim 768 ...]
+ *
+ * Prefill: C requests with prompt_len random-but-valid token ids and max_tokens 1, submitted at
+ * once; rate = C * prompt_len / wall time. Decode: C requests with a 16-token prompt generating
+ * gen_len tokens (ignore_eos); rate = tokens generated after each request's first token /
+ * (last finish - earliest first token). Logs openblas_get_corename() (OPENBLAS_CORETYPE is left
+ * as the environment sets it).
+ */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/backend.h"
+#include "engine/engine.h"
+#include "model/gguf.h"
+#include "model/model.h"
+#include "tokenizer/tokenizer.h"
+
+char *openblas_get_corename(void);
+
+struct run {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int pending;
+    int failed;
+    uint64_t first_token_min, finish_max;
+    long gen_tokens_after_first;
+};
+
+struct req_state {
+    struct run *run;
+    int n_tokens;
+    uint64_t t_first;
+};
+
+static void on_event(const struct engine_event *ev, void *user) {
+    struct req_state *rs = user;
+    struct run *r = rs->run;
+    uint64_t now = kv_now_ns();
+    if (ev->type == ENGINE_EV_DELTA || ev->type == ENGINE_EV_FINISH) {
+        if (ev->n_ids > 0 && rs->n_tokens == 0) rs->t_first = now;
+        rs->n_tokens += ev->n_ids;
+    }
+    if (ev->type == ENGINE_EV_FINISH || ev->type == ENGINE_EV_ERROR) {
+        pthread_mutex_lock(&r->mu);
+        if (ev->type == ENGINE_EV_ERROR) r->failed++;
+        if (rs->t_first && (r->first_token_min == 0 || rs->t_first < r->first_token_min))
+            r->first_token_min = rs->t_first;
+        if (now > r->finish_max) r->finish_max = now;
+        if (rs->n_tokens > 1) r->gen_tokens_after_first += rs->n_tokens - 1;
+        r->pending--;
+        pthread_cond_broadcast(&r->cv);
+        pthread_mutex_unlock(&r->mu);
+    }
+}
+
+/* Submits n requests and waits; returns wall seconds (or -1 on failure). */
+static double run_batch(engine_t *e, int n, int prompt_len, int gen_len, int n_vocab, uint64_t seed,
+                        struct run *r) {
+    memset(r, 0, sizeof *r);
+    pthread_mutex_init(&r->mu, NULL);
+    pthread_cond_init(&r->cv, NULL);
+    struct req_state *rs = calloc((size_t)n, sizeof *rs);
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)prompt_len);
+    kv_rng rng;
+    kv_rng_seed(&rng, seed);
+    r->pending = n;
+    double t0 = kv_now_s();
+    for (int i = 0; i < n; i++) {
+        for (int j = 0; j < prompt_len; j++) ids[j] = 3 + (int32_t)(kv_rng_next(&rng) % (uint64_t)(n_vocab - 3));
+        struct engine_request_params p = {0};
+        p.prompt_ids = ids;
+        p.n_prompt = (size_t)prompt_len;
+        sampling_params_default(&p.sp);
+        p.sp.temperature = 0;
+        p.max_tokens = gen_len;
+        p.ignore_eos = true;
+        rs[i].run = r;
+        uint64_t id;
+        char err[256];
+        if (engine_submit(e, &p, on_event, &rs[i], &id, err, sizeof err) != KV_OK) {
+            fprintf(stderr, "submit failed: %s\n", err);
+            pthread_mutex_lock(&r->mu);
+            r->pending--;
+            r->failed++;
+            pthread_mutex_unlock(&r->mu);
+        }
+    }
+    pthread_mutex_lock(&r->mu);
+    while (r->pending > 0) pthread_cond_wait(&r->cv, &r->mu);
+    pthread_mutex_unlock(&r->mu);
+    double dt = kv_now_s() - t0;
+    free(ids);
+    free(rs);
+    return r->failed ? -1 : dt;
+}
+
+static kv_status copy_vocab(struct gguf_writer *w, void *user) {
+    const gguf_t *g = user;
+    for (int i = 0; i < gguf_n_keys(g); i++) {
+        const char *k = gguf_key_name(g, i);
+        if (strncmp(k, "tokenizer.", 10) != 0) continue;
+        enum gguf_type t = gguf_key_type(g, i);
+        kv_status s = KV_OK;
+        if (t == GGUF_TYPE_STRING) {
+            const char *v;
+            size_t n;
+            gguf_get_str(g, k, &v, &n);
+            char *c = kv_strndup(v, n);
+            s = gguf_w_str(w, k, c);
+            free(c);
+        } else if (t == GGUF_TYPE_BOOL) {
+            bool b;
+            gguf_get_bool(g, k, &b);
+            s = gguf_w_bool(w, k, b);
+        } else if (t == GGUF_TYPE_ARRAY) {
+            enum gguf_type et;
+            uint64_t n;
+            gguf_get_arr_info(g, k, &et, &n);
+            if (et == GGUF_TYPE_STRING) {
+                char **v = calloc(n, sizeof *v);
+                for (uint64_t j = 0; j < n; j++) {
+                    const char *sp;
+                    size_t sl;
+                    gguf_get_arr_str(g, k, j, &sp, &sl);
+                    v[j] = kv_strndup(sp, sl);
+                }
+                s = gguf_w_arr_str(w, k, (const char *const *)v, n);
+                for (uint64_t j = 0; j < n; j++) free(v[j]);
+                free(v);
+            } else if (et == GGUF_TYPE_FLOAT32) {
+                s = gguf_w_arr_f32(w, k, gguf_get_arr_data(g, k), n);
+            } else if (et == GGUF_TYPE_INT32) {
+                s = gguf_w_arr_i32(w, k, gguf_get_arr_data(g, k), n);
+            }
+        } else {
+            int64_t v;
+            if (gguf_get_int(g, k, &v)) s = gguf_w_u32(w, k, (uint32_t)v);
+        }
+        if (s != KV_OK) return s;
+    }
+    return KV_OK;
+}
+
+static int make_model(const char *out, const char *vocab_path, int layers, int dim, int heads,
+                      int kv_heads, int ffn) {
+    char err[512];
+    gguf_t *g;
+    if (gguf_open(vocab_path, &g, err, sizeof err)) {
+        fprintf(stderr, "bench_engine: %s\n", err);
+        return 1;
+    }
+    uint64_t n_vocab = 0;
+    enum gguf_type et;
+    if (!gguf_get_arr_info(g, "tokenizer.ggml.tokens", &et, &n_vocab)) {
+        fprintf(stderr, "bench_engine: %s has no tokenizer.ggml.tokens\n", vocab_path);
+        gguf_close(g);
+        return 1;
+    }
+    struct model_config cfg = {0};
+    cfg.arch = MODEL_ARCH_LLAMA;
+    cfg.n_vocab = (int)n_vocab;
+    cfg.dim = dim;
+    cfg.n_layers = layers;
+    cfg.n_heads = heads;
+    cfg.n_kv_heads = kv_heads;
+    cfg.head_dim = dim / heads;
+    cfg.ffn_dim = ffn;
+    cfg.rms_eps = 1e-5f;
+    cfg.rope_theta = 10000.0f;
+    cfg.max_ctx = 4096;
+    cfg.bos_id = 1;
+    cfg.eos_id = 2;
+    snprintf(cfg.name, sizeof cfg.name, "bench-llama-%dx%d", layers, dim);
+    model_t *m;
+    if (model_alloc(&cfg, &m)) {
+        gguf_close(g);
+        return 1;
+    }
+    model_randomize(m, 1234, 0.02f);
+    kv_status s = model_save_gguf(m, out, copy_vocab, g, err, sizeof err);
+    model_free(m);
+    gguf_close(g);
+    if (s) {
+        fprintf(stderr, "bench_engine: %s\n", err);
+        return 1;
+    }
+    printf("wrote %s (%d layers, dim %d, vocab %d)\n", out, layers, dim, (int)n_vocab);
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    const char *model_path = NULL, *make = NULL, *vocab = NULL, *conc = "1,16";
+    int threads = 0, prompt_len = 256, gen_len = 64, tpb = 16, max_num_tokens = 2048;
+    int layers = 12, dim = 768, heads = 12, kv_heads = 12, ffn = 2048;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+#define OPT(name) (!strcmp(a, name) && v && ++i)
+        if (OPT("--model")) model_path = v;
+        else if (OPT("--make-model")) make = v;
+        else if (OPT("--vocab-from")) vocab = v;
+        else if (OPT("--threads")) threads = atoi(v);
+        else if (OPT("--prompt-len")) prompt_len = atoi(v);
+        else if (OPT("--gen-len")) gen_len = atoi(v);
+        else if (OPT("--concurrency")) conc = v;
+        else if (OPT("--tokens-per-block")) tpb = atoi(v);
+        else if (OPT("--max-num-tokens")) max_num_tokens = atoi(v);
+        else if (OPT("--layers")) layers = atoi(v);
+        else if (OPT("--dim")) dim = atoi(v);
+        else if (OPT("--heads")) heads = atoi(v);
+        else if (OPT("--kv-heads")) kv_heads = atoi(v);
+        else if (OPT("--ffn")) ffn = atoi(v);
+        else {
+            fprintf(stderr, "bench_engine: unknown or incomplete option '%s'\n", a);
+            return 2;
+        }
+#undef OPT
+    }
+    if (make) {
+        if (!vocab) {
+            fprintf(stderr, "bench_engine: --make-model needs --vocab-from VOCAB.gguf\n");
+            return 2;
+        }
+        return make_model(make, vocab, layers, dim, heads, kv_heads, ffn);
+    }
+    if (!model_path || prompt_len < 1 || gen_len < 2) {
+        fprintf(stderr, "usage: bench_engine --model PATH [--threads N] [--prompt-len N] [--gen-len N>=2] "
+                        "[--concurrency 1,16]\n");
+        return 2;
+    }
+    kv_log_set_level(KV_LOG_WARN);
+    char err[512];
+    model_t *m;
+    tokenizer_t *tok;
+    backend_t *be;
+    if (model_load(model_path, &m, err, sizeof err) || tok_load(model_path, &tok, err, sizeof err) ||
+        backend_cpu_new(m, threads, &be, err, sizeof err)) {
+        fprintf(stderr, "bench_engine: %s\n", err);
+        return 1;
+    }
+    int max_c = 1;
+    for (const char *p = conc; *p;) {
+        int c = atoi(p);
+        if (c > max_c) max_c = c;
+        p = strchr(p, ',');
+        if (!p) break;
+        p++;
+    }
+    int max_len = prompt_len + gen_len + 16;
+    struct engine_config ec = {.tokens_per_block = tpb,
+                               .max_batch_size = max_c,
+                               .max_num_tokens = max_num_tokens,
+                               .max_model_len = max_len,
+                               .max_queue = 4096};
+    ec.n_blocks = max_c * kv_blocks_for_tokens(max_len, tpb) + 8;
+    engine_t *e;
+    if (engine_start(&ec, m, tok, be, &e, err, sizeof err)) {
+        fprintf(stderr, "bench_engine: %s\n", err);
+        return 1;
+    }
+    const char *ct = getenv("OPENBLAS_CORETYPE");
+    printf("model %s: %d layers, dim %d, heads %d/%d, ffn %d, vocab %d\n", m->cfg.name, m->cfg.n_layers,
+           m->cfg.dim, m->cfg.n_heads, m->cfg.n_kv_heads, m->cfg.ffn_dim, m->cfg.n_vocab);
+    printf("openblas core: %s (OPENBLAS_CORETYPE=%s), threads %d\n", openblas_get_corename(),
+           ct ? ct : "unset", threads);
+    printf("%-12s %-12s %14s %14s\n", "concurrency", "prompt_len", "prefill tok/s", "decode tok/s");
+    struct run r;
+    run_batch(e, 1, 32, 4, m->cfg.n_vocab, 99, &r); /* warm-up */
+    for (const char *p = conc; *p;) {
+        int c = atoi(p);
+        double tp = run_batch(e, c, prompt_len, 1, m->cfg.n_vocab, 1, &r);
+        double prefill = tp > 0 ? (double)c * prompt_len / tp : 0;
+        double td = run_batch(e, c, 16, gen_len, m->cfg.n_vocab, 2, &r);
+        double span = (double)(r.finish_max - r.first_token_min) / 1e9;
+        double decode = td > 0 && span > 0 ? (double)r.gen_tokens_after_first / span : 0;
+        printf("%-12d %-12d %14.1f %14.1f\n", c, prompt_len, prefill, decode);
+        fflush(stdout);
+        p = strchr(p, ',');
+        if (!p) break;
+        p++;
+    }
+    engine_stop(e);
+    backend_free(be);
+    tok_free(tok);
+    model_free(m);
+    return 0;
+}
