@@ -5,4 +5,5 @@
 int cmd_serve(int argc, char **argv);
 int cmd_inspect(int argc, char **argv);
 int cmd_generate(int argc, char **argv);
+int cmd_bench(int argc, char **argv);
 #endif

@@ -11,6 +11,7 @@ static const struct {
     {"serve", cmd_serve, "serve a model over the OpenAI-compatible HTTP API"},
     {"inspect", cmd_inspect, "print a model file's configuration and tensors"},
     {"generate", cmd_generate, "run one prompt through the engine and print the completion"},
+    {"bench", cmd_bench, "replay multi-turn traces against any OpenAI-compatible server"},
 };
 
 static void usage(FILE *f) {
