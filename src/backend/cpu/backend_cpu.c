@@ -1,0 +1,486 @@
+/*
+ * CPU backend: f32 forward over a batch of sequences with a paged KV pool.
+ *
+ * Per step: all new tokens of all sequences are stacked into one [T, dim] activation
+ * matrix; every projection is cblas_sgemm (C = X * W^T, W stored (out, in)); attention runs
+ * per (token, query head) over the sequence's block table; element-wise ops and attention
+ * are spread over the thread pool.
+ *
+ * Determinism (see backend.h, "Determinism"): OpenBLAS 0.3.21 picks different kernels for
+ * different M (measured: rows of a small-M call differ in the last bits from the same rows
+ * in a larger call), so every sgemm is issued with exactly M = CPU_GEMM_ROWS rows; the last
+ * partial tile is zero-padded. Each row's result then depends only on that row's input.
+ */
+#include <cblas.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "../../base/threadpool.h"
+#include "../backend.h"
+
+#define CPU_GEMM_ROWS 16 /* fixed M of every sgemm call */
+
+struct cpu_ctx {
+    const model_t *m;
+    kv_threadpool_t *tp;
+    int n_threads;
+    float *pool;         /* (n_blocks * block_floats), owned */
+    size_t block_floats; /* floats per block */
+    int tpb;             /* tokens per block */
+    float *inv_freq;     /* (head_dim/2) RoPE inverse frequencies after scaling */
+
+    /* per-row scratch, capacity cap_rows (a multiple of CPU_GEMM_ROWS) */
+    int cap_rows;
+    float *x;    /* (rows, dim) residual stream */
+    float *xb;   /* (rows, max(dim, n_heads*head_dim)) normed input / attention output */
+    float *q;    /* (rows, n_heads*head_dim) */
+    float *k;    /* (rows, n_kv_heads*head_dim) */
+    float *v;    /* (rows, n_kv_heads*head_dim) */
+    float *hb;   /* (rows, max(ffn_dim, dim)) */
+    float *hb2;  /* (rows, ffn_dim) */
+    float *rope_cos, *rope_sin; /* (rows, head_dim/2) */
+    int32_t *row_pos;           /* (rows) absolute position of each row */
+    int32_t *row_seq;           /* (rows) sequence index of each row */
+    int32_t *logit_rows;        /* (rows) rows that need logits, in output order */
+    float *logit_tail;          /* (CPU_GEMM_ROWS, n_vocab) for the last partial tile */
+    int cap_ctx;                /* per-thread score capacity (positions) */
+    float *scores;              /* (n_threads, cap_ctx) */
+};
+
+/* ---- GEMM in fixed row tiles ---- */
+
+/* Y[0..M) = X[0..M) * W^T (+ bias). X and Y must have room for M rounded up to
+ * CPU_GEMM_ROWS rows; the pad rows of X are zeroed, the pad rows of Y are overwritten. */
+static void gemm_tiled(float *X, int M, int K, const float *W, int N, float *Y, const float *bias) {
+    int Mp = (M + CPU_GEMM_ROWS - 1) / CPU_GEMM_ROWS * CPU_GEMM_ROWS;
+    if (Mp > M) memset(X + (size_t)M * K, 0, (size_t)(Mp - M) * K * sizeof(float));
+    for (int r = 0; r < Mp; r += CPU_GEMM_ROWS)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, CPU_GEMM_ROWS, N, K, 1.0f,
+                    X + (size_t)r * K, K, W, K, 0.0f, Y + (size_t)r * N, N);
+    if (bias)
+        for (int r = 0; r < M; r++) {
+            float *y = Y + (size_t)r * N;
+            for (int i = 0; i < N; i++) y[i] += bias[i];
+        }
+}
+
+/* ---- element-wise kernels ---- */
+
+static void rmsnorm(float *out, const float *x, const float *w, int n, float eps) {
+    double ss = 0.0;
+    for (int i = 0; i < n; i++) ss += (double)x[i] * x[i];
+    float inv = (float)(1.0 / sqrt(ss / n + eps));
+    for (int i = 0; i < n; i++) out[i] = w[i] * (x[i] * inv);
+}
+
+static void rope_apply(float *x, int head_dim, const float *c, const float *s, bool neox) {
+    int half = head_dim / 2;
+    for (int i = 0; i < half; i++) {
+        int i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
+        float x0 = x[i0], x1 = x[i1];
+        x[i0] = x0 * c[i] - x1 * s[i];
+        x[i1] = x0 * s[i] + x1 * c[i];
+    }
+}
+
+/* ---- parallel jobs ---- */
+
+struct job {
+    struct cpu_ctx *c;
+    const struct batch *b;
+    int n_rows;
+    int rows_per_task;
+    int layer;
+    const float *norm_w; /* rmsnorm job */
+    float *src, *dst;    /* rmsnorm / add jobs */
+    int width;
+};
+
+static int row_tasks(const struct job *j) { return (j->n_rows + j->rows_per_task - 1) / j->rows_per_task; }
+
+static void task_rmsnorm(void *p, int t, int th) {
+    (void)th;
+    struct job *j = p;
+    const struct model_config *cfg = &j->c->m->cfg;
+    int r1 = (t + 1) * j->rows_per_task < j->n_rows ? (t + 1) * j->rows_per_task : j->n_rows;
+    for (int r = t * j->rows_per_task; r < r1; r++)
+        rmsnorm(j->dst + (size_t)r * j->width, j->src + (size_t)r * j->width, j->norm_w, j->width,
+                cfg->rms_eps);
+}
+
+/* dst += src row-wise */
+static void task_add(void *p, int t, int th) {
+    (void)th;
+    struct job *j = p;
+    int r1 = (t + 1) * j->rows_per_task < j->n_rows ? (t + 1) * j->rows_per_task : j->n_rows;
+    for (size_t i = (size_t)t * j->rows_per_task * j->width; i < (size_t)r1 * j->width; i++) j->dst[i] += j->src[i];
+}
+
+static void task_swiglu(void *p, int t, int th) {
+    (void)th;
+    struct job *j = p;
+    struct cpu_ctx *c = j->c;
+    int f = c->m->cfg.ffn_dim;
+    int r1 = (t + 1) * j->rows_per_task < j->n_rows ? (t + 1) * j->rows_per_task : j->n_rows;
+    for (size_t i = (size_t)t * j->rows_per_task * f; i < (size_t)r1 * f; i++) {
+        float g = c->hb[i];
+        c->hb[i] = g / (1.0f + expf(-g)) * c->hb2[i];
+    }
+}
+
+/* Start of (layer, k|v, kv_head, pos) of a sequence: 'head_dim' floats. */
+static inline float *kv_slot(const struct cpu_ctx *c, const int32_t *block_table, int layer, int kv,
+                             int kv_head, int pos) {
+    const struct model_config *cfg = &c->m->cfg;
+    int tpb = c->tpb;
+    size_t off = (size_t)block_table[pos / tpb] * c->block_floats +
+                 ((((size_t)layer * 2 + kv) * cfg->n_kv_heads + kv_head) * tpb + pos % tpb) * cfg->head_dim;
+    return c->pool + off;
+}
+
+/* Per row: q/k/v bias (done in gemm), q/k norm, RoPE, store K/V into the row's block slot. */
+static void task_qkv_post(void *p, int t, int th) {
+    (void)th;
+    struct job *j = p;
+    struct cpu_ctx *c = j->c;
+    const struct model_config *cfg = &c->m->cfg;
+    const struct layer_weights *lw = &c->m->w.layers[j->layer];
+    int hd = cfg->head_dim, half = hd / 2;
+    int qw = cfg->n_heads * hd, kw = cfg->n_kv_heads * hd;
+    int r1 = (t + 1) * j->rows_per_task < j->n_rows ? (t + 1) * j->rows_per_task : j->n_rows;
+    for (int r = t * j->rows_per_task; r < r1; r++) {
+        float *q = c->q + (size_t)r * qw, *k = c->k + (size_t)r * kw, *v = c->v + (size_t)r * kw;
+        const float *cs = c->rope_cos + (size_t)r * half, *sn = c->rope_sin + (size_t)r * half;
+        for (int h = 0; h < cfg->n_heads; h++) {
+            if (cfg->qk_norm) rmsnorm(q + h * hd, q + h * hd, lw->q_norm, hd, cfg->rms_eps);
+            rope_apply(q + h * hd, hd, cs, sn, cfg->rope_neox);
+        }
+        const struct batch_seq *s = &j->b->seqs[c->row_seq[r]];
+        for (int h = 0; h < cfg->n_kv_heads; h++) {
+            if (cfg->qk_norm) rmsnorm(k + h * hd, k + h * hd, lw->k_norm, hd, cfg->rms_eps);
+            rope_apply(k + h * hd, hd, cs, sn, cfg->rope_neox);
+            memcpy(kv_slot(c, s->block_table, j->layer, 0, h, c->row_pos[r]), k + h * hd, hd * sizeof(float));
+            memcpy(kv_slot(c, s->block_table, j->layer, 1, h, c->row_pos[r]), v + h * hd, hd * sizeof(float));
+        }
+    }
+}
+
+/* One (row, query head): causal attention over positions 0..pos of the row's sequence. */
+static void task_attention(void *p, int t, int th) {
+    struct job *j = p;
+    struct cpu_ctx *c = j->c;
+    const struct model_config *cfg = &c->m->cfg;
+    int hd = cfg->head_dim;
+    int r = t / cfg->n_heads, h = t % cfg->n_heads;
+    int kvh = h / (cfg->n_heads / cfg->n_kv_heads);
+    int pos = c->row_pos[r];
+    const int32_t *bt = j->b->seqs[c->row_seq[r]].block_table;
+    const float *q = c->q + (size_t)r * cfg->n_heads * hd + (size_t)h * hd;
+    float *out = c->xb + (size_t)r * cfg->n_heads * hd + (size_t)h * hd;
+    float *sc = c->scores + (size_t)th * c->cap_ctx;
+    float scale = 1.0f / sqrtf((float)hd);
+    float mx = -INFINITY;
+    for (int i = 0; i <= pos; i++) {
+        const float *kp = kv_slot(c, bt, j->layer, 0, kvh, i);
+        float d = 0.0f;
+        for (int e = 0; e < hd; e++) d += q[e] * kp[e];
+        d *= scale;
+        sc[i] = d;
+        if (d > mx) mx = d;
+    }
+    float sum = 0.0f;
+    for (int i = 0; i <= pos; i++) {
+        sc[i] = expf(sc[i] - mx);
+        sum += sc[i];
+    }
+    float inv = 1.0f / sum;
+    for (int e = 0; e < hd; e++) out[e] = 0.0f;
+    for (int i = 0; i <= pos; i++) {
+        const float *vp = kv_slot(c, bt, j->layer, 1, kvh, i);
+        float w = sc[i] * inv;
+        for (int e = 0; e < hd; e++) out[e] += w * vp[e];
+    }
+}
+
+/* ---- scratch management ---- */
+
+static kv_status grow_rows(struct cpu_ctx *c, int rows) {
+    if (rows <= c->cap_rows) return KV_OK;
+    const struct model_config *cfg = &c->m->cfg;
+    int cap = (rows + CPU_GEMM_ROWS - 1) / CPU_GEMM_ROWS * CPU_GEMM_ROWS;
+    size_t qw = (size_t)cfg->n_heads * cfg->head_dim, kw = (size_t)cfg->n_kv_heads * cfg->head_dim;
+    size_t xbw = qw > (size_t)cfg->dim ? qw : (size_t)cfg->dim;
+    size_t hbw = (size_t)cfg->ffn_dim > (size_t)cfg->dim ? (size_t)cfg->ffn_dim : (size_t)cfg->dim;
+    size_t half = (size_t)cfg->head_dim / 2;
+    struct { void **p; size_t bytes; } bufs[] = {
+        {(void **)&c->x, (size_t)cfg->dim * sizeof(float)},  {(void **)&c->xb, xbw * sizeof(float)},
+        {(void **)&c->q, qw * sizeof(float)},                 {(void **)&c->k, kw * sizeof(float)},
+        {(void **)&c->v, kw * sizeof(float)},                 {(void **)&c->hb, hbw * sizeof(float)},
+        {(void **)&c->hb2, (size_t)cfg->ffn_dim * sizeof(float)},
+        {(void **)&c->rope_cos, half * sizeof(float)},        {(void **)&c->rope_sin, half * sizeof(float)},
+        {(void **)&c->row_pos, sizeof(int32_t)},              {(void **)&c->row_seq, sizeof(int32_t)},
+        {(void **)&c->logit_rows, sizeof(int32_t)},
+    };
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) {
+        void *np = kv_realloc(*bufs[i].p, bufs[i].bytes * (size_t)cap);
+        if (!np) return KV_ENOMEM; /* already-grown buffers stay valid; cap_rows unchanged */
+        *bufs[i].p = np;
+    }
+    c->cap_rows = cap;
+    return KV_OK;
+}
+
+static kv_status grow_ctx(struct cpu_ctx *c, int n_pos) {
+    if (n_pos <= c->cap_ctx) return KV_OK;
+    int cap = c->cap_ctx ? c->cap_ctx : 256;
+    while (cap < n_pos) cap *= 2;
+    float *np = kv_realloc(c->scores, (size_t)cap * c->n_threads * sizeof(float));
+    if (!np) return KV_ENOMEM;
+    c->scores = np;
+    c->cap_ctx = cap;
+    return KV_OK;
+}
+
+/* ---- ops ---- */
+
+static kv_status cpu_kv_alloc(backend_t *be, int n_blocks, const struct kv_geometry *g) {
+    struct cpu_ctx *c = be->ctx;
+    const struct model_config *cfg = &c->m->cfg;
+    free(c->pool);
+    c->pool = NULL;
+    be->n_blocks = 0;
+    memset(&be->geom, 0, sizeof be->geom);
+    if (n_blocks < 1 || !g || g->n_layers != cfg->n_layers || g->n_kv_heads != cfg->n_kv_heads ||
+        g->head_dim != cfg->head_dim || g->tokens_per_block < 1) {
+        KV_ERROR("cpu backend: kv_alloc: geometry does not match the model or n_blocks < 1");
+        return KV_EINVAL;
+    }
+    size_t bf = kv_block_bytes(g) / sizeof(float);
+    c->pool = kv_calloc((size_t)n_blocks, bf * sizeof(float));
+    if (!c->pool) return KV_ENOMEM;
+    c->block_floats = bf;
+    c->tpb = g->tokens_per_block;
+    be->geom = *g;
+    be->n_blocks = n_blocks;
+    return KV_OK;
+}
+
+static kv_status validate(backend_t *be, const struct batch *b, char *err, size_t errlen) {
+    struct cpu_ctx *c = be->ctx;
+    const struct model_config *cfg = &c->m->cfg;
+    if (!b || b->n_seqs < 0 || (b->n_seqs > 0 && !b->seqs))
+        return kv_errf(KV_EINVAL, err, errlen, "forward: bad batch");
+    if (b->n_seqs > 0 && (!c->pool || be->n_blocks < 1))
+        return kv_errf(KV_EINVAL, err, errlen, "forward: KV pool not allocated");
+    long total = 0;
+    for (int i = 0; i < b->n_seqs; i++) {
+        const struct batch_seq *s = &b->seqs[i];
+        if (s->n_tokens < 1 || !s->tokens || s->n_past < 0 || s->n_tokens > INT32_MAX / 2 ||
+            s->n_past > INT32_MAX / 2)
+            return kv_errf(KV_EINVAL, err, errlen, "forward: seq %d: n_tokens %d / n_past %d invalid", i,
+                           s->n_tokens, s->n_past);
+        if (s->logits != BATCH_LOGITS_NONE && s->logits != BATCH_LOGITS_LAST && s->logits != BATCH_LOGITS_ALL)
+            return kv_errf(KV_EINVAL, err, errlen, "forward: seq %d: bad logits mode %d", i, (int)s->logits);
+        int need = (s->n_past + s->n_tokens + c->tpb - 1) / c->tpb;
+        if (s->n_blocks < need || !s->block_table)
+            return kv_errf(KV_EINVAL, err, errlen,
+                           "forward: seq %d: block table has %d blocks, %d needed for %d positions", i,
+                           s->n_blocks, need, s->n_past + s->n_tokens);
+        for (int k = 0; k < need; k++)
+            if (s->block_table[k] < 0 || s->block_table[k] >= be->n_blocks)
+                return kv_errf(KV_EINVAL, err, errlen, "forward: seq %d: block id %d (entry %d) outside pool of %d",
+                               i, (int)s->block_table[k], k, be->n_blocks);
+        for (int k = 0; k < s->n_tokens; k++)
+            if (s->tokens[k] < 0 || s->tokens[k] >= cfg->n_vocab)
+                return kv_errf(KV_EINVAL, err, errlen, "forward: seq %d: token id %d outside vocabulary of %d",
+                               i, (int)s->tokens[k], cfg->n_vocab);
+        total += s->n_tokens;
+        if (total > INT32_MAX / 4) return kv_errf(KV_EINVAL, err, errlen, "forward: batch too large");
+    }
+    return KV_OK;
+}
+
+static kv_status cpu_forward(backend_t *be, const struct batch *b, float *logits, char *err, size_t errlen) {
+    struct cpu_ctx *c = be->ctx;
+    const model_t *m = c->m;
+    const struct model_config *cfg = &m->cfg;
+    kv_status st = validate(be, b, err, errlen);
+    if (st) return st;
+    int T = 0, max_pos = 0, L = 0;
+    for (int i = 0; i < b->n_seqs; i++) {
+        T += b->seqs[i].n_tokens;
+        int e = b->seqs[i].n_past + b->seqs[i].n_tokens;
+        if (e > max_pos) max_pos = e;
+    }
+    if (T == 0) return KV_OK;
+    if ((st = grow_rows(c, T)) || (st = grow_ctx(c, max_pos)))
+        return kv_errf(st, err, errlen, "forward: out of memory for %d rows", T);
+
+    int dim = cfg->dim, hd = cfg->head_dim, half = hd / 2;
+    int qw = cfg->n_heads * hd, kw = cfg->n_kv_heads * hd;
+    /* rows: positions, embeddings, RoPE tables, logit rows */
+    int r = 0;
+    for (int i = 0; i < b->n_seqs; i++) {
+        const struct batch_seq *s = &b->seqs[i];
+        for (int k = 0; k < s->n_tokens; k++, r++) {
+            c->row_seq[r] = i;
+            c->row_pos[r] = s->n_past + k;
+            memcpy(c->x + (size_t)r * dim, m->w.tok_embd + (size_t)s->tokens[k] * dim, dim * sizeof(float));
+            for (int e = 0; e < half; e++) {
+                float ang = (float)c->row_pos[r] * c->inv_freq[e];
+                c->rope_cos[(size_t)r * half + e] = cosf(ang);
+                c->rope_sin[(size_t)r * half + e] = sinf(ang);
+            }
+            if (s->logits == BATCH_LOGITS_ALL || (s->logits == BATCH_LOGITS_LAST && k == s->n_tokens - 1))
+                c->logit_rows[L++] = r;
+        }
+    }
+
+    struct job j = {.c = c, .b = b, .n_rows = T};
+    j.rows_per_task = (T + 4 * c->n_threads - 1) / (4 * c->n_threads);
+    if (j.rows_per_task < 1) j.rows_per_task = 1;
+    int nt = row_tasks(&j);
+
+    for (int l = 0; l < cfg->n_layers; l++) {
+        const struct layer_weights *lw = &m->w.layers[l];
+        j.layer = l;
+        /* attention block */
+        j.src = c->x, j.dst = c->hb, j.norm_w = lw->attn_norm, j.width = dim;
+        kv_threadpool_for(c->tp, nt, task_rmsnorm, &j);
+        gemm_tiled(c->hb, T, dim, lw->wq, qw, c->q, lw->bq);
+        gemm_tiled(c->hb, T, dim, lw->wk, kw, c->k, lw->bk);
+        gemm_tiled(c->hb, T, dim, lw->wv, kw, c->v, lw->bv);
+        kv_threadpool_for(c->tp, nt, task_qkv_post, &j);
+        kv_threadpool_for(c->tp, T * cfg->n_heads, task_attention, &j);
+        gemm_tiled(c->xb, T, qw, lw->wo, dim, c->hb, NULL);
+        j.src = c->hb, j.dst = c->x;
+        kv_threadpool_for(c->tp, nt, task_add, &j);
+        /* FFN block */
+        j.src = c->x, j.dst = c->xb, j.norm_w = lw->ffn_norm, j.width = dim;
+        kv_threadpool_for(c->tp, nt, task_rmsnorm, &j);
+        gemm_tiled(c->xb, T, dim, lw->w_gate, cfg->ffn_dim, c->hb, NULL);
+        gemm_tiled(c->xb, T, dim, lw->w_up, cfg->ffn_dim, c->hb2, NULL);
+        kv_threadpool_for(c->tp, nt, task_swiglu, &j);
+        gemm_tiled(c->hb, T, cfg->ffn_dim, lw->w_down, dim, c->xb, NULL);
+        j.src = c->xb, j.dst = c->x;
+        kv_threadpool_for(c->tp, nt, task_add, &j);
+    }
+    if (L == 0) return KV_OK;
+    /* output head on the logit rows only */
+    for (int i = 0; i < L; i++)
+        rmsnorm(c->xb + (size_t)i * dim, c->x + (size_t)c->logit_rows[i] * dim, m->w.out_norm, dim, cfg->rms_eps);
+    int Lfull = L / CPU_GEMM_ROWS * CPU_GEMM_ROWS;
+    if (Lfull) gemm_tiled(c->xb, Lfull, dim, m->w.output, cfg->n_vocab, logits, NULL);
+    if (L > Lfull) {
+        gemm_tiled(c->xb + (size_t)Lfull * dim, L - Lfull, dim, m->w.output, cfg->n_vocab, c->logit_tail, NULL);
+        memcpy(logits + (size_t)Lfull * cfg->n_vocab, c->logit_tail, (size_t)(L - Lfull) * cfg->n_vocab * sizeof(float));
+    }
+    return KV_OK;
+}
+
+static kv_status cpu_copy_blocks(backend_t *be, const int32_t *src, const int32_t *dst, int n) {
+    struct cpu_ctx *c = be->ctx;
+    for (int i = 0; i < n; i++)
+        if (src[i] < 0 || src[i] >= be->n_blocks || dst[i] < 0 || dst[i] >= be->n_blocks) return KV_EINVAL;
+    for (int i = 0; i < n; i++)
+        memmove(c->pool + (size_t)dst[i] * c->block_floats, c->pool + (size_t)src[i] * c->block_floats,
+                c->block_floats * sizeof(float));
+    return KV_OK;
+}
+
+static float *cpu_block_ptr(backend_t *be, int b) {
+    struct cpu_ctx *c = be->ctx;
+    if (!c->pool || b < 0 || b >= be->n_blocks) return NULL;
+    return c->pool + (size_t)b * c->block_floats;
+}
+
+static void cpu_free(backend_t *be) {
+    if (!be) return;
+    struct cpu_ctx *c = be->ctx;
+    if (c) {
+        kv_threadpool_free(c->tp);
+        free(c->pool);
+        free(c->inv_freq);
+        free(c->x), free(c->xb), free(c->q), free(c->k), free(c->v), free(c->hb), free(c->hb2);
+        free(c->rope_cos), free(c->rope_sin), free(c->row_pos), free(c->row_seq), free(c->logit_rows);
+        free(c->logit_tail), free(c->scores);
+        free(c);
+    }
+    free(be);
+}
+
+static const struct backend_ops cpu_ops = {
+    .name = "cpu",
+    .kv_alloc = cpu_kv_alloc,
+    .forward = cpu_forward,
+    .copy_blocks = cpu_copy_blocks,
+    .block_ptr = cpu_block_ptr,
+    .free = cpu_free,
+};
+
+/* HF-style RoPE inverse frequencies (f32 like transformers), with linear / llama3 scaling. */
+static void rope_init(float *inv_freq, const struct model_config *cfg) {
+    int hd = cfg->head_dim;
+    const struct rope_scaling *rs = &cfg->rope_scaling;
+    for (int i = 0; i < hd / 2; i++) {
+        float f = 1.0f / powf(cfg->rope_theta, (float)(2 * i) / (float)hd);
+        if (rs->type == 2 && rs->factor > 0) {
+            f /= rs->factor;
+        } else if (rs->type == 1 && rs->factor > 0) {
+            double lo_wl = rs->original_max_pos / rs->low_freq_factor;
+            double hi_wl = rs->original_max_pos / rs->high_freq_factor;
+            double wl = 2.0 * M_PI / f;
+            if (wl > lo_wl) {
+                f = f / rs->factor;
+            } else if (wl >= hi_wl) {
+                double smooth = (rs->original_max_pos / wl - rs->low_freq_factor) /
+                                (rs->high_freq_factor - rs->low_freq_factor);
+                f = (float)((1.0 - smooth) * f / rs->factor + smooth * f);
+            }
+        }
+        inv_freq[i] = f;
+    }
+}
+
+kv_status backend_cpu_new(const model_t *m, int n_threads, backend_t **out, char *err, size_t errlen) {
+    if (!m || !out) return kv_errf(KV_EINVAL, err, errlen, "backend_cpu_new: NULL argument");
+    const struct model_config *cfg = &m->cfg;
+    if (cfg->n_heads < 1 || cfg->n_kv_heads < 1 || cfg->n_heads % cfg->n_kv_heads || cfg->head_dim < 2 ||
+        cfg->head_dim % 2 || cfg->dim < 1 || cfg->n_vocab < 1 || cfg->ffn_dim < 1 || cfg->n_layers < 1)
+        return kv_errf(KV_EINVAL, err, errlen,
+                       "backend_cpu_new: unsupported shape (heads %d, kv heads %d, head_dim %d)", cfg->n_heads,
+                       cfg->n_kv_heads, cfg->head_dim);
+    if ((cfg->attn_bias && (!m->w.layers[0].bq || !m->w.layers[0].bk || !m->w.layers[0].bv)) ||
+        (cfg->qk_norm && (!m->w.layers[0].q_norm || !m->w.layers[0].k_norm)))
+        return kv_errf(KV_EINVAL, err, errlen, "backend_cpu_new: model lacks bias / q-k norm weights its config enables");
+    if (n_threads <= 0) {
+        long n = sysconf(_SC_NPROCESSORS_ONLN);
+        n_threads = n > 0 ? (int)n : 1;
+    }
+    backend_t *be = kv_calloc(1, sizeof *be);
+    struct cpu_ctx *c = kv_calloc(1, sizeof *c);
+    if (!be || !c) {
+        free(be), free(c);
+        return kv_errf(KV_ENOMEM, err, errlen, "backend_cpu_new: out of memory");
+    }
+    be->ops = &cpu_ops;
+    be->ctx = c;
+    be->model = m;
+    c->m = m;
+    c->n_threads = n_threads;
+    c->tp = kv_threadpool_new(n_threads);
+    c->inv_freq = kv_malloc((size_t)(cfg->head_dim / 2) * sizeof(float));
+    c->logit_tail = kv_malloc((size_t)CPU_GEMM_ROWS * cfg->n_vocab * sizeof(float));
+    if (!c->tp || !c->inv_freq || !c->logit_tail || grow_rows(c, CPU_GEMM_ROWS) || grow_ctx(c, 256)) {
+        cpu_free(be);
+        return kv_errf(KV_ENOMEM, err, errlen, "backend_cpu_new: out of memory");
+    }
+    rope_init(c->inv_freq, cfg);
+    openblas_set_num_threads(n_threads);
+    KV_INFO("cpu backend: %d threads, OpenBLAS core %s, sgemm tile %d rows", n_threads, openblas_get_corename(),
+            CPU_GEMM_ROWS);
+    *out = be;
+    return KV_OK;
+}
