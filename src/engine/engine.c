@@ -1,0 +1,545 @@
+/*
+ * engine: the engine thread, its queues, the step loop and event delivery (see engine.h).
+ *
+ *   submit()/cancel() --(mu: incoming[], cancels[], cv)--> engine thread:
+ *       drain queues -> cancels -> sched_step() -> backend forward -> sample ->
+ *       detokenize (tok_stream) -> stop strings -> callbacks -> stats snapshot
+ */
+#include "engine_internal.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define ENGINE_MAX_TOP_LOGPROBS 20
+
+const char *finish_reason_str(enum finish_reason r) {
+    switch (r) {
+    case FINISH_STOP: return "stop";
+    case FINISH_LENGTH: return "length";
+    case FINISH_CANCELLED: return "cancelled";
+    default: return "none";
+    }
+}
+
+const struct engine_config *engine_config(const engine_t *e) { return &e->cfg; }
+
+void engine_queued_add(struct engine *e, int delta) {
+    pthread_mutex_lock(&e->mu);
+    e->n_queued += delta;
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* ---------------------------------------------------------------- requests */
+
+static void request_free(struct request *r) {
+    if (!r) return;
+    free(r->tokens);
+    free(r->blocks);
+    stop_free(&r->stop);
+    if (r->stream) tok_stream_free(r->stream);
+    free(r);
+}
+
+static void post_terminal(struct engine *e, struct request *r, enum engine_event_type type,
+                          enum finish_reason fin, kv_status st, const char *msg) {
+    struct engine_event ev;
+    memset(&ev, 0, sizeof ev);
+    ev.type = type;
+    ev.req_id = r->id;
+    ev.text = "";
+    ev.finish = fin;
+    ev.prompt_tokens = r->n_prompt;
+    ev.completion_tokens = req_n_gen(r);
+    ev.status = st;
+    ev.message = msg;
+    ev.t_arrival_ns = r->t_arrival_ns;
+    ev.t_first_token_ns = r->t_first_ns;
+    r->cb(&ev, r->user);
+    pthread_mutex_lock(&e->stats_mu);
+    if (type == ENGINE_EV_ERROR) e->stats.requests_failed++;
+    else if (fin == FINISH_CANCELLED) e->stats.requests_cancelled++;
+    else e->stats.requests_finished++;
+    pthread_mutex_unlock(&e->stats_mu);
+}
+
+void engine_fail_request(struct engine *e, struct request *r, kv_status st, const char *msg) {
+    sched_free_blocks(e, r);
+    post_terminal(e, r, ENGINE_EV_ERROR, FINISH_NONE, st, msg);
+    request_free(r);
+}
+
+/* Ends a request that is already out of the lists. */
+static void finish_request(struct engine *e, struct request *r, enum finish_reason fin) {
+    sched_free_blocks(e, r);
+    post_terminal(e, r, ENGINE_EV_FINISH, fin, KV_OK, NULL);
+    request_free(r);
+}
+
+static bool is_eog(const struct engine *e, int32_t id) {
+    const struct model_config *c = &e->m->cfg;
+    if (e->t && tok_is_eog(e->t, id)) return true;
+    if (id == c->eos_id) return true;
+    for (int i = 0; i < c->n_eos_ids && i < 8; i++)
+        if (id == c->eos_ids[i]) return true;
+    return false;
+}
+
+/* ---------------------------------------------------------------- submit / cancel */
+
+static kv_status check_params(const struct engine *e, const struct engine_request_params *p,
+                              char *err, size_t errlen) {
+    const struct sampling_params *sp = &p->sp;
+    if (!p->prompt_ids || p->n_prompt < 1)
+        return kv_errf(KV_EINVAL, err, errlen, "prompt is empty (at least one token is required)");
+    if (p->n_prompt + 1 > (size_t)e->cfg.max_model_len)
+        return kv_errf(KV_ETOOLONG, err, errlen,
+                       "prompt has %zu tokens, max_model_len is %d (the prompt plus at least one "
+                       "generated token must fit)",
+                       p->n_prompt, e->cfg.max_model_len);
+    for (size_t i = 0; i < p->n_prompt; i++)
+        if (p->prompt_ids[i] < 0 || p->prompt_ids[i] >= e->n_vocab)
+            return kv_errf(KV_EINVAL, err, errlen,
+                           "prompt token %zu has id %d, outside the vocabulary [0, %d)", i,
+                           (int)p->prompt_ids[i], e->n_vocab);
+    if (p->max_tokens < 1)
+        return kv_errf(KV_EINVAL, err, errlen, "max_tokens must be >= 1 (got %d)", p->max_tokens);
+    if (!(sp->temperature >= 0.0f) || isinf(sp->temperature))
+        return kv_errf(KV_EINVAL, err, errlen, "temperature must be >= 0 (got %g)",
+                       (double)sp->temperature);
+    if (!(sp->top_p > 0.0f && sp->top_p <= 1.0f))
+        return kv_errf(KV_EINVAL, err, errlen, "top_p must be in (0, 1] (got %g)",
+                       (double)sp->top_p);
+    if (sp->top_k < -1)
+        return kv_errf(KV_EINVAL, err, errlen, "top_k must be >= 0 or -1 (got %d)", sp->top_k);
+    if (!(sp->min_p >= 0.0f && sp->min_p <= 1.0f))
+        return kv_errf(KV_EINVAL, err, errlen, "min_p must be in [0, 1] (got %g)",
+                       (double)sp->min_p);
+    if (!(sp->presence_penalty >= -2.0f && sp->presence_penalty <= 2.0f))
+        return kv_errf(KV_EINVAL, err, errlen, "presence_penalty must be in [-2, 2] (got %g)",
+                       (double)sp->presence_penalty);
+    if (!(sp->frequency_penalty >= -2.0f && sp->frequency_penalty <= 2.0f))
+        return kv_errf(KV_EINVAL, err, errlen, "frequency_penalty must be in [-2, 2] (got %g)",
+                       (double)sp->frequency_penalty);
+    if (!(sp->repetition_penalty > 0.0f) || isinf(sp->repetition_penalty))
+        return kv_errf(KV_EINVAL, err, errlen, "repetition_penalty must be > 0 (got %g)",
+                       (double)sp->repetition_penalty);
+    if (sp->top_logprobs < 0 || sp->top_logprobs > ENGINE_MAX_TOP_LOGPROBS)
+        return kv_errf(KV_EINVAL, err, errlen, "top_logprobs must be in [0, %d] (got %d)",
+                       ENGINE_MAX_TOP_LOGPROBS, sp->top_logprobs);
+    if (p->n_stop < 0 || (p->n_stop > 0 && !p->stop))
+        return kv_errf(KV_EINVAL, err, errlen, "invalid stop list");
+    for (int i = 0; i < p->n_stop; i++)
+        if (!p->stop[i]) return kv_errf(KV_EINVAL, err, errlen, "stop string %d is NULL", i);
+    return KV_OK;
+}
+
+kv_status engine_submit(engine_t *e, const struct engine_request_params *p, engine_event_cb cb,
+                        void *user, uint64_t *req_id, char *err, size_t errlen) {
+    if (!e || !p || !cb) return kv_errf(KV_EINVAL, err, errlen, "engine_submit: NULL argument");
+    kv_status st = check_params(e, p, err, errlen);
+    if (st) return st;
+
+    struct request *r = kv_calloc(1, sizeof *r);
+    if (!r) return kv_errf(KV_ENOMEM, err, errlen, "out of memory");
+    r->n_prompt = (int)p->n_prompt;
+    r->max_gen = p->max_tokens;
+    if (r->max_gen > e->cfg.max_model_len - r->n_prompt)
+        r->max_gen = e->cfg.max_model_len - r->n_prompt;
+    r->cap = r->n_prompt + r->max_gen;
+    r->blocks_cap = kv_blocks_for_tokens(r->cap, e->cfg.tokens_per_block);
+    r->tokens = kv_malloc((size_t)r->cap * sizeof *r->tokens);
+    r->blocks = kv_malloc((size_t)r->blocks_cap * sizeof *r->blocks);
+    if (!r->tokens || !r->blocks || stop_init(&r->stop, p->stop, p->n_stop) != KV_OK) {
+        request_free(r);
+        return kv_errf(KV_ENOMEM, err, errlen, "out of memory");
+    }
+    memcpy(r->tokens, p->prompt_ids, p->n_prompt * sizeof *r->tokens);
+    r->n_tokens = r->n_prompt;
+    r->sp = p->sp;
+    r->ignore_eos = p->ignore_eos;
+    r->cb = cb;
+    r->user = user;
+    r->t_arrival_ns = kv_now_ns();
+
+    pthread_mutex_lock(&e->mu);
+    if (e->stopping) {
+        pthread_mutex_unlock(&e->mu);
+        request_free(r);
+        return kv_errf(KV_ECANCELLED, err, errlen, "engine is shutting down");
+    }
+    if (e->n_queued >= e->cfg.max_queue) {
+        pthread_mutex_unlock(&e->mu);
+        request_free(r);
+        return kv_errf(KV_EBUSY, err, errlen, "server busy: %d requests are already waiting",
+                       e->cfg.max_queue);
+    }
+    if (e->n_incoming == e->cap_incoming) {
+        int nc = e->cap_incoming ? e->cap_incoming * 2 : 64;
+        void *np = kv_realloc(e->incoming, (size_t)nc * sizeof *e->incoming);
+        if (!np) {
+            pthread_mutex_unlock(&e->mu);
+            request_free(r);
+            return kv_errf(KV_ENOMEM, err, errlen, "out of memory");
+        }
+        e->incoming = np;
+        e->cap_incoming = nc;
+    }
+    r->id = ++e->next_id;
+    kv_rng_seed(&r->rng, p->sp.has_seed ? p->sp.seed : kv_rng_next(&e->seed_rng));
+    e->incoming[e->n_incoming++] = r;
+    e->n_queued++;
+    if (req_id) *req_id = r->id;
+    pthread_mutex_lock(&e->stats_mu);
+    e->stats.requests_total++;
+    e->stats.prompt_tokens_total += p->n_prompt;
+    pthread_mutex_unlock(&e->stats_mu);
+    pthread_cond_signal(&e->cv);
+    pthread_mutex_unlock(&e->mu);
+    return KV_OK;
+}
+
+void engine_cancel(engine_t *e, uint64_t req_id) {
+    if (!e) return;
+    pthread_mutex_lock(&e->mu);
+    if (e->n_cancels == e->cap_cancels) {
+        int nc = e->cap_cancels ? e->cap_cancels * 2 : 16;
+        void *np = kv_realloc(e->cancels, (size_t)nc * sizeof *e->cancels);
+        if (!np) { /* logged by kv_realloc; the request runs to completion */
+            pthread_mutex_unlock(&e->mu);
+            return;
+        }
+        e->cancels = np;
+        e->cap_cancels = nc;
+    }
+    e->cancels[e->n_cancels++] = req_id;
+    pthread_cond_signal(&e->cv);
+    pthread_mutex_unlock(&e->mu);
+}
+
+void engine_get_stats(engine_t *e, struct engine_stats *out) {
+    pthread_mutex_lock(&e->stats_mu);
+    *out = e->stats;
+    pthread_mutex_unlock(&e->stats_mu);
+}
+
+/* ---------------------------------------------------------------- engine thread */
+
+static void publish_stats(struct engine *e, bool step) {
+    int nfree = kv_pool_n_free(e->pool), ntot = kv_pool_n_blocks(e->pool);
+    pthread_mutex_lock(&e->stats_mu);
+    if (step) e->stats.steps_total++;
+    e->stats.preemptions_total += e->n_preempt_step;
+    e->n_preempt_step = 0;
+    e->stats.n_waiting = e->n_waiting;
+    e->stats.n_running = e->n_running;
+    e->stats.kv_blocks_total = ntot;
+    e->stats.kv_blocks_free = nfree;
+    e->stats.kv_blocks_used = ntot - nfree;
+    pthread_mutex_unlock(&e->stats_mu);
+}
+
+static struct request *find_live(struct engine *e, uint64_t id) {
+    for (int i = 0; i < e->n_running; i++)
+        if (e->running[i]->id == id) return e->running[i];
+    for (int i = 0; i < e->n_waiting; i++)
+        if (e->waiting[i]->id == id) return e->waiting[i];
+    return NULL;
+}
+
+/* Appends the newly sampled token id to r, emits its DELTA and, if r is done, its FINISH.
+ * Returns true if r was finished (and freed). */
+static bool on_token(struct engine *e, struct request *r, int32_t id,
+                     const struct token_logprob *chosen, const struct token_logprob *top,
+                     int n_top) {
+    r->tokens[r->n_tokens++] = id;
+    if (!r->t_first_ns) r->t_first_ns = kv_now_ns();
+    bool eog = !r->ignore_eos && is_eog(e, id);
+    bool length = req_n_gen(r) >= r->max_gen;
+    kv_status st = KV_OK;
+
+    e->text.len = 0;
+    e->text2.len = 0;
+    if (e->t) {
+        if (!r->stream) {
+            r->stream = tok_stream_new(e->t, r->tokens, (size_t)r->n_prompt);
+            if (!r->stream) st = KV_ENOMEM;
+        }
+        if (!st && !eog) st = tok_stream_push(r->stream, id, &e->text);
+        if (!st && (eog || length)) st = tok_stream_flush(r->stream, &e->text);
+    }
+    kv_status st2 = KV_OK;
+    bool stopped = stop_feed(&r->stop, e->text.data ? e->text.data : "", e->text.len, &e->text2,
+                             &st2);
+    if (!st) st = st2;
+    if (!st && !stopped && (eog || length)) st = stop_flush(&r->stop, &e->text2);
+    if (st) {
+        sched_remove(e, r);
+        engine_fail_request(e, r, st, "detokenization failed (out of memory or bad token)");
+        return true;
+    }
+
+    struct engine_event ev;
+    memset(&ev, 0, sizeof ev);
+    ev.type = ENGINE_EV_DELTA;
+    ev.req_id = r->id;
+    ev.text = e->text2.len ? e->text2.data : "";
+    ev.text_len = e->text2.len;
+    ev.ids = &r->tokens[r->n_tokens - 1];
+    ev.n_ids = 1;
+    if (chosen) {
+        ev.logprobs = chosen;
+        ev.top = n_top ? top : NULL;
+        ev.n_top = n_top;
+    }
+    ev.prompt_tokens = r->n_prompt;
+    ev.completion_tokens = req_n_gen(r);
+    ev.t_arrival_ns = r->t_arrival_ns;
+    ev.t_first_token_ns = r->t_first_ns;
+    r->cb(&ev, r->user);
+
+    if (stopped || eog || length) {
+        sched_remove(e, r);
+        finish_request(e, r, (stopped || eog) ? FINISH_STOP : FINISH_LENGTH);
+        return true;
+    }
+    return false;
+}
+
+static void run_step(struct engine *e) {
+    int n = sched_step(e);
+    if (n == 0) {
+        publish_stats(e, false);
+        return;
+    }
+    uint64_t prefill_tokens = 0;
+    for (int i = 0; i < n; i++) {
+        struct sched_entry *p = &e->plan[i];
+        struct request *r = p->r;
+        struct batch_seq *s = &e->seqs[i];
+        s->tokens = r->tokens + r->n_computed;
+        s->n_tokens = p->n_tokens;
+        s->n_past = r->n_computed;
+        s->block_table = r->blocks;
+        s->n_blocks = r->n_blocks;
+        s->logits = p->logits ? BATCH_LOGITS_LAST : BATCH_LOGITS_NONE;
+        if (!(p->logits && p->n_tokens == 1 && r->n_tokens > r->n_prompt))
+            prefill_tokens += (uint64_t)p->n_tokens;
+    }
+    struct batch b = {.seqs = e->seqs, .n_seqs = n};
+    char err[256] = "";
+    kv_status st = e->be->ops->forward(e->be, &b, e->logits, err, sizeof err);
+    if (st != KV_OK) {
+        char msg[400];
+        snprintf(msg, sizeof msg, "backend forward failed: %s (%s)", err, kv_status_str(st));
+        KV_ERROR("engine: %s", msg);
+        for (int i = 0; i < n; i++) {
+            sched_remove(e, e->plan[i].r);
+            engine_fail_request(e, e->plan[i].r, KV_EINTERNAL, msg);
+        }
+        publish_stats(e, true);
+        return;
+    }
+    uint64_t gen_tokens = 0;
+    int row = 0;
+    struct token_logprob chosen;
+    for (int i = 0; i < n; i++) {
+        struct sched_entry *p = &e->plan[i];
+        struct request *r = p->r;
+        r->n_computed += p->n_tokens;
+        r->chunk = 0;
+        if (!p->logits) continue;
+        float *lg = e->logits + (size_t)row++ * (size_t)e->n_vocab;
+        bool want_lp = r->sp.logprobs || r->sp.top_logprobs > 0;
+        int n_top = r->sp.top_logprobs;
+        int32_t id = sampler_sample(&r->sp, lg, e->n_vocab, r->tokens, r->n_prompt,
+                                    r->tokens + r->n_prompt, req_n_gen(r), &r->rng, &e->scratch,
+                                    want_lp ? &chosen : NULL, e->top, n_top);
+        gen_tokens++;
+        on_token(e, r, id, want_lp ? &chosen : NULL, e->top, n_top);
+    }
+    pthread_mutex_lock(&e->stats_mu);
+    e->stats.prefill_tokens_computed += prefill_tokens;
+    e->stats.generation_tokens_total += gen_tokens;
+    pthread_mutex_unlock(&e->stats_mu);
+    publish_stats(e, true);
+}
+
+static void *engine_main(void *arg) {
+    struct engine *e = arg;
+    uint64_t *cancels = NULL;
+    int n_cancels = 0, cap_cancels = 0;
+    bool stop = false;
+    while (!stop) {
+        pthread_mutex_lock(&e->mu);
+        while (!e->stopping && e->n_incoming == 0 && e->n_cancels == 0 && e->n_waiting == 0 &&
+               e->n_running == 0)
+            pthread_cond_wait(&e->cv, &e->mu);
+        stop = e->stopping;
+        /* incoming -> tail of waiting */
+        if (e->n_incoming && e->n_waiting + e->n_incoming > e->cap_waiting) {
+            int nc = e->cap_waiting ? e->cap_waiting : 64;
+            while (nc < e->n_waiting + e->n_incoming) nc *= 2;
+            void *np = kv_realloc(e->waiting, (size_t)nc * sizeof *e->waiting);
+            if (np) {
+                e->waiting = np;
+                e->cap_waiting = nc;
+            }
+        }
+        int take = e->n_incoming;
+        if (e->n_waiting + take > e->cap_waiting) take = e->cap_waiting - e->n_waiting;
+        if (take > 0) {
+            memcpy(e->waiting + e->n_waiting, e->incoming, (size_t)take * sizeof *e->incoming);
+            e->n_waiting += take;
+            e->n_incoming -= take;
+            memmove(e->incoming, e->incoming + take, (size_t)e->n_incoming * sizeof *e->incoming);
+        }
+        if (e->n_cancels > cap_cancels) {
+            void *np = kv_realloc(cancels, (size_t)e->n_cancels * sizeof *cancels);
+            if (np) {
+                cancels = np;
+                cap_cancels = e->n_cancels;
+            }
+        }
+        n_cancels = e->n_cancels <= cap_cancels ? e->n_cancels : cap_cancels;
+        if (n_cancels) {
+            memcpy(cancels, e->cancels, (size_t)n_cancels * sizeof *cancels);
+            e->n_cancels -= n_cancels;
+            memmove(e->cancels, e->cancels + n_cancels, (size_t)e->n_cancels * sizeof *cancels);
+        }
+        pthread_mutex_unlock(&e->mu);
+
+        for (int i = 0; i < n_cancels; i++) {
+            struct request *r = find_live(e, cancels[i]);
+            if (!r) continue;
+            sched_remove(e, r);
+            finish_request(e, r, FINISH_CANCELLED);
+        }
+        if (stop) break;
+        run_step(e);
+    }
+    free(cancels);
+
+    /* shutdown: every live request gets its terminal event */
+    pthread_mutex_lock(&e->mu);
+    for (int i = 0; i < e->n_incoming; i++) {
+        struct request *r = e->incoming[i];
+        engine_fail_request(e, r, KV_ECANCELLED, "engine stopped");
+    }
+    e->n_incoming = 0;
+    e->n_queued = 0;
+    pthread_mutex_unlock(&e->mu);
+    while (e->n_running) {
+        struct request *r = e->running[--e->n_running];
+        engine_fail_request(e, r, KV_ECANCELLED, "engine stopped");
+    }
+    while (e->n_waiting) {
+        struct request *r = e->waiting[--e->n_waiting];
+        engine_fail_request(e, r, KV_ECANCELLED, "engine stopped");
+    }
+    publish_stats(e, false);
+    return NULL;
+}
+
+/* ---------------------------------------------------------------- start / stop */
+
+static void engine_destroy(struct engine *e) {
+    if (!e) return;
+    kv_pool_free(e->pool);
+    free(e->waiting);
+    free(e->running);
+    free(e->incoming);
+    free(e->cancels);
+    free(e->plan);
+    free(e->seqs);
+    free(e->logits);
+    free(e->top);
+    sampler_scratch_free(&e->scratch);
+    kv_buf_free(&e->text);
+    kv_buf_free(&e->text2);
+    pthread_mutex_destroy(&e->mu);
+    pthread_mutex_destroy(&e->stats_mu);
+    pthread_cond_destroy(&e->cv);
+    free(e);
+}
+
+kv_status engine_start(const struct engine_config *cfg_in, const model_t *m, const tokenizer_t *t,
+                       backend_t *be, engine_t **out, char *err, size_t errlen) {
+    if (!cfg_in || !m || !be || !be->ops || !be->ops->forward || !be->ops->kv_alloc || !out)
+        return kv_errf(KV_EINVAL, err, errlen, "engine_start: NULL argument");
+    struct engine_config c = *cfg_in;
+    if (c.tokens_per_block == 0) c.tokens_per_block = 16;
+    if (c.max_batch_size == 0) c.max_batch_size = 64;
+    if (c.max_num_tokens == 0) c.max_num_tokens = 512;
+    if (c.max_queue == 0) c.max_queue = 1024;
+    if (c.max_model_len == 0) c.max_model_len = m->cfg.max_ctx;
+    if (c.n_blocks == 0) c.n_blocks = 4 * kv_blocks_for_tokens(c.max_model_len, c.tokens_per_block);
+    if (c.tokens_per_block < 1 || c.max_batch_size < 1 || c.max_num_tokens < 1 || c.max_queue < 1 ||
+        c.max_model_len < 2 || c.n_blocks < 1)
+        return kv_errf(KV_EINVAL, err, errlen,
+                       "engine config: tokens_per_block, max_batch_size, max_num_tokens, "
+                       "max_queue and n_blocks must be >= 1 and max_model_len >= 2");
+    int need = kv_blocks_for_tokens(c.max_model_len, c.tokens_per_block);
+    if (c.n_blocks < need)
+        return kv_errf(KV_EINVAL, err, errlen,
+                       "engine config: KV pool of %d blocks x %d tokens cannot hold one "
+                       "max_model_len=%d sequence (needs %d blocks)",
+                       c.n_blocks, c.tokens_per_block, c.max_model_len, need);
+    if (m->cfg.n_vocab < 1)
+        return kv_errf(KV_EINVAL, err, errlen, "engine: model has no vocabulary");
+
+    struct engine *e = kv_calloc(1, sizeof *e);
+    if (!e) return kv_errf(KV_ENOMEM, err, errlen, "out of memory");
+    pthread_mutex_init(&e->mu, NULL);
+    pthread_mutex_init(&e->stats_mu, NULL);
+    pthread_cond_init(&e->cv, NULL);
+    e->cfg = c;
+    e->m = m;
+    e->t = t;
+    e->be = be;
+    e->n_vocab = m->cfg.n_vocab;
+    kv_rng_seed(&e->seed_rng, kv_now_ns() ^ ((uint64_t)(uintptr_t)e << 17));
+    kv_buf_init(&e->text);
+    kv_buf_init(&e->text2);
+    e->pool = kv_pool_new(c.n_blocks, c.tokens_per_block);
+    e->plan = kv_calloc((size_t)c.max_batch_size, sizeof *e->plan);
+    e->seqs = kv_calloc((size_t)c.max_batch_size, sizeof *e->seqs);
+    e->logits = kv_malloc((size_t)c.max_batch_size * (size_t)e->n_vocab * sizeof *e->logits);
+    e->top = kv_calloc(ENGINE_MAX_TOP_LOGPROBS, sizeof *e->top);
+    if (!e->pool || !e->plan || !e->seqs || !e->logits || !e->top ||
+        sampler_scratch_init(&e->scratch, e->n_vocab) != KV_OK) {
+        engine_destroy(e);
+        return kv_errf(KV_ENOMEM, err, errlen, "engine: out of memory");
+    }
+    struct kv_geometry g = {
+        .n_layers = m->cfg.n_layers,
+        .n_kv_heads = m->cfg.n_kv_heads,
+        .head_dim = m->cfg.head_dim,
+        .tokens_per_block = c.tokens_per_block,
+    };
+    kv_status st = be->ops->kv_alloc(be, c.n_blocks, &g);
+    if (st != KV_OK) {
+        engine_destroy(e);
+        return kv_errf(st, err, errlen, "engine: cannot allocate a KV pool of %d blocks (%s)",
+                       c.n_blocks, kv_status_str(st));
+    }
+    publish_stats(e, false);
+    if (pthread_create(&e->thread, NULL, engine_main, e) != 0) {
+        engine_destroy(e);
+        return kv_errf(KV_ENOMEM, err, errlen, "engine: cannot start the engine thread");
+    }
+    e->thread_started = true;
+    *out = e;
+    return KV_OK;
+}
+
+void engine_stop(engine_t *e) {
+    if (!e) return;
+    pthread_mutex_lock(&e->mu);
+    e->stopping = true;
+    pthread_cond_signal(&e->cv);
+    pthread_mutex_unlock(&e->mu);
+    if (e->thread_started) pthread_join(e->thread, NULL);
+    engine_destroy(e);
+}

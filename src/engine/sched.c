@@ -1,0 +1,162 @@
+/*
+ * sched: one step's plan. Order (after vLLM v1): running decodes (1 token each), then
+ * prefill chunks of running requests, then admission of WAITING requests in order, all
+ * under the step's token budget (max_num_tokens) and batch slots (max_batch_size).
+ *
+ * Blocks: a request holds blocks covering n_computed + chunk positions. When a running
+ * request needs a block and the pool is empty, the newest running request not already
+ * in this step's plan is preempted (blocks freed, pushed to the front of WAITING, it
+ * recomputes prompt + generated later). With no such victim a decode preempts itself and
+ * a prefill shrinks its chunk to what fits. The oldest running request can always take
+ * every block from the newer ones and the pool holds one max_model_len sequence
+ * (engine_start checks), so the oldest always progresses: no deadlock.
+ */
+#include "engine_internal.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+static kv_status vec_grow(void **arr, int *cap, int need, size_t elt) {
+    if (need <= *cap) return KV_OK;
+    int nc = *cap ? *cap * 2 : 16;
+    while (nc < need) nc *= 2;
+    void *p = kv_realloc(*arr, (size_t)nc * elt);
+    if (!p) return KV_ENOMEM;
+    *arr = p;
+    *cap = nc;
+    return KV_OK;
+}
+
+void sched_free_blocks(struct engine *e, struct request *r) {
+    for (int i = 0; i < r->n_blocks; i++) kv_pool_release(e->pool, r->blocks[i]);
+    r->n_blocks = 0;
+    r->n_computed = 0;
+}
+
+static bool remove_from(struct request **arr, int *n, struct request *r) {
+    for (int i = 0; i < *n; i++)
+        if (arr[i] == r) {
+            memmove(arr + i, arr + i + 1, (size_t)(*n - i - 1) * sizeof *arr);
+            (*n)--;
+            return true;
+        }
+    return false;
+}
+
+void sched_remove(struct engine *e, struct request *r) {
+    if (remove_from(e->running, &e->n_running, r)) return;
+    if (remove_from(e->waiting, &e->n_waiting, r)) engine_queued_add(e, -1);
+}
+
+/* Tokens r can still place in the blocks it holds plus every free block. */
+static int room_tokens(struct engine *e, const struct request *r) {
+    int T = e->cfg.tokens_per_block;
+    return (r->n_blocks + kv_pool_n_free(e->pool)) * T - r->n_computed;
+}
+
+static void grow_blocks(struct engine *e, struct request *r, int n_tokens_total) {
+    int need = kv_blocks_for_tokens(n_tokens_total, e->cfg.tokens_per_block);
+    while (r->n_blocks < need) {
+        int b = kv_pool_alloc(e->pool);
+        /* callers checked room_tokens; blocks_cap covers the request's maximum length */
+        if (b < 0 || r->n_blocks >= r->blocks_cap) abort();
+        r->blocks[r->n_blocks++] = b;
+    }
+}
+
+/* Moves a running request back to the front of WAITING. Returns false only on ENOMEM
+ * (then the request is failed instead). */
+static void preempt(struct engine *e, struct request *v) {
+    remove_from(e->running, &e->n_running, v);
+    sched_free_blocks(e, v);
+    v->chunk = 0;
+    if (vec_grow((void **)&e->waiting, &e->cap_waiting, e->n_waiting + 1, sizeof *e->waiting)) {
+        engine_fail_request(e, v, KV_ENOMEM, "out of memory while preempting the request");
+        return;
+    }
+    memmove(e->waiting + 1, e->waiting, (size_t)e->n_waiting * sizeof *e->waiting);
+    e->waiting[0] = v;
+    e->n_waiting++;
+    engine_queued_add(e, 1);
+    e->n_preempt_step++;
+    KV_DEBUG("engine: preempted request %llu (%d tokens)", (unsigned long long)v->id,
+             v->n_tokens);
+}
+
+static struct request *pick_victim(struct engine *e, const struct request *self) {
+    for (int i = e->n_running - 1; i >= 0; i--)
+        if (e->running[i] != self && e->running[i]->chunk == 0) return e->running[i];
+    return NULL;
+}
+
+static int index_of(struct engine *e, const struct request *r) {
+    for (int i = 0; i < e->n_running; i++)
+        if (e->running[i] == r) return i;
+    return -1;
+}
+
+static void plan_add(struct engine *e, struct request *r, int chunk) {
+    grow_blocks(e, r, r->n_computed + chunk);
+    r->chunk = chunk;
+    struct sched_entry *p = &e->plan[e->n_plan++];
+    p->r = r;
+    p->n_tokens = chunk;
+    p->logits = r->n_computed + chunk == r->n_tokens;
+}
+
+int sched_step(struct engine *e) {
+    int budget = e->cfg.max_num_tokens, slots = e->cfg.max_batch_size;
+    uint64_t preempt_before = e->n_preempt_step;
+    e->n_plan = 0;
+    for (int i = 0; i < e->n_running; i++) e->running[i]->chunk = 0;
+
+    for (int phase = 0; phase < 2; phase++) { /* 0: decodes, 1: prefill chunks */
+        for (int i = 0; i < e->n_running && budget > 0 && slots > 0; i++) {
+            struct request *r = e->running[i];
+            bool decode = r->n_tokens - r->n_computed == 1;
+            if (r->chunk || decode != (phase == 0)) continue;
+            int want = r->n_tokens - r->n_computed;
+            if (want > budget) want = budget;
+            struct request *v;
+            while (room_tokens(e, r) < want && (v = pick_victim(e, r)) != NULL) preempt(e, v);
+            int room = room_tokens(e, r);
+            if (room <= 0) { /* nothing left to take from: r waits for the older ones */
+                preempt(e, r);
+                i = -1; /* indices shifted; restart (scheduled ones are skipped) */
+                continue;
+            }
+            int chunk = want < room ? want : room;
+            plan_add(e, r, chunk);
+            budget -= chunk;
+            slots--;
+            i = index_of(e, r); /* preemptions may have shifted r */
+        }
+    }
+
+    /* Admission: not in a step that preempted (the freed blocks go to the older ones). */
+    while (e->n_preempt_step == preempt_before && e->n_waiting > 0 && budget > 0 && slots > 0) {
+        struct request *r = e->waiting[0];
+        int T = e->cfg.tokens_per_block;
+        if (kv_blocks_for_tokens(r->n_prompt + r->max_gen, T) > kv_pool_n_blocks(e->pool)) {
+            remove_from(e->waiting, &e->n_waiting, r);
+            engine_queued_add(e, -1);
+            engine_fail_request(e, r, KV_ETOOLONG,
+                                "request needs more KV blocks than the whole pool holds");
+            continue;
+        }
+        int room = kv_pool_n_free(e->pool) * T;
+        if (room <= 0) break;
+        if (vec_grow((void **)&e->running, &e->cap_running, e->n_running + 1, sizeof *e->running))
+            break;
+        int want = r->n_tokens - r->n_computed;
+        if (want > budget) want = budget;
+        int chunk = want < room ? want : room;
+        remove_from(e->waiting, &e->n_waiting, r);
+        engine_queued_add(e, -1);
+        e->running[e->n_running++] = r;
+        plan_add(e, r, chunk);
+        budget -= chunk;
+        slots--;
+    }
+    return e->n_plan;
+}
