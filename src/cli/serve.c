@@ -1,9 +1,197 @@
-/* placeholder: replaced by the module that implements 'kvserve serve' */
+/* kvserve serve: load a model, start the engine, serve the OpenAI-compatible HTTP API. */
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/backend.h"
+#include "base/base.h"
 #include "cli.h"
+#include "engine/engine.h"
+#include "http/http.h"
+#include "model/model.h"
+#include "tokenizer/tokenizer.h"
+
+#define DEFAULT_KV_MEMORY (256ull << 20)
+
+static void serve_usage(FILE *f) {
+    fprintf(f,
+            "usage: kvserve serve [options]\n\n"
+            "Serves a model over the OpenAI-compatible HTTP API (/v1/completions,\n"
+            "/v1/chat/completions, /v1/models, /health, /tokenize, /detokenize, /metrics).\n\n"
+            "options:\n"
+            "  --model PATH             GGUF file or Hugging Face directory (default: the built-in\n"
+            "                           random-weight demo model)\n"
+            "  --host ADDR              listen address (default 127.0.0.1)\n"
+            "  --port N                 listen port (default 8000; 0 = any free port)\n"
+            "  --port-file PATH         write the bound port to PATH once listening\n"
+            "  --served-model-name NAME model id in the API (default: the model's name)\n"
+            "  --tokens-per-block N     KV cache block size in tokens (default 16)\n"
+            "  --kv-cache-memory SIZE   KV cache size, e.g. 512MiB, 2GiB (default 256MiB, capped at\n"
+            "                           max-batch-size full-length sequences)\n"
+            "  --kv-cache-blocks N      KV cache size in blocks (overrides --kv-cache-memory)\n"
+            "  --max-num-tokens N       token budget per engine step (default 512)\n"
+            "  --max-batch-size N       sequences per engine step (default 64)\n"
+            "  --max-model-len N        prompt + generated tokens per request (default: the\n"
+            "                           model's context length)\n"
+            "  --max-queue N            waiting requests before 503 (default 1024)\n"
+            "  --max-body-size SIZE     largest request body (default 16MiB; larger gets 413)\n"
+            "  --threads N              compute threads (default 0 = all cores)\n"
+            "  --log-level LEVEL        debug | info | warn | error (default info)\n"
+            "  --help                   show this help\n");
+}
+
+static int bad_opt(const char *opt, const char *val, const char *why) {
+    fprintf(stderr, "kvserve serve: invalid value '%s' for %s: %s\n", val ? val : "", opt, why);
+    return 2;
+}
+
+static int parse_int_opt(const char *opt, const char *val, int64_t lo, int64_t hi, int *out) {
+    int64_t x;
+    if (kv_parse_i64(val, lo, hi, &x) != KV_OK) {
+        char why[96];
+        snprintf(why, sizeof why, "expected an integer in [%lld, %lld]", (long long)lo, (long long)hi);
+        return bad_opt(opt, val, why);
+    }
+    *out = (int)x;
+    return 0;
+}
+
 int cmd_serve(int argc, char **argv) {
-    (void)argc;
-    (void)argv;
-    fprintf(stderr, "kvserve serve: not implemented yet\n");
-    return 1;
+    const char *model_path = NULL, *host = "127.0.0.1", *served = NULL, *port_file = NULL;
+    int port = 8000, tpb = 16, kv_blocks = 0, max_num_tokens = 512, max_batch = 64;
+    int max_model_len = 0, max_queue = 1024, threads = 0;
+    uint64_t kv_mem = 0, max_body = 16ull << 20;
+    bool kv_mem_set = false;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            serve_usage(stdout);
+            return 0;
+        }
+        if (strncmp(a, "--", 2) != 0) {
+            fprintf(stderr, "kvserve serve: unexpected argument '%s' (see --help)\n", a);
+            return 2;
+        }
+        if (i + 1 >= argc) {
+            fprintf(stderr, "kvserve serve: option %s needs a value (see --help)\n", a);
+            return 2;
+        }
+        const char *v = argv[++i];
+        int rc = 0;
+        if (!strcmp(a, "--model")) model_path = v;
+        else if (!strcmp(a, "--host")) host = v;
+        else if (!strcmp(a, "--served-model-name")) served = v;
+        else if (!strcmp(a, "--port-file")) port_file = v;
+        else if (!strcmp(a, "--port")) rc = parse_int_opt(a, v, 0, 65535, &port);
+        else if (!strcmp(a, "--tokens-per-block")) rc = parse_int_opt(a, v, 1, 4096, &tpb);
+        else if (!strcmp(a, "--kv-cache-blocks")) rc = parse_int_opt(a, v, 1, 1 << 30, &kv_blocks);
+        else if (!strcmp(a, "--max-num-tokens")) rc = parse_int_opt(a, v, 1, 1 << 24, &max_num_tokens);
+        else if (!strcmp(a, "--max-batch-size")) rc = parse_int_opt(a, v, 1, 1 << 16, &max_batch);
+        else if (!strcmp(a, "--max-model-len")) rc = parse_int_opt(a, v, 2, 1 << 24, &max_model_len);
+        else if (!strcmp(a, "--max-queue")) rc = parse_int_opt(a, v, 1, 1 << 24, &max_queue);
+        else if (!strcmp(a, "--threads")) rc = parse_int_opt(a, v, 0, 4096, &threads);
+        else if (!strcmp(a, "--kv-cache-memory")) {
+            if (kv_parse_size(v, &kv_mem) != KV_OK || kv_mem == 0)
+                rc = bad_opt(a, v, "expected a positive size such as 512MiB or 2GiB");
+            kv_mem_set = true;
+        } else if (!strcmp(a, "--max-body-size")) {
+            if (kv_parse_size(v, &max_body) != KV_OK || max_body == 0 || max_body > (1ull << 32))
+                rc = bad_opt(a, v, "expected a size between 1 byte and 4GiB, such as 16MiB");
+        } else if (!strcmp(a, "--log-level")) {
+            if (!strcmp(v, "debug")) kv_log_set_level(KV_LOG_DEBUG);
+            else if (!strcmp(v, "info")) kv_log_set_level(KV_LOG_INFO);
+            else if (!strcmp(v, "warn")) kv_log_set_level(KV_LOG_WARN);
+            else if (!strcmp(v, "error")) kv_log_set_level(KV_LOG_ERROR);
+            else rc = bad_opt(a, v, "expected debug, info, warn or error");
+        } else {
+            fprintf(stderr, "kvserve serve: unknown option '%s' (see --help)\n", a);
+            return 2;
+        }
+        if (rc) return rc;
+    }
+    if (!*host) return bad_opt("--host", host, "must not be empty");
+    if (served && !*served) return bad_opt("--served-model-name", served, "must not be empty");
+
+    char err[1024] = "", demo[4096];
+    if (!model_path) {
+        if (model_demo_path(demo, sizeof demo, err, sizeof err) != KV_OK) {
+            fprintf(stderr, "kvserve serve: cannot create the demo model: %s\n", err);
+            return 1;
+        }
+        model_path = demo;
+        KV_WARN("no --model given: serving the built-in RANDOM-WEIGHT DEMO model (%s); its output "
+                "is meaningless. Serve a real model with `make serve MODEL=/path/to/model.gguf` or "
+                "`kvserve serve --model PATH` (GGUF file or Hugging Face directory).", demo);
+    }
+    model_t *m = NULL;
+    tokenizer_t *t = NULL;
+    backend_t *be = NULL;
+    engine_t *e = NULL;
+    int ret = 1;
+    if (model_load(model_path, &m, err, sizeof err) != KV_OK) {
+        fprintf(stderr, "kvserve serve: cannot load model: %s\n", err);
+        goto out;
+    }
+    if (tok_load(model_path, &t, err, sizeof err) != KV_OK) {
+        fprintf(stderr, "kvserve serve: cannot load tokenizer: %s\n", err);
+        goto out;
+    }
+    if (max_model_len == 0) max_model_len = m->cfg.max_ctx > 1 ? m->cfg.max_ctx : 2048;
+    else if (m->cfg.max_ctx > 0 && max_model_len > m->cfg.max_ctx)
+        KV_WARN("--max-model-len %d is above the model's declared context length %d", max_model_len,
+                m->cfg.max_ctx);
+    struct kv_geometry g = {m->cfg.n_layers, m->cfg.n_kv_heads, m->cfg.head_dim, tpb};
+    size_t block_bytes = kv_block_bytes(&g);
+    int64_t per_seq = ((int64_t)max_model_len + tpb - 1) / tpb;
+    if (kv_blocks == 0) {
+        uint64_t mem = kv_mem_set ? kv_mem : DEFAULT_KV_MEMORY;
+        uint64_t nb = block_bytes ? mem / block_bytes : 0;
+        if (!kv_mem_set && nb > (uint64_t)(per_seq * max_batch)) nb = (uint64_t)(per_seq * max_batch);
+        if (nb > (1u << 30)) nb = 1u << 30;
+        kv_blocks = (int)nb;
+    }
+    if (kv_blocks < per_seq) {
+        fprintf(stderr,
+                "kvserve serve: the KV cache (%d blocks of %zu bytes; see --kv-cache-memory / "
+                "--kv-cache-blocks) cannot hold one sequence of --max-model-len %d tokens "
+                "(%lld blocks needed)\n",
+                kv_blocks, block_bytes, max_model_len, (long long)per_seq);
+        ret = 2;
+        goto out;
+    }
+    KV_INFO("model %s (%s, %d layers, dim %d, vocab %d); KV cache: %d blocks x %d tokens x %zu bytes "
+            "= %.1f MiB (%lld tokens); max_model_len %d",
+            m->cfg.name, model_arch_name(m->cfg.arch), m->cfg.n_layers, m->cfg.dim, m->cfg.n_vocab,
+            kv_blocks, tpb, block_bytes, (double)kv_blocks * (double)block_bytes / (1024.0 * 1024.0),
+            (long long)kv_blocks * tpb, max_model_len);
+    if (backend_cpu_new(m, threads, &be, err, sizeof err) != KV_OK) {
+        fprintf(stderr, "kvserve serve: cannot create the CPU backend: %s\n", err);
+        goto out;
+    }
+    struct engine_config ec = {.tokens_per_block = tpb, .n_blocks = kv_blocks,
+                               .max_batch_size = max_batch, .max_num_tokens = max_num_tokens,
+                               .max_model_len = max_model_len, .max_queue = max_queue};
+    kv_status st = engine_start(&ec, m, t, be, &e, err, sizeof err);
+    if (st != KV_OK) {
+        fprintf(stderr, "kvserve serve: cannot start the engine: %s\n", err);
+        ret = st == KV_EINVAL ? 2 : 1;
+        goto out;
+    }
+    struct http_config hc = {.host = host, .port = port, .max_body_bytes = (size_t)max_body,
+                             .served_model_name = served, .port_file = port_file};
+    if (m->is_demo)
+        KV_WARN("serving the random-weight demo model: use `kvserve serve --model PATH` for a real one");
+    st = http_serve(&hc, e, m, t, err, sizeof err);
+    if (st != KV_OK) {
+        fprintf(stderr, "kvserve serve: %s\n", err);
+        goto out;
+    }
+    ret = 0;
+out:
+    if (e) engine_stop(e);
+    if (be) backend_free(be);
+    if (t) tok_free(t);
+    if (m) model_free(m);
+    if (ret == 0) KV_INFO("kvserve serve: stopped cleanly");
+    return ret;
 }

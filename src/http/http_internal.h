@@ -1,0 +1,119 @@
+/*
+ * http internals shared by server.c, openai.c, responses.c and metrics.c (not a public API).
+ *
+ *   body bytes --oai_parse_*--> struct oai_request --(server: tokenize)--> token ids
+ *              --oai_engine_params--> struct engine_request_params --> engine_submit
+ *   engine events --(server: queue)--> resp_* builders --> JSON body / SSE chunks
+ *
+ * openai.c depends only on jansson and the struct definitions of engine.h/tokenizer.h (no
+ * engine or tokenizer symbols), so the parser unit test links without a working engine.
+ */
+#ifndef KV_HTTP_INTERNAL_H
+#define KV_HTTP_INTERNAL_H
+
+#include <jansson.h>
+
+#include "../engine/engine.h"
+#include "../tokenizer/tokenizer.h"
+
+/* A client-facing error: HTTP status + OpenAI error object fields. */
+struct oai_error {
+    int status;           /* 400, 404, 405, 413, 500, 503 */
+    const char *type;     /* static: "invalid_request_error", "not_found_error", ... */
+    const char *code;     /* static or NULL: "model_not_found", "context_length_exceeded" */
+    char param[64];       /* offending parameter; "" -> JSON null */
+    char message[512];
+};
+/* Fills e and returns KV_EINVAL (any status). */
+kv_status oai_errf(struct oai_error *e, int status, const char *type, const char *param,
+                   const char *code, const char *fmt, ...) __attribute__((format(printf, 6, 7)));
+
+/* What the parser needs to know about the server. */
+struct oai_limits {
+    const char *served_name; /* requests naming another model get 404 model_not_found */
+    int n_vocab;             /* token ids must be in [0, n_vocab) */
+    int max_model_len;       /* max_tokens above this is rejected; <= 0 = no check */
+};
+
+enum oai_kind { OAI_COMPLETION = 0, OAI_CHAT, OAI_TOKENIZE, OAI_DETOKENIZE };
+
+#define OAI_MAX_STOP 16
+#define OAI_MAX_TOP_LOGPROBS_CHAT 20
+#define OAI_MAX_LOGPROBS_COMPLETION 5
+
+/* A validated request. Everything is owned; release with oai_request_free. */
+struct oai_request {
+    enum oai_kind kind;
+    bool stream;
+    bool include_usage;         /* stream_options.include_usage */
+    /* prompt, one of: */
+    bool has_text;              /* completion/tokenize: text prompt (may be "") */
+    char *text;                 /* owned, NUL-terminated (jansson rejects embedded NUL) */
+    size_t text_len;
+    int32_t *ids;               /* owned (n_ids): a pre-tokenized prompt / detokenize input */
+    size_t n_ids;
+    struct chat_message *msgs;  /* owned array (n_msgs); role/content strings owned too */
+    size_t n_msgs;
+    /* generation */
+    struct sampling_params sp;
+    int max_tokens;             /* -1 = until the context ends */
+    char **stop;                /* owned (n_stop) */
+    int n_stop;
+    bool ignore_eos;
+    bool tokens_as_ids;         /* return_tokens_as_token_ids: logprob tokens as "token_id:N" */
+    bool add_special;           /* tokenize: add_special_tokens (default true) */
+};
+
+/* Parses body[0..len) as the given endpoint's request. On error returns KV_EINVAL, fills *err
+ * and leaves *out zeroed (nothing to free). On success the caller owns *out. */
+kv_status oai_parse(enum oai_kind kind, const char *body, size_t len,
+                    const struct oai_limits *lim, struct oai_request *out, struct oai_error *err);
+void oai_request_free(struct oai_request *r);
+
+/* Engine parameters for r with the tokenized prompt (borrowed: ids, r's stop strings).
+ * max_tokens -1 becomes max_model_len - n_ids (at least 1). */
+void oai_engine_params(const struct oai_request *r, const int32_t *ids, size_t n_ids,
+                       int max_model_len, struct engine_request_params *p);
+
+/* ---- responses.c ---- */
+
+/* {"error":{"message","type","param","code"}} as a heap string (caller frees). */
+char *resp_error_json(const struct oai_error *e);
+
+/* Logprob entries for n tokens appended to acc: for completions acc is the object
+ * {"tokens":[],"token_logprobs":[],"top_logprobs":[],"text_offset":[]} (text_offset counts
+ * from *offset, which advances); for chat acc is {"content":[...]}. */
+json_t *resp_logprobs_new(enum oai_kind kind);
+void resp_logprobs_append(json_t *acc, enum oai_kind kind, const tokenizer_t *t, bool as_ids,
+                          const struct token_logprob *lp, const struct token_logprob *top,
+                          int n, int n_top, size_t *offset);
+
+struct resp_meta {
+    const char *id;       /* "cmpl-..." / "chatcmpl-..." */
+    int64_t created;
+    const char *model;
+    enum oai_kind kind;
+};
+struct resp_usage {
+    int prompt_tokens, completion_tokens, cached_tokens;
+};
+/* Non-stream body. logprobs: stolen reference or NULL (-> null). */
+char *resp_full_json(const struct resp_meta *m, const char *text, size_t text_len,
+                     json_t *logprobs, const char *finish, const struct resp_usage *u);
+/* One SSE event "data: {...}\n\n" appended to out. role: chat only, NULL to omit; text may be
+ * NULL (chat: delta without content); finish NULL -> null; logprobs stolen or NULL. */
+kv_status resp_chunk_sse(kv_buf *out, const struct resp_meta *m, const char *role,
+                         const char *text, size_t text_len, json_t *logprobs, const char *finish);
+kv_status resp_usage_sse(kv_buf *out, const struct resp_meta *m, const struct resp_usage *u);
+kv_status resp_error_sse(kv_buf *out, const struct oai_error *e);
+
+/* ---- metrics.c ---- */
+struct http_counters {
+    uint64_t http_requests_total;
+    uint64_t http_errors_4xx, http_errors_5xx;
+    uint64_t client_disconnects;
+};
+kv_status metrics_render(kv_buf *out, const struct engine_stats *s, const struct http_counters *c,
+                         const char *model_name);
+
+#endif

@@ -1,0 +1,49 @@
+/* Prometheus text exposition (format 0.0.4) of engine and HTTP counters. */
+#include "http_internal.h"
+
+static kv_status metric(kv_buf *b, const char *name, const char *type, const char *help,
+                        const char *model, double v) {
+    return kv_buf_printf(b, "# HELP %s %s\n# TYPE %s %s\n%s{model_name=\"%s\"} %.17g\n", name, help,
+                         name, type, name, model, v);
+}
+
+kv_status metrics_render(kv_buf *out, const struct engine_stats *s, const struct http_counters *c,
+                         const char *model_name) {
+    /* model names come from file names: keep the label safe */
+    char model[128];
+    size_t j = 0;
+    for (const char *p = model_name ? model_name : ""; *p && j + 1 < sizeof model; p++)
+        model[j++] = (*p == '"' || *p == '\\' || *p == '\n') ? '_' : *p;
+    model[j] = 0;
+    kv_status st = KV_OK;
+#define C(name, help, v) st |= metric(out, "kvserve_" name, "counter", help, model, (double)(v))
+#define G(name, help, v) st |= metric(out, "kvserve_" name, "gauge", help, model, (double)(v))
+    C("requests_total", "Requests accepted by the engine.", s->requests_total);
+    C("requests_finished_total", "Requests that finished (stop or length).", s->requests_finished);
+    C("requests_failed_total", "Requests that ended with an error.", s->requests_failed);
+    C("requests_cancelled_total", "Requests cancelled (client disconnect or shutdown).",
+      s->requests_cancelled);
+    C("prompt_tokens_total", "Prompt tokens of accepted requests.", s->prompt_tokens_total);
+    C("generation_tokens_total", "Generated tokens.", s->generation_tokens_total);
+    C("prefill_tokens_computed_total", "Prompt tokens run through the model (incl. recompute).",
+      s->prefill_tokens_computed);
+    C("preemptions_total", "Running requests preempted for lack of KV blocks.", s->preemptions_total);
+    C("engine_steps_total", "Engine steps.", s->steps_total);
+    G("num_requests_waiting", "Requests waiting for admission.", s->n_waiting);
+    G("num_requests_running", "Requests in prefill or decode.", s->n_running);
+    G("kv_blocks_total", "KV cache blocks in the pool.", s->kv_blocks_total);
+    G("kv_blocks_used", "KV cache blocks in use.", s->kv_blocks_used);
+    G("kv_blocks_free", "Free KV cache blocks.", s->kv_blocks_free);
+    G("kv_cache_usage_ratio", "Fraction of KV blocks in use.",
+      s->kv_blocks_total > 0 ? (double)s->kv_blocks_used / s->kv_blocks_total : 0.0);
+    if (c) {
+        C("http_requests_total", "HTTP requests received.", c->http_requests_total);
+        C("http_responses_4xx_total", "HTTP responses with a 4xx status.", c->http_errors_4xx);
+        C("http_responses_5xx_total", "HTTP responses with a 5xx status.", c->http_errors_5xx);
+        C("client_disconnects_total", "Generation requests whose client went away.",
+          c->client_disconnects);
+    }
+#undef C
+#undef G
+    return st ? KV_ENOMEM : KV_OK;
+}

@@ -1,0 +1,436 @@
+/* OpenAI request parsing and validation (no engine/tokenizer symbols: see http_internal.h). */
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "http_internal.h"
+
+#define INVALID "invalid_request_error"
+
+kv_status oai_errf(struct oai_error *e, int status, const char *type, const char *param,
+                   const char *code, const char *fmt, ...) {
+    if (!e) return KV_EINVAL;
+    e->status = status;
+    e->type = type;
+    e->code = code;
+    snprintf(e->param, sizeof e->param, "%s", param ? param : "");
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(e->message, sizeof e->message, fmt, ap);
+    va_end(ap);
+    return KV_EINVAL;
+}
+
+#define BAD(param, ...) oai_errf(err, 400, INVALID, param, NULL, __VA_ARGS__)
+
+/* Field present and not null. */
+static json_t *field(json_t *o, const char *k) {
+    json_t *v = json_object_get(o, k);
+    return (v && !json_is_null(v)) ? v : NULL;
+}
+
+static kv_status get_bool(json_t *o, const char *k, bool *out, struct oai_error *err) {
+    json_t *v = field(o, k);
+    if (!v) return KV_OK;
+    if (!json_is_boolean(v)) return BAD(k, "'%s' must be a boolean", k);
+    *out = json_is_true(v);
+    return KV_OK;
+}
+
+/* Integer (or a real with an integral value) within [lo, hi]. */
+static kv_status get_int(json_t *o, const char *k, int64_t lo, int64_t hi, bool *present,
+                         int64_t *out, struct oai_error *err) {
+    json_t *v = field(o, k);
+    if (present) *present = v != NULL;
+    if (!v) return KV_OK;
+    int64_t x;
+    if (json_is_integer(v)) {
+        x = json_integer_value(v);
+    } else if (json_is_real(v)) {
+        double d = json_real_value(v);
+        if (!isfinite(d) || d != floor(d) || d < -9.2e18 || d > 9.2e18)
+            return BAD(k, "'%s' must be an integer", k);
+        x = (int64_t)d;
+    } else {
+        return BAD(k, "'%s' must be an integer", k);
+    }
+    if (x < lo || x > hi)
+        return BAD(k, "'%s' must be between %lld and %lld, got %lld", k, (long long)lo,
+                   (long long)hi, (long long)x);
+    *out = x;
+    return KV_OK;
+}
+
+/* Number within [lo, hi] (lo_open: lo excluded). */
+static kv_status get_num(json_t *o, const char *k, double lo, bool lo_open, double hi, float *out,
+                         struct oai_error *err) {
+    json_t *v = field(o, k);
+    if (!v) return KV_OK;
+    if (!json_is_number(v)) return BAD(k, "'%s' must be a number", k);
+    double d = json_number_value(v);
+    if (!isfinite(d) || d > hi || (lo_open ? d <= lo : d < lo))
+        return BAD(k, "'%s' must be in %s%g, %g], got %g", k, lo_open ? "(" : "[", lo, hi, d);
+    *out = (float)d;
+    return KV_OK;
+}
+
+static kv_status parse_ids(json_t *arr, const char *param, const struct oai_limits *lim,
+                           int32_t **out, size_t *n, struct oai_error *err) {
+    size_t cnt = json_array_size(arr);
+    int32_t *ids = kv_malloc((cnt ? cnt : 1) * sizeof *ids);
+    if (!ids) return oai_errf(err, 500, "server_error", NULL, NULL, "out of memory");
+    for (size_t i = 0; i < cnt; i++) {
+        json_t *v = json_array_get(arr, i);
+        if (!json_is_integer(v)) {
+            free(ids);
+            return BAD(param, "'%s' must be a string or an array of token ids (integers)", param);
+        }
+        json_int_t x = json_integer_value(v);
+        if (x < 0 || (lim && lim->n_vocab > 0 && x >= lim->n_vocab)) {
+            free(ids);
+            return BAD(param, "token id %lld in '%s' is out of range [0, %d)", (long long)x,
+                       param, lim ? lim->n_vocab : 0);
+        }
+        ids[i] = (int32_t)x;
+    }
+    *out = ids;
+    *n = cnt;
+    return KV_OK;
+}
+
+/* prompt: "text" | [ids] | ["text"] | [[ids]]; one prompt only. */
+static kv_status parse_prompt(json_t *o, const struct oai_limits *lim, struct oai_request *r,
+                              struct oai_error *err) {
+    json_t *p = json_object_get(o, "prompt");
+    if (!p || json_is_null(p)) return BAD("prompt", "'prompt' is required");
+    if (json_is_array(p)) {
+        size_t n = json_array_size(p);
+        if (n == 0) return BAD("prompt", "'prompt' must not be an empty array");
+        json_t *first = json_array_get(p, 0);
+        if (json_is_string(first) || json_is_array(first)) {
+            if (n > 1) return BAD("prompt", "only one prompt is supported");
+            p = first;
+        }
+    }
+    if (json_is_string(p)) {
+        r->text = kv_strndup(json_string_value(p), json_string_length(p));
+        if (!r->text) return oai_errf(err, 500, "server_error", NULL, NULL, "out of memory");
+        r->text_len = json_string_length(p);
+        r->has_text = true;
+        return KV_OK;
+    }
+    if (json_is_array(p)) {
+        if (json_array_size(p) == 0) return BAD("prompt", "'prompt' must not be empty");
+        if (parse_ids(p, "prompt", lim, &r->ids, &r->n_ids, err)) return KV_EINVAL;
+        if (lim && lim->max_model_len > 0 && r->n_ids >= (size_t)lim->max_model_len)
+            return oai_errf(err, 400, INVALID, "prompt", "context_length_exceeded",
+                            "the prompt has %zu tokens; this model's maximum context length is "
+                            "%d tokens (prompt + at least 1 generated token)",
+                            r->n_ids, lim->max_model_len);
+        return KV_OK;
+    }
+    return BAD("prompt", "'prompt' must be a string or an array of token ids");
+}
+
+/* content: "text" | [{type:"text", text}] | null (-> ""). Returns an owned string. */
+static kv_status parse_content(json_t *c, size_t idx, char **out, struct oai_error *err) {
+    char param[64];
+    snprintf(param, sizeof param, "messages[%zu].content", idx);
+    if (!c || json_is_null(c)) {
+        *out = kv_strdup("");
+        return *out ? KV_OK : oai_errf(err, 500, "server_error", NULL, NULL, "out of memory");
+    }
+    if (json_is_string(c)) {
+        *out = kv_strndup(json_string_value(c), json_string_length(c));
+        return *out ? KV_OK : oai_errf(err, 500, "server_error", NULL, NULL, "out of memory");
+    }
+    if (!json_is_array(c)) return BAD(param, "'%s' must be a string or an array of parts", param);
+    kv_buf b;
+    kv_buf_init(&b);
+    size_t i;
+    json_t *part;
+    json_array_foreach(c, i, part) {
+        json_t *type = json_object_get(part, "type");
+        json_t *text = json_object_get(part, "text");
+        if (!json_is_object(part) || !json_is_string(type)) {
+            kv_buf_free(&b);
+            return BAD(param, "each part of '%s' must be an object with a 'type'", param);
+        }
+        if (strcmp(json_string_value(type), "text") != 0) {
+            kv_buf_free(&b);
+            return BAD(param, "content part type '%s' is not supported (only 'text')",
+                       json_string_value(type));
+        }
+        if (!json_is_string(text)) {
+            kv_buf_free(&b);
+            return BAD(param, "a text part of '%s' needs a string 'text'", param);
+        }
+        if (kv_buf_append(&b, json_string_value(text), json_string_length(text))) {
+            kv_buf_free(&b);
+            return oai_errf(err, 500, "server_error", NULL, NULL, "out of memory");
+        }
+    }
+    *out = kv_strdup(kv_buf_cstr(&b));
+    kv_buf_free(&b);
+    return *out ? KV_OK : oai_errf(err, 500, "server_error", NULL, NULL, "out of memory");
+}
+
+static kv_status parse_messages(json_t *o, struct oai_request *r, struct oai_error *err) {
+    json_t *m = json_object_get(o, "messages");
+    if (!m || json_is_null(m)) return BAD("messages", "'messages' is required");
+    if (!json_is_array(m)) return BAD("messages", "'messages' must be an array");
+    size_t n = json_array_size(m);
+    if (n == 0) return BAD("messages", "'messages' must not be empty");
+    r->msgs = kv_calloc(n, sizeof *r->msgs);
+    if (!r->msgs) return oai_errf(err, 500, "server_error", NULL, NULL, "out of memory");
+    for (size_t i = 0; i < n; i++) {
+        json_t *msg = json_array_get(m, i);
+        char param[64];
+        snprintf(param, sizeof param, "messages[%zu]", i);
+        if (!json_is_object(msg)) return BAD(param, "'%s' must be an object", param);
+        json_t *role = json_object_get(msg, "role");
+        snprintf(param, sizeof param, "messages[%zu].role", i);
+        if (!json_is_string(role) || json_string_length(role) == 0)
+            return BAD(param, "'%s' must be a non-empty string", param);
+        const char *rs = json_string_value(role);
+        if (strcmp(rs, "system") && strcmp(rs, "user") && strcmp(rs, "assistant") &&
+            strcmp(rs, "tool") && strcmp(rs, "developer"))
+            return BAD(param, "unknown role '%s' (system, developer, user, assistant or tool)", rs);
+        char *content = NULL;
+        if (parse_content(json_object_get(msg, "content"), i, &content, err)) return KV_EINVAL;
+        char *rdup = kv_strdup(rs);
+        if (!rdup) {
+            free(content);
+            return oai_errf(err, 500, "server_error", NULL, NULL, "out of memory");
+        }
+        r->msgs[i].role = rdup;
+        r->msgs[i].content = content;
+        r->n_msgs = i + 1;
+    }
+    return KV_OK;
+}
+
+static kv_status parse_stop(json_t *o, struct oai_request *r, struct oai_error *err) {
+    json_t *s = field(o, "stop");
+    if (!s) return KV_OK;
+    json_t *one = NULL;
+    size_t n;
+    if (json_is_string(s)) {
+        one = s;
+        n = 1;
+    } else if (json_is_array(s)) {
+        n = json_array_size(s);
+        if (n > OAI_MAX_STOP) return BAD("stop", "at most %d stop strings are supported", OAI_MAX_STOP);
+    } else {
+        return BAD("stop", "'stop' must be a string or an array of strings");
+    }
+    if (n == 0) return KV_OK;
+    r->stop = kv_calloc(n, sizeof *r->stop);
+    if (!r->stop) return oai_errf(err, 500, "server_error", NULL, NULL, "out of memory");
+    for (size_t i = 0; i < n; i++) {
+        json_t *v = one ? one : json_array_get(s, i);
+        if (!json_is_string(v)) return BAD("stop", "'stop' must be a string or an array of strings");
+        if (json_string_length(v) == 0) return BAD("stop", "stop strings must not be empty");
+        r->stop[i] = kv_strndup(json_string_value(v), json_string_length(v));
+        if (!r->stop[i]) return oai_errf(err, 500, "server_error", NULL, NULL, "out of memory");
+        r->n_stop = (int)i + 1;
+    }
+    return KV_OK;
+}
+
+static void sp_defaults(struct sampling_params *sp) {
+    memset(sp, 0, sizeof *sp);
+    sp->temperature = 1.0f; /* OpenAI default */
+    sp->top_k = 0;
+    sp->top_p = 1.0f;
+    sp->min_p = 0.0f;
+    sp->repetition_penalty = 1.0f;
+}
+
+static kv_status parse_generation(json_t *o, const struct oai_limits *lim, struct oai_request *r,
+                                  struct oai_error *err) {
+    struct sampling_params *sp = &r->sp;
+    bool present;
+    int64_t x;
+    if (get_num(o, "temperature", 0, false, 2, &sp->temperature, err)) return KV_EINVAL;
+    if (get_num(o, "top_p", 0, true, 1, &sp->top_p, err)) return KV_EINVAL;
+    if (get_num(o, "min_p", 0, false, 1, &sp->min_p, err)) return KV_EINVAL;
+    if (get_num(o, "presence_penalty", -2, false, 2, &sp->presence_penalty, err)) return KV_EINVAL;
+    if (get_num(o, "frequency_penalty", -2, false, 2, &sp->frequency_penalty, err)) return KV_EINVAL;
+    if (get_num(o, "repetition_penalty", 0, true, 10, &sp->repetition_penalty, err)) return KV_EINVAL;
+    if (get_int(o, "top_k", -1, 1 << 30, &present, &x, err)) return KV_EINVAL;
+    if (present) sp->top_k = x < 0 ? 0 : (int)x;
+    if (get_int(o, "seed", INT64_MIN, INT64_MAX, &present, &x, err)) return KV_EINVAL;
+    if (present) {
+        sp->has_seed = true;
+        sp->seed = (uint64_t)x;
+    }
+    int64_t hi = lim && lim->max_model_len > 0 ? lim->max_model_len : INT32_MAX;
+    const char *mt_name = "max_tokens";
+    if (r->kind == OAI_CHAT && field(o, "max_completion_tokens")) mt_name = "max_completion_tokens";
+    r->max_tokens = r->kind == OAI_COMPLETION ? 16 : -1;
+    if (get_int(o, mt_name, 1, hi, &present, &x, err)) return KV_EINVAL;
+    if (present) r->max_tokens = (int)x;
+    if (get_int(o, "n", 1, 1, NULL, &x, err)) {
+        if (err->status == 400) snprintf(err->message, sizeof err->message, "only n = 1 is supported");
+        return KV_EINVAL;
+    }
+    if (get_bool(o, "ignore_eos", &r->ignore_eos, err)) return KV_EINVAL;
+    if (get_bool(o, "return_tokens_as_token_ids", &r->tokens_as_ids, err)) return KV_EINVAL;
+    if (parse_stop(o, r, err)) return KV_EINVAL;
+    if (get_bool(o, "stream", &r->stream, err)) return KV_EINVAL;
+    json_t *so = field(o, "stream_options");
+    if (so) {
+        if (!json_is_object(so)) return BAD("stream_options", "'stream_options' must be an object");
+        if (!r->stream)
+            return BAD("stream_options", "'stream_options' is only allowed when 'stream' is true");
+        if (get_bool(so, "include_usage", &r->include_usage, err)) {
+            snprintf(err->param, sizeof err->param, "stream_options.include_usage");
+            return KV_EINVAL;
+        }
+    }
+    if (r->kind == OAI_COMPLETION) {
+        if (get_int(o, "logprobs", 0, OAI_MAX_LOGPROBS_COMPLETION, &present, &x, err)) return KV_EINVAL;
+        if (present) {
+            sp->logprobs = true;
+            sp->top_logprobs = (int)x;
+        }
+        bool echo = false;
+        if (get_bool(o, "echo", &echo, err)) return KV_EINVAL;
+        if (echo) return BAD("echo", "'echo' is not supported");
+        json_t *suffix = field(o, "suffix");
+        if (suffix && !(json_is_string(suffix) && json_string_length(suffix) == 0))
+            return BAD("suffix", "'suffix' is not supported");
+        json_t *bo = field(o, "best_of");
+        if (bo && !(json_is_integer(bo) && json_integer_value(bo) == 1))
+            return BAD("best_of", "only best_of = 1 is supported");
+    } else {
+        if (get_bool(o, "logprobs", &sp->logprobs, err)) return KV_EINVAL;
+        if (get_int(o, "top_logprobs", 0, OAI_MAX_TOP_LOGPROBS_CHAT, &present, &x, err))
+            return KV_EINVAL;
+        if (present) {
+            if (!sp->logprobs && x > 0)
+                return BAD("top_logprobs", "'top_logprobs' requires 'logprobs' to be true");
+            sp->top_logprobs = (int)x;
+        }
+        json_t *tools = field(o, "tools");
+        if (tools && !(json_is_array(tools) && json_array_size(tools) == 0))
+            return BAD("tools", "'tools' is not supported");
+        json_t *rf = field(o, "response_format");
+        if (rf) {
+            json_t *t = json_is_object(rf) ? json_object_get(rf, "type") : NULL;
+            if (!json_is_string(t) || strcmp(json_string_value(t), "text") != 0)
+                return BAD("response_format", "only response_format {\"type\": \"text\"} is supported");
+        }
+    }
+    return KV_OK;
+}
+
+static kv_status check_model(json_t *o, const struct oai_limits *lim, struct oai_error *err) {
+    json_t *m = field(o, "model");
+    if (!m) return KV_OK;
+    if (!json_is_string(m)) return BAD("model", "'model' must be a string");
+    const char *s = json_string_value(m);
+    if (!*s || !lim || !lim->served_name) return KV_OK;
+    if (strcmp(s, lim->served_name) != 0)
+        return oai_errf(err, 404, INVALID, "model", "model_not_found",
+                        "The model '%s' does not exist; this server serves '%s'", s,
+                        lim->served_name);
+    return KV_OK;
+}
+
+static kv_status check_ignored_strings(json_t *o, struct oai_error *err) {
+    static const char *const keys[] = {"user", "cache_salt", "conversation_id"};
+    for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) {
+        json_t *v = field(o, keys[i]);
+        if (v && !json_is_string(v)) return BAD(keys[i], "'%s' must be a string", keys[i]);
+    }
+    return KV_OK;
+}
+
+static kv_status parse_obj(enum oai_kind kind, json_t *o, const struct oai_limits *lim,
+                           struct oai_request *r, struct oai_error *err) {
+    r->kind = kind;
+    sp_defaults(&r->sp);
+    r->max_tokens = -1;
+    r->add_special = true;
+    switch (kind) {
+    case OAI_COMPLETION:
+        if (check_model(o, lim, err) || check_ignored_strings(o, err)) return KV_EINVAL;
+        if (parse_prompt(o, lim, r, err)) return KV_EINVAL;
+        return parse_generation(o, lim, r, err);
+    case OAI_CHAT:
+        if (check_model(o, lim, err) || check_ignored_strings(o, err)) return KV_EINVAL;
+        if (parse_messages(o, r, err)) return KV_EINVAL;
+        return parse_generation(o, lim, r, err);
+    case OAI_TOKENIZE:
+        if (check_model(o, lim, err)) return KV_EINVAL;
+        if (get_bool(o, "add_special_tokens", &r->add_special, err)) return KV_EINVAL;
+        if (field(o, "messages")) return parse_messages(o, r, err);
+        if (!field(o, "prompt")) return BAD("prompt", "'prompt' or 'messages' is required");
+        return parse_prompt(o, NULL, r, err);
+    case OAI_DETOKENIZE: {
+        if (check_model(o, lim, err)) return KV_EINVAL;
+        json_t *t = field(o, "tokens");
+        if (!t) return BAD("tokens", "'tokens' is required");
+        if (!json_is_array(t)) return BAD("tokens", "'tokens' must be an array of token ids");
+        return parse_ids(t, "tokens", lim, &r->ids, &r->n_ids, err);
+    }
+    }
+    return BAD(NULL, "unknown request kind");
+}
+
+kv_status oai_parse(enum oai_kind kind, const char *body, size_t len,
+                    const struct oai_limits *lim, struct oai_request *out, struct oai_error *err) {
+    memset(out, 0, sizeof *out);
+    memset(err, 0, sizeof *err);
+    json_error_t je;
+    json_t *o = json_loadb(body ? body : "", len, JSON_REJECT_DUPLICATES, &je);
+    if (!o)
+        return BAD(NULL, "request body is not valid JSON (line %d, column %d: %s)", je.line,
+                   je.column, je.text);
+    if (!json_is_object(o)) {
+        json_decref(o);
+        return BAD(NULL, "request body must be a JSON object");
+    }
+    kv_status st = parse_obj(kind, o, lim, out, err);
+    json_decref(o);
+    if (st) {
+        oai_request_free(out);
+        memset(out, 0, sizeof *out);
+    }
+    return st;
+}
+
+void oai_request_free(struct oai_request *r) {
+    if (!r) return;
+    free(r->text);
+    free(r->ids);
+    for (size_t i = 0; i < r->n_msgs; i++) {
+        free((char *)r->msgs[i].role);
+        free((char *)r->msgs[i].content);
+    }
+    free(r->msgs);
+    for (int i = 0; i < r->n_stop; i++) free(r->stop[i]);
+    free(r->stop);
+    memset(r, 0, sizeof *r);
+}
+
+void oai_engine_params(const struct oai_request *r, const int32_t *ids, size_t n_ids,
+                       int max_model_len, struct engine_request_params *p) {
+    memset(p, 0, sizeof *p);
+    p->prompt_ids = ids;
+    p->n_prompt = n_ids;
+    p->sp = r->sp;
+    int mt = r->max_tokens;
+    if (mt < 0) {
+        long left = (long)max_model_len - (long)n_ids;
+        mt = left >= 1 ? (int)left : 1;
+    }
+    p->max_tokens = mt;
+    p->stop = (const char *const *)r->stop;
+    p->n_stop = r->n_stop;
+    p->ignore_eos = r->ignore_eos;
+}

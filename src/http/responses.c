@@ -1,0 +1,166 @@
+/* OpenAI response bodies: full JSON, SSE chunks, logprobs, error objects. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "http_internal.h"
+
+static json_t *error_obj(const struct oai_error *e) {
+    return json_pack("{s:{s:s, s:s, s:o, s:o}}", "error", "message", e->message, "type",
+                     e->type ? e->type : "invalid_request_error", "param",
+                     e->param[0] ? json_string(e->param) : json_null(), "code",
+                     e->code ? json_string(e->code) : json_null());
+}
+
+char *resp_error_json(const struct oai_error *e) {
+    json_t *o = error_obj(e);
+    if (!o) return NULL;
+    char *s = json_dumps(o, JSON_COMPACT);
+    json_decref(o);
+    return s;
+}
+
+/* A token's text for logprobs: raw bytes when valid UTF-8, else "bytes:\xNN..." (as OpenAI).
+ * bytes_out receives the raw bytes as a JSON array. */
+static json_t *token_json_str(const tokenizer_t *t, int id, bool as_ids, json_t **bytes_out) {
+    char buf[256];
+    int n = t ? tok_token_bytes(t, id, buf, sizeof buf) : -1;
+    if (n < 0) n = 0;
+    if (bytes_out) {
+        *bytes_out = json_array();
+        for (int i = 0; i < n; i++) json_array_append_new(*bytes_out, json_integer((unsigned char)buf[i]));
+    }
+    char s[1100];
+    if (as_ids) {
+        snprintf(s, sizeof s, "token_id:%d", id);
+        return json_string(s);
+    }
+    if (kv_utf8_valid(buf, (size_t)n)) return json_stringn(buf, (size_t)n);
+    size_t o = (size_t)snprintf(s, sizeof s, "bytes:");
+    for (int i = 0; i < n && o + 5 < sizeof s; i++)
+        o += (size_t)snprintf(s + o, sizeof s - o, "\\x%02x", (unsigned char)buf[i]);
+    return json_string(s);
+}
+
+json_t *resp_logprobs_new(enum oai_kind kind) {
+    if (kind == OAI_CHAT) return json_pack("{s:[]}", "content");
+    return json_pack("{s:[], s:[], s:[], s:[]}", "tokens", "token_logprobs", "top_logprobs",
+                     "text_offset");
+}
+
+void resp_logprobs_append(json_t *acc, enum oai_kind kind, const tokenizer_t *t, bool as_ids,
+                          const struct token_logprob *lp, const struct token_logprob *top,
+                          int n, int n_top, size_t *offset) {
+    if (!acc || !lp) return;
+    for (int i = 0; i < n; i++) {
+        if (kind == OAI_CHAT) {
+            json_t *bytes = NULL;
+            json_t *tok = token_json_str(t, lp[i].id, as_ids, &bytes);
+            json_t *tops = json_array();
+            for (int j = 0; top && j < n_top; j++) {
+                const struct token_logprob *a = &top[(size_t)i * n_top + j];
+                json_t *ab = NULL;
+                json_t *at = token_json_str(t, a->id, as_ids, &ab);
+                json_array_append_new(tops, json_pack("{s:o, s:f, s:o}", "token", at, "logprob",
+                                                      (double)a->logprob, "bytes", ab));
+            }
+            json_array_append_new(json_object_get(acc, "content"),
+                                  json_pack("{s:o, s:f, s:o, s:o}", "token", tok, "logprob",
+                                            (double)lp[i].logprob, "bytes", bytes,
+                                            "top_logprobs", tops));
+        } else {
+            json_t *bytes = NULL;
+            json_t *tok = token_json_str(t, lp[i].id, as_ids, &bytes);
+            size_t nb = json_array_size(bytes);
+            json_decref(bytes);
+            json_array_append_new(json_object_get(acc, "tokens"), tok);
+            json_array_append_new(json_object_get(acc, "token_logprobs"),
+                                  json_real((double)lp[i].logprob));
+            json_array_append_new(json_object_get(acc, "text_offset"),
+                                  json_integer((json_int_t)(offset ? *offset : 0)));
+            if (offset) *offset += nb;
+            json_t *tops = json_object();
+            for (int j = 0; top && j < n_top; j++) {
+                const struct token_logprob *a = &top[(size_t)i * n_top + j];
+                json_t *at = token_json_str(t, a->id, as_ids, NULL);
+                if (json_is_string(at) && !json_object_get(tops, json_string_value(at)))
+                    json_object_set_new(tops, json_string_value(at), json_real((double)a->logprob));
+                json_decref(at);
+            }
+            json_array_append_new(json_object_get(acc, "top_logprobs"), tops);
+        }
+    }
+}
+
+static json_t *usage_obj(const struct resp_usage *u) {
+    return json_pack("{s:i, s:i, s:i, s:{s:i}}", "prompt_tokens", u->prompt_tokens,
+                     "completion_tokens", u->completion_tokens, "total_tokens",
+                     u->prompt_tokens + u->completion_tokens, "prompt_tokens_details",
+                     "cached_tokens", u->cached_tokens);
+}
+
+static json_t *head(const struct resp_meta *m, const char *object) {
+    return json_pack("{s:s, s:s, s:I, s:s}", "id", m->id, "object", object, "created",
+                     (json_int_t)m->created, "model", m->model);
+}
+
+char *resp_full_json(const struct resp_meta *m, const char *text, size_t text_len,
+                     json_t *logprobs, const char *finish, const struct resp_usage *u) {
+    bool chat = m->kind == OAI_CHAT;
+    json_t *o = head(m, chat ? "chat.completion" : "text_completion");
+    json_t *choice = json_pack("{s:i}", "index", 0);
+    json_t *content = json_stringn(text ? text : "", text ? text_len : 0);
+    if (!content) content = json_string(""); /* cannot happen: engine text is valid UTF-8 */
+    if (chat)
+        json_object_set_new(choice, "message",
+                            json_pack("{s:s, s:o}", "role", "assistant", "content", content));
+    else
+        json_object_set_new(choice, "text", content);
+    json_object_set_new(choice, "logprobs", logprobs ? logprobs : json_null());
+    json_object_set_new(choice, "finish_reason", finish ? json_string(finish) : json_null());
+    json_object_set_new(o, "choices", json_pack("[o]", choice));
+    json_object_set_new(o, "usage", usage_obj(u));
+    char *s = json_dumps(o, JSON_COMPACT);
+    json_decref(o);
+    return s;
+}
+
+static kv_status append_sse(kv_buf *out, json_t *o) {
+    if (!o) return KV_ENOMEM;
+    char *s = json_dumps(o, JSON_COMPACT);
+    json_decref(o);
+    if (!s) return KV_ENOMEM;
+    kv_status st = kv_buf_printf(out, "data: %s\n\n", s);
+    free(s);
+    return st;
+}
+
+kv_status resp_chunk_sse(kv_buf *out, const struct resp_meta *m, const char *role,
+                         const char *text, size_t text_len, json_t *logprobs, const char *finish) {
+    bool chat = m->kind == OAI_CHAT;
+    json_t *o = head(m, chat ? "chat.completion.chunk" : "text_completion");
+    json_t *choice = json_pack("{s:i}", "index", 0);
+    if (chat) {
+        json_t *delta = json_object();
+        if (role) json_object_set_new(delta, "role", json_string(role));
+        if (text) json_object_set_new(delta, "content", json_stringn(text, text_len));
+        json_object_set_new(choice, "delta", delta);
+    } else {
+        json_object_set_new(choice, "text", json_stringn(text ? text : "", text ? text_len : 0));
+    }
+    json_object_set_new(choice, "logprobs", logprobs ? logprobs : json_null());
+    json_object_set_new(choice, "finish_reason", finish ? json_string(finish) : json_null());
+    json_object_set_new(o, "choices", json_pack("[o]", choice));
+    return append_sse(out, o);
+}
+
+kv_status resp_usage_sse(kv_buf *out, const struct resp_meta *m, const struct resp_usage *u) {
+    json_t *o = head(m, m->kind == OAI_CHAT ? "chat.completion.chunk" : "text_completion");
+    json_object_set_new(o, "choices", json_array());
+    json_object_set_new(o, "usage", usage_obj(u));
+    return append_sse(out, o);
+}
+
+kv_status resp_error_sse(kv_buf *out, const struct oai_error *e) {
+    return append_sse(out, error_obj(e));
+}

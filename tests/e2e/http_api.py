@@ -1,0 +1,415 @@
+#!/usr/bin/python3
+"""End-to-end test of `kvserve serve` (the OpenAI-compatible HTTP API) on stories260K.
+
+Starts real server processes and checks, against llama.cpp's reference outputs:
+greedy /v1/completions (text + token ids + top logprobs), /tokenize, streaming == non-stream,
+chat, the HF checkpoint, a bad-input suite (status + OpenAI error JSON, then a normal request
+still works), random client disconnects (KV blocks all freed afterwards), and 32 concurrent
+requests == the same requests one at a time. Python stdlib only.
+
+env: KVSERVE_BIN, KVSERVE_TEST_DATA. Exit 0 = all passed, 77 = skipped (data missing).
+"""
+import concurrent.futures
+import http.client
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+BIN = os.environ.get("KVSERVE_BIN", "build/kvserve")
+DATA = os.environ.get("KVSERVE_TEST_DATA", os.path.join(os.path.dirname(__file__), "../../../shared/data"))
+GGUF = os.path.join(DATA, "models/stories260K/stories260K.gguf")
+HF = os.path.join(DATA, "models/stories260K/hf")
+REF = os.path.join(DATA, "references/stories260K")
+
+failures = []
+passed = 0
+
+
+def check(cond, what):
+    global passed
+    if cond:
+        passed += 1
+    else:
+        failures.append(what)
+        print("FAIL:", what, flush=True)
+
+
+class Server:
+    def __init__(self, model, extra=()):
+        self.tmp = tempfile.mkdtemp(prefix="kvserve-e2e-")
+        self.port_file = os.path.join(self.tmp, "port")
+        self.log = open(os.path.join(self.tmp, "server.log"), "w+")
+        wrap = os.environ.get("KVSERVE_E2E_WRAP", "").split()  # e.g. "gdb -batch -ex run -ex bt --args"
+        self.proc = subprocess.Popen(
+            wrap + [BIN, "serve", "--model", model, "--port", "0", "--port-file", self.port_file,
+             "--max-model-len", "512", "--threads", "1", *extra],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 60
+        while not os.path.exists(self.port_file):
+            if self.proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError("server did not start:\n" + self.logtext())
+            time.sleep(0.05)
+        self.port = int(open(self.port_file).read())
+
+    def logtext(self):
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()[-4000:]
+
+    def request(self, method, path, body=None, raw=None, headers=None, timeout=120):
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        h = {"Content-Type": "application/json"}
+        h.update(headers or {})
+        c.request(method, path, body=data, headers=h)
+        r = c.getresponse()
+        payload = r.read()
+        c.close()
+        return r.status, r.getheaders(), payload
+
+    def post(self, path, body, **kw):
+        st, hdrs, payload = self.request("POST", path, body, **kw)
+        try:
+            return st, json.loads(payload), dict(hdrs)
+        except ValueError:
+            return st, payload, dict(hdrs)
+
+    def stream(self, path, body):
+        """Returns (status, list of parsed data events, raw text)."""
+        st, hdrs, payload = self.request("POST", path, body)
+        text = payload.decode()
+        events = []
+        for block in text.split("\n\n"):
+            if not block.strip():
+                continue
+            assert block.startswith("data: "), block
+            d = block[len("data: "):]
+            events.append(d if d == "[DONE]" else json.loads(d))
+        return st, events, dict(hdrs)
+
+    def metrics(self):
+        st, _, payload = self.request("GET", "/metrics")
+        out = {}
+        for line in payload.decode().splitlines():
+            if line.startswith("#") or not line.strip():
+                continue
+            name, val = line.rsplit(" ", 1)
+            out[name.split("{")[0]] = float(val)
+        return out
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                rc = self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                rc = "killed"
+            check(rc == 0, "server exits 0 on SIGTERM (rc=%s)" % rc)
+
+
+def greedy_records():
+    with open(os.path.join(REF, "llamacpp_greedy.public.jsonl")) as f:
+        return [json.loads(l) for l in f if l.strip()]
+
+
+def token_ids_of(choice_logprobs):
+    return [int(t.split(":", 1)[1]) for t in choice_logprobs["tokens"]]
+
+
+def test_basics(s):
+    st, body, hdrs = s.post("/health", None) if False else (None, None, None)
+    st, hdrs, payload = s.request("GET", "/health")
+    check(st == 200 and json.loads(payload) == {"status": "ok"}, "GET /health")
+    check(any(k.lower() == "x-kvserve-worker" for k, _ in hdrs), "X-Kvserve-Worker header")
+    st, hdrs, payload = s.request("GET", "/v1/models")
+    m = json.loads(payload)
+    check(st == 200 and m["object"] == "list" and m["data"][0]["id"] == "stories260K",
+          "GET /v1/models id (%s)" % payload[:200])
+    m = s.metrics()
+    check("kvserve_kv_blocks_total" in m and m["kvserve_kv_blocks_total"] > 0, "/metrics has kv blocks")
+
+
+def test_greedy(s, label, check_logprobs=True):
+    for r in greedy_records():
+        body = {"model": "stories260K" if label == "gguf" else "", "prompt": r["prompt"],
+                "max_tokens": 64, "temperature": 0, "logprobs": 5, "return_tokens_as_token_ids": True}
+        if label != "gguf":
+            body.pop("model")
+        st, resp, _ = s.post("/v1/completions", body)
+        ok = st == 200
+        check(ok, "%s greedy %s: status %s %s" % (label, r["id"], st, str(resp)[:300]))
+        if not ok:
+            continue
+        ch = resp["choices"][0]
+        check(ch["text"] == r["completion_text"],
+              "%s greedy %s text:\n got %r\nwant %r" % (label, r["id"], ch["text"], r["completion_text"]))
+        ids = token_ids_of(ch["logprobs"])
+        check(ids == r["completion_ids"], "%s greedy %s ids: got %s want %s" % (label, r["id"], ids, r["completion_ids"]))
+        check(ch["finish_reason"] == r["finish_reason"], "%s greedy %s finish_reason %s" % (label, r["id"], ch["finish_reason"]))
+        u = resp["usage"]
+        check(u["prompt_tokens"] == r["usage"]["prompt_tokens"] and u["completion_tokens"] == 64
+              and u["total_tokens"] == u["prompt_tokens"] + 64
+              and "cached_tokens" in u.get("prompt_tokens_details", {}),
+              "%s greedy %s usage %s" % (label, r["id"], u))
+        check(resp["object"] == "text_completion" and resp["id"].startswith("cmpl-"), "completion shape")
+        st, tk, _ = s.post("/tokenize", {"prompt": r["prompt"]})
+        check(st == 200 and tk["tokens"] == r["prompt_ids"] and tk["count"] == len(r["prompt_ids"])
+              and tk["max_model_len"] == 512,
+              "%s /tokenize %s: %s want %s" % (label, r["id"], tk, r["prompt_ids"]))
+        if check_logprobs and "top_logprobs" in r:
+            worst = 0.0
+            for i, ref in enumerate(r["top_logprobs"]):
+                got = ch["logprobs"]["top_logprobs"][i]
+                for alt in ref["top"]:
+                    key = "token_id:%d" % alt["id"]
+                    if key not in got:
+                        worst = float("inf")
+                    else:
+                        worst = max(worst, abs(got[key] - alt["logprob"]))
+                worst = max(worst, abs(ch["logprobs"]["token_logprobs"][i] - ref["logprob"]))
+            check(worst < 2e-3, "%s top-5 logprobs of %s within 2e-3 (max diff %g)" % (label, r["id"], worst))
+    # /detokenize round trip
+    r = greedy_records()[1]
+    st, d, _ = s.post("/detokenize", {"tokens": r["completion_ids"]})
+    check(st == 200 and d["prompt"].strip() == r["completion_text"].strip(),
+          "/detokenize: %r" % (d,))
+
+
+def test_stream(s):
+    for r in greedy_records()[:6]:
+        base = {"prompt": r["prompt"], "max_tokens": 64, "temperature": 0}
+        st, full, _ = s.post("/v1/completions", base)
+        st2, events, hdrs = s.stream("/v1/completions", dict(base, stream=True, stream_options={"include_usage": True}))
+        ok = st == 200 and st2 == 200 and events and events[-1] == "[DONE]"
+        check(ok, "stream %s status/[DONE]" % r["id"])
+        if not ok:
+            continue
+        check(hdrs.get("Content-Type", "").startswith("text/event-stream"), "SSE content type")
+        chunks = [e for e in events[:-1] if e.get("choices")]
+        text = "".join(c["choices"][0]["text"] for c in chunks)
+        check(text == full["choices"][0]["text"], "stream %s: concatenated deltas == non-stream text" % r["id"])
+        check(chunks[-1]["choices"][0]["finish_reason"] == "length"
+              and all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1]),
+              "stream %s: only the last chunk has finish_reason" % r["id"])
+        usage = events[-2]
+        check(usage.get("choices") == [] and usage["usage"]["completion_tokens"] == 64,
+              "stream %s: usage chunk %s" % (r["id"], usage))
+    # chat streaming
+    chat = json.load(open(os.path.join(REF, "llamacpp_chat.json")))["single_user"]
+    st, events, _ = s.stream("/v1/chat/completions", {"messages": chat["messages"], "max_tokens": 64,
+                                                      "temperature": 0, "stream": True})
+    ok = st == 200 and events[-1] == "[DONE]"
+    check(ok, "chat stream status")
+    if ok:
+        first = events[0]["choices"][0]
+        check(first["delta"].get("role") == "assistant", "chat stream: first delta has role")
+        text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1])
+        check(text == chat["content"], "chat stream text == reference: %r" % text)
+        check(all(e["object"] == "chat.completion.chunk" for e in events[:-1]), "chat chunk object")
+
+
+def test_chat(s):
+    ref = json.load(open(os.path.join(REF, "llamacpp_chat.json")))
+    for name, c in ref.items():
+        st, resp, _ = s.post("/v1/chat/completions", {"messages": c["messages"], "max_tokens": 64,
+                                                      "temperature": 0})
+        ok = st == 200
+        check(ok, "chat %s status %s %s" % (name, st, str(resp)[:300]))
+        if not ok:
+            continue
+        msg = resp["choices"][0]["message"]
+        check(msg["role"] == "assistant" and msg["content"] == c["content"],
+              "chat %s content:\n got %r\nwant %r" % (name, msg["content"], c["content"]))
+        check(resp["usage"]["prompt_tokens"] == c["usage"]["prompt_tokens"], "chat %s prompt_tokens" % name)
+        check(resp["object"] == "chat.completion" and resp["id"].startswith("chatcmpl-"), "chat shape")
+        st, tk, _ = s.post("/tokenize", {"messages": c["messages"]})
+        check(st == 200 and tk["tokens"] == c["prompt_ids"], "chat /tokenize %s" % name)
+
+
+def bad_cases():
+    P = "/v1/completions"
+    H = "/v1/chat/completions"
+    msgs = [{"role": "user", "content": "hi"}]
+    long_prompt = "Once upon a time, there was a little girl named Lily. " * 60
+    return [
+        ("broken json", "POST", P, b"{\"prompt\": ", 400, None),
+        ("trailing comma", "POST", P, b"{\"prompt\": \"a\",}", 400, None),
+        ("not an object", "POST", P, b"[1,2,3]", 400, None),
+        ("empty body", "POST", P, b"", 400, None),
+        ("prompt missing", "POST", P, {}, 400, "prompt"),
+        ("prompt number", "POST", P, {"prompt": 5}, 400, "prompt"),
+        ("prompt object", "POST", P, {"prompt": {"a": 1}}, 400, "prompt"),
+        ("two prompts", "POST", P, {"prompt": ["a", "b"]}, 400, "prompt"),
+        ("token id out of vocab", "POST", P, {"prompt": [1, 100000]}, 400, "prompt"),
+        ("negative max_tokens", "POST", P, {"prompt": "a", "max_tokens": -5}, 400, "max_tokens"),
+        ("huge max_tokens", "POST", P, {"prompt": "a", "max_tokens": 10 ** 15}, 400, "max_tokens"),
+        ("string max_tokens", "POST", P, {"prompt": "a", "max_tokens": "10"}, 400, "max_tokens"),
+        ("temperature < 0", "POST", P, {"prompt": "a", "temperature": -1}, 400, "temperature"),
+        ("temperature string", "POST", P, {"prompt": "a", "temperature": "x"}, 400, "temperature"),
+        ("top_p 0", "POST", P, {"prompt": "a", "top_p": 0}, 400, "top_p"),
+        ("top_k float", "POST", P, {"prompt": "a", "top_k": 2.5}, 400, "top_k"),
+        ("stop number", "POST", P, {"prompt": "a", "stop": 3}, 400, "stop"),
+        ("17 stops", "POST", P, {"prompt": "a", "stop": [str(i) for i in range(17)]}, 400, "stop"),
+        ("n=2", "POST", P, {"prompt": "a", "n": 2}, 400, "n"),
+        ("echo", "POST", P, {"prompt": "a", "echo": True}, 400, "echo"),
+        ("logprobs 6", "POST", P, {"prompt": "a", "logprobs": 6}, 400, "logprobs"),
+        ("stream string", "POST", P, {"prompt": "a", "stream": "yes"}, 400, "stream"),
+        ("unknown model", "POST", P, {"prompt": "a", "model": "gpt-4"}, 404, "model"),
+        ("invalid utf-8", "POST", P, b"{\"prompt\": \"abc\xff\xfe\"}", 400, None),
+        ("prompt too long", "POST", P, {"prompt": long_prompt, "max_tokens": 4}, 400, "prompt"),
+        ("chat empty messages", "POST", H, {"messages": []}, 400, "messages"),
+        ("chat no messages", "POST", H, {"prompt": "a"}, 400, "messages"),
+        ("chat bad role", "POST", H, {"messages": [{"role": 3, "content": "x"}]}, 400, "messages[0].role"),
+        ("chat content number", "POST", H, {"messages": [{"role": "user", "content": 1}]}, 400, "messages[0].content"),
+        ("chat image part", "POST", H, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages[0].content"),
+        ("chat top_logprobs 21", "POST", H, {"messages": msgs, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+        ("chat unknown model", "POST", H, {"messages": msgs, "model": "nope"}, 404, "model"),
+        ("chat too long", "POST", H, {"messages": [{"role": "user", "content": long_prompt}]}, 400, "messages"),
+        ("detokenize bad ids", "POST", "/detokenize", {"tokens": [1, -2]}, 400, "tokens"),
+        ("unknown route", "GET", "/v1/nothing", None, 404, None),
+        ("wrong method", "GET", P, None, 405, None),
+        ("wrong method 2", "POST", "/health", {}, 405, None),
+        ("20 MB body", "POST", P, b"{\"prompt\": \"" + b"a" * (20 << 20) + b"\"}", 413, None),
+    ]
+
+
+def test_bad_inputs(s):
+    cases = bad_cases()
+    check(len(cases) >= 30, "at least 30 bad-input cases")
+    for name, method, path, body, want, param in cases:
+        raw = body if isinstance(body, bytes) else (json.dumps(body).encode() if body is not None else None)
+        try:
+            st, hdrs, payload = s.request(method, path, raw=raw)
+        except (ConnectionError, http.client.HTTPException) as e:
+            check(False, "bad input %s: connection error %s" % (name, e))
+            continue
+        check(st == want, "bad input %s: status %s want %s (%s)" % (name, st, want, payload[:200]))
+        if want != 413:  # 413 comes from libevent's body limit
+            try:
+                err = json.loads(payload)["error"]
+                ok = isinstance(err["message"], str) and err["message"] and isinstance(err["type"], str) \
+                    and "param" in err and "code" in err
+                if param is not None:
+                    ok = ok and err["param"] == param
+                if name.startswith("unknown model") or name == "chat unknown model":
+                    ok = ok and err["code"] == "model_not_found"
+                if "too long" in name:
+                    ok = ok and err["code"] == "context_length_exceeded"
+                check(ok, "bad input %s: error JSON %s" % (name, err))
+            except (ValueError, KeyError, TypeError):
+                check(False, "bad input %s: body is not OpenAI error JSON: %r" % (name, payload[:200]))
+        st, resp, _ = s.post("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0})
+        check(st == 200 and resp["choices"][0]["text"] == ", there was a", "normal request after bad input %s" % name)
+
+
+def raw_stream_and_drop(port, body, n_bytes):
+    """Sends a request, reads about n_bytes of the response, closes the socket."""
+    data = json.dumps(body).encode()
+    sk = socket.create_connection(("127.0.0.1", port), timeout=60)
+    try:
+        sk.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
+        got = 0
+        while got < n_bytes:
+            b = sk.recv(min(4096, n_bytes - got))
+            if not b:
+                break
+            got += len(b)
+    finally:
+        sk.close()
+
+
+def test_disconnects(s, n=500):
+    rng = random.Random(1234)
+    prompts = [r["prompt"] for r in greedy_records()]
+    jobs = []
+    for i in range(n):
+        body = {"prompt": rng.choice(prompts) + (" %d" % i), "max_tokens": rng.randint(8, 200),
+                "temperature": rng.choice([0, 0.8]), "seed": i, "stream": rng.random() < 0.8}
+        jobs.append((body, rng.choice([0, 0, 50, 300, 1000, 3000])))
+    t0 = time.time()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=24) as ex:
+        list(ex.map(lambda j: raw_stream_and_drop(s.port, *j), jobs))
+    deadline = time.time() + 30
+    m = s.metrics()
+    while time.time() < deadline and not (m["kvserve_kv_blocks_used"] == 0 and m["kvserve_num_requests_running"] == 0
+                                          and m["kvserve_num_requests_waiting"] == 0):
+        time.sleep(0.1)
+        m = s.metrics()
+    check(m["kvserve_kv_blocks_used"] == 0, "after %d disconnects: kv_blocks_used == 0 (%s)" % (n, m.get("kvserve_kv_blocks_used")))
+    check(m["kvserve_num_requests_running"] == 0 and m["kvserve_num_requests_waiting"] == 0,
+          "after disconnects: no running/waiting requests")
+    check(m["kvserve_requests_cancelled_total"] > 0, "some requests were cancelled by disconnects (%s)" % m.get("kvserve_requests_cancelled_total"))
+    print("  disconnect storm: %d requests in %.1fs, cancelled %d" % (n, time.time() - t0, m["kvserve_requests_cancelled_total"]), flush=True)
+    st, resp, _ = s.post("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0})
+    check(st == 200 and resp["choices"][0]["text"] == ", there was a", "normal request after disconnects")
+
+
+def test_concurrent(s, n=32):
+    recs = greedy_records()
+    prompts = [recs[i % len(recs)]["prompt"] + ("" if i < len(recs) else " Day %d." % i) for i in range(n)]
+
+    def one(p):
+        st, resp, _ = s.post("/v1/completions", {"prompt": p, "max_tokens": 48, "temperature": 0})
+        return (st, resp["choices"][0]["text"] if st == 200 else resp)
+
+    seq = [one(p) for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=n) as ex:
+        conc = list(ex.map(one, prompts))
+    check(all(st == 200 for st, _ in seq), "sequential requests all 200")
+    diff = [i for i in range(n) if seq[i] != conc[i]]
+    check(not diff, "32 concurrent == sequential (differ at %s)" % diff[:5])
+    check(len(set(t for _, t in seq)) >= 12, "the 32 prompts give at least 12 different completions")
+
+
+def main():
+    if not os.path.exists(GGUF):
+        print("SKIP: test data %s not found (set KVSERVE_TEST_DATA)" % GGUF)
+        return 77
+    only = set(sys.argv[1:])
+
+    def want(name):
+        return not only or name in only
+
+    s = Server(GGUF)
+    try:
+        for name, fn in [("basics", test_basics), ("greedy", lambda s: test_greedy(s, "gguf")),
+                         ("stream", test_stream), ("chat", test_chat), ("bad", test_bad_inputs),
+                         ("concurrent", test_concurrent), ("disconnect", test_disconnects)]:
+            if want(name):
+                t0 = time.time()
+                before = len(failures)
+                try:
+                    fn(s)
+                except Exception as e:  # a crash of one group must not hide the others
+                    check(False, "%s raised %r" % (name, e))
+                print("%-10s %s (%.1fs)" % (name, "ok" if len(failures) == before else "FAILED", time.time() - t0), flush=True)
+            if s.proc.poll() is not None:
+                check(False, "server died (rc %s) during %s:\n%s" % (s.proc.returncode, name, s.logtext()))
+                break
+    finally:
+        s.stop()
+    if want("hf") and os.path.isdir(HF):
+        t0 = time.time()
+        before = len(failures)
+        h = Server(HF)
+        try:
+            test_greedy(h, "hf", check_logprobs=True)
+        except Exception as e:
+            check(False, "hf raised %r" % e)
+        finally:
+            h.stop()
+        print("%-10s %s (%.1fs)" % ("hf", "ok" if len(failures) == before else "FAILED", time.time() - t0), flush=True)
+    print("%d checks passed, %d failed" % (passed, len(failures)))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,356 @@
+/* Unit tests of the OpenAI request parser/validator (src/http/openai.c). */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "http/http_internal.h"
+
+static const struct oai_limits LIM = {.served_name = "stories260K", .n_vocab = 512, .max_model_len = 512};
+
+struct bad_case {
+    enum oai_kind kind;
+    const char *body;
+    int status;
+    const char *param; /* "" = null */
+    const char *code;  /* NULL = null */
+};
+
+#define C OAI_COMPLETION
+#define H OAI_CHAT
+#define T OAI_TOKENIZE
+#define D OAI_DETOKENIZE
+static const struct bad_case bad[] = {
+    /* malformed bodies */
+    {C, "", 400, "", NULL},
+    {C, "{", 400, "", NULL},
+    {C, "{\"prompt\": \"a\",}", 400, "", NULL},
+    {C, "[1,2]", 400, "", NULL},
+    {C, "\"prompt\"", 400, "", NULL},
+    {C, "{\"prompt\":\"a\",\"prompt\":\"b\"}", 400, "", NULL},
+    {C, "{\"prompt\":\"\xff\xfe\"}", 400, "", NULL},             /* invalid UTF-8 */
+    {C, "{\"prompt\":\"a\\u0000b\"}", 400, "", NULL},           /* NUL in a string */
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"\xc3\x28\"}]}", 400, "", NULL},
+    /* prompt */
+    {C, "{}", 400, "prompt", NULL},
+    {C, "{\"prompt\": null}", 400, "prompt", NULL},
+    {C, "{\"prompt\": 5}", 400, "prompt", NULL},
+    {C, "{\"prompt\": {}}", 400, "prompt", NULL},
+    {C, "{\"prompt\": []}", 400, "prompt", NULL},
+    {C, "{\"prompt\": [\"a\", \"b\"]}", 400, "prompt", NULL},
+    {C, "{\"prompt\": [[1,2],[3]]}", 400, "prompt", NULL},
+    {C, "{\"prompt\": [1, \"x\"]}", 400, "prompt", NULL},
+    {C, "{\"prompt\": [1, 2.5]}", 400, "prompt", NULL},
+    {C, "{\"prompt\": [1, -3]}", 400, "prompt", NULL},
+    {C, "{\"prompt\": [1, 512]}", 400, "prompt", NULL},
+    {C, "{\"prompt\": [[]]}", 400, "prompt", NULL},
+    /* model */
+    {C, "{\"prompt\":\"a\",\"model\":\"gpt-4\"}", 404, "model", "model_not_found"},
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"model\":\"x\"}", 404, "model", "model_not_found"},
+    {C, "{\"prompt\":\"a\",\"model\":7}", 400, "model", NULL},
+    /* max_tokens */
+    {C, "{\"prompt\":\"a\",\"max_tokens\":-1}", 400, "max_tokens", NULL},
+    {C, "{\"prompt\":\"a\",\"max_tokens\":0}", 400, "max_tokens", NULL},
+    {C, "{\"prompt\":\"a\",\"max_tokens\":100000000000}", 400, "max_tokens", NULL},
+    {C, "{\"prompt\":\"a\",\"max_tokens\":513}", 400, "max_tokens", NULL},
+    {C, "{\"prompt\":\"a\",\"max_tokens\":\"16\"}", 400, "max_tokens", NULL},
+    {C, "{\"prompt\":\"a\",\"max_tokens\":1.5}", 400, "max_tokens", NULL},
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"max_completion_tokens\":-5}", 400, "max_completion_tokens", NULL},
+    /* sampling */
+    {C, "{\"prompt\":\"a\",\"temperature\":-0.1}", 400, "temperature", NULL},
+    {C, "{\"prompt\":\"a\",\"temperature\":2.5}", 400, "temperature", NULL},
+    {C, "{\"prompt\":\"a\",\"temperature\":\"hot\"}", 400, "temperature", NULL},
+    {C, "{\"prompt\":\"a\",\"top_p\":0}", 400, "top_p", NULL},
+    {C, "{\"prompt\":\"a\",\"top_p\":1.01}", 400, "top_p", NULL},
+    {C, "{\"prompt\":\"a\",\"top_k\":-2}", 400, "top_k", NULL},
+    {C, "{\"prompt\":\"a\",\"top_k\":true}", 400, "top_k", NULL},
+    {C, "{\"prompt\":\"a\",\"min_p\":1.5}", 400, "min_p", NULL},
+    {C, "{\"prompt\":\"a\",\"presence_penalty\":3}", 400, "presence_penalty", NULL},
+    {C, "{\"prompt\":\"a\",\"frequency_penalty\":-2.1}", 400, "frequency_penalty", NULL},
+    {C, "{\"prompt\":\"a\",\"repetition_penalty\":0}", 400, "repetition_penalty", NULL},
+    {C, "{\"prompt\":\"a\",\"seed\":\"x\"}", 400, "seed", NULL},
+    {C, "{\"prompt\":\"a\",\"seed\":1.25}", 400, "seed", NULL},
+    /* stop */
+    {C, "{\"prompt\":\"a\",\"stop\":5}", 400, "stop", NULL},
+    {C, "{\"prompt\":\"a\",\"stop\":[\"a\",3]}", 400, "stop", NULL},
+    {C, "{\"prompt\":\"a\",\"stop\":[\"\"]}", 400, "stop", NULL},
+    {C, "{\"prompt\":\"a\",\"stop\":[\"1\",\"2\",\"3\",\"4\",\"5\",\"6\",\"7\",\"8\",\"9\",\"10\",\"11\",\"12\",\"13\",\"14\",\"15\",\"16\",\"17\"]}", 400, "stop", NULL},
+    /* flags */
+    {C, "{\"prompt\":\"a\",\"stream\":\"yes\"}", 400, "stream", NULL},
+    {C, "{\"prompt\":\"a\",\"stream\":1}", 400, "stream", NULL},
+    {C, "{\"prompt\":\"a\",\"stream_options\":{\"include_usage\":true}}", 400, "stream_options", NULL},
+    {C, "{\"prompt\":\"a\",\"stream\":true,\"stream_options\":[]}", 400, "stream_options", NULL},
+    {C, "{\"prompt\":\"a\",\"stream\":true,\"stream_options\":{\"include_usage\":\"y\"}}", 400, "stream_options.include_usage", NULL},
+    {C, "{\"prompt\":\"a\",\"n\":2}", 400, "n", NULL},
+    {C, "{\"prompt\":\"a\",\"echo\":true}", 400, "echo", NULL},
+    {C, "{\"prompt\":\"a\",\"logprobs\":6}", 400, "logprobs", NULL},
+    {C, "{\"prompt\":\"a\",\"logprobs\":true}", 400, "logprobs", NULL},
+    {C, "{\"prompt\":\"a\",\"ignore_eos\":\"no\"}", 400, "ignore_eos", NULL},
+    {C, "{\"prompt\":\"a\",\"user\":42}", 400, "user", NULL},
+    {C, "{\"prompt\":\"a\",\"best_of\":3}", 400, "best_of", NULL},
+    /* chat */
+    {H, "{}", 400, "messages", NULL},
+    {H, "{\"messages\":[]}", 400, "messages", NULL},
+    {H, "{\"messages\":\"hi\"}", 400, "messages", NULL},
+    {H, "{\"messages\":[\"hi\"]}", 400, "messages[0]", NULL},
+    {H, "{\"messages\":[{\"content\":\"hi\"}]}", 400, "messages[0].role", NULL},
+    {H, "{\"messages\":[{\"role\":\"wizard\",\"content\":\"hi\"}]}", 400, "messages[0].role", NULL},
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":5}]}", 400, "messages[0].content", NULL},
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"},{\"role\":\"user\",\"content\":[{\"type\":\"image_url\"}]}]}", 400, "messages[1].content", NULL},
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"text\"}]}]}", 400, "messages[0].content", NULL},
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"logprobs\":1}", 400, "logprobs", NULL},
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"logprobs\":true,\"top_logprobs\":21}", 400, "top_logprobs", NULL},
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"top_logprobs\":2}", 400, "top_logprobs", NULL},
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"tools\":[{\"type\":\"function\"}]}", 400, "tools", NULL},
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"response_format\":{\"type\":\"json_object\"}}", 400, "response_format", NULL},
+    /* tokenize / detokenize */
+    {T, "{}", 400, "prompt", NULL},
+    {T, "{\"prompt\":\"a\",\"add_special_tokens\":\"yes\"}", 400, "add_special_tokens", NULL},
+    {D, "{}", 400, "tokens", NULL},
+    {D, "{\"tokens\":\"1 2\"}", 400, "tokens", NULL},
+    {D, "{\"tokens\":[1, 99999]}", 400, "tokens", NULL},
+};
+
+static void test_bad_inputs(void **state) {
+    (void)state;
+    size_t n = sizeof bad / sizeof bad[0];
+    assert_true(n >= 30);
+    for (size_t i = 0; i < n; i++) {
+        struct oai_request r;
+        struct oai_error e;
+        kv_status st = oai_parse(bad[i].kind, bad[i].body, strlen(bad[i].body), &LIM, &r, &e);
+        if (st != KV_EINVAL || e.status != bad[i].status || strcmp(e.param, bad[i].param) != 0 ||
+            (bad[i].code ? !e.code || strcmp(e.code, bad[i].code) : e.code != NULL)) {
+            fprintf(stderr, "case %zu %s: st=%d status=%d param='%s' code=%s msg=%s\n", i, bad[i].body,
+                    st, e.status, e.param, e.code ? e.code : "null", e.message);
+            fail();
+        }
+        assert_non_null(e.type);
+        assert_true(strlen(e.message) > 0);
+        /* nothing left to free after a failure */
+        assert_null(r.text);
+        assert_null(r.ids);
+        assert_null(r.msgs);
+        assert_null(r.stop);
+        /* the error renders as OpenAI JSON */
+        char *js = resp_error_json(&e);
+        assert_non_null(js);
+        json_t *o = json_loads(js, 0, NULL);
+        assert_non_null(o);
+        json_t *eo = json_object_get(o, "error");
+        assert_true(json_is_string(json_object_get(eo, "message")));
+        assert_true(json_is_string(json_object_get(eo, "type")));
+        if (bad[i].param[0])
+            assert_string_equal(json_string_value(json_object_get(eo, "param")), bad[i].param);
+        else
+            assert_true(json_is_null(json_object_get(eo, "param")));
+        json_decref(o);
+        free(js);
+    }
+}
+
+static void test_prompt_too_long_ids(void **state) {
+    (void)state;
+    kv_buf b;
+    kv_buf_init(&b);
+    kv_buf_puts(&b, "{\"prompt\":[");
+    for (int i = 0; i < 512; i++) kv_buf_printf(&b, "%s%d", i ? "," : "", i % 500);
+    kv_buf_puts(&b, "]}");
+    struct oai_request r;
+    struct oai_error e;
+    assert_int_equal(oai_parse(C, b.data, b.len, &LIM, &r, &e), KV_EINVAL);
+    assert_int_equal(e.status, 400);
+    assert_string_equal(e.code, "context_length_exceeded");
+    kv_buf_free(&b);
+}
+
+static void parse_ok(enum oai_kind k, const char *body, struct oai_request *r) {
+    struct oai_error e;
+    kv_status st = oai_parse(k, body, strlen(body), &LIM, r, &e);
+    if (st) fprintf(stderr, "unexpected error for %s: %d %s (%s)\n", body, e.status, e.message, e.param);
+    assert_int_equal(st, KV_OK);
+}
+
+static void test_completion_defaults(void **state) {
+    (void)state;
+    struct oai_request r;
+    parse_ok(C, "{\"prompt\":\"Once upon a time\"}", &r);
+    assert_true(r.has_text);
+    assert_string_equal(r.text, "Once upon a time");
+    assert_int_equal(r.text_len, 16);
+    assert_int_equal(r.max_tokens, 16);
+    assert_false(r.stream);
+    int32_t ids[3] = {1, 403, 407};
+    struct engine_request_params p;
+    oai_engine_params(&r, ids, 3, 512, &p);
+    assert_ptr_equal(p.prompt_ids, ids);
+    assert_int_equal(p.n_prompt, 3);
+    assert_int_equal(p.max_tokens, 16);
+    assert_true(p.sp.temperature == 1.0f);
+    assert_true(p.sp.top_p == 1.0f);
+    assert_int_equal(p.sp.top_k, 0);
+    assert_true(p.sp.min_p == 0.0f);
+    assert_true(p.sp.repetition_penalty == 1.0f);
+    assert_false(p.sp.has_seed);
+    assert_false(p.sp.logprobs);
+    assert_int_equal(p.n_stop, 0);
+    assert_false(p.ignore_eos);
+    oai_request_free(&r);
+}
+
+static void test_completion_full(void **state) {
+    (void)state;
+    struct oai_request r;
+    parse_ok(C,
+             "{\"model\":\"stories260K\",\"prompt\":[\"Hi there\"],\"max_tokens\":64,"
+             "\"temperature\":0,\"top_p\":0.9,\"top_k\":40,\"min_p\":0.05,\"seed\":-1,"
+             "\"presence_penalty\":0.5,\"frequency_penalty\":-0.5,\"repetition_penalty\":1.1,"
+             "\"stop\":[\"\\n\",\"The end\"],\"ignore_eos\":true,\"logprobs\":5,\"echo\":false,"
+             "\"stream\":true,\"stream_options\":{\"include_usage\":true},\"n\":1,\"user\":\"u\","
+             "\"cache_salt\":\"s\",\"conversation_id\":\"c\",\"unknown_field\":[1]}",
+             &r);
+    assert_string_equal(r.text, "Hi there");
+    assert_true(r.stream);
+    assert_true(r.include_usage);
+    struct engine_request_params p;
+    int32_t ids[2] = {1, 2};
+    oai_engine_params(&r, ids, 2, 512, &p);
+    assert_int_equal(p.max_tokens, 64);
+    assert_true(p.sp.temperature == 0.0f);
+    assert_true(p.sp.top_p == 0.9f);
+    assert_int_equal(p.sp.top_k, 40);
+    assert_true(p.sp.min_p == 0.05f);
+    assert_true(p.sp.has_seed);
+    assert_true(p.sp.seed == UINT64_MAX);
+    assert_true(p.sp.presence_penalty == 0.5f);
+    assert_true(p.sp.frequency_penalty == -0.5f);
+    assert_true(p.sp.repetition_penalty == 1.1f);
+    assert_int_equal(p.n_stop, 2);
+    assert_string_equal(p.stop[0], "\n");
+    assert_string_equal(p.stop[1], "The end");
+    assert_true(p.ignore_eos);
+    assert_true(p.sp.logprobs);
+    assert_int_equal(p.sp.top_logprobs, 5);
+    oai_request_free(&r);
+}
+
+static void test_completion_token_prompt(void **state) {
+    (void)state;
+    struct oai_request r;
+    parse_ok(C, "{\"prompt\":[1,403,407,261,378],\"stop\":\"x\",\"top_k\":-1,\"model\":\"\"}", &r);
+    assert_false(r.has_text);
+    assert_int_equal(r.n_ids, 5);
+    assert_int_equal(r.ids[0], 1);
+    assert_int_equal(r.ids[4], 378);
+    assert_int_equal(r.n_stop, 1);
+    assert_string_equal(r.stop[0], "x");
+    assert_int_equal(r.sp.top_k, 0);
+    oai_request_free(&r);
+    parse_ok(C, "{\"prompt\":[[5,6]],\"logprobs\":0,\"max_tokens\":null,\"seed\":7}", &r);
+    assert_int_equal(r.n_ids, 2);
+    assert_int_equal(r.ids[1], 6);
+    assert_true(r.sp.logprobs);
+    assert_int_equal(r.sp.top_logprobs, 0);
+    assert_int_equal(r.max_tokens, 16);
+    assert_true(r.sp.seed == 7);
+    oai_request_free(&r);
+    parse_ok(C, "{\"prompt\":\"\",\"max_tokens\":512}", &r); /* empty text is a valid prompt */
+    assert_true(r.has_text);
+    assert_int_equal(r.text_len, 0);
+    assert_int_equal(r.max_tokens, 512);
+    oai_request_free(&r);
+}
+
+static void test_chat(void **state) {
+    (void)state;
+    struct oai_request r;
+    parse_ok(H,
+             "{\"messages\":[{\"role\":\"system\",\"content\":\"Be brief.\"},"
+             "{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"Tell \"},"
+             "{\"type\":\"text\",\"text\":\"me\"}]},{\"role\":\"assistant\",\"content\":null}],"
+             "\"logprobs\":true,\"top_logprobs\":20,\"max_completion_tokens\":7,\"temperature\":0.7}",
+             &r);
+    assert_int_equal(r.n_msgs, 3);
+    assert_string_equal(r.msgs[0].role, "system");
+    assert_string_equal(r.msgs[0].content, "Be brief.");
+    assert_string_equal(r.msgs[1].content, "Tell me");
+    assert_string_equal(r.msgs[2].content, "");
+    assert_true(r.sp.logprobs);
+    assert_int_equal(r.sp.top_logprobs, 20);
+    assert_int_equal(r.max_tokens, 7);
+    oai_request_free(&r);
+    /* chat default: until the context ends */
+    parse_ok(H, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}]}", &r);
+    assert_int_equal(r.max_tokens, -1);
+    struct engine_request_params p;
+    int32_t ids[50] = {0};
+    oai_engine_params(&r, ids, 50, 512, &p);
+    assert_int_equal(p.max_tokens, 462);
+    assert_true(p.sp.temperature == 1.0f);
+    oai_request_free(&r);
+}
+
+static void test_tokenize_detokenize(void **state) {
+    (void)state;
+    struct oai_request r;
+    parse_ok(T, "{\"prompt\":\"hello\",\"add_special_tokens\":false}", &r);
+    assert_string_equal(r.text, "hello");
+    assert_false(r.add_special);
+    oai_request_free(&r);
+    parse_ok(T, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}", &r);
+    assert_int_equal(r.n_msgs, 1);
+    assert_true(r.add_special);
+    oai_request_free(&r);
+    parse_ok(D, "{\"tokens\":[1, 511, 0]}", &r);
+    assert_int_equal(r.n_ids, 3);
+    assert_int_equal(r.ids[1], 511);
+    oai_request_free(&r);
+    parse_ok(D, "{\"tokens\":[]}", &r);
+    assert_int_equal(r.n_ids, 0);
+    oai_request_free(&r);
+}
+
+static void test_responses_shapes(void **state) {
+    (void)state;
+    struct resp_meta m = {"cmpl-abc", 1700000000, "stories260K", OAI_COMPLETION};
+    struct resp_usage u = {5, 3, 0};
+    char *s = resp_full_json(&m, "Hi \"x\"", 6, NULL, "length", &u);
+    assert_non_null(s);
+    assert_string_equal(s, "{\"id\":\"cmpl-abc\",\"object\":\"text_completion\",\"created\":1700000000,"
+                           "\"model\":\"stories260K\",\"choices\":[{\"index\":0,\"text\":\"Hi \\\"x\\\"\","
+                           "\"logprobs\":null,\"finish_reason\":\"length\"}],\"usage\":{\"prompt_tokens\":5,"
+                           "\"completion_tokens\":3,\"total_tokens\":8,\"prompt_tokens_details\":"
+                           "{\"cached_tokens\":0}}}");
+    free(s);
+    kv_buf b;
+    kv_buf_init(&b);
+    m.kind = OAI_CHAT;
+    m.id = "chatcmpl-1";
+    assert_int_equal(resp_chunk_sse(&b, &m, "assistant", "", 0, NULL, NULL), KV_OK);
+    assert_string_equal(kv_buf_cstr(&b),
+                        "data: {\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"created\":"
+                        "1700000000,\"model\":\"stories260K\",\"choices\":[{\"index\":0,\"delta\":"
+                        "{\"role\":\"assistant\",\"content\":\"\"},\"logprobs\":null,\"finish_reason\":"
+                        "null}]}\n\n");
+    b.len = 0;
+    assert_int_equal(resp_usage_sse(&b, &m, &u), KV_OK);
+    assert_non_null(strstr(kv_buf_cstr(&b), "\"choices\":[],\"usage\":{\"prompt_tokens\":5"));
+    kv_buf_free(&b);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_bad_inputs),
+        cmocka_unit_test(test_prompt_too_long_ids),
+        cmocka_unit_test(test_completion_defaults),
+        cmocka_unit_test(test_completion_full),
+        cmocka_unit_test(test_completion_token_prompt),
+        cmocka_unit_test(test_chat),
+        cmocka_unit_test(test_tokenize_detokenize),
+        cmocka_unit_test(test_responses_shapes),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
