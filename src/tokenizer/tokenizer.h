@@ -48,8 +48,10 @@ int tok_find(const tokenizer_t *t, const char *s);
 
 /* Encodes text[0..len) (UTF-8; invalid bytes are encoded through byte fallback or
  * byte-level mapping, never dropped). add_special: prepend BOS (and whatever the
- * post-processor adds) when the tokenizer uses it. parse_special: text like "<|im_end|>"
- * or "<s>" becomes the special token (otherwise it is encoded as plain text).
+ * post-processor adds) when the tokenizer uses it; when the text itself already starts with
+ * that BOS token (parse_special, e.g. a rendered Llama-3 chat template) no second BOS is
+ * added. parse_special: text like "<|im_end|>" or "<s>" becomes the special token
+ * (otherwise it is encoded as plain text); non-special added tokens always match.
  * *ids is heap-allocated (caller frees); KV_ENOMEM on failure with *ids untouched. */
 kv_status tok_encode(const tokenizer_t *t, const char *text, size_t len, bool add_special,
                      bool parse_special, int32_t **ids, size_t *n_ids);
@@ -71,7 +73,12 @@ int tok_token_bytes(const tokenizer_t *t, int id, char *buf, size_t cap);
  * Guarantees: never emits a partial UTF-8 character; no text of the prompt ever appears
  * (the stream is primed with the prompt's ids so leading-space rules match the one-shot
  * decode); the concatenation of all emitted text plus tok_stream_flush() equals
- * tok_decode(generated ids) (with skip_special = true). */
+ * tok_decode(generated ids) (with skip_special = true).
+ * Leading-space rule: the generated ids are decoded as a standalone sequence, so for SPM
+ * vocabularies (Llama-2, Mistral, stories260K) the leading space of the first generated
+ * token is dropped exactly as tok_decode drops it; prompt_ids are accepted (and may be NULL)
+ * but never contribute text. Text is held back while it ends in an incomplete UTF-8
+ * character or a run of byte-fallback tokens <0xXX> that may continue. */
 typedef struct tok_stream tok_stream_t;
 tok_stream_t *tok_stream_new(const tokenizer_t *t, const int32_t *prompt_ids, size_t n_prompt);
 void tok_stream_free(tok_stream_t *s);
@@ -86,8 +93,10 @@ kv_status tok_stream_flush(tok_stream_t *s, kv_buf *out);
  * of the known families (ChatML, Llama-3, Mistral/Llama-2 [INST]), detected by markers in
  * the template text; a model without a template gets ChatML, as llama.cpp does.
  * Unknown template text: falls back to ChatML and logs a warning once.
- * The rendered string is later tokenized with add_special = true and parse_special = true
- * (the BOS of the template text is dropped when the tokenizer adds BOS itself). */
+ * The output is exactly the template's text, including a BOS string when the template
+ * writes one (Llama-3 "<|begin_of_text|>", Llama-2/Mistral "<s>"); ChatML writes none.
+ * It is then tokenized with add_special = true and parse_special = true; tok_encode does
+ * not prepend a second BOS to text that starts with the BOS token, so exactly one BOS. */
 struct chat_message {
     const char *role;    /* "system" | "user" | "assistant" | "tool" ... (borrowed) */
     const char *content; /* borrowed UTF-8 */

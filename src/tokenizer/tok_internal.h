@@ -1,0 +1,148 @@
+/*
+ * tok_internal: the tokenizer's private data model, shared by its translation units.
+ *
+ * Both sources (HF tokenizer.json, GGUF metadata) are lowered to one pipeline, the same
+ * one HF tokenizers runs:
+ *
+ *   text --added-token split--> segments --normalizer--> --pre-tokenizer--> words
+ *        --model (BPE by rank | BPE by score)--> ids --post-processor (BOS...)--> ids
+ *   ids --token strings--> decoder chain (ByteLevel | Replace, ByteFallback, Fuse, Strip,
+ *        Metaspace) --> lossy UTF-8 --> text
+ *
+ * Strings in the vocabulary are stored in one arena (owned by the tokenizer).
+ */
+#ifndef KV_TOK_INTERNAL_H
+#define KV_TOK_INTERNAL_H
+
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include <pcre2.h>
+
+#include "tokenizer.h"
+
+/* token flags */
+enum {
+    TF_MODEL = 1,   /* in the model's vocabulary (BPE lookups see it) */
+    TF_ADDED = 2,   /* an added token (matched on the raw text before the model) */
+    TF_SPECIAL = 4, /* special: skipped by decode(skip_special), parse_special controls it */
+    TF_BYTE = 8,    /* byte-fallback token <0xXX>; t->tok_byte[id] is the byte */
+};
+
+struct tok_entry {
+    const char *s; /* arena, NUL-terminated */
+    uint32_t len;
+    float score;   /* SPM score (GGUF llama); 0 otherwise */
+    uint8_t flags;
+    uint8_t byte;  /* for TF_BYTE */
+};
+
+struct added_token {
+    int id;
+    const char *s; /* = vocab[id].s */
+    uint32_t len;
+    bool special, lstrip, rstrip, single_word, normalized;
+};
+
+/* ---- string -> id hash (keys are the vocab strings themselves) ---- */
+struct strmap {
+    int32_t *slots; /* id or -1 */
+    uint32_t mask;
+};
+
+/* ---- pair (left id, right id) -> (rank, merged id) ---- */
+struct pairmap {
+    uint64_t *keys; /* (left << 32 | right) + 1; 0 = empty */
+    int32_t *rank;
+    int32_t *merged;
+    uint32_t mask;
+};
+
+enum norm_kind { N_NFC, N_NFD, N_NFKC, N_NFKD, N_LOWERCASE, N_PREPEND, N_REPLACE, N_STRIP };
+struct norm_step {
+    enum norm_kind kind;
+    char *a; size_t alen;   /* Prepend text / Replace pattern string */
+    char *b; size_t blen;   /* Replace content */
+    pcre2_code *re;         /* Replace with a Regex pattern */
+    bool left, right;       /* Strip */
+};
+
+enum pre_kind { P_SPLIT, P_BYTELEVEL, P_METASPACE, P_DIGITS };
+enum split_behavior { SB_ISOLATED, SB_REMOVED, SB_MERGED_PREV, SB_MERGED_NEXT, SB_CONTIGUOUS };
+struct pre_step {
+    enum pre_kind kind;
+    pcre2_code *re;             /* Split (pattern), ByteLevel (use_regex) */
+    char *lit; size_t litlen;   /* Split with a String pattern */
+    enum split_behavior behavior;
+    bool invert;
+    bool add_prefix_space;      /* ByteLevel */
+    char repl[8]; size_t repl_len; /* Metaspace replacement */
+    int prepend;                /* Metaspace: 0 never, 1 first, 2 always */
+    bool split;                 /* Metaspace split */
+    bool individual_digits;     /* Digits */
+};
+
+enum dec_kind { D_BYTELEVEL, D_REPLACE, D_BYTEFALLBACK, D_FUSE, D_STRIP, D_METASPACE };
+struct dec_step {
+    enum dec_kind kind;
+    char *a; size_t alen; /* Replace pattern, Strip content, Metaspace replacement */
+    char *b; size_t blen; /* Replace content */
+    int start, stop;      /* Strip */
+    bool prepend;         /* Metaspace: strip the leading space of the first token */
+};
+
+enum model_kind { M_BPE_RANK, M_BPE_SCORE };
+
+struct tokenizer {
+    enum model_kind model;
+    struct tok_entry *tok; /* [n_tok] */
+    int n_tok;
+    char *arena; size_t arena_len, arena_cap; /* vocab strings; pointers fixed after load */
+    struct strmap vmap;
+    struct pairmap merges;
+    bool byte_fallback, ignore_merges, fuse_unk;
+    int unk;
+    int byte_tok[256]; /* id of <0xXX> or -1 */
+
+    struct added_token *added; int n_added;
+    struct norm_step *norm; int n_norm;
+    struct pre_step *pre; int n_pre;
+    struct dec_step *dec; int n_dec;
+    bool bytelevel_input; /* a ByteLevel pre-tokenizer maps bytes to chars */
+
+    /* post-processor: ids around the sequence when add_special */
+    int32_t prefix_ids[4]; int n_prefix;
+    int32_t suffix_ids[4]; int n_suffix;
+
+    bool strings_resolved; /* tok[].s are pointers and vmap is built */
+    int bos, eos, eot;
+    bool add_bos;
+    uint8_t *eog; /* [n_tok] */
+    char *chat_template; /* owned or NULL */
+    chat_format chat_fmt;
+    bool chat_qwen_think; /* ChatML template that strips <think> blocks of old turns */
+    bool chat_gen_always;  /* template emits the generation prompt unconditionally (Llama-3 8B) */
+    bool chat_llama2_sys;  /* [INST] template with <<SYS>> blocks (Llama-2-chat) */
+};
+
+/* tokenizer.c */
+kv_status tok_vocab_alloc(tokenizer_t *t, int n_tok);
+/* Sets vocab string of id (copied into the arena). */
+kv_status tok_vocab_set(tokenizer_t *t, int id, const char *s, size_t len);
+/* Builds the hash, byte table, eog set, added-token table order; call after filling. */
+kv_status tok_finalize(tokenizer_t *t, char *err, size_t errlen);
+/* Resolves the vocab strings and builds the string hash (no more tok_vocab_set after). */
+kv_status tok_finalize_map_only(tokenizer_t *t);
+int tok_lookup(const tokenizer_t *t, const char *s, size_t len); /* any token */
+kv_status pairmap_put(struct pairmap *m, int32_t a, int32_t b, int32_t rank, int32_t merged);
+kv_status pairmap_init(struct pairmap *m, size_t n);
+pcre2_code *tok_regex_compile(const char *pat, size_t len, char *err, size_t errlen);
+
+/* loaders */
+kv_status tok_load_json(tokenizer_t *t, const char *json_path, const char *config_path, char *err,
+                        size_t errlen);
+kv_status tok_load_gguf(tokenizer_t *t, const char *path, char *err, size_t errlen);
+/* Pre-tokenizer regexes llama.cpp uses for tokenizer.ggml.pre values (NULL if unknown). */
+
+/* chat.c: detects the family from the template text. */
+void tok_chat_detect(tokenizer_t *t);
+
+#endif
