@@ -18,6 +18,7 @@
 
 #include "backend/backend.h"
 #include "engine/engine.h"
+#include "kvcache/kvcache.h"
 #include "model/gguf.h"
 #include "model/model.h"
 #include "tokenizer/tokenizer.h"

@@ -334,13 +334,15 @@ struct tok_stream {
 };
 
 tok_stream_t *tok_stream_new(const tokenizer_t *t, const int32_t *prompt_ids, size_t n_prompt) {
-    /* The prompt never contributes text: by contract the stream reproduces the one-shot
-     * decode of the generated ids alone (see tokenizer.h). */
+    /* The prompt never contributes text; a non-empty prompt only makes the generated ids a
+     * continuation (no leading-space strip), as llama.cpp renders completions (tokenizer.h). */
     (void)prompt_ids;
-    (void)n_prompt;
     if (!t) return NULL;
     tok_stream_t *s = kv_calloc(1, sizeof *s);
-    if (s) s->t = t;
+    if (s) {
+        s->t = t;
+        s->emitted_any = n_prompt > 0;
+    }
     return s;
 }
 

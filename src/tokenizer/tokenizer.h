@@ -70,15 +70,17 @@ int tok_token_bytes(const tokenizer_t *t, int id, char *buf, size_t cap);
 
 /* ---- incremental detokenizer for streaming ----
  * Feed generated ids one at a time; each push returns the text that is now final.
- * Guarantees: never emits a partial UTF-8 character; no text of the prompt ever appears
- * (the stream is primed with the prompt's ids so leading-space rules match the one-shot
- * decode); the concatenation of all emitted text plus tok_stream_flush() equals
- * tok_decode(generated ids) (with skip_special = true).
- * Leading-space rule: the generated ids are decoded as a standalone sequence, so for SPM
- * vocabularies (Llama-2, Mistral, stories260K) the leading space of the first generated
- * token is dropped exactly as tok_decode drops it; prompt_ids are accepted (and may be NULL)
- * but never contribute text. Text is held back while it ends in an incomplete UTF-8
- * character or a run of byte-fallback tokens <0xXX> that may continue. */
+ * Guarantees: never emits a partial UTF-8 character; no text of the prompt ever appears;
+ * the concatenation of all emitted text plus tok_stream_flush() equals the one-shot decode
+ * of the generated ids (skip_special = true) in the stream's mode:
+ *   - n_prompt > 0 (the server's case): the generated ids are decoded as a continuation of
+ *     the prompt, so the leading space of the first generated SPM token ("\u2581was" ->
+ *     " was") is kept. This is the completion text llama.cpp returns (the reference outputs in
+ *     shared/data keep it); prompt_ids themselves never contribute text.
+ *   - n_prompt == 0: equals tok_decode(generated ids), which drops that leading space as HF
+ *     decode() does for a standalone sequence.
+ * Text is held back while it ends in an incomplete UTF-8 character or a run of
+ * byte-fallback tokens <0xXX> that may continue. */
 typedef struct tok_stream tok_stream_t;
 tok_stream_t *tok_stream_new(const tokenizer_t *t, const int32_t *prompt_ids, size_t n_prompt);
 void tok_stream_free(tok_stream_t *s);
