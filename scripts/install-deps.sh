@@ -27,7 +27,7 @@ fi
 if [[ "${1:-}" == "--test" ]]; then
   # JavaScript peers (the official OpenAI SDK, HF tokenizers' binding) for the e2e tests.
   here=$(cd "$(dirname "$0")/.." && pwd)
-  if [[ ! -d "$here/tests/e2e/node_modules/openai" ]]; then
+  if [[ ! -d "$here/tests/e2e/node_modules/openai" || ! -d "$here/tests/e2e/node_modules/@anush008/tokenizers" || ! -d "$here/tests/e2e/node_modules/@huggingface/jinja" ]]; then
     (cd "$here/tests/e2e" && npm install --no-audit --no-fund --loglevel=error >/dev/null)
   fi
 fi

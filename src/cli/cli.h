@@ -6,4 +6,7 @@ int cmd_serve(int argc, char **argv);
 int cmd_inspect(int argc, char **argv);
 int cmd_generate(int argc, char **argv);
 int cmd_bench(int argc, char **argv);
+int cmd_tokenize(int argc, char **argv);
+int cmd_detokenize(int argc, char **argv);
+int cmd_chat_template(int argc, char **argv);
 #endif

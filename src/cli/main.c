@@ -12,6 +12,9 @@ static const struct {
     {"inspect", cmd_inspect, "print a model file's configuration and tensors"},
     {"generate", cmd_generate, "run one prompt through the engine and print the completion"},
     {"bench", cmd_bench, "replay multi-turn traces against any OpenAI-compatible server"},
+    {"tokenize", cmd_tokenize, "text on stdin -> token ids (--tokenizer PATH)"},
+    {"detokenize", cmd_detokenize, "token ids on stdin -> text (--tokenizer PATH)"},
+    {"chat-template", cmd_chat_template, "render messages JSON on stdin with the model's chat template"},
 };
 
 static void usage(FILE *f) {
