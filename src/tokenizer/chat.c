@@ -1,6 +1,8 @@
-/* chat: chat-template family detection and rendering (ChatML, Llama-3, Mistral/Llama-2).
+/* chat: chat-template rendering. A model's own chat_template is rendered by the Jinja
+ * interpreter (jinja/); models without one (and templates the interpreter cannot parse, with
+ * a warning) use the built-in family renderers below (ChatML, Llama-3, Mistral/Llama-2).
  *
- * The renderers reproduce what the vendors' Jinja templates emit for plain conversations
+ * The built-in renderers reproduce what the vendors' Jinja templates emit for plain conversations
  * (string contents, roles system/user/assistant, Qwen's tool role), including the BOS text
  * when the template writes it (Llama-3: "<|begin_of_text|>", Llama-2/Mistral: "<s>").
  * tok_encode(add_special = true) does not add a second BOS when the text already starts
@@ -8,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "jinja/jinja.h"
 #include "tok_internal.h"
 
 static const char *k_names[] = {"chatml", "llama3", "mistral"};
@@ -22,6 +25,12 @@ void tok_chat_detect(tokenizer_t *t) {
     const char *s = t->chat_template;
     t->chat_fmt = CHAT_FMT_CHATML;
     if (!s) return;
+    {
+        jinja_template_t *tpl;
+        char err[256];
+        if (jinja_parse(s, strlen(s), &tpl, err, sizeof err) == KV_OK) jinja_free(tpl);
+        else KV_WARN("tokenizer: the model's chat template is not supported (%s); using the built-in renderer", err);
+    }
     if (strstr(s, "<|im_start|>")) {
         t->chat_qwen_think = strstr(s, "</think>") != NULL;
     } else if (strstr(s, "<|start_header_id|>")) {
@@ -30,8 +39,6 @@ void tok_chat_detect(tokenizer_t *t) {
     } else if (strstr(s, "[INST]")) {
         t->chat_fmt = CHAT_FMT_MISTRAL;
         t->chat_llama2_sys = strstr(s, "<<SYS>>") != NULL;
-    } else {
-        KV_WARN("tokenizer: unknown chat template family; rendering ChatML");
     }
 }
 
@@ -197,13 +204,8 @@ static kv_status render_mistral(const tokenizer_t *t, const struct chat_message 
     return st;
 }
 
-kv_status tok_chat_render(const tokenizer_t *t, const struct chat_message *msgs, size_t n, bool add_generation_prompt,
-                          char **out, char *err, size_t errlen) {
-    if (!t || !out) return kv_errf(KV_EINVAL, err, errlen, "chat: NULL argument");
-    if (!msgs || n == 0) return kv_errf(KV_EINVAL, err, errlen, "chat: empty message list");
-    for (size_t i = 0; i < n; i++)
-        if (!msgs[i].role || !msgs[i].content)
-            return kv_errf(KV_EINVAL, err, errlen, "chat: message %zu has no role or content", i);
+static kv_status render_builtin(const tokenizer_t *t, const struct chat_message *msgs, size_t n,
+                                bool add_generation_prompt, char **out, char *err, size_t errlen) {
     kv_buf b;
     kv_buf_init(&b);
     kv_status st;
@@ -220,4 +222,97 @@ kv_status tok_chat_render(const tokenizer_t *t, const struct chat_message *msgs,
     kv_buf_cstr(&b);
     *out = b.data;
     return KV_OK;
+}
+
+/* ---- the model's template through the interpreter ---- */
+
+static bool template_usable(const char *src) {
+    jinja_template_t *tpl;
+    if (jinja_parse(src, strlen(src), &tpl, NULL, 0) != KV_OK) return false;
+    jinja_free(tpl);
+    return true;
+}
+
+kv_status tok_chat_render_template(const char *template_src, const char *bos, const char *eos,
+                                   const struct json_t *messages, const struct json_t *kwargs,
+                                   bool add_generation_prompt, char **out, char *err, size_t errlen) {
+    if (!template_src || !messages || !out) return kv_errf(KV_EINVAL, err, errlen, "chat: NULL argument");
+    if (!json_is_array(messages)) return kv_errf(KV_EINVAL, err, errlen, "chat: messages must be a JSON array");
+    if (kwargs && !json_is_object(kwargs)) return kv_errf(KV_EINVAL, err, errlen, "chat: template kwargs must be a JSON object");
+    jinja_template_t *tpl;
+    kv_status st = jinja_parse(template_src, strlen(template_src), &tpl, err, errlen);
+    if (st) return st;
+    json_t *ctx = json_object();
+    if (!ctx) {
+        jinja_free(tpl);
+        return kv_errf(KV_ENOMEM, err, errlen, "chat: out of memory");
+    }
+    const char *k;
+    json_t *v;
+    if (kwargs)
+        json_object_foreach((json_t *)kwargs, k, v) json_object_set(ctx, k, v);
+    json_object_set(ctx, "messages", (json_t *)messages);
+    json_object_set_new(ctx, "add_generation_prompt", json_boolean(add_generation_prompt));
+    json_object_set_new(ctx, "bos_token", bos ? json_string(bos) : json_null());
+    json_object_set_new(ctx, "eos_token", eos ? json_string(eos) : json_null());
+    size_t len;
+    st = jinja_render(tpl, ctx, out, &len, err, errlen);
+    json_decref(ctx);
+    jinja_free(tpl);
+    return st;
+}
+
+static const char *special_str(const tokenizer_t *t, int id) {
+    return id >= 0 && id < t->n_tok ? t->tok[id].s : NULL;
+}
+
+kv_status tok_chat_render_json(const tokenizer_t *t, const struct json_t *messages, const struct json_t *kwargs,
+                               bool add_generation_prompt, char **out, char *err, size_t errlen) {
+    if (!t || !messages || !out) return kv_errf(KV_EINVAL, err, errlen, "chat: NULL argument");
+    if (!json_is_array(messages) || json_array_size(messages) == 0)
+        return kv_errf(KV_EINVAL, err, errlen, "chat: empty message list");
+    if (t->chat_template && template_usable(t->chat_template))
+        return tok_chat_render_template(t->chat_template, special_str(t, t->bos), special_str(t, t->eos), messages,
+                                        kwargs, add_generation_prompt, out, err, errlen);
+    /* built-in renderer: plain role/content string pairs only */
+    size_t n = json_array_size(messages);
+    struct chat_message *m = calloc(n, sizeof *m);
+    if (!m) return kv_errf(KV_ENOMEM, err, errlen, "chat: out of memory");
+    for (size_t i = 0; i < n; i++) {
+        const json_t *msg = json_array_get(messages, i);
+        m[i].role = json_string_value(json_object_get(msg, "role"));
+        m[i].content = json_string_value(json_object_get(msg, "content"));
+        if (!m[i].role || !m[i].content) {
+            free(m);
+            return kv_errf(KV_EINVAL, err, errlen,
+                           "chat: message %zu needs string role and content (the built-in renderer supports nothing else)", i);
+        }
+    }
+    kv_status st = render_builtin(t, m, n, add_generation_prompt, out, err, errlen);
+    free(m);
+    return st;
+}
+
+kv_status tok_chat_render(const tokenizer_t *t, const struct chat_message *msgs, size_t n, bool add_generation_prompt,
+                          char **out, char *err, size_t errlen) {
+    if (!t || !out) return kv_errf(KV_EINVAL, err, errlen, "chat: NULL argument");
+    if (!msgs || n == 0) return kv_errf(KV_EINVAL, err, errlen, "chat: empty message list");
+    for (size_t i = 0; i < n; i++)
+        if (!msgs[i].role || !msgs[i].content)
+            return kv_errf(KV_EINVAL, err, errlen, "chat: message %zu has no role or content", i);
+    if (!t->chat_template || !template_usable(t->chat_template))
+        return render_builtin(t, msgs, n, add_generation_prompt, out, err, errlen);
+    json_t *arr = json_array();
+    kv_status st = arr ? KV_OK : KV_ENOMEM;
+    for (size_t i = 0; i < n && !st; i++) {
+        json_t *o = json_pack("{s:s,s:s}", "role", msgs[i].role, "content", msgs[i].content);
+        if (!o || json_array_append_new(arr, o)) st = KV_ENOMEM;
+    }
+    if (st) {
+        json_decref(arr);
+        return kv_errf(st, err, errlen, "chat: out of memory (or a message is not valid UTF-8)");
+    }
+    st = tok_chat_render_json(t, arr, NULL, add_generation_prompt, out, err, errlen);
+    json_decref(arr);
+    return st;
 }

@@ -90,11 +90,14 @@ kv_status tok_stream_push(tok_stream_t *s, int32_t id, kv_buf *out);
 kv_status tok_stream_flush(tok_stream_t *s, kv_buf *out);
 
 /* ---- chat templates ----
- * Messages are role/content pairs. The renderer uses the model's chat_template
- * (tokenizer_config.json "chat_template" or GGUF "tokenizer.chat_template") when it is one
- * of the known families (ChatML, Llama-3, Mistral/Llama-2 [INST]), detected by markers in
- * the template text; a model without a template gets ChatML, as llama.cpp does.
- * Unknown template text: falls back to ChatML and logs a warning once.
+ * Rendering uses the model's own chat_template (tokenizer_config.json "chat_template" or
+ * GGUF "tokenizer.chat_template"), run by the Jinja interpreter in jinja/ (output
+ * byte-identical to Hugging Face's @huggingface/jinja; supported subset in
+ * docs/chat-templates.md). The template sees messages, add_generation_prompt, bos_token and
+ * eos_token (the tokenizer's BOS/EOS strings, null when it has none) plus any kwargs.
+ * A model without a template gets ChatML, as llama.cpp does; a template the interpreter
+ * cannot parse falls back to the built-in family renderers (ChatML, Llama-3, Mistral/Llama-2
+ * [INST], detected by markers) with a warning logged at load.
  * The output is exactly the template's text, including a BOS string when the template
  * writes one (Llama-3 "<|begin_of_text|>", Llama-2/Mistral "<s>"); ChatML writes none.
  * It is then tokenized with add_special = true and parse_special = true; tok_encode does
@@ -106,9 +109,29 @@ struct chat_message {
 typedef enum { CHAT_FMT_CHATML = 0, CHAT_FMT_LLAMA3, CHAT_FMT_MISTRAL } chat_format;
 chat_format tok_chat_format(const tokenizer_t *t);
 const char *chat_format_name(chat_format f);
-/* Renders; *out heap-allocated. KV_EINVAL (message in err) for an empty list or a role the
- * format cannot express (e.g. Mistral requires alternating user/assistant). */
+/* tok_chat_format: the built-in family detected from the template text (used only when the
+ * template itself cannot be run; ChatML without a template). */
+/* Renders; *out heap-allocated, NUL-terminated. KV_EINVAL (message in err) for an empty
+ * list, a template error (e.g. raise_exception("Conversation roles must alternate ..."),
+ * with the template's line/column) or a role the built-in format cannot express;
+ * KV_ETOOLONG if the template exceeds the interpreter's limits. *out untouched on error. */
 kv_status tok_chat_render(const tokenizer_t *t, const struct chat_message *msgs, size_t n,
                           bool add_generation_prompt, char **out, char *err, size_t errlen);
+
+/* The richer variant: messages is a JSON array (jansson) of message objects as the OpenAI
+ * API sends them (content may be null or a list of parts, tool_calls, tool_call_id,
+ * reasoning_content ...), passed to the template unchanged. kwargs (NULL or a JSON object)
+ * adds template variables such as "tools" (a list) or "enable_thinking" (bool). Without a
+ * usable template, messages must be plain role/content strings (built-in renderer).
+ * Errors as tok_chat_render. The JSON values are borrowed. */
+struct json_t;
+kv_status tok_chat_render_json(const tokenizer_t *t, const struct json_t *messages, const struct json_t *kwargs,
+                               bool add_generation_prompt, char **out, char *err, size_t errlen);
+
+/* Renders template_src directly, without a tokenizer (bos/eos: strings or NULL -> null).
+ * Parse errors name the line/column of the template. Errors as tok_chat_render. */
+kv_status tok_chat_render_template(const char *template_src, const char *bos, const char *eos,
+                                   const struct json_t *messages, const struct json_t *kwargs,
+                                   bool add_generation_prompt, char **out, char *err, size_t errlen);
 
 #endif
