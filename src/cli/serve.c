@@ -9,6 +9,7 @@
 #include "engine/engine.h"
 #include "http/http.h"
 #include "model/model.h"
+#include "tokenizer/prefix_cache.h"
 #include "tokenizer/tokenizer.h"
 
 #define DEFAULT_KV_MEMORY (256ull << 20)
@@ -35,6 +36,20 @@ static void serve_usage(FILE *f) {
             "                           model's context length)\n"
             "  --max-queue N            waiting requests before 503 (default 1024)\n"
             "  --max-body-size SIZE     largest request body (default 16MiB; larger gets 413)\n"
+            "  --no-prefix-cache        do not reuse KV blocks across requests (A/B runs, tests)\n"
+            "  --host-cache-memory SIZE host-memory tier for evicted KV blocks, e.g. 4GiB (default 0)\n"
+            "  --prefix-wait-blocks N   a request waits for an in-flight prefill that will cover >= N\n"
+            "                           more of its blocks (default 64; 0 disables)\n"
+            "  --hash-key-file PATH     32-byte block-hash secret (created if absent; default: random\n"
+            "                           per start)\n"
+            "  --prefix-token-cache     reuse the ids of the longest cached prompt prefix and\n"
+            "                           tokenize only the tail (multi-turn chats; ids identical)\n"
+            "  --prefix-token-cache-entries N    cached prompts (default 512)\n"
+            "  --prefix-token-cache-max-chars N  bytes of cached prompt text (default 64MiB)\n"
+            "  --prefix-token-cache-overlap N    tokens re-tokenized before the new text (default 64)\n"
+            "  --prefix-token-cache-resync N     re-tokenized ids that must match (default 32)\n"
+            "  --prefix-token-cache-min-chars N  shorter prompts bypass the cache (default 4096)\n"
+            "                           (\"chars\" are bytes of UTF-8)\n"
             "  --threads N              compute threads (default 0 = all cores)\n"
             "  --log-level LEVEL        debug | info | warn | error (default info)\n"
             "  --help                   show this help\n");
@@ -60,13 +75,27 @@ int cmd_serve(int argc, char **argv) {
     const char *model_path = NULL, *host = "127.0.0.1", *served = NULL, *port_file = NULL;
     int port = 8000, tpb = 16, kv_blocks = 0, max_num_tokens = 512, max_batch = 64;
     int max_model_len = 0, max_queue = 1024, threads = 0;
-    uint64_t kv_mem = 0, max_body = 16ull << 20;
-    bool kv_mem_set = false;
+    uint64_t kv_mem = 0, max_body = 16ull << 20, host_mem = 0;
+    bool kv_mem_set = false, no_prefix_cache = false;
+    int prefix_wait = 64;
+    const char *hash_key_file = NULL;
+    bool ptc_on = false, ptc_set = false;
+    struct prefix_cache_config ptc;
+    prefix_cache_config_default(&ptc);
+    prefix_cache_t *pcache = NULL;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             serve_usage(stdout);
             return 0;
+        }
+        if (!strcmp(a, "--prefix-token-cache")) {
+            ptc_on = true;
+            continue;
+        }
+        if (!strcmp(a, "--no-prefix-cache")) {
+            no_prefix_cache = true;
+            continue;
         }
         if (strncmp(a, "--", 2) != 0) {
             fprintf(stderr, "kvserve serve: unexpected argument '%s' (see --help)\n", a);
@@ -90,6 +119,29 @@ int cmd_serve(int argc, char **argv) {
         else if (!strcmp(a, "--max-model-len")) rc = parse_int_opt(a, v, 2, 1 << 24, &max_model_len);
         else if (!strcmp(a, "--max-queue")) rc = parse_int_opt(a, v, 1, 1 << 24, &max_queue);
         else if (!strcmp(a, "--threads")) rc = parse_int_opt(a, v, 0, 4096, &threads);
+        else if (!strcmp(a, "--prefix-wait-blocks")) rc = parse_int_opt(a, v, 0, 1 << 24, &prefix_wait);
+        else if (!strcmp(a, "--hash-key-file")) hash_key_file = v;
+        else if (!strncmp(a, "--prefix-token-cache-", 21)) {
+            const char *k = a + 21;
+            size_t *f = !strcmp(k, "entries") ? &ptc.max_entries
+                      : !strcmp(k, "max-chars") ? &ptc.max_total_bytes
+                      : !strcmp(k, "overlap") ? &ptc.overlap_tokens
+                      : !strcmp(k, "resync") ? &ptc.resync_tokens
+                      : !strcmp(k, "min-chars") ? &ptc.min_bytes : NULL;
+            uint64_t x;
+            if (!f) {
+                fprintf(stderr, "kvserve serve: unknown option '%s' (see --help)\n", a);
+                return 2;
+            }
+            if (kv_parse_size(v, &x) != KV_OK || x > (1ull << 40))
+                rc = bad_opt(a, v, "expected a non-negative integer (sizes such as 64MiB allowed)");
+            *f = (size_t)x;
+            ptc_set = true;
+        }
+        else if (!strcmp(a, "--host-cache-memory")) {
+            if (kv_parse_size(v, &host_mem) != KV_OK)
+                rc = bad_opt(a, v, "expected a size such as 0, 512MiB or 4GiB");
+        }
         else if (!strcmp(a, "--kv-cache-memory")) {
             if (kv_parse_size(v, &kv_mem) != KV_OK || kv_mem == 0)
                 rc = bad_opt(a, v, "expected a positive size such as 512MiB or 2GiB");
@@ -111,6 +163,16 @@ int cmd_serve(int argc, char **argv) {
     }
     if (!*host) return bad_opt("--host", host, "must not be empty");
     if (served && !*served) return bad_opt("--served-model-name", served, "must not be empty");
+    {
+        char perr[256];
+        if (prefix_cache_config_validate(&ptc, perr, sizeof perr) != KV_OK) {
+            fprintf(stderr, "kvserve serve: invalid --prefix-token-cache-* settings: %s\n", perr);
+            return 2;
+        }
+        if (ptc_set && !ptc_on)
+            KV_WARN("--prefix-token-cache-* settings given without --prefix-token-cache: the "
+                    "prefix token cache stays off");
+    }
 
     char err[1024] = "", demo[4096];
     if (!model_path) {
@@ -168,17 +230,42 @@ int cmd_serve(int argc, char **argv) {
         fprintf(stderr, "kvserve serve: cannot create the CPU backend: %s\n", err);
         goto out;
     }
+    kv_hash_key hkey;
+    if (hash_key_file && kv_hash_key_load_or_create(hash_key_file, &hkey, err, sizeof err) != KV_OK) {
+        fprintf(stderr, "kvserve serve: %s\n", err);
+        ret = 2;
+        goto out;
+    }
+    uint64_t host_blocks = block_bytes ? host_mem / block_bytes : 0;
+    if (host_blocks > (1u << 28)) host_blocks = 1u << 28;
+    if (host_blocks)
+        KV_INFO("KV host tier: %llu blocks (%.1f MiB)", (unsigned long long)host_blocks,
+                (double)host_blocks * (double)block_bytes / (1024.0 * 1024.0));
     struct engine_config ec = {.tokens_per_block = tpb, .n_blocks = kv_blocks,
                                .max_batch_size = max_batch, .max_num_tokens = max_num_tokens,
-                               .max_model_len = max_model_len, .max_queue = max_queue};
+                               .max_model_len = max_model_len, .max_queue = max_queue,
+                               .no_prefix_cache = no_prefix_cache,
+                               .host_cache_blocks = (int)host_blocks,
+                               .prefix_wait_blocks = prefix_wait > 0 ? prefix_wait : -1,
+                               .hash_key = hash_key_file ? &hkey : NULL};
     kv_status st = engine_start(&ec, m, t, be, &e, err, sizeof err);
     if (st != KV_OK) {
         fprintf(stderr, "kvserve serve: cannot start the engine: %s\n", err);
         ret = st == KV_EINVAL ? 2 : 1;
         goto out;
     }
+    if (ptc_on) {
+        if (prefix_cache_new(t, &ptc, &pcache, err, sizeof err) != KV_OK) {
+            fprintf(stderr, "kvserve serve: %s\n", err);
+            goto out;
+        }
+        KV_INFO("prefix token cache: on (%zu entries, %zu bytes, overlap %zu, resync %zu, "
+                "min %zu bytes)", ptc.max_entries, ptc.max_total_bytes, ptc.overlap_tokens,
+                ptc.resync_tokens, ptc.min_bytes);
+    }
     struct http_config hc = {.host = host, .port = port, .max_body_bytes = (size_t)max_body,
-                             .served_model_name = served, .port_file = port_file};
+                             .served_model_name = served, .port_file = port_file,
+                             .prefix_cache = pcache};
     if (m->is_demo)
         KV_WARN("serving the random-weight demo model: use `kvserve serve --model PATH` for a real one");
     st = http_serve(&hc, e, m, t, err, sizeof err);
@@ -190,6 +277,7 @@ int cmd_serve(int argc, char **argv) {
 out:
     if (e) engine_stop(e);
     if (be) backend_free(be);
+    prefix_cache_free(pcache);
     if (t) tok_free(t);
     if (m) model_free(m);
     if (ret == 0) KV_INFO("kvserve serve: stopped cleanly");

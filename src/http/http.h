@@ -21,6 +21,11 @@ struct http_config {
     size_t max_body_bytes;   /* default 16 MiB; larger bodies get 413 */
     const char *served_model_name; /* id in /v1/models and responses; default model name */
     const char *port_file;   /* optional: write the bound port here once listening */
+    /* optional, borrowed (outlives http_serve): prompts of /v1/completions,
+     * /v1/chat/completions and /tokenize are tokenized through this prefix token cache
+     * (tokenizer/prefix_cache.h; same ids as tok_encode), and /metrics reports its counters.
+     * NULL (the default) = plain tok_encode. */
+    struct prefix_cache *prefix_cache;
 };
 
 /* Serves until SIGINT/SIGTERM (or http_server_stop from another thread); returns KV_OK on a

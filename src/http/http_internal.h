@@ -115,5 +115,9 @@ struct http_counters {
 };
 kv_status metrics_render(kv_buf *out, const struct engine_stats *s, const struct http_counters *c,
                          const char *model_name);
+/* Appends the prefix token cache counters (kvserve_prefix_token_cache_*). */
+struct prefix_cache_stats;
+kv_status metrics_render_prefix_token_cache(kv_buf *out, const struct prefix_cache_stats *s,
+                                            const char *model_name);
 
 #endif

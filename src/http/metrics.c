@@ -1,5 +1,6 @@
 /* Prometheus text exposition (format 0.0.4) of engine and HTTP counters. */
 #include "http_internal.h"
+#include "tokenizer/prefix_cache.h"
 
 static kv_status metric(kv_buf *b, const char *name, const char *type, const char *help,
                         const char *model, double v) {
@@ -36,6 +37,26 @@ kv_status metrics_render(kv_buf *out, const struct engine_stats *s, const struct
     G("kv_blocks_free", "Free KV cache blocks.", s->kv_blocks_free);
     G("kv_cache_usage_ratio", "Fraction of KV blocks in use.",
       s->kv_blocks_total > 0 ? (double)s->kv_blocks_used / s->kv_blocks_total : 0.0);
+    /* KV reuse */
+    G("prefix_cache_enabled", "1 if KV block reuse is on.", s->prefix_cache_enabled ? 1 : 0);
+    C("prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
+      s->prefix_cache_query_tokens);
+    C("prefix_cache_hits_total", "Prompt tokens served from the prefix cache.",
+      s->prefix_cache_hit_tokens);
+    G("prefix_cache_hit_rate", "prefix_cache_hits_total / prefix_cache_queries_total.",
+      s->prefix_cache_query_tokens ? (double)s->prefix_cache_hit_tokens / (double)s->prefix_cache_query_tokens : 0.0);
+    G("kv_blocks_cached", "Unused KV blocks kept for reuse (counted as free).", s->kv_blocks_cached);
+    C("kv_evictions_total", "Cached KV blocks evicted from the device pool.", s->kv_evictions);
+    C("kv_offloads_total", "Evicted KV blocks copied to the host tier.", s->kv_offloads);
+    G("kv_host_blocks_total", "Host tier size in blocks.", s->kv_host_blocks_total);
+    G("kv_host_blocks_cached", "KV blocks held in the host tier.", s->kv_host_blocks_cached);
+    C("kv_host_evictions_total", "KV blocks dropped from the host tier.", s->kv_host_evictions);
+    C("kv_cache_hits_device_total", "KV blocks reused from the device pool.", s->kv_hits_device);
+    C("kv_cache_hits_host_total", "KV blocks reused from the host tier.", s->kv_hits_host);
+    C("prefix_waits_total", "Scheduler passes requests spent waiting for an in-flight prefix.",
+      s->prefix_waits_total);
+    C("scheduler_deadlock_failures_total", "Requests failed by the no-progress detector.",
+      s->deadlock_failures);
     if (c) {
         C("http_requests_total", "HTTP requests received.", c->http_requests_total);
         C("http_responses_4xx_total", "HTTP responses with a 4xx status.", c->http_errors_4xx);
@@ -43,6 +64,29 @@ kv_status metrics_render(kv_buf *out, const struct engine_stats *s, const struct
         C("client_disconnects_total", "Generation requests whose client went away.",
           c->client_disconnects);
     }
+#undef C
+#undef G
+    return st ? KV_ENOMEM : KV_OK;
+}
+
+kv_status metrics_render_prefix_token_cache(kv_buf *out, const struct prefix_cache_stats *s,
+                                            const char *model_name) {
+    char model[128];
+    size_t j = 0;
+    for (const char *p = model_name ? model_name : ""; *p && j + 1 < sizeof model; p++)
+        model[j++] = (*p == '"' || *p == '\\' || *p == '\n') ? '_' : *p;
+    model[j] = 0;
+    kv_status st = KV_OK;
+#define C(name, help, v) st |= metric(out, "kvserve_prefix_token_cache_" name, "counter", help, model, (double)(v))
+#define G(name, help, v) st |= metric(out, "kvserve_prefix_token_cache_" name, "gauge", help, model, (double)(v))
+    C("hits_total", "Prompts tokenized from a cached prefix plus the tail.", s->hits);
+    C("misses_total", "Looked-up prompts tokenized in full (incl. resync failures).", s->misses);
+    C("resync_failures_total", "Splices rejected because the re-tokenized ids did not match.",
+      s->resync_failures);
+    C("errors_total", "Internal failures that fell back to plain tokenization.", s->errors);
+    C("evictions_total", "Entries evicted (LRU).", s->evictions);
+    G("entries", "Cached prompts.", s->entries);
+    G("bytes", "Bytes of cached prompt text.", s->total_bytes);
 #undef C
 #undef G
     return st ? KV_ENOMEM : KV_OK;

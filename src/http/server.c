@@ -31,6 +31,8 @@
 
 #include "http.h"
 #include "http_internal.h"
+#include "kv_endpoints.h"
+#include "tokenizer/prefix_cache.h"
 
 struct gen;
 
@@ -495,7 +497,9 @@ static kv_status prompt_ids(struct evhttp_request *req, const struct oai_request
         text = rendered;
         len = strlen(rendered);
     }
-    kv_status st = tok_encode(srv.t, text ? text : "", len, add_special, true, ids, n);
+    struct prefix_cache *pc = srv.cfg ? srv.cfg->prefix_cache : NULL;
+    kv_status st = pc ? prefix_cache_encode(pc, text ? text : "", len, add_special, true, ids, n)
+                      : tok_encode(srv.t, text ? text : "", len, add_special, true, ids, n);
     free(rendered);
     if (st) goto oom;
     return KV_OK;
@@ -562,8 +566,13 @@ static void handle_generate(struct evhttp_request *req, enum oai_kind kind) {
     srv.n_live++;
     struct engine_request_params p;
     oai_engine_params(&r, ids, n, mml, &p);
+    struct evbuffer *inb = evhttp_request_get_input_buffer(req);
+    size_t blen = evbuffer_get_length(inb);
+    char *salt = kvapi_cache_salt(blen ? (const char *)evbuffer_pullup(inb, -1) : NULL, blen);
+    p.cache_salt = salt; /* copied by engine_submit */
     char err[512] = "";
     kv_status st = engine_submit(srv.e, &p, engine_cb, g, &g->eid, err, sizeof err);
+    free(salt);
     if (st) {
         g->req = NULL;
         gen_free(g);
@@ -646,7 +655,11 @@ static void handle_metrics(struct evhttp_request *req) {
     engine_get_stats(srv.e, &s);
     kv_buf b;
     kv_buf_init(&b);
-    if (metrics_render(&b, &s, &srv.ctr, srv.model_name)) {
+    struct prefix_cache_stats pcs;
+    struct prefix_cache *pc = srv.cfg ? srv.cfg->prefix_cache : NULL;
+    if (pc) prefix_cache_get_stats(pc, &pcs);
+    if (metrics_render(&b, &s, &srv.ctr, srv.model_name) ||
+        (pc && metrics_render_prefix_token_cache(&b, &pcs, srv.model_name))) {
         kv_buf_free(&b);
         send_errf(req, 500, "server_error", NULL, NULL, "out of memory");
         return;
@@ -655,7 +668,18 @@ static void handle_metrics(struct evhttp_request *req) {
     kv_buf_free(&b);
 }
 
-enum route_id { R_COMPLETIONS, R_CHAT, R_MODELS, R_HEALTH, R_TOKENIZE, R_DETOKENIZE, R_METRICS };
+static void handle_kv(struct evhttp_request *req, bool events) {
+    char err[256] = "out of memory";
+    const struct evhttp_uri *u = evhttp_request_get_evhttp_uri(req);
+    json_t *o = events ? kvapi_kv_events(srv.e, u ? evhttp_uri_get_query(u) : NULL, err, sizeof err)
+                       : kvapi_server_info(srv.e, srv.model_name);
+    if (!o) send_errf(req, events ? 400 : 500, events ? "invalid_request_error" : "server_error",
+                      NULL, NULL, err);
+    else send_json(req, 200, o);
+}
+
+enum route_id { R_COMPLETIONS, R_CHAT, R_MODELS, R_HEALTH, R_TOKENIZE, R_DETOKENIZE, R_METRICS,
+                R_KV_EVENTS, R_SERVER_INFO };
 static const struct {
     const char *path;
     enum evhttp_cmd_type method;
@@ -668,6 +692,8 @@ static const struct {
     {"/tokenize", EVHTTP_REQ_POST, R_TOKENIZE},
     {"/detokenize", EVHTTP_REQ_POST, R_DETOKENIZE},
     {"/metrics", EVHTTP_REQ_GET, R_METRICS},
+    {"/kv_events", EVHTTP_REQ_GET, R_KV_EVENTS},
+    {"/server_info", EVHTTP_REQ_GET, R_SERVER_INFO},
 };
 
 /* Body limit answered with OpenAI error JSON. libevent 2.1 answers bodies over its own cap
@@ -715,6 +741,8 @@ static void on_request(struct evhttp_request *req, void *arg) {
         case R_TOKENIZE: handle_tokenize(req); return;
         case R_DETOKENIZE: handle_detokenize(req); return;
         case R_METRICS: handle_metrics(req); return;
+        case R_KV_EVENTS: handle_kv(req, true); return;
+        case R_SERVER_INFO: handle_kv(req, false); return;
         }
     }
     char msg[300];
