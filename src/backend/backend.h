@@ -21,18 +21,17 @@
  * logits and K/V are bitwise identical whether it runs alone or batched with any other
  * sequences, and whether its prompt is computed in one chunk, several chunks or token by
  * token (same backend object, same n_threads). Backends guarantee this by computing every
- * row independently of the other rows of the batch. CPU backend: measured on OpenBLAS
- * 0.3.21 (core Cooperlake and Haswell), cblas_sgemm's per-row results DO depend on M (the
- * row count): small M*N (about <= 1200, e.g. M <= 18 for N = 64, M <= 2 for N = 512, M = 1
- * for N = 896) takes a different kernel with another summation order. Within one fixed M,
- * a row's result does not depend on its position in the tile or on the other rows
- * (measured with random neighbours, 1 and 2 threads). So the CPU backend issues every
- * sgemm with exactly M = 16 rows (CPU_GEMM_ROWS in cpu/backend_cpu.c), zero-padding the
- * last tile. Measured cost vs one sgemm over all rows (2 threads): prefill of 256 rows is
- * 1.2x (N=K=64) to 1.9x (N=4864, K=896) slower; a single decode row padded to 16 rows
- * costs 1.5x (4864x896) to 8x (512x64, tiny absolute time) one M=1 call. Attention,
- * norms, RoPE and SwiGLU are per row / per (row, head) with a fixed summation order, so
- * the thread that runs a task does not matter. tests/unit/backend/test_backend.c checks it.
+ * row independently of the other rows of the batch. CPU backend (default gemm mode
+ * BACKEND_CPU_GEMM_INVARIANT): every matrix product goes through our own kernel
+ * (cpu/matmul.h) whose element (m, n) is computed with a fixed summation order that depends
+ * only on X[m], W[n] and K: never on the row count M, the row's position, the blocking, the
+ * thread count or the instruction set (AVX-512 / AVX2 / generic give the same bits). So the
+ * guarantee holds by construction, whatever OpenBLAS would do (OpenBLAS 0.3.21 changes its
+ * per-row summation with M, and with OPENBLAS_CORETYPE=Haswell for almost every M and row
+ * offset). Attention, norms, RoPE and SwiGLU are per row / per (row, head) with a fixed
+ * summation order, so the thread that runs a task does not matter.
+ * tests/unit/backend/test_backend.c checks the whole forward, test_matmul.c the kernel.
+ * The optional BACKEND_CPU_GEMM_OPENBLAS mode gives this guarantee up (see below).
  */
 #ifndef KV_BACKEND_H
 #define KV_BACKEND_H
@@ -95,6 +94,13 @@ struct backend_ops {
     /* Host pointer to block b's storage (optional: CPU backend and tests). */
     float *(*block_ptr)(backend_t *be, int b);
     void (*free)(backend_t *be);
+    /* ---- optional, appended for the host offload tier (NULL: the generic fallback in
+     * backend_copy_to_host / backend_copy_from_host copies through block_ptr) ---- */
+    /* Copies n whole blocks (kv_block_bytes each) device block blocks[i] -> host[i]. */
+    kv_status (*copy_to_host)(backend_t *be, const int32_t *blocks, void *const *host, int n);
+    /* Copies n whole blocks host[i] -> device block blocks[i]. */
+    kv_status (*copy_from_host)(backend_t *be, const void *const *host, const int32_t *blocks,
+                                int n);
 };
 
 struct backend {
@@ -105,10 +111,20 @@ struct backend {
     int n_blocks;
 };
 
-/* CPU backend: f32 compute, OpenBLAS sgemm for every matrix product (all tokens of the
- * batch stacked into one matrix), attention/RMSNorm/RoPE/SwiGLU in C over n_threads
- * threads (0 = all cores). The model must outlive the backend. Calls
- * openblas_set_num_threads(n_threads) (process-wide) and logs openblas_get_corename().
+/* Batched block copies between the KV pool and host memory (the host offload tier): n
+ * blocks of kv_block_bytes(&be->geom) each. n == 0 returns KV_OK without touching anything.
+ * Uses ops->copy_to_host / copy_from_host when set, else memcpy through ops->block_ptr.
+ * KV_EINVAL for a block id outside the pool (checked before any copy); KV_EUNSUPPORTED if
+ * the backend has neither. */
+kv_status backend_copy_to_host(backend_t *be, const int32_t *blocks, void *const *host, int n);
+kv_status backend_copy_from_host(backend_t *be, const void *const *host, const int32_t *blocks,
+                                 int n);
+
+/* CPU backend: f32 compute; every matrix product (all tokens of the batch stacked into one
+ * matrix) runs on the batch-invariant kernel cpu/matmul.h (backend_cpu_new_ex can pick
+ * OpenBLAS instead); attention/RMSNorm/RoPE/SwiGLU in C over n_threads threads (0 = all
+ * cores). The model must outlive the backend. Calls openblas_set_num_threads(n_threads)
+ * (process-wide) and logs the gemm mode, kernel ISA and openblas_get_corename().
  * Weights are used in place (borrowed from m; no copy). RoPE frequencies (incl.
  * cfg.rope_scaling) are computed here: change m->cfg before creating the backend.
  * Errors: KV_EINVAL for unsupported shapes (n_heads % n_kv_heads != 0, odd head_dim) or
@@ -117,6 +133,34 @@ struct backend {
  * cores, Cooperlake): prefill of 256 tokens ~13-14k tok/s; decode ~3.6-4.4k steps/s at
  * batch 1 and ~450-560 steps/s (7-9k tok/s) at batch 16. */
 kv_status backend_cpu_new(const model_t *m, int n_threads, backend_t **out, char *err, size_t errlen);
+
+/* How the CPU backend computes its matrix products (projections and output head). */
+enum backend_cpu_gemm {
+    /* Default. Our batch-invariant f32 kernel (cpu/matmul.h): logits and K/V are bitwise
+     * identical whatever the batch composition or chunking (see "Determinism" above).
+     * Measured (2 shared Zen 4 cores): as fast as OpenBLAS for M >= 256, 1.3-4x faster for
+     * M <= 16 (decode). */
+    BACKEND_CPU_GEMM_INVARIANT = 0,
+    /* One cblas_sgemm over all rows of the step (no padding, no tiling). NOT batch-invariant:
+     * results may differ in the last bits with batch composition (OpenBLAS picks kernels by
+     * M and by OPENBLAS_CORETYPE), so a sequence's sampled tokens may change when it is
+     * batched with others. For experiments and comparison only. */
+    BACKEND_CPU_GEMM_OPENBLAS = 1,
+};
+/* "invariant" / "openblas"; NULL for an unknown value. */
+const char *backend_cpu_gemm_name(enum backend_cpu_gemm g);
+/* Parses "invariant" / "openblas" (the serve CLI's --gemm values) into *out; KV_EINVAL (and
+ * *out untouched) otherwise. */
+kv_status backend_cpu_gemm_parse(const char *s, enum backend_cpu_gemm *out);
+
+struct backend_cpu_options {
+    int n_threads;              /* 0 = all cores */
+    enum backend_cpu_gemm gemm; /* BACKEND_CPU_GEMM_INVARIANT (0) unless asked otherwise */
+};
+/* backend_cpu_new with options (zero-initialised options = backend_cpu_new(m, 0, ...)).
+ * Errors as backend_cpu_new, plus KV_EINVAL for an unknown gemm mode or NULL opt. */
+kv_status backend_cpu_new_ex(const model_t *m, const struct backend_cpu_options *opt, backend_t **out, char *err,
+                             size_t errlen);
 void backend_free(backend_t *be);
 
 #endif

@@ -37,6 +37,7 @@ static void request_free(struct request *r) {
     if (!r) return;
     free(r->tokens);
     free(r->blocks);
+    reuse_request_free(r);
     stop_free(&r->stop);
     if (r->stream) tok_stream_free(r->stream);
     free(r);
@@ -52,6 +53,7 @@ static void post_terminal(struct engine *e, struct request *r, enum engine_event
     ev.finish = fin;
     ev.prompt_tokens = r->n_prompt;
     ev.completion_tokens = req_n_gen(r);
+    ev.cached_tokens = r->cached_tokens > 0 ? r->cached_tokens : 0;
     ev.status = st;
     ev.message = msg;
     ev.t_arrival_ns = r->t_arrival_ns;
@@ -151,7 +153,8 @@ kv_status engine_submit(engine_t *e, const struct engine_request_params *p, engi
     r->blocks_cap = kv_blocks_for_tokens(r->cap, e->cfg.tokens_per_block);
     r->tokens = kv_malloc((size_t)r->cap * sizeof *r->tokens);
     r->blocks = kv_malloc((size_t)r->blocks_cap * sizeof *r->blocks);
-    if (!r->tokens || !r->blocks || stop_init(&r->stop, p->stop, p->n_stop) != KV_OK) {
+    if (!r->tokens || !r->blocks || reuse_request_init(r, p) != KV_OK ||
+        stop_init(&r->stop, p->stop, p->n_stop) != KV_OK) {
         request_free(r);
         return kv_errf(KV_ENOMEM, err, errlen, "out of memory");
     }
@@ -237,6 +240,7 @@ static void publish_stats(struct engine *e, bool step) {
     e->stats.kv_blocks_total = ntot;
     e->stats.kv_blocks_free = nfree;
     e->stats.kv_blocks_used = ntot - nfree;
+    reuse_fill_stats(e, &e->stats);
     pthread_mutex_unlock(&e->stats_mu);
 }
 
@@ -307,8 +311,45 @@ static bool on_token(struct engine *e, struct request *r, int32_t id,
     return false;
 }
 
+/* Deadlock detection: no request progressed for ENGINE_STALL_PASSES passes while some
+ * exist (planned prefix waits are not progress): fail them all with a clear error. */
+static void note_progress(struct engine *e, int n_planned) {
+    if (n_planned > 0 || (e->n_waiting == 0 && e->n_running == 0)) {
+        e->stall_passes = 0;
+        return;
+    }
+    if (++e->stall_passes < ENGINE_STALL_PASSES) return;
+    KV_ERROR("engine: no request made progress for %d scheduler passes; failing %d stalled "
+             "requests", ENGINE_STALL_PASSES, e->n_waiting + e->n_running);
+    const char *msg = "scheduler deadlock: no request made progress for 1000 scheduler passes";
+    while (e->n_running) {
+        struct request *r = e->running[--e->n_running];
+        e->deadlock_failures++;
+        engine_fail_request(e, r, KV_EINTERNAL, msg);
+    }
+    while (e->n_waiting) {
+        struct request *r = e->waiting[--e->n_waiting];
+        engine_queued_add(e, -1);
+        e->deadlock_failures++;
+        engine_fail_request(e, r, KV_EINTERNAL, msg);
+    }
+    e->stall_passes = 0;
+}
+
 static void run_step(struct engine *e) {
     int n = sched_step(e);
+    kv_status cst = reuse_flush_copies(e);
+    note_progress(e, n);
+    if (cst != KV_OK) { /* the blocks the copies targeted hold garbage: drop the cache */
+        KV_ERROR("engine: host tier copy failed (%s); clearing the KV cache", kv_status_str(cst));
+        for (int i = 0; i < n; i++) {
+            sched_remove(e, e->plan[i].r);
+            engine_fail_request(e, e->plan[i].r, KV_EINTERNAL, "KV host tier copy failed");
+        }
+        kv_pool_clear_cache(e->pool);
+        publish_stats(e, true);
+        return;
+    }
     if (n == 0) {
         publish_stats(e, false);
         return;
@@ -349,6 +390,7 @@ static void run_step(struct engine *e) {
         struct request *r = p->r;
         r->n_computed += p->n_tokens;
         r->chunk = 0;
+        reuse_register(e, r);
         if (!p->logits) continue;
         float *lg = e->logits + (size_t)row++ * (size_t)e->n_vocab;
         bool want_lp = r->sp.logprobs || r->sp.top_logprobs > 0;
@@ -446,7 +488,9 @@ static void *engine_main(void *arg) {
 
 static void engine_destroy(struct engine *e) {
     if (!e) return;
+    reuse_destroy(e);
     kv_pool_free(e->pool);
+    pthread_mutex_destroy(&e->ev_mu);
     free(e->waiting);
     free(e->running);
     free(e->incoming);
@@ -493,6 +537,7 @@ kv_status engine_start(const struct engine_config *cfg_in, const model_t *m, con
     if (!e) return kv_errf(KV_ENOMEM, err, errlen, "out of memory");
     pthread_mutex_init(&e->mu, NULL);
     pthread_mutex_init(&e->stats_mu, NULL);
+    pthread_mutex_init(&e->ev_mu, NULL);
     pthread_cond_init(&e->cv, NULL);
     e->cfg = c;
     e->m = m;
@@ -523,6 +568,11 @@ kv_status engine_start(const struct engine_config *cfg_in, const model_t *m, con
         engine_destroy(e);
         return kv_errf(st, err, errlen, "engine: cannot allocate a KV pool of %d blocks (%s)",
                        c.n_blocks, kv_status_str(st));
+    }
+    st = reuse_init(e, err, errlen);
+    if (st != KV_OK) {
+        engine_destroy(e);
+        return st;
     }
     publish_stats(e, false);
     if (pthread_create(&e->thread, NULL, engine_main, e) != 0) {

@@ -31,6 +31,7 @@
 
 #include "../backend/backend.h"
 #include "../base/base.h"
+#include "../hash/hash.h"
 #include "../model/model.h"
 #include "../tokenizer/tokenizer.h"
 
@@ -57,6 +58,8 @@ struct engine_request_params {
     const char *const *stop;   /* stop strings (copied); never appear in the output */
     int n_stop;
     bool ignore_eos;
+    const char *cache_salt;    /* NULL = none; copied. Requests with different salts never
+                                  share KV blocks (it is a type-tagged extra key of the hash) */
 };
 
 enum engine_event_type { ENGINE_EV_DELTA = 0, ENGINE_EV_FINISH, ENGINE_EV_ERROR };
@@ -101,6 +104,13 @@ struct engine_config {
     int max_num_tokens;       /* token budget per step, default 512 */
     int max_model_len;        /* prompt + generated tokens per request */
     int max_queue;            /* waiting requests before submit returns KV_EBUSY, default 1024 */
+    /* ---- KV reuse (zero = defaults) ---- */
+    bool no_prefix_cache;     /* true: no reuse index, no host tier, no prefix waits */
+    int host_cache_blocks;    /* host offload tier size in blocks (0 = none) */
+    int prefix_wait_blocks;   /* in-flight prefix waits: a new request waits for a prefilling
+                                 owner that will cover >= this many more blocks than the
+                                 cache offers. 0 = default 64; < 0 disables */
+    const kv_hash_key *hash_key; /* per-worker secret (copied); NULL = random at start */
 };
 
 struct engine_stats {
@@ -109,6 +119,17 @@ struct engine_stats {
     uint64_t preemptions_total, steps_total;
     int n_waiting, n_running;
     int kv_blocks_total, kv_blocks_free, kv_blocks_used;
+    /* KV reuse */
+    bool prefix_cache_enabled;
+    uint64_t prefix_cache_query_tokens; /* prompt tokens at first admission of each request */
+    uint64_t prefix_cache_hit_tokens;   /* of those, taken from the cache */
+    int kv_blocks_cached;               /* refcount-0 blocks kept for reuse (counted as free) */
+    int kv_host_blocks_total, kv_host_blocks_cached;
+    uint64_t kv_evictions, kv_offloads, kv_host_evictions; /* blocks */
+    uint64_t kv_hits_device, kv_hits_host;                 /* blocks acquired from each tier */
+    uint64_t prefix_waits_total;        /* scheduler passes a request spent waiting */
+    uint64_t kv_checksum_failures;      /* debug builds: host round trips that changed bytes */
+    uint64_t deadlock_failures;         /* requests failed by the no-progress detector */
 };
 
 typedef struct engine engine_t;
@@ -132,5 +153,25 @@ kv_status engine_submit(engine_t *e, const struct engine_request_params *p, engi
 void engine_cancel(engine_t *e, uint64_t req_id);
 void engine_get_stats(engine_t *e, struct engine_stats *out);
 const struct engine_config *engine_config(const engine_t *e);
+
+/* ---- KV events (for routers that mirror what this worker holds) ---- */
+enum engine_kv_event_type { ENGINE_KV_STORED = 0, ENGINE_KV_REMOVED, ENGINE_KV_CLEARED };
+struct engine_kv_event {
+    uint64_t seq;               /* 1, 2, 3, ... per engine */
+    enum engine_kv_event_type type;
+    kv_hash hash;               /* STORED / REMOVED */
+    kv_hash parent_hash;        /* STORED: parent block hash, or the chain root */
+    bool parent_is_root;
+    int n_tokens;               /* STORED: tokens_per_block, ids in tokens */
+    const int32_t *tokens;      /* points into the caller's tok buffer */
+};
+#define ENGINE_KV_EVENTS_RING 4096
+/* Copies up to cap buffered events with seq > after (oldest first) into out, their token ids
+ * into tok (cap * tokens_per_block ids). Returns the count; *lost = events with seq > after
+ * that were dropped from the ring (4096 events) before they could be read. Thread-safe. */
+int engine_kv_events(engine_t *e, uint64_t after, struct engine_kv_event *out, int32_t *tok,
+                     int cap, uint64_t *lost);
+/* Worker id (random 64-bit, fixed for the engine's life) for KV events. */
+uint64_t engine_worker_id(const engine_t *e);
 
 #endif

@@ -31,6 +31,17 @@ struct request {
     uint64_t t_arrival_ns, t_first_ns;
     /* per-step scheduling state */
     int chunk;                  /* tokens scheduled this step (0 = not scheduled) */
+    /* KV reuse (reuse.c) */
+    uint8_t *root_bytes;        /* tagged extra keys (cache_salt), owned; NULL if none */
+    size_t root_len;
+    bool root_done;
+    kv_hash root_hash;
+    uint64_t root_uid;          /* refreshed at each admission */
+    kv_hash *bhash;             /* (blocks_cap) hash of each full block of tokens */
+    uint64_t *buid;             /* (blocks_cap) index uid of blocks[i] for i < n_reg */
+    int n_hashed, n_reg;
+    int cached_tokens;          /* prompt tokens reused at first admission (-1 = not yet) */
+    int wait_passes;            /* scheduler passes spent in prefix waits (never reset) */
 };
 
 static inline int req_n_gen(const struct request *r) { return r->n_tokens - r->n_prompt; }
@@ -82,7 +93,25 @@ struct engine {
     struct token_logprob *top;  /* (20) */
     kv_buf text, text2;         /* per-event scratch */
     uint64_t n_preempt_step;
+    /* KV reuse (reuse.c) */
+    bool reuse;
+    int wait_blocks;            /* <= 0: prefix waits off */
+    kv_hash_key key;
+    uint8_t *host_mem;          /* (host_cache_blocks * block_bytes) */
+    size_t block_bytes;
+    int stall_passes;           /* consecutive passes without progress */
+    uint64_t waits_step, query_tokens, hit_tokens, checksum_failures, deadlock_failures;
+    uint64_t worker_id;
+    /* KV event ring, under ev_mu */
+    pthread_mutex_t ev_mu;
+    struct engine_kv_event *ev_ring; /* (EV_RING) tokens point into ev_tok */
+    int32_t *ev_tok;            /* (EV_RING * tokens_per_block) */
+    uint64_t ev_seq;            /* last assigned */
 };
+
+#define ENGINE_EV_RING ENGINE_KV_EVENTS_RING
+#define ENGINE_WAIT_PASSES 128
+#define ENGINE_STALL_PASSES 1000
 
 /* ---- sched.c ---- */
 /* Builds e->plan for one step (allocating blocks, preempting and admitting as needed).
@@ -92,6 +121,25 @@ int sched_step(struct engine *e);
 void sched_free_blocks(struct engine *e, struct request *r);
 /* Removes r from running/waiting if present. */
 void sched_remove(struct engine *e, struct request *r);
+
+/* ---- reuse.c ---- */
+/* Sets up the reuse index, host tier and event ring from cfg (engine_start). */
+kv_status reuse_init(struct engine *e, char *err, size_t errlen);
+void reuse_destroy(struct engine *e);
+/* Serializes p's extra keys into r->root_bytes (engine_submit). KV_ENOMEM. */
+kv_status reuse_request_init(struct request *r, const struct engine_request_params *p);
+void reuse_request_free(struct request *r);
+/* Admission of a request with no blocks: pins the longest cached prefix of full blocks
+ * (never the block holding the last token) and sets n_blocks / n_computed. */
+void reuse_match(struct engine *e, struct request *r);
+/* Registers r's full computed blocks in the index (after a forward). */
+void reuse_register(struct engine *e, struct request *r);
+/* True if waiting request r should wait this pass for an in-flight owner (counts the pass). */
+bool reuse_should_wait(struct engine *e, struct request *r);
+/* Runs the pool's queued host copies (before a forward). KV_OK or the backend's error. */
+kv_status reuse_flush_copies(struct engine *e);
+/* Adds reuse counters to a stats snapshot (under stats_mu). */
+void reuse_fill_stats(struct engine *e, struct engine_stats *s);
 
 /* ---- engine.c ---- */
 /* Posts r's terminal ERROR event, frees its blocks and the request. r must already be out

@@ -10,6 +10,10 @@
  * a prefill shrinks its chunk to what fits. The oldest running request can always take
  * every block from the newer ones and the pool holds one max_model_len sequence
  * (engine_start checks), so the oldest always progresses: no deadlock.
+ *
+ * Reuse: kv_pool_n_free counts cached (refcount 0) blocks, which kv_pool_alloc evicts LRU,
+ * so cached blocks never keep a request out. At admission a request first pins its cached
+ * prefix (reuse_match), so only its uncached tokens need room and budget.
  */
 #include "engine_internal.h"
 
@@ -28,9 +32,12 @@ static kv_status vec_grow(void **arr, int *cap, int need, size_t elt) {
 }
 
 void sched_free_blocks(struct engine *e, struct request *r) {
-    for (int i = 0; i < r->n_blocks; i++) kv_pool_release(e->pool, r->blocks[i]);
+    /* last block first: cached blocks are evicted LRU, so a chain loses its tail before its
+     * head (a chain without its head can never be matched) */
+    for (int i = r->n_blocks - 1; i >= 0; i--) kv_pool_release(e->pool, r->blocks[i]);
     r->n_blocks = 0;
     r->n_computed = 0;
+    r->n_reg = 0;
 }
 
 static bool remove_from(struct request **arr, int *n, struct request *r) {
@@ -133,9 +140,12 @@ int sched_step(struct engine *e) {
         }
     }
 
-    /* Admission: not in a step that preempted (the freed blocks go to the older ones). */
-    while (e->n_preempt_step == preempt_before && e->n_waiting > 0 && budget > 0 && slots > 0) {
-        struct request *r = e->waiting[0];
+    /* Admission: not in a step that preempted (the freed blocks go to the older ones).
+     * Arrival order; a request in a prefix wait (reuse.c, bounded to ENGINE_WAIT_PASSES
+     * passes) is skipped for this pass and keeps its place. */
+    int wi = 0;
+    while (e->n_preempt_step == preempt_before && wi < e->n_waiting && budget > 0 && slots > 0) {
+        struct request *r = e->waiting[wi];
         int T = e->cfg.tokens_per_block;
         if (kv_blocks_for_tokens(r->n_prompt + r->max_gen, T) > kv_pool_n_blocks(e->pool)) {
             remove_from(e->waiting, &e->n_waiting, r);
@@ -144,10 +154,18 @@ int sched_step(struct engine *e) {
                                 "request needs more KV blocks than the whole pool holds");
             continue;
         }
-        int room = kv_pool_n_free(e->pool) * T;
-        if (room <= 0) break;
+        if (reuse_should_wait(e, r)) {
+            wi++;
+            continue;
+        }
         if (vec_grow((void **)&e->running, &e->cap_running, e->n_running + 1, sizeof *e->running))
             break;
+        reuse_match(e, r); /* pins cached blocks: n_blocks, n_computed */
+        int room = room_tokens(e, r);
+        if (room <= 0) { /* not even one token fits: unpin and wait for blocks */
+            sched_free_blocks(e, r);
+            break;
+        }
         int want = r->n_tokens - r->n_computed;
         if (want > budget) want = budget;
         int chunk = want < room ? want : room;

@@ -1,0 +1,127 @@
+/* hash: keyed BLAKE3 block-hash chain (see hash.h). */
+#include "hash.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/random.h>
+#include <unistd.h>
+
+#include "blake3.h"
+
+static atomic_int g_trunc_bits;
+
+void kv_hash_test_truncate_bits(int bits) {
+    if (bits < 0 || bits >= 256) bits = 0;
+    atomic_store(&g_trunc_bits, bits);
+}
+
+static void finish(blake3_hasher *h, kv_hash *out) {
+    blake3_hasher_finalize(h, out->b, KV_HASH_LEN);
+    int bits = atomic_load(&g_trunc_bits);
+    if (bits > 0) {
+        int full = bits / 8, rem = bits % 8;
+        if (rem) out->b[full] &= (uint8_t)(0xffu << (8 - rem)), full++;
+        memset(out->b + full, 0, (size_t)(KV_HASH_LEN - full));
+    }
+}
+
+static void put_le32(uint8_t *p, uint32_t v) {
+    p[0] = (uint8_t)v;
+    p[1] = (uint8_t)(v >> 8);
+    p[2] = (uint8_t)(v >> 16);
+    p[3] = (uint8_t)(v >> 24);
+}
+
+void kv_hash_root(const kv_hash_key *k, const struct kv_extra_key *extras, int n, kv_hash *out) {
+    static const char domain[] = "kvserve.block.v1";
+    blake3_hasher h;
+    blake3_hasher_init_keyed(&h, k->key);
+    blake3_hasher_update(&h, domain, sizeof domain - 1);
+    for (int i = 0; i < n; i++) {
+        uint8_t tag[5];
+        tag[0] = (uint8_t)extras[i].kind;
+        put_le32(tag + 1, (uint32_t)extras[i].len);
+        blake3_hasher_update(&h, tag, sizeof tag);
+        if (extras[i].len) blake3_hasher_update(&h, extras[i].data, extras[i].len);
+    }
+    finish(&h, out);
+}
+
+void kv_hash_block(const kv_hash_key *k, const kv_hash *parent, const int32_t *tokens, int n,
+                   kv_hash *out) {
+    blake3_hasher h;
+    blake3_hasher_init_keyed(&h, k->key);
+    blake3_hasher_update(&h, parent->b, KV_HASH_LEN);
+    uint8_t buf[256];
+    int used = 0;
+    for (int i = 0; i < n; i++) {
+        put_le32(buf + used, (uint32_t)tokens[i]);
+        used += 4;
+        if (used == (int)sizeof buf) {
+            blake3_hasher_update(&h, buf, (size_t)used);
+            used = 0;
+        }
+    }
+    if (used) blake3_hasher_update(&h, buf, (size_t)used);
+    finish(&h, out);
+}
+
+void kv_hash_hex(const kv_hash *h, char out[2 * KV_HASH_LEN + 1]) {
+    static const char hx[] = "0123456789abcdef";
+    for (int i = 0; i < KV_HASH_LEN; i++) {
+        out[2 * i] = hx[h->b[i] >> 4];
+        out[2 * i + 1] = hx[h->b[i] & 15];
+    }
+    out[2 * KV_HASH_LEN] = 0;
+}
+
+kv_status kv_hash_key_random(kv_hash_key *k) {
+    size_t got = 0;
+    while (got < sizeof k->key) {
+        ssize_t n = getrandom(k->key + got, sizeof k->key - got, 0);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            return KV_EIO;
+        }
+        got += (size_t)n;
+    }
+    return KV_OK;
+}
+
+kv_status kv_hash_key_load_or_create(const char *path, kv_hash_key *k, char *err, size_t errlen) {
+    FILE *f = fopen(path, "rb");
+    if (f) {
+        uint8_t buf[KV_HASH_LEN + 1];
+        size_t n = fread(buf, 1, sizeof buf, f);
+        fclose(f);
+        if (n != KV_HASH_LEN)
+            return kv_errf(KV_EINVAL, err, errlen, "hash key file %s must hold exactly %d bytes (has %zu%s)",
+                           path, KV_HASH_LEN, n, n > KV_HASH_LEN ? " or more" : "");
+        memcpy(k->key, buf, KV_HASH_LEN);
+        return KV_OK;
+    }
+    if (errno != ENOENT)
+        return kv_errf(KV_EIO, err, errlen, "cannot read hash key file %s: %s", path, strerror(errno));
+    if (kv_hash_key_random(k) != KV_OK)
+        return kv_errf(KV_EIO, err, errlen, "no randomness for a new hash key");
+    int fd = open(path, O_WRONLY | O_CREAT | O_EXCL, 0600);
+    if (fd < 0)
+        return kv_errf(KV_EIO, err, errlen, "cannot create hash key file %s: %s", path, strerror(errno));
+    ssize_t w = write(fd, k->key, KV_HASH_LEN);
+    close(fd);
+    if (w != KV_HASH_LEN)
+        return kv_errf(KV_EIO, err, errlen, "cannot write hash key file %s", path);
+    return KV_OK;
+}
+
+uint64_t kv_checksum64(const void *data, size_t n) {
+    blake3_hasher h;
+    blake3_hasher_init(&h);
+    blake3_hasher_update(&h, data, n);
+    kv_hash out;
+    blake3_hasher_finalize(&h, out.b, KV_HASH_LEN);
+    return kv_hash_u64(&out);
+}

@@ -1,0 +1,460 @@
+/*
+ * KV reuse through the whole engine on the real model (stories260K, CPU backend):
+ * cache hits are bitwise identical to cold runs (tokens and logprobs), multi-turn reuse of
+ * generated tokens, 8-bit hash collisions never reused, cache_salt isolation, the host
+ * offload tier, cancellation mid-prefill, and in-flight prefix waits.
+ */
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <cmocka.h>
+
+#include "engine/engine.h"
+#include "test_util.h"
+
+#define MAX_GEN 64
+
+struct job {
+    const int32_t *prompt;
+    int n_prompt;
+    int max_tokens;
+    const char *salt;
+    bool logprobs;
+    /* results */
+    uint64_t id;
+    int32_t got[MAX_GEN];
+    int n_got, n_term, cached;
+    uint64_t lp_sum; /* FNV-1a over the bytes of every logprob (chosen + top 20) */
+    enum engine_event_type term;
+    enum finish_reason fin;
+};
+
+static model_t *g_model;
+static tokenizer_t *g_tok;
+static backend_t *g_be;
+static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_cv = PTHREAD_COND_INITIALIZER;
+
+static int setup(void **st) {
+    (void)st;
+    char mpath[4096], err[512];
+    if (!test_data_path(mpath, sizeof mpath, "models/stories260K/stories260K.gguf")) return 0;
+    if (model_load(mpath, &g_model, err, sizeof err) != KV_OK ||
+        tok_load(mpath, &g_tok, err, sizeof err) != KV_OK ||
+        backend_cpu_new(g_model, 1, &g_be, err, sizeof err) != KV_OK) {
+        fprintf(stderr, "SKIP: cannot load stories260K: %s\n", err);
+        g_be = NULL;
+    }
+    return 0;
+}
+
+static int teardown(void **st) {
+    (void)st;
+    if (g_be) backend_free(g_be);
+    if (g_tok) tok_free(g_tok);
+    if (g_model) model_free(g_model);
+    return 0;
+}
+
+static void require_data(void) {
+    if (!g_model || !g_tok || !g_be) {
+        fprintf(stderr, "SKIP: stories260K model/tokenizer/backend not available\n");
+        skip();
+    }
+}
+
+static uint64_t fnv(uint64_t h, const void *p, size_t n) {
+    const uint8_t *b = p;
+    for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 0x100000001b3ull;
+    return h;
+}
+
+static void on_event(const struct engine_event *ev, void *user) {
+    struct job *j = user;
+    pthread_mutex_lock(&g_mu);
+    for (int i = 0; i < ev->n_ids && j->n_got < MAX_GEN; i++) j->got[j->n_got++] = ev->ids[i];
+    if (ev->logprobs) {
+        j->lp_sum = fnv(j->lp_sum, ev->logprobs, (size_t)ev->n_ids * sizeof *ev->logprobs);
+        if (ev->top)
+            j->lp_sum = fnv(j->lp_sum, ev->top, (size_t)ev->n_ids * (size_t)ev->n_top * sizeof *ev->top);
+    }
+    if (ev->type != ENGINE_EV_DELTA) {
+        j->n_term++;
+        j->term = ev->type;
+        j->fin = ev->finish;
+        j->cached = ev->cached_tokens;
+        if (ev->type == ENGINE_EV_ERROR) fprintf(stderr, "job error: %s\n", ev->message);
+        pthread_cond_broadcast(&g_cv);
+    }
+    pthread_mutex_unlock(&g_mu);
+}
+
+static void submit(engine_t *e, struct job *j) {
+    j->n_got = j->n_term = 0;
+    j->lp_sum = 0xcbf29ce484222325ull;
+    struct engine_request_params p;
+    memset(&p, 0, sizeof p);
+    p.prompt_ids = j->prompt;
+    p.n_prompt = (size_t)j->n_prompt;
+    p.max_tokens = j->max_tokens;
+    p.ignore_eos = true;
+    p.cache_salt = j->salt;
+    sampling_params_default(&p.sp);
+    p.sp.temperature = 0.0f;
+    if (j->logprobs) {
+        p.sp.logprobs = true;
+        p.sp.top_logprobs = 20;
+    }
+    char err[256];
+    if (engine_submit(e, &p, on_event, j, &j->id, err, sizeof err) != KV_OK) fail_msg("%s", err);
+}
+
+static void wait_jobs(struct job *jobs, int n) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_sec += 300;
+    pthread_mutex_lock(&g_mu);
+    for (int i = 0; i < n; i++)
+        while (!jobs[i].n_term)
+            if (pthread_cond_timedwait(&g_cv, &g_mu, &ts)) {
+                pthread_mutex_unlock(&g_mu);
+                fail_msg("timeout");
+            }
+    pthread_mutex_unlock(&g_mu);
+}
+
+/* Submits all, waits for all. */
+static void run_jobs(engine_t *e, struct job *jobs, int n) {
+    for (int i = 0; i < n; i++) submit(e, &jobs[i]);
+    wait_jobs(jobs, n);
+    for (int i = 0; i < n; i++) {
+        assert_int_equal(jobs[i].n_term, 1);
+        assert_int_equal(jobs[i].term, ENGINE_EV_FINISH);
+    }
+}
+
+static engine_t *start(struct engine_config *cfg) {
+    engine_t *e = NULL;
+    char err[512] = "";
+    if (engine_start(cfg, g_model, g_tok, g_be, &e, err, sizeof err) != KV_OK) fail_msg("%s", err);
+    return e;
+}
+
+/* Stats once the engine has published after the last step (blocks all released). */
+static void idle_stats(engine_t *e, struct engine_stats *s) {
+    for (int i = 0; i < 2000; i++) {
+        engine_get_stats(e, s);
+        if (s->kv_blocks_used == 0 && s->n_running == 0 && s->n_waiting == 0) return;
+        struct timespec d = {0, 1000000};
+        nanosleep(&d, NULL);
+    }
+}
+
+static void same_output(const struct job *a, const struct job *b) {
+    assert_int_equal(a->n_got, b->n_got);
+    assert_memory_equal(a->got, b->got, (size_t)a->n_got * sizeof a->got[0]);
+    assert_true(a->lp_sum == b->lp_sum);
+}
+
+/* Deterministic pseudo-random token ids in [3, 512). */
+static void fill_random(int32_t *out, int n, uint64_t seed) {
+    kv_rng r;
+    kv_rng_seed(&r, seed);
+    for (int i = 0; i < n; i++) out[i] = 3 + (int32_t)(kv_rng_next(&r) % 509);
+}
+
+/* ---------------------------------------------------------------- 1. hit == cold */
+
+static void test_hits_identical_reference_prompts(void **st) {
+    (void)st;
+    require_data();
+    char rpath[4096];
+    if (!test_data_path(rpath, sizeof rpath, "references/stories260K/llamacpp_greedy.public.jsonl"))
+        skip();
+    static int32_t prompts[32][512];
+    int n_prompt[32], n = 0;
+    FILE *f = fopen(rpath, "r");
+    assert_non_null(f);
+    char *line = NULL;
+    size_t cap = 0;
+    while (getline(&line, &cap, f) > 0 && n < 32) {
+        /* "prompt_ids": [1, 2, ...] */
+        char *p = strstr(line, "\"prompt_ids\"");
+        if (!p || !(p = strchr(p, '['))) continue;
+        n_prompt[n] = 0;
+        for (p++; *p && *p != ']';) {
+            char *end;
+            long v = strtol(p, &end, 10);
+            if (end == p) break;
+            if (n_prompt[n] < 512) prompts[n][n_prompt[n]++] = (int32_t)v;
+            p = end;
+            while (*p == ',' || *p == ' ') p++;
+        }
+        if (n_prompt[n] > 0) n++;
+    }
+    free(line);
+    fclose(f);
+    assert_true(n >= 10);
+
+    struct job *jobs = calloc(2 * 3 * (size_t)n, sizeof *jobs); /* [cache][round][prompt] */
+    for (int c = 0; c < 2; c++) {
+        struct engine_config cfg = {.tokens_per_block = 16, .n_blocks = 512, .max_batch_size = 16,
+                                    .max_num_tokens = 64, .max_model_len = 512, .max_queue = 64,
+                                    .no_prefix_cache = c == 1};
+        engine_t *e = start(&cfg);
+        for (int round = 0; round < 3; round++) {
+            struct job *js = jobs + ((size_t)c * 3 + (size_t)round) * (size_t)n;
+            for (int i = 0; i < n; i++)
+                js[i] = (struct job){.prompt = prompts[i], .n_prompt = n_prompt[i], .max_tokens = 32,
+                                     .logprobs = true};
+            run_jobs(e, js, n);
+            for (int i = 0; i < n; i++) {
+                int want = (c == 0 && round > 0) ? ((n_prompt[i] - 1) / 16) * 16 : 0;
+                if (js[i].cached != want)
+                    fail_msg("cache %d round %d prompt %d (%d tokens): cached %d, want %d", c, round,
+                             i, n_prompt[i], js[i].cached, want);
+                same_output(&js[i], &jobs[i]); /* every run equals the first cold run */
+            }
+        }
+        struct engine_stats s;
+        idle_stats(e, &s);
+        assert_int_equal(s.kv_blocks_used, 0);
+        if (c == 0) assert_true(s.prefix_cache_hit_tokens > 0 && s.kv_blocks_cached > 0);
+        else assert_true(s.prefix_cache_hit_tokens == 0 && s.kv_blocks_cached == 0);
+        engine_stop(e);
+    }
+    free(jobs);
+}
+
+/* ---------------------------------------------------------------- 2. multi-turn */
+
+static void test_multi_turn_reuses_reply(void **st) {
+    (void)st;
+    require_data();
+    int32_t t1[100], t2[200];
+    fill_random(t1, 100, 7);
+    struct job cold2 = {0};
+    for (int c = 0; c < 2; c++) {
+        struct engine_config cfg = {.tokens_per_block = 16, .n_blocks = 256, .max_model_len = 512,
+                                    .no_prefix_cache = c == 1};
+        engine_t *e = start(&cfg);
+        struct job j1 = {.prompt = t1, .n_prompt = 100, .max_tokens = 50, .logprobs = true};
+        run_jobs(e, &j1, 1);
+        assert_int_equal(j1.n_got, 50);
+        memcpy(t2, t1, sizeof t1);
+        memcpy(t2 + 100, j1.got, 50 * sizeof(int32_t));
+        fill_random(t2 + 150, 50, 8);
+        struct job j2 = {.prompt = t2, .n_prompt = 200, .max_tokens = 20, .logprobs = true};
+        run_jobs(e, &j2, 1);
+        if (c == 0) {
+            /* turn 1's prompt and reply: 149 computed tokens (the last sampled one never ran) */
+            assert_true(j2.cached >= (150 / 16) * 16);
+            cold2 = j2;
+        } else {
+            assert_int_equal(j2.cached, 0);
+            same_output(&j2, &cold2);
+        }
+        engine_stop(e);
+    }
+}
+
+/* ---------------------------------------------------------------- 3. collisions, salt */
+
+static void test_truncated_hash_never_reuses_wrongly(void **st) {
+    (void)st;
+    require_data();
+    enum { N = 1000, LEN = 40 };
+    int32_t *prompts = malloc((size_t)N * LEN * sizeof *prompts);
+    /* 4 distinct first blocks, then random: blocks 2 and 3 collide at 8 bits all the time */
+    for (int i = 0; i < N; i++) {
+        fill_random(prompts + (size_t)i * LEN, 16, 100 + (uint64_t)(i % 4));
+        fill_random(prompts + (size_t)i * LEN + 16, LEN - 16, 1000 + (uint64_t)i);
+    }
+    struct job *jobs = calloc(2 * N, sizeof *jobs);
+    kv_hash_test_truncate_bits(8);
+    for (int c = 0; c < 2; c++) {
+        struct engine_config cfg = {.tokens_per_block = 8, .n_blocks = 2048, .max_model_len = 64,
+                                    .max_num_tokens = 512, .no_prefix_cache = c == 1};
+        engine_t *e = start(&cfg);
+        struct job *js = jobs + (size_t)c * N;
+        for (int i = 0; i < N; i++)
+            js[i] = (struct job){.prompt = prompts + (size_t)i * LEN, .n_prompt = LEN, .max_tokens = 3,
+                                 .logprobs = true};
+        for (int i = 0; i < N; i += 100) run_jobs(e, js + i, 100);
+        struct engine_stats s;
+        idle_stats(e, &s);
+        if (c == 0) assert_true(s.prefix_cache_hit_tokens > 0);
+        engine_stop(e);
+    }
+    kv_hash_test_truncate_bits(0);
+    for (int i = 0; i < N; i++) same_output(&jobs[i], &jobs[N + i]);
+    free(jobs);
+    free(prompts);
+}
+
+static void test_cache_salt_isolates(void **st) {
+    (void)st;
+    require_data();
+    int32_t p[80];
+    fill_random(p, 80, 99);
+    struct engine_config cfg = {.tokens_per_block = 16, .n_blocks = 128, .max_model_len = 256};
+    engine_t *e = start(&cfg);
+    struct job a = {.prompt = p, .n_prompt = 80, .max_tokens = 4, .salt = "tenant-a"};
+    struct job b = {.prompt = p, .n_prompt = 80, .max_tokens = 4, .salt = "tenant-b"};
+    struct job n = {.prompt = p, .n_prompt = 80, .max_tokens = 4};
+    struct job a2 = a;
+    run_jobs(e, &a, 1);
+    run_jobs(e, &b, 1);
+    assert_int_equal(b.cached, 0);
+    run_jobs(e, &n, 1);
+    assert_int_equal(n.cached, 0);
+    run_jobs(e, &a2, 1);
+    assert_int_equal(a2.cached, 64);
+    same_output(&a, &a2);
+    same_output(&a, &b);
+    engine_stop(e);
+}
+
+/* ---------------------------------------------------------------- 4. host tier */
+
+static void test_host_tier_round_trip(void **st) {
+    (void)st;
+    require_data();
+    enum { N = 20, LEN = 384 };
+    int32_t *prompts = malloc((size_t)N * LEN * sizeof *prompts);
+    for (int i = 0; i < N; i++) fill_random(prompts + (size_t)i * LEN, LEN, 500 + (uint64_t)i);
+    /* device pool: about four 384-token prompts (24 blocks each) */
+    struct engine_config cfg = {.tokens_per_block = 16, .n_blocks = 100, .max_model_len = 512,
+                                .max_num_tokens = 256, .host_cache_blocks = 600};
+    engine_t *e = start(&cfg);
+    struct job jobs[N];
+    for (int i = 0; i < N; i++)
+        jobs[i] = (struct job){.prompt = prompts + (size_t)i * LEN, .n_prompt = LEN, .max_tokens = 8,
+                               .logprobs = true};
+    for (int i = 0; i < N; i++) run_jobs(e, &jobs[i], 1);
+    struct engine_stats s0;
+    idle_stats(e, &s0);
+    assert_true(s0.kv_offloads > 0);
+    struct job replay = jobs[0];
+    run_jobs(e, &replay, 1);
+    same_output(&replay, &jobs[0]);
+    assert_int_equal(replay.cached, LEN - 16);
+    struct engine_stats s;
+    idle_stats(e, &s);
+    assert_true(s.kv_hits_host >= (uint64_t)(LEN / 16 - 1));
+    assert_int_equal(s.kv_checksum_failures, 0);
+    engine_stop(e);
+
+    cfg.no_prefix_cache = true;
+    e = start(&cfg);
+    struct job cold = jobs[0];
+    run_jobs(e, &cold, 1);
+    same_output(&cold, &replay);
+    engine_stop(e);
+    free(prompts);
+}
+
+/* ---------------------------------------------------------------- 5. cancel mid-prefill */
+
+static void test_cancel_mid_prefill(void **st) {
+    (void)st;
+    require_data();
+    int32_t pa[400], pb[300];
+    fill_random(pa, 400, 31);
+    memcpy(pb, pa, 200 * sizeof(int32_t)); /* B shares A's first 200 tokens */
+    fill_random(pb + 200, 100, 32);
+    struct engine_config cfg = {.tokens_per_block = 16, .n_blocks = 128, .max_model_len = 512,
+                                .max_num_tokens = 32, .no_prefix_cache = true};
+    engine_t *e = start(&cfg);
+    struct job cold = {.prompt = pb, .n_prompt = 300, .max_tokens = 16, .logprobs = true};
+    run_jobs(e, &cold, 1);
+    engine_stop(e);
+
+    cfg.no_prefix_cache = false;
+    for (int it = 0; it < 6; it++) {
+        e = start(&cfg);
+        struct job a = {.prompt = pa, .n_prompt = 400, .max_tokens = 16};
+        struct job b = {.prompt = pb, .n_prompt = 300, .max_tokens = 16, .logprobs = true};
+        submit(e, &a);
+        if (it % 2) submit(e, &b);
+        struct timespec d = {0, (long)it * 2000000L};
+        nanosleep(&d, NULL);
+        engine_cancel(e, a.id);
+        if (!(it % 2)) submit(e, &b);
+        struct job both[2] = {a, b};
+        (void)both;
+        wait_jobs(&a, 1);
+        wait_jobs(&b, 1);
+        assert_int_equal(a.n_term, 1);
+        assert_int_equal(b.term, ENGINE_EV_FINISH);
+        same_output(&b, &cold);
+        struct engine_stats s;
+        idle_stats(e, &s);
+        assert_int_equal(s.kv_blocks_used, 0); /* every block is free or cached */
+        assert_int_equal(s.kv_blocks_free, s.kv_blocks_total);
+        engine_stop(e);
+    }
+}
+
+/* ---------------------------------------------------------------- 6. prefix waits */
+
+static void run_prefix_burst(int wait_blocks, struct engine_stats *s, struct job *jobs,
+                             int32_t *prompts) {
+    enum { N = 16, PRE = 1024, SUF = 32 };
+    struct engine_config cfg = {.tokens_per_block = 16, .n_blocks = 1024, .max_batch_size = 32,
+                                .max_num_tokens = 2048, .max_model_len = 1100,
+                                .prefix_wait_blocks = wait_blocks};
+    engine_t *e = start(&cfg);
+    for (int i = 0; i < N; i++)
+        jobs[i] = (struct job){.prompt = prompts + (size_t)i * (PRE + SUF), .n_prompt = PRE + SUF,
+                               .max_tokens = 1, .logprobs = true};
+    run_jobs(e, jobs, N);
+    idle_stats(e, s);
+    engine_stop(e);
+}
+
+static void test_prefix_waits_prefill_once(void **st) {
+    (void)st;
+    require_data();
+    enum { N = 16, PRE = 1024, SUF = 32 };
+    int32_t *prompts = malloc((size_t)N * (PRE + SUF) * sizeof *prompts);
+    for (int i = 0; i < N; i++) {
+        int32_t *p = prompts + (size_t)i * (PRE + SUF);
+        fill_random(p, PRE, 4242);
+        fill_random(p + PRE, SUF, 7000 + (uint64_t)i);
+        p[PRE] = 3 + i; /* suffixes differ from their first token */
+    }
+    struct job with[N], without[N];
+    struct engine_stats sw, so;
+    run_prefix_burst(0 /* default: 64 blocks */, &sw, with, prompts);
+    run_prefix_burst(-1 /* disabled */, &so, without, prompts);
+    uint64_t bound = PRE + (uint64_t)N * SUF + (uint64_t)N * 16;
+    fprintf(stderr, "prefix waits: prefilled %llu tokens with waits (%llu waits), %llu without; "
+            "bound %llu\n", (unsigned long long)sw.prefill_tokens_computed,
+            (unsigned long long)sw.prefix_waits_total,
+            (unsigned long long)so.prefill_tokens_computed, (unsigned long long)bound);
+    assert_true(sw.prefill_tokens_computed <= bound);
+    assert_true(sw.prefix_waits_total > 0);
+    assert_true(so.prefill_tokens_computed > bound); /* the duplicated work without waits */
+    for (int i = 0; i < N; i++) same_output(&with[i], &without[i]);
+    free(prompts);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_hits_identical_reference_prompts),
+        cmocka_unit_test(test_multi_turn_reuses_reply),
+        cmocka_unit_test(test_truncated_hash_never_reuses_wrongly),
+        cmocka_unit_test(test_cache_salt_isolates),
+        cmocka_unit_test(test_host_tier_round_trip),
+        cmocka_unit_test(test_cancel_mid_prefill),
+        cmocka_unit_test(test_prefix_waits_prefill_once),
+    };
+    return cmocka_run_group_tests(tests, setup, teardown);
+}
