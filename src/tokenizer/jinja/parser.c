@@ -1,6 +1,7 @@
 /* parser: recursive descent over the reference engine's grammar (same precedence:
  * if-expr < or < and < not < comparison/in < + - ~ < * / // % < ** < is-test < |filter <
- * unary sign < call/member < primary). Errors name the token's line and column. */
+ * unary sign < call/member < primary). Errors name the token's line and column. Also the
+ * public entry points jinja_parse (lex + parse into one arena) and jinja_free. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -672,4 +673,36 @@ void jinja_parse_tokens(struct jarena *a, struct token *toks, size_t n, struct n
     while (P.cur < P.n) nl_push(&P, &l, parse_any(&P));
     *body = l.v;
     *nbody = l.n;
+}
+
+/* ---- entry points ---- */
+kv_status jinja_parse(const char *src, size_t len, jinja_template_t **out, char *err, size_t errlen) {
+    if (!src || !out) return kv_errf(KV_EINVAL, err, errlen, "jinja: NULL argument");
+    jinja_template_t *t = calloc(1, sizeof *t);
+    if (!t) return kv_errf(KV_ENOMEM, err, errlen, "jinja: out of memory");
+    jmp_buf jb;
+    t->arena.limit = JINJA_ARENA_LIMIT;
+    t->arena.jb = &jb;
+    t->arena.err = err;
+    t->arena.errlen = errlen;
+    if (setjmp(jb)) {
+        kv_status st = t->arena.st;
+        ja_free(&t->arena);
+        free(t);
+        return st;
+    }
+    struct token *toks;
+    size_t n;
+    jinja_lex(&t->arena, src, len, &toks, &n);
+    jinja_parse_tokens(&t->arena, toks, n, &t->body, &t->n);
+    t->arena.jb = NULL;
+    t->arena.err = NULL;
+    *out = t;
+    return KV_OK;
+}
+
+void jinja_free(jinja_template_t *t) {
+    if (!t) return;
+    ja_free(&t->arena);
+    free(t);
 }
