@@ -48,6 +48,15 @@ static bool cp_is_space(int32_t cp) {
            c == UTF8PROC_CATEGORY_ZP;
 }
 
+/* Rust char::is_numeric (HF Digits): general category Nd, Nl or No, Unicode 16. */
+static bool cp_is_num(int32_t cp) {
+    if (cp < 0) return false;
+    if (cp < 128) return cp >= '0' && cp <= '9';
+    utf8proc_category_t c = utf8proc_category(cp);
+    return c == UTF8PROC_CATEGORY_ND || c == UTF8PROC_CATEGORY_NL || c == UTF8PROC_CATEGORY_NO ||
+           tok_cp_extra_numeric(cp);
+}
+
 static bool cp_is_word(int32_t cp) {
     if (cp == '_') return true;
     utf8proc_category_t c = utf8proc_category(cp);
@@ -325,14 +334,52 @@ static kv_status repl_cb(void *ctx, size_t s, size_t e) {
     return KV_OK;
 }
 
-/* Applies a utf8proc transformation to each valid run; invalid bytes pass through. */
+/* Combining marks (Unicode 11-15) that HF tokenizers' normalizers (the unicode-normalization
+ * crate's tables) treat as canonical-combining-class 0 with no compositions, while utf8proc
+ * reorders/blocks them by their real class. Found by probing every code point against HF's
+ * NFC with marks of classes 7..240 before and after it; splitting the text around them
+ * reproduces HF exactly. */
+static const uint32_t k_hf_ccc0[][2] = {
+    {0x7FD, 0x7FD}, {0x898, 0x89F}, {0x8CA, 0x8D3}, {0x9FE, 0x9FE}, {0xC3C, 0xC3C}, {0xD3B, 0xD3C},
+    {0xEBA, 0xEBA}, {0x1715, 0x1715}, {0x1ABF, 0x1ACE}, {0x1DF6, 0x1DFA}, {0xA82C, 0xA82C},
+    {0x10D24, 0x10D27}, {0x10EAB, 0x10EAC}, {0x10EFD, 0x10EFF}, {0x10F46, 0x10F50}, {0x10F82, 0x10F85},
+    {0x11070, 0x11070}, {0x1133B, 0x1133B}, {0x1145E, 0x1145E}, {0x11839, 0x1183A}, {0x1193D, 0x1193E},
+    {0x11943, 0x11943}, {0x119E0, 0x119E0}, {0x11A34, 0x11A34}, {0x11A47, 0x11A47}, {0x11A99, 0x11A99},
+    {0x11D42, 0x11D42}, {0x11D44, 0x11D45}, {0x11D97, 0x11D97}, {0x11F41, 0x11F42}, {0x16FF0, 0x16FF1},
+    {0x1E08F, 0x1E08F}, {0x1E130, 0x1E136}, {0x1E2AE, 0x1E2AE}, {0x1E2EC, 0x1E2EF}, {0x1E4EC, 0x1E4EF}
+};
+
+static bool hf_norm_starter(int32_t cp) {
+    if (cp < 0x7fd) return false;
+    for (size_t i = 0; i < sizeof k_hf_ccc0 / sizeof k_hf_ccc0[0]; i++) {
+        if ((uint32_t)cp < k_hf_ccc0[i][0]) return false;
+        if ((uint32_t)cp <= k_hf_ccc0[i][1]) return true;
+    }
+    return false;
+}
+
+/* Applies a utf8proc transformation to each valid run; invalid bytes pass through, and so
+ * do the marks of hf_norm_starter() (the runs are split around them). */
+static bool has_byte_ge(const char *s, size_t n, unsigned char lim) {
+    for (size_t i = 0; i < n; i++)
+        if ((unsigned char)s[i] >= lim) return true;
+    return false;
+}
+
 static kv_status u8map_runs(kv_buf *out, const char *s, size_t n, int opts, bool lower) {
     size_t i = 0;
     while (i < n) {
-        size_t end = i;
+        size_t end = i, brk = 0; /* brk: length of the pass-through unit at end */
         while (end < n) {
             size_t l = u8len(s + end, n - end);
-            if (l == 1 && (unsigned char)s[end] >= 0x80) break;
+            if (l == 1 && (unsigned char)s[end] >= 0x80) {
+                brk = 1;
+                break;
+            }
+            if (l >= 3 && !lower && hf_norm_starter(u8decode(s + end, l))) {
+                brk = l;
+                break;
+            }
             end += l;
         }
         if (end > i) {
@@ -345,7 +392,14 @@ static kv_status u8map_runs(kv_buf *out, const char *s, size_t n, int opts, bool
                     if (kv_buf_append(out, enc, (size_t)el)) return KV_ENOMEM;
                     k += l;
                 }
+            } else if (!(opts & UTF8PROC_COMPAT) && !has_byte_ge(s + i, end - i, 0xCC)) {
+                /* below U+0300 every character is NFC and NFD-stable except the Latin-1/
+                 * Latin Extended composites, which only NFD changes */
+                bool nfd = (opts & UTF8PROC_DECOMPOSE) != 0;
+                if (nfd && has_byte_ge(s + i, end - i, 0xC3)) goto slow;
+                if (kv_buf_append(out, s + i, end - i)) return KV_ENOMEM;
             } else {
+            slow:;
                 utf8proc_uint8_t *r = NULL;
                 utf8proc_ssize_t rl = utf8proc_map((const utf8proc_uint8_t *)s + i, (utf8proc_ssize_t)(end - i), &r,
                                                    (utf8proc_option_t)opts);
@@ -355,8 +409,8 @@ static kv_status u8map_runs(kv_buf *out, const char *s, size_t n, int opts, bool
                 if (st) return st;
             }
         }
-        if (end < n && kv_buf_append(out, s + end, 1)) return KV_ENOMEM;
-        i = end < n ? end + 1 : end;
+        if (brk && kv_buf_append(out, s + end, brk)) return KV_ENOMEM;
+        i = end + brk;
     }
     return KV_OK;
 }
@@ -436,29 +490,14 @@ static kv_status pre_step_apply(const tokenizer_t *t, const struct pre_step *ps,
             size_t a = 0;
             while (a < n && st == KV_OK) {
                 size_t l = u8len(s + a, n - a);
-                int32_t cp = u8decode(s + a, l);
-                utf8proc_category_t c = cp >= 0 ? utf8proc_category(cp) : UTF8PROC_CATEGORY_CN;
-                bool dig = c == UTF8PROC_CATEGORY_ND || c == UTF8PROC_CATEGORY_NL || c == UTF8PROC_CATEGORY_NO;
+                bool dig = cp_is_num(u8decode(s + a, l));
                 size_t b = a + l;
-                if (dig && !ps->individual_digits) {
+                if (!dig || !ps->individual_digits)
                     while (b < n) {
                         size_t l2 = u8len(s + b, n - b);
-                        int32_t c2 = u8decode(s + b, l2);
-                        utf8proc_category_t k2 = c2 >= 0 ? utf8proc_category(c2) : UTF8PROC_CATEGORY_CN;
-                        if (!(k2 == UTF8PROC_CATEGORY_ND || k2 == UTF8PROC_CATEGORY_NL || k2 == UTF8PROC_CATEGORY_NO))
-                            break;
+                        if (cp_is_num(u8decode(s + b, l2)) != dig) break;
                         b += l2;
                     }
-                } else if (!dig) {
-                    while (b < n) {
-                        size_t l2 = u8len(s + b, n - b);
-                        int32_t c2 = u8decode(s + b, l2);
-                        utf8proc_category_t k2 = c2 >= 0 ? utf8proc_category(c2) : UTF8PROC_CATEGORY_CN;
-                        if (k2 == UTF8PROC_CATEGORY_ND || k2 == UTF8PROC_CATEGORY_NL || k2 == UTF8PROC_CATEGORY_NO)
-                            break;
-                        b += l2;
-                    }
-                }
                 st = pieces_add(out, s + a, b - a, first && a == 0);
                 a = b;
             }
@@ -515,7 +554,7 @@ struct sym {
     uint32_t start, len; /* byte span in the word */
 };
 struct cand {
-    double prio; /* smaller first */
+    uint64_t key; /* (priority as an order-preserving uint32) << 32 | pos: smaller first */
     uint32_t pos;
     int32_t a, b; /* rank mode: ids expected at pos / next; score mode: a = total length */
     int32_t merged;
@@ -525,8 +564,13 @@ typedef struct {
     size_t n, cap;
 } heap;
 
-static bool cand_less(const struct cand *x, const struct cand *y) {
-    return x->prio < y->prio || (x->prio == y->prio && x->pos < y->pos);
+static inline bool cand_less(const struct cand *x, const struct cand *y) { return x->key < y->key; }
+
+/* float -> uint32 with the same order (no NaNs in scores) */
+static inline uint32_t f32_order(float f) {
+    uint32_t b;
+    memcpy(&b, &f, sizeof b);
+    return (b & 0x80000000u) ? ~b : b | 0x80000000u;
 }
 static kv_status heap_push(heap *h, struct cand c) {
     if (h->n == h->cap) {
@@ -583,12 +627,14 @@ static kv_status add_cand(const tokenizer_t *t, const char *w, struct sym *sy, i
     if (t->model == M_BPE_RANK) {
         int32_t rank, merged;
         if (sy[l].id < 0 || sy[r].id < 0 || !tok_pair_get(t, sy[l].id, sy[r].id, &rank, &merged)) return KV_OK;
-        return heap_push(h, (struct cand){(double)rank, (uint32_t)l, sy[l].id, sy[r].id, merged});
+        return heap_push(h, (struct cand){((uint64_t)(uint32_t)rank << 32) | (uint32_t)l, (uint32_t)l, sy[l].id,
+                                          sy[r].id, merged});
     }
     uint32_t tot = sy[l].len + sy[r].len;
     int id = model_lookup(t, w + sy[l].start, tot);
     if (id < 0) return KV_OK;
-    return heap_push(h, (struct cand){-(double)t->tok[id].score, (uint32_t)l, (int32_t)tot, 0, id});
+    return heap_push(h, (struct cand){((uint64_t)f32_order(-t->tok[id].score) << 32) | (uint32_t)l, (uint32_t)l,
+                                      (int32_t)tot, 0, id});
 }
 
 static kv_status emit_bytes(const tokenizer_t *t, const char *s, size_t n, idvec *out) {
@@ -686,7 +732,27 @@ static kv_status encode_plain(const tokenizer_t *t, const char *s, size_t n, boo
         a = b;
         b = sw;
     }
-    for (size_t i = 0; i < a.n && !st; i++) st = bpe_word(t, a.buf.data + a.s[i].off, a.s[i].len, sc, out);
+    for (size_t i = 0; i < a.n && !st; i++) {
+        const char *w = a.buf.data + a.s[i].off;
+        size_t wn = a.s[i].len;
+        if (!t->spm_split) {
+            st = bpe_word(t, w, wn, sc, out);
+            continue;
+        }
+        /* split before each U+2581 run that follows another character (see tok_internal.h) */
+        size_t start = 0;
+        for (size_t k = 1; k + 3 <= wn && !st; k++) {
+            if (memcmp(w + k, "\xe2\x96\x81", 3) != 0) continue;
+            if (k >= 3 && !memcmp(w + k - 3, "\xe2\x96\x81", 3)) {
+                k += 2;
+                continue;
+            }
+            st = bpe_word(t, w + start, k - start, sc, out);
+            start = k;
+            k += 2;
+        }
+        if (!st) st = bpe_word(t, w + start, wn - start, sc, out);
+    }
     pieces_free(&a);
     pieces_free(&b);
     return st;
@@ -704,11 +770,13 @@ static bool added_active(const struct added_token *a, bool parse_special, int pa
  * the matched span (with lstrip/rstrip extension) in *ms, *me; *ts, *te: token itself. */
 static int find_added(const tokenizer_t *t, const char *s, size_t n, size_t from, bool parse_special, int pass,
                       size_t *ms, size_t *me) {
+    if (!t->n_added) return -1;
     for (size_t i = from; i < n; i++) {
-        for (int k = 0; k < t->n_added; k++) { /* sorted longest first */
+        unsigned char c0 = (unsigned char)s[i];
+        for (int32_t q = t->added_first[c0]; q < t->added_first[c0 + 1]; q++) { /* longest first */
+            int k = t->added_idx[q];
             const struct added_token *a = &t->added[k];
-            if (!a->len || a->len > n - i || (unsigned char)a->s[0] != (unsigned char)s[i]) continue;
-            if (!added_active(a, parse_special, pass)) continue;
+            if (a->len > n - i || !added_active(a, parse_special, pass)) continue;
             if (memcmp(s + i, a->s, a->len) != 0) continue;
             size_t e = i + a->len;
             if (a->single_word) {

@@ -103,10 +103,17 @@ struct tokenizer {
     int byte_tok[256]; /* id of <0xXX> or -1 */
 
     struct added_token *added; int n_added;
+    /* added tokens by first byte: indices into added[] for byte b are
+     * added_idx[added_first[b] .. added_first[b + 1]), in added[] order (longest first) */
+    int32_t *added_idx; int32_t added_first[257];
     struct norm_step *norm; int n_norm;
     struct pre_step *pre; int n_pre;
     struct dec_step *dec; int n_dec;
     bool bytelevel_input; /* a ByteLevel pre-tokenizer maps bytes to chars */
+    /* No model token holds U+2581 after another character (Llama-2/Mistral vocabularies): no
+     * merge can cross the start of a "\u2581" run, so words are split there before BPE,
+     * with the same result and much smaller merge queues. */
+    bool spm_split;
 
     /* post-processor: ids around the sequence when add_special */
     int32_t prefix_ids[4]; int n_prefix;
@@ -134,7 +141,11 @@ kv_status tok_finalize_map_only(tokenizer_t *t);
 int tok_lookup(const tokenizer_t *t, const char *s, size_t len); /* any token */
 kv_status pairmap_put(struct pairmap *m, int32_t a, int32_t b, int32_t rank, int32_t merged);
 kv_status pairmap_init(struct pairmap *m, size_t n);
+/* Compiles a HF/llama.cpp pre-tokenizer regex (UTF + UCP, JIT when available) with \s, \S,
+ * \p{L}, \p{N}, \p{P} rewritten to HF's (Oniguruma, Unicode 16) classes. NULL + err on error. */
 pcre2_code *tok_regex_compile(const char *pat, size_t len, char *err, size_t errlen);
+/* Numeric code points (Unicode 16) that this utf8proc/PCRE2 does not classify as N*. */
+bool tok_cp_extra_numeric(int32_t cp);
 
 /* loaders */
 kv_status tok_load_json(tokenizer_t *t, const char *json_path, const char *config_path, char *err,

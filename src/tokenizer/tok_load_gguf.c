@@ -5,41 +5,86 @@
 #include "../model/gguf.h"
 #include "tok_internal.h"
 
-#define GPT2_REGEX "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)"
+/* HF ByteLevel's own split regex (use_regex = true). */
+#define GPT2_REGEX "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+"
 #define LLAMA3_REGEX                                                                                   \
     "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| " \
     "?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
 #define QWEN2_REGEX                                                                                    \
     "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| " \
     "?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+#define TEKKEN_REGEX                                                                                   \
+    "[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]*[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]+|"            \
+    "[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]+[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]*|\\p{N}| "     \
+    "?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+#define BLOOM_REGEX " ?[^(\\s|.,!?\xe2\x80\xa6\xe3\x80\x82\xef\xbc\x8c\xe3\x80\x81\xe0\xa5\xa4\xdb\x94\xd8\x8c)]+"
+/* HF Punctuation pre-tokenizer: Unicode P* plus ASCII punctuation (Contiguous runs). */
+#define PUNCT_REGEX "[\\p{P}!-/:-@\\[-`{-~]+"
 
-/* llama.cpp's pre-tokenizer regexes, applied in sequence (each splits the previous pieces). */
+/* The Hugging Face pre-tokenizer pipeline of each tokenizer.ggml.pre family (the names are
+ * llama.cpp's; the steps are what the original tokenizer.json runs, which is what the
+ * llama.cpp test vectors were generated with). Step codes:
+ *   "R<regex>"  Split(regex, Isolated)     "B"  ByteLevel(use_regex = true)
+ *   "b"         ByteLevel(use_regex=false) "D"  Digits(individual = false)
+ *   "d"         Digits(individual = true)
+ * Families not listed (deepseek-llm, deepseek-v3, viking, chameleon, ...) are refused. */
 static const struct {
-    const char *name;
-    const char *re[6];
+    const char *names;   /* '|'-separated aliases */
+    const char *steps[6];
     bool ignore_merges;
 } k_pre[] = {
-    {"default", {GPT2_REGEX}, false},
-    {"gpt-2", {GPT2_REGEX}, false},
-    {"llama-bpe", {LLAMA3_REGEX}, true},
-    {"llama3", {LLAMA3_REGEX}, true},
-    {"llama-v3", {LLAMA3_REGEX}, true},
-    {"qwen2", {QWEN2_REGEX}, false},
+    {"default|gpt-2|phi-2|mpt|olmo|jais|roberta-bpe|jina-es|jina-de|gigachat|jina-v1-en|jina-v2-es|jina-v2-de|"
+     "jina-v2-code",
+     {"B"}, false},
+    {"llama3|llama-v3|llama-bpe|falcon3", {"R" LLAMA3_REGEX, "b"}, true},
+    {"dbrx|smaug-bpe|chatglm-bpe", {"R" LLAMA3_REGEX, "b"}, false},
+    {"qwen2|deepseek-r1-qwen|stablelm2|megrez", {"R" QWEN2_REGEX, "b"}, false},
+    {"tekken", {"R" TEKKEN_REGEX, "b"}, true},
     {"deepseek-coder",
-     {"[\\r\\n]", "\\s?\\p{L}+", "\\s?\\p{P}+", "[\\x{4E00}-\\x{9FA5}\\x{0800}-\\x{4E00}\\x{AC00}-\\x{D7FF}]+",
-      "\\p{N}"},
+     {"R[\\r\\n]", "R\\s?\\p{L}+", "R\\s?\\p{P}+", "R[\\x{4E00}-\\x{9FA5}\\x{0800}-\\x{4E00}\\x{AC00}-\\x{D7FF}]+",
+      "R\\p{N}", "b"},
      false},
+    {"falcon", {"R" PUNCT_REGEX, "B", "D", "R[0-9][0-9][0-9]"}, false},
+    {"starcoder|refact|command-r|smollm|codeshell|exaone|minerva-7b", {"d", "B"}, false},
+    {"bloom|poro-chat|gpt3-finnish", {"R" BLOOM_REGEX, "b"}, false},
 };
 
-static kv_status add_pre_regex(tokenizer_t *t, const char *re, char *err, size_t errlen) {
+static bool name_in(const char *names, const char *s, size_t n) {
+    for (const char *p = names;;) {
+        const char *e = strchr(p, '|');
+        size_t l = e ? (size_t)(e - p) : strlen(p);
+        if (l == n && !memcmp(p, s, n)) return true;
+        if (!e) return false;
+        p = e + 1;
+    }
+}
+
+static kv_status add_pre(tokenizer_t *t, const char *code, char *err, size_t errlen) {
     void *p = kv_realloc(t->pre, (size_t)(t->n_pre + 1) * sizeof *t->pre);
     if (!p) return KV_ENOMEM;
     t->pre = p;
     struct pre_step *s = &t->pre[t->n_pre];
     memset(s, 0, sizeof *s);
-    s->kind = P_SPLIT;
-    s->behavior = SB_ISOLATED;
-    if (!(s->re = tok_regex_compile(re, strlen(re), err, errlen))) return KV_EFORMAT;
+    const char *re = NULL;
+    switch (code[0]) {
+    case 'R':
+        s->kind = P_SPLIT;
+        s->behavior = SB_ISOLATED;
+        re = code + 1;
+        break;
+    case 'B': re = GPT2_REGEX; /* fall through */
+    case 'b':
+        s->kind = P_BYTELEVEL;
+        t->bytelevel_input = true;
+        break;
+    case 'D': s->kind = P_DIGITS; break;
+    case 'd':
+        s->kind = P_DIGITS;
+        s->individual_digits = true;
+        break;
+    default: return KV_EINTERNAL;
+    }
+    if (re && !(s->re = tok_regex_compile(re, strlen(re), err, errlen))) return KV_EFORMAT;
     t->n_pre++;
     return KV_OK;
 }
@@ -195,18 +240,15 @@ kv_status tok_load_gguf(tokenizer_t *t, const char *path, char *err, size_t errl
         size_t pl = 7;
         gguf_get_str(g, "tokenizer.ggml.pre", &pre, &pl);
         int found = -1;
-        for (size_t i = 0; i < sizeof k_pre / sizeof k_pre[0]; i++)
-            if (strlen(k_pre[i].name) == pl && !memcmp(k_pre[i].name, pre, pl)) found = (int)i;
+        for (size_t i = 0; i < sizeof k_pre / sizeof k_pre[0] && found < 0; i++)
+            if (name_in(k_pre[i].names, pre, pl)) found = (int)i;
         if (found < 0) {
             st = kv_errf(KV_EUNSUPPORTED, err, errlen, "%s: tokenizer.ggml.pre '%.*s' not supported", path, (int)pl, pre);
             goto done;
         }
-        for (int r = 0; r < 6 && k_pre[found].re[r]; r++)
-            if ((st = add_pre_regex(t, k_pre[found].re[r], err, errlen))) goto done;
+        for (int r = 0; r < 6 && k_pre[found].steps[r]; r++)
+            if ((st = add_pre(t, k_pre[found].steps[r], err, errlen))) goto done;
         t->ignore_merges = k_pre[found].ignore_merges;
-        if ((st = add_step((void **)&t->pre, &t->n_pre, sizeof *t->pre, &p))) goto done;
-        ((struct pre_step *)p)->kind = P_BYTELEVEL;
-        t->bytelevel_input = true;
         if ((st = add_step((void **)&t->dec, &t->n_dec, sizeof *t->dec, &p))) goto done;
         ((struct dec_step *)p)->kind = D_BYTELEVEL;
         if (!gguf_get_arr_info(g, "tokenizer.ggml.merges", &et, &nn) || et != GGUF_TYPE_STRING) {

@@ -97,15 +97,113 @@ bool tok_pair_get(const tokenizer_t *t, int32_t a, int32_t b, int32_t *rank, int
     return false;
 }
 
+/* ---- regex classes as HF tokenizers (Oniguruma, Unicode 16) sees them ----
+ * PCRE2 10.42 (Debian 12) carries Unicode 14 tables and counts U+180E as \s; HF's
+ * Oniguruma does not, and knows the letters/digits/punctuation added in Unicode 15-16.
+ * Patterns are rewritten so that \s, \S, \p{L}, \p{N}, \p{P} (and \P{..}) mean exactly what
+ * they mean to HF. The extra ranges were found by probing every code point with HF's
+ * Split pre-tokenizer and PCRE2 (tests/e2e/test_tok_diff.sh finds any new drift). */
+#define HF_SPACE "\\t-\\r\\x{20}\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}\\x{3000}"
+#define EXTRA_L                                                                                 \
+    "\\x{1C89}-\\x{1C8A}\\x{A7CB}-\\x{A7CD}\\x{A7DA}-\\x{A7DC}\\x{105C0}-\\x{105F3}"               \
+    "\\x{10D4A}-\\x{10D65}\\x{10D6F}-\\x{10D85}\\x{10EC2}-\\x{10EC4}\\x{1123F}-\\x{11240}"         \
+    "\\x{11380}-\\x{11389}\\x{1138B}\\x{1138E}\\x{11390}-\\x{113B5}\\x{113B7}\\x{113D1}"           \
+    "\\x{113D3}\\x{11BC0}-\\x{11BE0}\\x{11F02}\\x{11F04}-\\x{11F10}\\x{11F12}-\\x{11F33}"          \
+    "\\x{1342F}\\x{13441}-\\x{13446}\\x{13460}-\\x{143FA}\\x{16100}-\\x{1611D}"                    \
+    "\\x{16D40}-\\x{16D6C}\\x{18CFF}\\x{1B132}\\x{1B155}\\x{1DF25}-\\x{1DF2A}"                     \
+    "\\x{1E030}-\\x{1E06D}\\x{1E4D0}-\\x{1E4EB}\\x{1E5D0}-\\x{1E5ED}\\x{1E5F0}\\x{2B739}"          \
+    "\\x{2EBF0}-\\x{2EE5D}\\x{31350}-\\x{323AF}"
+#define EXTRA_N                                                                                 \
+    "\\x{10D40}-\\x{10D49}\\x{116D0}-\\x{116E3}\\x{11BF0}-\\x{11BF9}\\x{11F50}-\\x{11F59}"         \
+    "\\x{16130}-\\x{16139}\\x{16D70}-\\x{16D79}\\x{1CCF0}-\\x{1CCF9}\\x{1D2C0}-\\x{1D2D3}"         \
+    "\\x{1E4F0}-\\x{1E4F9}\\x{1E5F1}-\\x{1E5FA}"
+#define EXTRA_P                                                                                 \
+    "\\x{1B4E}-\\x{1B4F}\\x{1B7F}\\x{10D6E}\\x{113D4}-\\x{113D5}\\x{113D7}-\\x{113D8}"             \
+    "\\x{11B00}-\\x{11B09}\\x{11BE1}\\x{11F43}-\\x{11F4F}\\x{16D6D}-\\x{16D6F}\\x{1E5FF}"
+
+static const uint32_t k_extra_n[][2] = {{0x10D40, 0x10D49}, {0x116D0, 0x116E3}, {0x11BF0, 0x11BF9},
+                                        {0x11F50, 0x11F59}, {0x16130, 0x16139}, {0x16D70, 0x16D79},
+                                        {0x1CCF0, 0x1CCF9}, {0x1D2C0, 0x1D2D3}, {0x1E4F0, 0x1E4F9},
+                                        {0x1E5F1, 0x1E5FA}};
+
+bool tok_cp_extra_numeric(int32_t cp) {
+    for (size_t i = 0; i < sizeof k_extra_n / sizeof k_extra_n[0]; i++)
+        if ((uint32_t)cp >= k_extra_n[i][0] && (uint32_t)cp <= k_extra_n[i][1]) return true;
+    return false;
+}
+
+/* Rewrites pat into out (see above). Escapes other than these pass through unchanged. */
+static kv_status regex_rewrite(const char *pat, size_t len, kv_buf *out) {
+    int depth = 0; /* inside [...] (POSIX [:name:] does not nest further here) */
+    for (size_t i = 0; i < len; i++) {
+        char c = pat[i];
+        const char *rep = NULL;
+        size_t skip = 0;
+        if (c == '\\' && i + 1 < len) {
+            char d = pat[i + 1];
+            bool in = depth > 0;
+            if (d == 's') rep = in ? HF_SPACE : "[" HF_SPACE "]", skip = 2;
+            else if (d == 'S' && !in) rep = "[^" HF_SPACE "]", skip = 2;
+            else if ((d == 'p' || d == 'P') && i + 4 < len && pat[i + 2] == '{' && pat[i + 4] == '}' &&
+                     (pat[i + 3] == 'L' || pat[i + 3] == 'N' || pat[i + 3] == 'P') && (d == 'p' || !in)) {
+                char k = pat[i + 3];
+                rep = k == 'L'   ? (in ? "\\p{L}" EXTRA_L : d == 'p' ? "[\\p{L}" EXTRA_L "]" : "[^\\p{L}" EXTRA_L "]")
+                      : k == 'N' ? (in ? "\\p{N}" EXTRA_N : d == 'p' ? "[\\p{N}" EXTRA_N "]" : "[^\\p{N}" EXTRA_N "]")
+                                 : (in ? "\\p{P}" EXTRA_P : d == 'p' ? "[\\p{P}" EXTRA_P "]" : "[^\\p{P}" EXTRA_P "]");
+                skip = 5;
+            }
+            if (!rep) { /* any other escape: copy both characters */
+                if (kv_buf_append(out, pat + i, 2)) return KV_ENOMEM;
+                i++;
+                continue;
+            }
+            if (kv_buf_puts(out, rep)) return KV_ENOMEM;
+            i += skip - 1;
+            continue;
+        }
+        if (c == '[') {
+            if (depth == 0) {
+                depth = 1;
+                /* a ']' right after '[' or '[^' is a literal member */
+                size_t j = i + 1;
+                if (j < len && pat[j] == '^') j++;
+                if (j < len && pat[j] == ']') {
+                    if (kv_buf_append(out, pat + i, j + 1 - i)) return KV_ENOMEM;
+                    i = j;
+                    continue;
+                }
+            } else if (i + 1 < len && pat[i + 1] == ':') {
+                const char *e = memchr(pat + i, ']', len - i);
+                if (e) {
+                    if (kv_buf_append(out, pat + i, (size_t)(e - (pat + i)) + 1)) return KV_ENOMEM;
+                    i = (size_t)(e - pat);
+                    continue;
+                }
+            }
+        } else if (c == ']' && depth > 0) {
+            depth = 0;
+        }
+        if (kv_buf_append(out, &c, 1)) return KV_ENOMEM;
+    }
+    return KV_OK;
+}
+
 pcre2_code *tok_regex_compile(const char *pat, size_t len, char *err, size_t errlen) {
     int ec;
     PCRE2_SIZE eo;
-    pcre2_code *re = pcre2_compile((PCRE2_SPTR)pat, len, PCRE2_UTF | PCRE2_UCP, &ec, &eo, NULL);
+    kv_buf rw;
+    kv_buf_init(&rw);
+    if (regex_rewrite(pat, len, &rw)) {
+        kv_buf_free(&rw);
+        kv_errf(KV_ENOMEM, err, errlen, "out of memory");
+        return NULL;
+    }
+    pcre2_code *re = pcre2_compile((PCRE2_SPTR)kv_buf_cstr(&rw), rw.len, PCRE2_UTF | PCRE2_UCP, &ec, &eo, NULL);
+    kv_buf_free(&rw);
     if (!re) {
         PCRE2_UCHAR msg[160];
         pcre2_get_error_message(ec, msg, sizeof msg);
-        kv_errf(KV_EFORMAT, err, errlen, "regex /%.*s/ at offset %zu: %s", (int)(len > 200 ? 200 : len),
-                pat, (size_t)eo, (char *)msg);
+        kv_errf(KV_EFORMAT, err, errlen, "regex /%.*s/: %s", (int)(len > 200 ? 200 : len), pat, (char *)msg);
         return NULL;
     }
     pcre2_jit_compile(re, PCRE2_JIT_COMPLETE); /* best effort; interpreter otherwise */
@@ -179,6 +277,26 @@ kv_status tok_finalize(tokenizer_t *t, char *err, size_t errlen) {
         a->len = t->tok[a->id].len;
     }
     qsort(t->added, (size_t)t->n_added, sizeof *t->added, cmp_added_len);
+    bool any_mark = false, crossing = false;
+    for (int id = 0; id < t->n_tok && !crossing; id++) {
+        const struct tok_entry *e = &t->tok[id];
+        if (!(e->flags & TF_MODEL) || e->len < 3) continue;
+        for (const char *m = e->s; (m = memmem(m, e->len - (size_t)(m - e->s), "\xe2\x96\x81", 3)); m += 3) {
+            any_mark = true;
+            if (m > e->s && !(m - e->s >= 3 && !memcmp(m - 3, "\xe2\x96\x81", 3))) crossing = true;
+        }
+    }
+    t->spm_split = any_mark && !crossing && !t->ignore_merges;
+    t->added_idx = kv_malloc(((size_t)t->n_added + 1) * sizeof *t->added_idx);
+    if (!t->added_idx) return KV_ENOMEM;
+    memset(t->added_first, 0, sizeof t->added_first);
+    for (int i = 0; i < t->n_added; i++)
+        if (t->added[i].len) t->added_first[(unsigned char)t->added[i].s[0] + 1]++;
+    for (int b = 0; b < 256; b++) t->added_first[b + 1] += t->added_first[b];
+    int32_t fill[256];
+    memcpy(fill, t->added_first, sizeof fill);
+    for (int i = 0; i < t->n_added; i++)
+        if (t->added[i].len) t->added_idx[fill[(unsigned char)t->added[i].s[0]]++] = i;
     t->eog = kv_calloc((size_t)t->n_tok, 1);
     if (!t->eog) return KV_ENOMEM;
     if (t->eos >= 0 && t->eos < t->n_tok) t->eog[t->eos] = 1;
@@ -252,6 +370,7 @@ void tok_free(tokenizer_t *t) {
     free(t->merges.rank);
     free(t->merges.merged);
     free(t->added);
+    free(t->added_idx);
     for (int i = 0; i < t->n_norm; i++) {
         free(t->norm[i].a);
         free(t->norm[i].b);

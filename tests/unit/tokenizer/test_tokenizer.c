@@ -15,7 +15,8 @@
 #include "tokenizer/tokenizer.h"
 
 /* ---- shared tokenizers, each loaded once per binary ---- */
-enum { T_STORIES_GGUF, T_STORIES_HF, T_SPM_GGUF, T_GPT2_GGUF, T_DSC_GGUF, T_LLAMA3, T_QWEN3, T_MISTRAL, T_GPT2, T_LLAMA2, T_N };
+enum { T_STORIES_GGUF, T_STORIES_HF, T_SPM_GGUF, T_GPT2_GGUF, T_DSC_GGUF, T_LLAMA3, T_QWEN3, T_MISTRAL, T_GPT2, T_LLAMA2,
+       T_FALCON_GGUF, T_MPT_GGUF, T_PHI3_GGUF, T_REFACT_GGUF, T_STARCODER_GGUF, T_NEOX_GGUF, T_BAICHUAN_GGUF, T_N };
 static const char *k_paths[T_N] = {
     "models/stories260K/stories260K.gguf",
     "models/stories260K/hf",
@@ -27,6 +28,13 @@ static const char *k_paths[T_N] = {
     "tokenizers/mistral",
     "tokenizers/gpt2",
     "tokenizers/llama2",
+    "tokenizer-vectors/llama.cpp/ggml-vocab-falcon.gguf",
+    "tokenizer-vectors/llama.cpp/ggml-vocab-mpt.gguf",
+    "tokenizer-vectors/llama.cpp/ggml-vocab-phi-3.gguf",
+    "tokenizer-vectors/llama.cpp/ggml-vocab-refact.gguf",
+    "tokenizer-vectors/llama.cpp/ggml-vocab-starcoder.gguf",
+    "tokenizer-vectors/llama.cpp/ggml-vocab-gpt-neox.gguf",
+    "tokenizer-vectors/llama.cpp/ggml-vocab-baichuan.gguf",
 };
 static tokenizer_t *g_tok[T_N];
 static bool g_tried[T_N];
@@ -210,6 +218,33 @@ static void test_vec_gpt2(void **st) { (void)st; run_vectors(T_GPT2_GGUF, "gpt-2
 static void test_vec_deepseek_coder(void **st) { (void)st; run_vectors(T_DSC_GGUF, "deepseek-coder"); }
 static void test_vec_llama_bpe(void **st) { (void)st; run_vectors(T_LLAMA3, "llama-bpe"); }
 static void test_vec_qwen2(void **st) { (void)st; run_vectors(T_QWEN3, "qwen2"); }
+static void test_vec_falcon(void **st) { (void)st; run_vectors(T_FALCON_GGUF, "falcon"); }
+static void test_vec_mpt(void **st) { (void)st; run_vectors(T_MPT_GGUF, "mpt"); }
+static void test_vec_phi3(void **st) { (void)st; run_vectors(T_PHI3_GGUF, "phi-3"); }
+static void test_vec_refact(void **st) { (void)st; run_vectors(T_REFACT_GGUF, "refact"); }
+static void test_vec_starcoder(void **st) { (void)st; run_vectors(T_STARCODER_GGUF, "starcoder"); }
+
+/* gpt-neox (no tokenizer.ggml.pre: GPT-2 split) and baichuan (SPM) ship no vectors: they
+ * must load and round-trip text exactly through encode + decode. */
+static void check_roundtrip_only(int which) {
+    tokenizer_t *t = get_tok(which);
+    if (!t) skip();
+    const char *texts[] = {"Hello world", "  two  spaces\n\tand tabs", "caf\xc3\xa9 \xe6\x97\xa5\xe6\x9c\xac 123456",
+                           "don't 'LL \xf0\x9f\xa6\x99"};
+    for (size_t k = 0; k < sizeof texts / sizeof texts[0]; k++) {
+        int32_t *ids;
+        size_t n;
+        assert_int_equal(tok_encode(t, texts[k], strlen(texts[k]), false, false, &ids, &n), KV_OK);
+        assert_true(n > 0 && n <= strlen(texts[k]));
+        char *dec;
+        assert_int_equal(tok_decode(t, ids, n, false, &dec, NULL), KV_OK);
+        assert_string_equal(dec, texts[k]);
+        free(dec);
+        free(ids);
+    }
+}
+static void test_load_gpt_neox(void **st) { (void)st; check_roundtrip_only(T_NEOX_GGUF); }
+static void test_load_baichuan(void **st) { (void)st; check_roundtrip_only(T_BAICHUAN_GGUF); }
 
 /* ---- HF tokenizers on War and Peace paragraphs ---- */
 static void run_wap(int which, const char *name) {
@@ -515,7 +550,11 @@ int main(void) {
         cmocka_unit_test(test_stories_gguf),     cmocka_unit_test(test_stories_hf),
         cmocka_unit_test(test_vec_llama_spm),    cmocka_unit_test(test_vec_gpt2),
         cmocka_unit_test(test_vec_deepseek_coder), cmocka_unit_test(test_vec_llama_bpe),
-        cmocka_unit_test(test_vec_qwen2),        cmocka_unit_test(test_wap_qwen3),
+        cmocka_unit_test(test_vec_qwen2),        cmocka_unit_test(test_vec_falcon),
+        cmocka_unit_test(test_vec_mpt),          cmocka_unit_test(test_vec_phi3),
+        cmocka_unit_test(test_vec_refact),       cmocka_unit_test(test_vec_starcoder),
+        cmocka_unit_test(test_load_gpt_neox),    cmocka_unit_test(test_load_baichuan),
+              cmocka_unit_test(test_wap_qwen3),
         cmocka_unit_test(test_wap_llama3),       cmocka_unit_test(test_wap_mistral),
         cmocka_unit_test(test_wap_gpt2),         cmocka_unit_test(test_wap_llama2),
         cmocka_unit_test(test_chat_qwen3),       cmocka_unit_test(test_chat_llama3),

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Differential test: kvserve's tokenizers against Hugging Face `tokenizers` (its Node binding)
+# on 20,000 generated inputs per tokenizer (+ ~100 kB strings), encode with and without
+# add_special_tokens and decode with and without skip_special_tokens. See tok_diff.mjs.
+# TOK_DIFF_CASES / TOK_DIFF_SEED override the case count and the seed.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+data="${KVSERVE_TEST_DATA:-$here/../../../shared/data}"
+if [[ ! -d "$data/tokenizers/qwen3" ]]; then echo "SKIP: $data/tokenizers not found (set KVSERVE_TEST_DATA)"; exit 0; fi
+if ! command -v node >/dev/null; then echo "SKIP: node not installed"; exit 0; fi
+if [[ ! -d "$here/node_modules/@anush008/tokenizers" ]]; then
+  (cd "$here" && npm install --no-audit --no-fund --loglevel=error >/dev/null) || { echo "SKIP: npm install failed"; exit 0; }
+fi
+# HF single-threaded so the 2-core CI machine is shared fairly with the kvserve processes.
+export RAYON_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
+exec node "$here/tok_diff.mjs" "${KVSERVE_BIN:?}" "$data" --cases "${TOK_DIFF_CASES:-20000}" --seed "${TOK_DIFF_SEED:-1234}"
