@@ -49,6 +49,8 @@ static void serve_usage(FILE *f) {
             "  --prefix-token-cache-overlap N    tokens re-tokenized before the new text (default 64)\n"
             "  --prefix-token-cache-resync N     re-tokenized ids that must match (default 32)\n"
             "  --prefix-token-cache-min-chars N  shorter prompts bypass the cache (default 4096)\n"
+            "  --prefix-token-cache-bucket-chars N  prompts shorter than N bytes are never stored;\n"
+            "                                   entries are keyed by their first N bytes (default 2048)\n"
             "                           (\"chars\" are bytes of UTF-8)\n"
             "  --threads N              compute threads (default 0 = all cores)\n"
             "  --log-level LEVEL        debug | info | warn | error (default info)\n"
@@ -127,7 +129,8 @@ int cmd_serve(int argc, char **argv) {
                       : !strcmp(k, "max-chars") ? &ptc.max_total_bytes
                       : !strcmp(k, "overlap") ? &ptc.overlap_tokens
                       : !strcmp(k, "resync") ? &ptc.resync_tokens
-                      : !strcmp(k, "min-chars") ? &ptc.min_bytes : NULL;
+                      : !strcmp(k, "min-chars") ? &ptc.min_bytes
+                      : !strcmp(k, "bucket-chars") ? &ptc.bucket_bytes : NULL;
             uint64_t x;
             if (!f) {
                 fprintf(stderr, "kvserve serve: unknown option '%s' (see --help)\n", a);

@@ -1,5 +1,6 @@
 /*
- * http internals shared by server.c, openai.c, responses.c and metrics.c (not a public API).
+ * http internals shared by the server files, openai.c, responses.c and metrics.c (not a
+ * public API; the server's own loop state is in server_internal.h).
  *
  *   body bytes --oai_parse_*--> struct oai_request --(server: tokenize)--> token ids
  *              --oai_engine_params--> struct engine_request_params --> engine_submit
@@ -40,6 +41,7 @@ enum oai_kind { OAI_COMPLETION = 0, OAI_CHAT, OAI_TOKENIZE, OAI_DETOKENIZE };
 #define OAI_MAX_STOP 16
 #define OAI_MAX_TOP_LOGPROBS_CHAT 20
 #define OAI_MAX_LOGPROBS_COMPLETION 5
+#define OAI_MAX_CACHE_SALT 256 /* bytes */
 
 /* A validated request. Everything is owned; release with oai_request_free. */
 struct oai_request {
@@ -52,8 +54,15 @@ struct oai_request {
     size_t text_len;
     int32_t *ids;               /* owned (n_ids): a pre-tokenized prompt / detokenize input */
     size_t n_ids;
-    struct chat_message *msgs;  /* owned array (n_msgs); role/content strings owned too */
-    size_t n_msgs;
+    json_t *chat_msgs;          /* owned: chat (or tokenize with messages) -- the messages as
+                                   the chat template sees them: role, content (a string, text
+                                   parts joined, or null), name, tool_calls (arguments given as
+                                   a JSON-object string become that object, as vLLM does),
+                                   tool_call_id, reasoning_content */
+    json_t *chat_kwargs;        /* owned or NULL: extra template variables: the request's
+                                   chat_template_kwargs plus "tools" */
+    bool add_generation_prompt; /* chat: open an assistant turn (default true) */
+    char *cache_salt;           /* owned or NULL: "cache_salt" (<= OAI_MAX_CACHE_SALT bytes) */
     /* generation */
     struct sampling_params sp;
     int max_tokens;             /* -1 = until the context ends */
@@ -70,7 +79,8 @@ kv_status oai_parse(enum oai_kind kind, const char *body, size_t len,
                     const struct oai_limits *lim, struct oai_request *out, struct oai_error *err);
 void oai_request_free(struct oai_request *r);
 
-/* Engine parameters for r with the tokenized prompt (borrowed: ids, r's stop strings).
+/* Engine parameters for r with the tokenized prompt (borrowed: ids, r's stop strings and
+ * cache_salt).
  * max_tokens -1 becomes max_model_len - n_ids (at least 1). */
 void oai_engine_params(const struct oai_request *r, const int32_t *ids, size_t n_ids,
                        int max_model_len, struct engine_request_params *p);

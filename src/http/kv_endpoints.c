@@ -1,6 +1,7 @@
-/* kv_endpoints: /server_info, /kv_events and the cache_salt pass-through (see the header). */
+/* kv_endpoints: /server_info, the /kv_events query and event JSON (see the header). */
 #include "kv_endpoints.h"
 
+#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -13,22 +14,22 @@ static json_t *hex_hash(const kv_hash *h) {
     return json_string(hx);
 }
 
-static json_t *worker_id_json(engine_t *e) {
-    char wid[17];
-    snprintf(wid, sizeof wid, "%016llx", (unsigned long long)engine_worker_id(e));
-    return json_string(wid);
+void kvapi_worker_id(engine_t *e, char out[17]) {
+    snprintf(out, 17, "%016llx", (unsigned long long)engine_worker_id(e));
 }
 
 json_t *kvapi_server_info(engine_t *e, const char *model_name) {
     const struct engine_config *c = engine_config(e);
     struct engine_stats s;
     engine_get_stats(e, &s);
+    char wid[17];
+    kvapi_worker_id(e, wid);
     json_t *o = json_object();
     if (!o) return NULL;
     json_object_set_new(o, "model", json_string(model_name ? model_name : ""));
     json_object_set_new(o, "tokens_per_block", json_integer(c->tokens_per_block));
     json_object_set_new(o, "hash_scheme", json_string(KV_HASH_SCHEME));
-    json_object_set_new(o, "worker_id", worker_id_json(e));
+    json_object_set_new(o, "worker_id", json_string(wid));
     json_object_set_new(o, "prefix_cache", json_boolean(s.prefix_cache_enabled));
     json_object_set_new(o, "host_cache_blocks", json_integer(s.kv_host_blocks_total));
     json_object_set_new(o, "kv_blocks", json_integer(s.kv_blocks_total));
@@ -37,34 +38,65 @@ json_t *kvapi_server_info(engine_t *e, const char *model_name) {
     return o;
 }
 
-static bool parse_u64(const char *s, uint64_t max, uint64_t *out) {
-    if (!s || !*s) return false;
+bool kvapi_parse_u64(const char *s, uint64_t *out) {
+    if (!s || !*s || *s < '0' || *s > '9') return false;
     char *end;
+    errno = 0;
     unsigned long long v = strtoull(s, &end, 10);
-    if (*end || s[0] == '-' || v > max) return false;
+    if (*end || errno) return false;
     *out = v;
     return true;
 }
 
-json_t *kvapi_kv_events(engine_t *e, const char *query, char *err, size_t errlen) {
-    uint64_t after = 0, max = 256;
-    if (query && *query) {
-        struct evkeyvalq q;
-        if (evhttp_parse_query_str(query, &q) != 0) {
-            snprintf(err, errlen, "malformed query string");
-            return NULL;
-        }
-        const char *a = evhttp_find_header(&q, "after"), *m = evhttp_find_header(&q, "max");
-        bool ok = (!a || parse_u64(a, UINT64_MAX, &after)) && (!m || parse_u64(m, 1024, &max));
-        evhttp_clear_headers(&q);
-        if (!ok || max == 0) {
-            snprintf(err, errlen, "'after' must be an integer >= 0 and 'max' in [1, 1024]");
-            return NULL;
-        }
+kv_status kvapi_parse_query(const char *query, struct kvapi_query *q, char *err, size_t errlen) {
+    memset(q, 0, sizeof *q);
+    q->max = 256;
+    if (!query || !*query) return KV_OK;
+    struct evkeyvalq kv;
+    if (evhttp_parse_query_str(query, &kv) != 0)
+        return kv_errf(KV_EINVAL, err, errlen, "malformed query string");
+    const char *a = evhttp_find_header(&kv, "after"), *m = evhttp_find_header(&kv, "max"),
+               *p = evhttp_find_header(&kv, "poll");
+    uint64_t max = 256;
+    kv_status st = KV_OK;
+    if (a && !kvapi_parse_u64(a, &q->after)) st = kv_errf(KV_EINVAL, err, errlen, "'after' must be an integer >= 0");
+    else if (m && (!kvapi_parse_u64(m, &max) || max < 1 || max > 1024))
+        st = kv_errf(KV_EINVAL, err, errlen, "'max' must be an integer in [1, 1024]");
+    else if (p && strcmp(p, "1") && strcmp(p, "true") && strcmp(p, "0") && strcmp(p, "false"))
+        st = kv_errf(KV_EINVAL, err, errlen, "'poll' must be 1, 0, true or false");
+    q->has_after = a != NULL;
+    q->max = (int)max;
+    q->poll = p && (!strcmp(p, "1") || !strcmp(p, "true"));
+    evhttp_clear_headers(&kv);
+    return st;
+}
+
+json_t *kvapi_event_json(const struct engine_kv_event *ev, const char *worker_id) {
+    static const char *const names[] = {"stored", "removed", "cleared"};
+    json_t *x = json_object();
+    if (!x) return NULL;
+    int bad = json_object_set_new(x, "seq", json_integer((json_int_t)ev->seq));
+    bad |= json_object_set_new(x, "type", json_string(names[ev->type]));
+    if (worker_id) bad |= json_object_set_new(x, "worker_id", json_string(worker_id));
+    if (ev->type != ENGINE_KV_CLEARED) bad |= json_object_set_new(x, "block_hash", hex_hash(&ev->hash));
+    if (ev->type == ENGINE_KV_STORED) {
+        bad |= json_object_set_new(x, "parent_hash", hex_hash(&ev->parent_hash));
+        bad |= json_object_set_new(x, "parent_is_root", json_boolean(ev->parent_is_root));
+        json_t *t = json_array();
+        for (int k = 0; t && k < ev->n_tokens; k++) bad |= json_array_append_new(t, json_integer(ev->tokens[k]));
+        bad |= json_object_set_new(x, "tokens", t);
     }
+    if (bad) {
+        json_decref(x);
+        return NULL;
+    }
+    return x;
+}
+
+json_t *kvapi_kv_events(engine_t *e, uint64_t after, int max, char *err, size_t errlen) {
     int T = engine_config(e)->tokens_per_block;
-    struct engine_kv_event *ev = malloc(max * sizeof *ev);
-    int32_t *tok = malloc(max * (size_t)T * sizeof *tok);
+    struct engine_kv_event *ev = malloc((size_t)max * sizeof *ev);
+    int32_t *tok = malloc((size_t)max * (size_t)T * sizeof *tok);
     json_t *o = json_object(), *arr = json_array();
     if (!ev || !tok || !o || !arr) {
         free(ev);
@@ -75,41 +107,22 @@ json_t *kvapi_kv_events(engine_t *e, const char *query, char *err, size_t errlen
         return NULL;
     }
     uint64_t lost = 0;
-    int n = engine_kv_events(e, after, ev, tok, (int)max, &lost);
+    int n = engine_kv_events(e, after, ev, tok, max, &lost);
     uint64_t last = after;
-    static const char *const names[] = {"stored", "removed", "cleared"};
     for (int i = 0; i < n; i++) {
-        json_t *x = json_object();
-        json_object_set_new(x, "seq", json_integer((json_int_t)ev[i].seq));
-        json_object_set_new(x, "type", json_string(names[ev[i].type]));
-        if (ev[i].type != ENGINE_KV_CLEARED) json_object_set_new(x, "block_hash", hex_hash(&ev[i].hash));
-        if (ev[i].type == ENGINE_KV_STORED) {
-            json_object_set_new(x, "parent_hash", hex_hash(&ev[i].parent_hash));
-            json_object_set_new(x, "parent_is_root", json_boolean(ev[i].parent_is_root));
-            json_t *t = json_array();
-            for (int k = 0; k < ev[i].n_tokens; k++) json_array_append_new(t, json_integer(ev[i].tokens[k]));
-            json_object_set_new(x, "tokens", t);
-        }
-        json_array_append_new(arr, x);
+        json_array_append_new(arr, kvapi_event_json(&ev[i], NULL));
         last = ev[i].seq;
     }
     if (n == 0 && lost) last = after + lost;
     free(ev);
     free(tok);
-    json_object_set_new(o, "worker_id", worker_id_json(e));
+    char wid[17];
+    kvapi_worker_id(e, wid);
+    json_object_set_new(o, "worker_id", json_string(wid));
     json_object_set_new(o, "tokens_per_block", json_integer(T));
     json_object_set_new(o, "hash_scheme", json_string(KV_HASH_SCHEME));
     json_object_set_new(o, "last_seq", json_integer((json_int_t)last));
     json_object_set_new(o, "lost", json_integer((json_int_t)lost));
     json_object_set_new(o, "events", arr);
     return o;
-}
-
-char *kvapi_cache_salt(const char *body, size_t len) {
-    if (!body || !len || !memmem(body, len, "cache_salt", 10)) return NULL;
-    json_t *o = json_loadb(body, len, 0, NULL);
-    json_t *v = o ? json_object_get(o, "cache_salt") : NULL;
-    char *s = json_is_string(v) ? kv_strdup(json_string_value(v)) : NULL;
-    json_decref(o);
-    return s;
 }

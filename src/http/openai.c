@@ -134,17 +134,21 @@ static kv_status parse_prompt(json_t *o, const struct oai_limits *lim, struct oa
     return BAD("prompt", "'prompt' must be a string or an array of token ids");
 }
 
-/* content: "text" | [{type:"text", text}] | null (-> ""). Returns an owned string. */
-static kv_status parse_content(json_t *c, size_t idx, char **out, struct oai_error *err) {
+#define OOM() oai_errf(err, 500, "server_error", NULL, NULL, "out of memory")
+
+/* content: "text" | [{type:"text", text}] (parts joined) | null / absent. *out: a new JSON
+ * string, or JSON null when null_ok and the content is null/absent (else ""). */
+static kv_status parse_content(json_t *c, size_t idx, bool null_ok, json_t **out,
+                               struct oai_error *err) {
     char param[64];
     snprintf(param, sizeof param, "messages[%zu].content", idx);
     if (!c || json_is_null(c)) {
-        *out = kv_strdup("");
-        return *out ? KV_OK : oai_errf(err, 500, "server_error", NULL, NULL, "out of memory");
+        *out = null_ok ? json_null() : json_string("");
+        return *out ? KV_OK : OOM();
     }
     if (json_is_string(c)) {
-        *out = kv_strndup(json_string_value(c), json_string_length(c));
-        return *out ? KV_OK : oai_errf(err, 500, "server_error", NULL, NULL, "out of memory");
+        *out = json_incref(c);
+        return KV_OK;
     }
     if (!json_is_array(c)) return BAD(param, "'%s' must be a string or an array of parts", param);
     kv_buf b;
@@ -169,12 +173,101 @@ static kv_status parse_content(json_t *c, size_t idx, char **out, struct oai_err
         }
         if (kv_buf_append(&b, json_string_value(text), json_string_length(text))) {
             kv_buf_free(&b);
-            return oai_errf(err, 500, "server_error", NULL, NULL, "out of memory");
+            return OOM();
         }
     }
-    *out = kv_strdup(kv_buf_cstr(&b));
+    *out = json_stringn(b.data ? b.data : "", b.len);
     kv_buf_free(&b);
-    return *out ? KV_OK : oai_errf(err, 500, "server_error", NULL, NULL, "out of memory");
+    return *out ? KV_OK : OOM();
+}
+
+/* Optional string member k of o (null = absent); copied into dst when present. */
+static kv_status copy_opt_string(json_t *o, const char *k, json_t *dst, const char *param,
+                                 struct oai_error *err) {
+    json_t *v = field(o, k);
+    if (!v) return KV_OK;
+    if (!json_is_string(v)) return BAD(param, "'%s' must be a string", param);
+    return json_object_set(dst, k, v) ? OOM() : KV_OK;
+}
+
+/* assistant tool_calls: [{"id"?, "type":"function"?, "function":{"name","arguments"?}}].
+ * arguments: a JSON text (parsed, as vLLM does, so templates can iterate it), an object,
+ * or null/""/absent (-> {}). */
+static kv_status parse_tool_calls(json_t *tc, size_t idx, json_t **out, struct oai_error *err) {
+    char param[80];
+    snprintf(param, sizeof param, "messages[%zu].tool_calls", idx);
+    if (!json_is_array(tc)) return BAD(param, "'%s' must be an array", param);
+    json_t *arr = json_array();
+    if (!arr) return OOM();
+    *out = arr;
+    size_t i;
+    json_t *c;
+    json_array_foreach(tc, i, c) {
+        snprintf(param, sizeof param, "messages[%zu].tool_calls[%zu]", idx, i);
+        if (!json_is_object(c)) return BAD(param, "'%s' must be an object", param);
+        json_t *type = field(c, "type");
+        if (type && !(json_is_string(type) && !strcmp(json_string_value(type), "function")))
+            return BAD(param, "'%s.type' must be \"function\"", param);
+        json_t *fn = json_object_get(c, "function");
+        json_t *name = json_is_object(fn) ? json_object_get(fn, "name") : NULL;
+        if (!json_is_string(name) || json_string_length(name) == 0)
+            return BAD(param, "'%s.function' must be an object with a non-empty string 'name'", param);
+        json_t *args = field(fn, "arguments"), *a = NULL;
+        if (!args || (json_is_string(args) && json_string_length(args) == 0)) {
+            a = json_object();
+        } else if (json_is_string(args)) {
+            json_error_t je;
+            a = json_loadb(json_string_value(args), json_string_length(args), JSON_DECODE_ANY, &je);
+            if (!a) return BAD(param, "'%s.function.arguments' is not valid JSON: %s", param, je.text);
+        } else if (json_is_object(args) || json_is_array(args)) {
+            a = json_incref(args);
+        } else {
+            return BAD(param, "'%s.function.arguments' must be a JSON string or an object", param);
+        }
+        json_t *call = json_pack("{s:s, s:{s:O, s:o}}", "type", "function", "function", "name", name,
+                                 "arguments", a);
+        if (!call || json_array_append_new(arr, call)) return OOM();
+        json_t *id = field(c, "id");
+        if (id && !json_is_string(id)) return BAD(param, "'%s.id' must be a string", param);
+        if (id && json_object_set(call, "id", id)) return OOM();
+    }
+    return KV_OK;
+}
+
+static kv_status parse_message(json_t *msg, size_t i, json_t *out, struct oai_error *err) {
+    char param[64];
+    snprintf(param, sizeof param, "messages[%zu]", i);
+    if (!json_is_object(msg)) return BAD(param, "'%s' must be an object", param);
+    json_t *role = json_object_get(msg, "role");
+    snprintf(param, sizeof param, "messages[%zu].role", i);
+    if (!json_is_string(role) || json_string_length(role) == 0)
+        return BAD(param, "'%s' must be a non-empty string", param);
+    const char *rs = json_string_value(role);
+    if (strcmp(rs, "system") && strcmp(rs, "user") && strcmp(rs, "assistant") &&
+        strcmp(rs, "tool") && strcmp(rs, "developer"))
+        return BAD(param, "unknown role '%s' (system, developer, user, assistant or tool)", rs);
+    bool assistant = !strcmp(rs, "assistant");
+    json_t *content = NULL;
+    /* only an assistant turn may have no content (it may carry tool_calls instead) */
+    if (parse_content(json_object_get(msg, "content"), i, assistant, &content, err)) return KV_EINVAL;
+    if (json_object_set(out, "role", role) || json_object_set_new(out, "content", content)) return OOM();
+    snprintf(param, sizeof param, "messages[%zu].name", i);
+    if (copy_opt_string(msg, "name", out, param, err)) return KV_EINVAL;
+    snprintf(param, sizeof param, "messages[%zu].tool_call_id", i);
+    if (copy_opt_string(msg, "tool_call_id", out, param, err)) return KV_EINVAL;
+    snprintf(param, sizeof param, "messages[%zu].reasoning_content", i);
+    if (copy_opt_string(msg, "reasoning_content", out, param, err)) return KV_EINVAL;
+    json_t *tc = field(msg, "tool_calls");
+    if (tc) {
+        snprintf(param, sizeof param, "messages[%zu].tool_calls", i);
+        if (!assistant) return BAD(param, "only assistant messages may have 'tool_calls'");
+        json_t *calls = NULL;
+        kv_status st = parse_tool_calls(tc, i, &calls, err);
+        if (!st && json_object_set(out, "tool_calls", calls)) st = OOM();
+        json_decref(calls);
+        if (st) return st;
+    }
+    return KV_OK;
 }
 
 static kv_status parse_messages(json_t *o, struct oai_request *r, struct oai_error *err) {
@@ -183,32 +276,64 @@ static kv_status parse_messages(json_t *o, struct oai_request *r, struct oai_err
     if (!json_is_array(m)) return BAD("messages", "'messages' must be an array");
     size_t n = json_array_size(m);
     if (n == 0) return BAD("messages", "'messages' must not be empty");
-    r->msgs = kv_calloc(n, sizeof *r->msgs);
-    if (!r->msgs) return oai_errf(err, 500, "server_error", NULL, NULL, "out of memory");
+    r->chat_msgs = json_array();
+    if (!r->chat_msgs) return OOM();
     for (size_t i = 0; i < n; i++) {
-        json_t *msg = json_array_get(m, i);
-        char param[64];
-        snprintf(param, sizeof param, "messages[%zu]", i);
-        if (!json_is_object(msg)) return BAD(param, "'%s' must be an object", param);
-        json_t *role = json_object_get(msg, "role");
-        snprintf(param, sizeof param, "messages[%zu].role", i);
-        if (!json_is_string(role) || json_string_length(role) == 0)
-            return BAD(param, "'%s' must be a non-empty string", param);
-        const char *rs = json_string_value(role);
-        if (strcmp(rs, "system") && strcmp(rs, "user") && strcmp(rs, "assistant") &&
-            strcmp(rs, "tool") && strcmp(rs, "developer"))
-            return BAD(param, "unknown role '%s' (system, developer, user, assistant or tool)", rs);
-        char *content = NULL;
-        if (parse_content(json_object_get(msg, "content"), i, &content, err)) return KV_EINVAL;
-        char *rdup = kv_strdup(rs);
-        if (!rdup) {
-            free(content);
-            return oai_errf(err, 500, "server_error", NULL, NULL, "out of memory");
-        }
-        r->msgs[i].role = rdup;
-        r->msgs[i].content = content;
-        r->n_msgs = i + 1;
+        json_t *out = json_object();
+        if (!out || json_array_append_new(r->chat_msgs, out)) return OOM();
+        if (parse_message(json_array_get(m, i), i, out, err)) return KV_EINVAL;
     }
+    return KV_OK;
+}
+
+/* tools: [{"type":"function","function":{"name","description"?,"parameters"?,"strict"?}}]. */
+static kv_status check_tools(json_t *tools, struct oai_error *err) {
+    if (!json_is_array(tools)) return BAD("tools", "'tools' must be an array");
+    size_t i;
+    json_t *t;
+    json_array_foreach(tools, i, t) {
+        json_t *type = json_is_object(t) ? json_object_get(t, "type") : NULL;
+        if (!json_is_string(type) || strcmp(json_string_value(type), "function"))
+            return BAD("tools", "tools[%zu] must be an object with \"type\": \"function\"", i);
+        json_t *fn = json_object_get(t, "function");
+        json_t *name = json_is_object(fn) ? json_object_get(fn, "name") : NULL;
+        if (!json_is_string(name) || json_string_length(name) == 0)
+            return BAD("tools", "tools[%zu].function must be an object with a non-empty string 'name'", i);
+        json_t *d = field(fn, "description"), *p = field(fn, "parameters"), *s = field(fn, "strict");
+        if (d && !json_is_string(d)) return BAD("tools", "tools[%zu].function.description must be a string", i);
+        if (p && !json_is_object(p)) return BAD("tools", "tools[%zu].function.parameters must be an object", i);
+        if (s && !json_is_boolean(s)) return BAD("tools", "tools[%zu].function.strict must be a boolean", i);
+    }
+    return KV_OK;
+}
+
+/* The template inputs besides messages: tools, tool_choice, chat_template_kwargs,
+ * add_generation_prompt (chat and tokenize-with-messages). */
+static kv_status parse_chat_extras(json_t *o, struct oai_request *r, struct oai_error *err) {
+    r->add_generation_prompt = true;
+    if (get_bool(o, "add_generation_prompt", &r->add_generation_prompt, err)) return KV_EINVAL;
+    json_t *tools = field(o, "tools");
+    if (tools && check_tools(tools, err)) return KV_EINVAL;
+    json_t *tc = field(o, "tool_choice");
+    if (tc) {
+        if (json_is_string(tc) && (!strcmp(json_string_value(tc), "none") || !strcmp(json_string_value(tc), "auto"))) {
+            /* accepted: the model decides (output is not constrained either way) */
+        } else if (json_is_string(tc) || json_is_object(tc)) {
+            return BAD("tool_choice", "only tool_choice \"auto\" or \"none\" is supported (no constrained decoding)");
+        } else {
+            return BAD("tool_choice", "'tool_choice' must be a string or an object");
+        }
+    }
+    json_t *ptc = field(o, "parallel_tool_calls");
+    if (ptc && !json_is_boolean(ptc)) return BAD("parallel_tool_calls", "'parallel_tool_calls' must be a boolean");
+    json_t *kw = field(o, "chat_template_kwargs");
+    if (kw && !json_is_object(kw)) return BAD("chat_template_kwargs", "'chat_template_kwargs' must be an object");
+    if (!(tools && json_array_size(tools) > 0) && !(kw && json_object_size(kw) > 0)) return KV_OK;
+    r->chat_kwargs = json_object();
+    if (!r->chat_kwargs) return OOM();
+    /* as vLLM: tools first, chat_template_kwargs may override */
+    if (tools && json_array_size(tools) > 0 && json_object_set(r->chat_kwargs, "tools", tools)) return OOM();
+    if (kw && json_object_update(r->chat_kwargs, kw)) return OOM();
     return KV_OK;
 }
 
@@ -315,9 +440,6 @@ static kv_status parse_generation(json_t *o, const struct oai_limits *lim, struc
                 return BAD("top_logprobs", "'top_logprobs' requires 'logprobs' to be true");
             sp->top_logprobs = (int)x;
         }
-        json_t *tools = field(o, "tools");
-        if (tools && !(json_is_array(tools) && json_array_size(tools) == 0))
-            return BAD("tools", "'tools' is not supported");
         json_t *rf = field(o, "response_format");
         if (rf) {
             json_t *t = json_is_object(rf) ? json_object_get(rf, "type") : NULL;
@@ -342,12 +464,25 @@ static kv_status check_model(json_t *o, const struct oai_limits *lim, struct oai
 }
 
 static kv_status check_ignored_strings(json_t *o, struct oai_error *err) {
-    static const char *const keys[] = {"user", "cache_salt", "conversation_id"};
+    static const char *const keys[] = {"user", "conversation_id"};
     for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) {
         json_t *v = field(o, keys[i]);
         if (v && !json_is_string(v)) return BAD(keys[i], "'%s' must be a string", keys[i]);
     }
     return KV_OK;
+}
+
+/* cache_salt: a non-empty string of at most OAI_MAX_CACHE_SALT bytes (vLLM's extension:
+ * requests with different salts never share KV blocks). */
+static kv_status parse_cache_salt(json_t *o, struct oai_request *r, struct oai_error *err) {
+    json_t *v = field(o, "cache_salt");
+    if (!v) return KV_OK;
+    if (!json_is_string(v) || json_string_length(v) == 0)
+        return BAD("cache_salt", "'cache_salt' must be a non-empty string");
+    if (json_string_length(v) > OAI_MAX_CACHE_SALT)
+        return BAD("cache_salt", "'cache_salt' is longer than %d bytes", OAI_MAX_CACHE_SALT);
+    r->cache_salt = kv_strndup(json_string_value(v), json_string_length(v));
+    return r->cache_salt ? KV_OK : OOM();
 }
 
 static kv_status parse_obj(enum oai_kind kind, json_t *o, const struct oai_limits *lim,
@@ -358,17 +493,19 @@ static kv_status parse_obj(enum oai_kind kind, json_t *o, const struct oai_limit
     r->add_special = true;
     switch (kind) {
     case OAI_COMPLETION:
-        if (check_model(o, lim, err) || check_ignored_strings(o, err)) return KV_EINVAL;
+        if (check_model(o, lim, err) || check_ignored_strings(o, err) || parse_cache_salt(o, r, err))
+            return KV_EINVAL;
         if (parse_prompt(o, lim, r, err)) return KV_EINVAL;
         return parse_generation(o, lim, r, err);
     case OAI_CHAT:
-        if (check_model(o, lim, err) || check_ignored_strings(o, err)) return KV_EINVAL;
-        if (parse_messages(o, r, err)) return KV_EINVAL;
+        if (check_model(o, lim, err) || check_ignored_strings(o, err) || parse_cache_salt(o, r, err))
+            return KV_EINVAL;
+        if (parse_messages(o, r, err) || parse_chat_extras(o, r, err)) return KV_EINVAL;
         return parse_generation(o, lim, r, err);
     case OAI_TOKENIZE:
         if (check_model(o, lim, err)) return KV_EINVAL;
         if (get_bool(o, "add_special_tokens", &r->add_special, err)) return KV_EINVAL;
-        if (field(o, "messages")) return parse_messages(o, r, err);
+        if (field(o, "messages")) return parse_messages(o, r, err) || parse_chat_extras(o, r, err) ? KV_EINVAL : KV_OK;
         if (!field(o, "prompt")) return BAD("prompt", "'prompt' or 'messages' is required");
         return parse_prompt(o, NULL, r, err);
     case OAI_DETOKENIZE: {
@@ -408,11 +545,9 @@ void oai_request_free(struct oai_request *r) {
     if (!r) return;
     free(r->text);
     free(r->ids);
-    for (size_t i = 0; i < r->n_msgs; i++) {
-        free((char *)r->msgs[i].role);
-        free((char *)r->msgs[i].content);
-    }
-    free(r->msgs);
+    json_decref(r->chat_msgs);
+    json_decref(r->chat_kwargs);
+    free(r->cache_salt);
     for (int i = 0; i < r->n_stop; i++) free(r->stop[i]);
     free(r->stop);
     memset(r, 0, sizeof *r);
@@ -433,4 +568,5 @@ void oai_engine_params(const struct oai_request *r, const int32_t *ids, size_t n
     p->stop = (const char *const *)r->stop;
     p->n_stop = r->n_stop;
     p->ignore_eos = r->ignore_eos;
+    p->cache_salt = r->cache_salt;
 }

@@ -62,6 +62,15 @@ grep -q "60 sent, 60 ok, 0 failed" "$tmp/table.txt" || fail "table does not repo
 [[ $(jq '[.requests | group_by(.session)[] | sort_by(.turn) | select(.[2].prompt_tokens <= .[1].prompt_tokens or .[1].prompt_tokens <= .[0].prompt_tokens)] | length' "$j") == 0 ]] \
   || fail "multi-turn prompts do not grow"
 [[ $(jq '.summary.workers | length' "$j") -ge 1 ]] || fail "no X-Kvserve-Worker share"
+# KV reuse: later turns resend the history, so the worker serves part of every multi-turn
+# prompt from its prefix cache: a non-zero cached-token ratio overall, cached_tokens > 0 on
+# turn 2 of some session, and never more cached than prompt tokens
+jq -e '.summary.cached_ratio | type == "number" and . > 0' "$j" >/dev/null \
+  || fail "cached-token ratio on the multi-turn run is $(jq '.summary.cached_ratio' "$j") (want > 0)"
+[[ $(jq '[.requests[] | select(.turn >= 1 and (.cached_tokens // 0) > 0)] | length' "$j") -gt 0 ]] \
+  || fail "no later turn reports cached_tokens > 0: $(jq -c '[.requests[]|select(.turn==1)|{prompt_tokens,cached_tokens}][0:3]' "$j")"
+[[ $(jq '[.requests[] | select((.cached_tokens // 0) > .prompt_tokens)] | length' "$j") == 0 ]] \
+  || fail "cached_tokens > prompt_tokens"
 echo "ok: 60 requests reported, TTFT <= E2E, tokens == usage; cached ratio $(jq '.summary.cached_ratio' "$j")"
 
 # --compare a run with itself: ratios 1

@@ -105,6 +105,27 @@ static const struct bad_case bad[] = {
     {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"logprobs\":true,\"top_logprobs\":21}", 400, "top_logprobs", NULL},
     {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"top_logprobs\":2}", 400, "top_logprobs", NULL},
     {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"tools\":[{\"type\":\"function\"}]}", 400, "tools", NULL},
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"tools\":{}}", 400, "tools", NULL},
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"\"}}]}", 400, "tools", NULL},
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"tools\":[{\"type\":\"retrieval\",\"function\":{\"name\":\"f\"}}]}", 400, "tools", NULL},
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\",\"parameters\":[]}}]}", 400, "tools", NULL},
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"tools\":[\"f\"]}", 400, "tools", NULL},
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"tool_choice\":\"required\"}", 400, "tool_choice", NULL},
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"tool_choice\":3}", 400, "tool_choice", NULL},
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"chat_template_kwargs\":[1]}", 400, "chat_template_kwargs", NULL},
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"chat_template_kwargs\":\"x\"}", 400, "chat_template_kwargs", NULL},
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"add_generation_prompt\":\"no\"}", 400, "add_generation_prompt", NULL},
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"cache_salt\":5}", 400, "cache_salt", NULL},
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"cache_salt\":\"\"}", 400, "cache_salt", NULL},
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\",\"tool_calls\":[]}]}", 400, "messages[0].tool_calls", NULL},
+    {H, "{\"messages\":[{\"role\":\"assistant\",\"content\":null,\"tool_calls\":{}}]}", 400, "messages[0].tool_calls", NULL},
+    {H, "{\"messages\":[{\"role\":\"assistant\",\"tool_calls\":[{\"function\":{\"arguments\":\"{}\"}}]}]}", 400, "messages[0].tool_calls[0]", NULL},
+    {H, "{\"messages\":[{\"role\":\"assistant\",\"tool_calls\":[{\"function\":{\"name\":\"f\",\"arguments\":\"{bad\"}}]}]}", 400, "messages[0].tool_calls[0]", NULL},
+    {H, "{\"messages\":[{\"role\":\"assistant\",\"tool_calls\":[{\"type\":\"x\",\"function\":{\"name\":\"f\"}}]}]}", 400, "messages[0].tool_calls[0]", NULL},
+    {H, "{\"messages\":[{\"role\":\"tool\",\"content\":\"1\",\"tool_call_id\":7}]}", 400, "messages[0].tool_call_id", NULL},
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"1\",\"name\":[]}]}", 400, "messages[0].name", NULL},
+    {C, "{\"prompt\":\"a\",\"cache_salt\":[\"s\"]}", 400, "cache_salt", NULL},
+    {T, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"tools\":5}", 400, "tools", NULL},
     {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"response_format\":{\"type\":\"json_object\"}}", 400, "response_format", NULL},
     /* tokenize / detokenize */
     {T, "{}", 400, "prompt", NULL},
@@ -133,7 +154,9 @@ static void test_bad_inputs(void **state) {
         /* nothing left to free after a failure */
         assert_null(r.text);
         assert_null(r.ids);
-        assert_null(r.msgs);
+        assert_null(r.chat_msgs);
+        assert_null(r.chat_kwargs);
+        assert_null(r.cache_salt);
         assert_null(r.stop);
         /* the error renders as OpenAI JSON */
         char *js = resp_error_json(&e);
@@ -234,6 +257,7 @@ static void test_completion_full(void **state) {
     assert_true(p.ignore_eos);
     assert_true(p.sp.logprobs);
     assert_int_equal(p.sp.top_logprobs, 5);
+    assert_string_equal(p.cache_salt, "s");
     oai_request_free(&r);
 }
 
@@ -264,6 +288,10 @@ static void test_completion_token_prompt(void **state) {
     oai_request_free(&r);
 }
 
+static const char *msg_str(const struct oai_request *r, size_t i, const char *k) {
+    return json_string_value(json_object_get(json_array_get(r->chat_msgs, i), k));
+}
+
 static void test_chat(void **state) {
     (void)state;
     struct oai_request r;
@@ -273,11 +301,14 @@ static void test_chat(void **state) {
              "{\"type\":\"text\",\"text\":\"me\"}]},{\"role\":\"assistant\",\"content\":null}],"
              "\"logprobs\":true,\"top_logprobs\":20,\"max_completion_tokens\":7,\"temperature\":0.7}",
              &r);
-    assert_int_equal(r.n_msgs, 3);
-    assert_string_equal(r.msgs[0].role, "system");
-    assert_string_equal(r.msgs[0].content, "Be brief.");
-    assert_string_equal(r.msgs[1].content, "Tell me");
-    assert_string_equal(r.msgs[2].content, "");
+    assert_int_equal(json_array_size(r.chat_msgs), 3);
+    assert_string_equal(msg_str(&r, 0, "role"), "system");
+    assert_string_equal(msg_str(&r, 0, "content"), "Be brief.");
+    assert_string_equal(msg_str(&r, 1, "content"), "Tell me");
+    /* an assistant turn without content reaches the template as null */
+    assert_true(json_is_null(json_object_get(json_array_get(r.chat_msgs, 2), "content")));
+    assert_null(r.chat_kwargs);
+    assert_true(r.add_generation_prompt);
     assert_true(r.sp.logprobs);
     assert_int_equal(r.sp.top_logprobs, 20);
     assert_int_equal(r.max_tokens, 7);
@@ -293,6 +324,62 @@ static void test_chat(void **state) {
     oai_request_free(&r);
 }
 
+static void test_chat_tools(void **state) {
+    (void)state;
+    struct oai_request r;
+    parse_ok(H,
+             "{\"messages\":[{\"role\":\"user\",\"content\":\"weather?\",\"name\":\"bob\"},"
+             "{\"role\":\"assistant\",\"content\":null,\"tool_calls\":[{\"id\":\"c1\",\"type\":\"function\","
+             "\"function\":{\"name\":\"get\",\"arguments\":\"{\\\"city\\\":\\\"Paris\\\"}\"}},"
+             "{\"function\":{\"name\":\"noargs\"}}]},"
+             "{\"role\":\"tool\",\"tool_call_id\":\"c1\",\"content\":\"sunny\"}],"
+             "\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"get\",\"parameters\":{\"type\":\"object\"}}}],"
+             "\"tool_choice\":\"auto\",\"chat_template_kwargs\":{\"enable_thinking\":false},"
+             "\"add_generation_prompt\":false,\"cache_salt\":\"tenant-1\"}",
+             &r);
+    assert_int_equal(json_array_size(r.chat_msgs), 3);
+    assert_string_equal(msg_str(&r, 0, "name"), "bob");
+    json_t *a = json_array_get(r.chat_msgs, 1);
+    assert_true(json_is_null(json_object_get(a, "content")));
+    json_t *calls = json_object_get(a, "tool_calls");
+    assert_int_equal(json_array_size(calls), 2);
+    json_t *c0 = json_array_get(calls, 0);
+    assert_string_equal(json_string_value(json_object_get(c0, "id")), "c1");
+    /* arguments given as a JSON string reach the template as an object (vLLM) */
+    json_t *args = json_object_get(json_object_get(c0, "function"), "arguments");
+    assert_true(json_is_object(args));
+    assert_string_equal(json_string_value(json_object_get(args, "city")), "Paris");
+    json_t *args1 = json_object_get(json_object_get(json_array_get(calls, 1), "function"), "arguments");
+    assert_true(json_is_object(args1) && json_object_size(args1) == 0);
+    assert_string_equal(msg_str(&r, 2, "tool_call_id"), "c1");
+    assert_non_null(r.chat_kwargs);
+    assert_true(json_is_false(json_object_get(r.chat_kwargs, "enable_thinking")));
+    assert_int_equal(json_array_size(json_object_get(r.chat_kwargs, "tools")), 1);
+    assert_false(r.add_generation_prompt);
+    assert_string_equal(r.cache_salt, "tenant-1");
+    oai_request_free(&r);
+    /* chat_template_kwargs override tools (as vLLM); empty tools add nothing */
+    parse_ok(H, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[],\"tool_choice\":\"none\"}", &r);
+    assert_null(r.chat_kwargs);
+    oai_request_free(&r);
+    /* cache_salt: 256 bytes ok, 257 rejected */
+    char body[700];
+    char salt[258];
+    memset(salt, 'z', 257);
+    salt[256] = 0;
+    snprintf(body, sizeof body, "{\"prompt\":\"a\",\"cache_salt\":\"%s\"}", salt);
+    parse_ok(C, body, &r);
+    assert_int_equal(strlen(r.cache_salt), 256);
+    oai_request_free(&r);
+    salt[256] = 'z';
+    salt[257] = 0;
+    snprintf(body, sizeof body, "{\"prompt\":\"a\",\"cache_salt\":\"%s\"}", salt);
+    struct oai_error e;
+    assert_int_equal(oai_parse(C, body, strlen(body), &LIM, &r, &e), KV_EINVAL);
+    assert_int_equal(e.status, 400);
+    assert_string_equal(e.param, "cache_salt");
+}
+
 static void test_tokenize_detokenize(void **state) {
     (void)state;
     struct oai_request r;
@@ -301,7 +388,7 @@ static void test_tokenize_detokenize(void **state) {
     assert_false(r.add_special);
     oai_request_free(&r);
     parse_ok(T, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}", &r);
-    assert_int_equal(r.n_msgs, 1);
+    assert_int_equal(json_array_size(r.chat_msgs), 1);
     assert_true(r.add_special);
     oai_request_free(&r);
     parse_ok(D, "{\"tokens\":[1, 511, 0]}", &r);
@@ -349,6 +436,7 @@ int main(void) {
         cmocka_unit_test(test_completion_full),
         cmocka_unit_test(test_completion_token_prompt),
         cmocka_unit_test(test_chat),
+        cmocka_unit_test(test_chat_tools),
         cmocka_unit_test(test_tokenize_detokenize),
         cmocka_unit_test(test_responses_shapes),
     };

@@ -1,0 +1,448 @@
+/*
+ * gen: the lifecycle of a generation request (POST /v1/completions, /v1/chat/completions)
+ * once its prompt is tokenized, and the engine-thread -> loop-thread event queue.
+ *
+ *   gen_start: engine_submit --ok--> LIVE (closecb set on the connection;
+ *            stream: headers + first chunk sent at once)
+ *   engine thread: engine_cb copies each event into srv.q (mutex) and event_active(srv.wake)
+ *   loop: gen_on_wake drains -> DELTA: stream chunk / accumulate;  FINISH|ERROR (terminal):
+ *         final write, closecb cleared, gen freed.   The gen is freed ONLY on the terminal
+ *         event.
+ *   closecb (client gone): mark, engine_cancel; the evhttp_request is then detached from its
+ *         connection (libevent hands it to us) and is freed with evhttp_request_free on the
+ *         terminal event; if libevent finishes the request itself (on_complete), we forget it.
+ *
+ * Backpressure (streams): one chunk in flight per request; later output accumulates in
+ * g->pending and goes out when the previous chunk was written.
+ */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+
+#include <event2/buffer.h>
+#include <event2/bufferevent.h>
+#include <event2/keyvalq_struct.h>
+
+#include "server_internal.h"
+
+/* One engine event copied for the loop thread; payload arrays live in the same block. */
+struct qev {
+    struct qev *next;
+    struct gen *g;
+    struct engine_event ev;
+    bool embedded; /* the gen's terminal slot: not freed separately */
+    void *payload; /* owned (text, ids, logprobs, top, message) */
+};
+
+struct gen {
+    struct gen *prev, *next;      /* live list */
+    struct evhttp_request *req;   /* NULL once libevent owns/freed it */
+    struct evhttp_connection *conn; /* NULL once closed or our closecb removed */
+    bool detached;                /* req detached from its connection: we must free it */
+    bool client_gone;
+    bool peek_gone;               /* non-stream: EOF seen by peer_closed, cancelled */
+    bool stream, include_usage, started, tokens_as_ids;
+    enum oai_kind kind;
+    uint64_t eid;
+    char id[48];
+    int64_t created;
+    kv_buf text;                  /* non-stream: accumulated text */
+    json_t *lp;                   /* non-stream: accumulated logprobs */
+    size_t lp_offset;
+    bool want_lp;
+    /* backpressure: one chunk in flight; more output waits in pending */
+    bool inflight;
+    kv_buf pending;
+    bool end_after_flush;
+    uint64_t last_peek_ns;
+    struct qev term;              /* terminal-event slot (never lost to malloc failure) */
+};
+
+
+/* ------------------------------------------------------------------ gen lifecycle */
+
+static void gen_free(struct gen *g) {
+    if (g->prev) g->prev->next = g->next;
+    else srv.live = g->next;
+    if (g->next) g->next->prev = g->prev;
+    srv.n_live--;
+    kv_buf_free(&g->text);
+    kv_buf_free(&g->pending);
+    json_decref(g->lp);
+    free(g);
+    if (srv.stopping && srv.n_live == 0) event_base_loopbreak(srv.base);
+}
+
+/* Releases our hold on the connection/request before a final write or free. */
+static void gen_unhook(struct gen *g) {
+    if (g->conn) evhttp_connection_set_closecb(g->conn, NULL, NULL);
+    g->conn = NULL;
+    if (g->req) evhttp_request_set_on_complete_cb(g->req, NULL, NULL);
+}
+
+static void on_close(struct evhttp_connection *conn, void *arg) {
+    struct gen *g = arg;
+    (void)conn;
+    g->conn = NULL;
+    if (!g->client_gone) srv.ctr.client_disconnects++;
+    g->client_gone = true;
+    /* The request is detached (req->evcon == NULL) if libevent hands it over to us; otherwise
+     * libevent frees it right after this callback. */
+    if (g->req) {
+        if (evhttp_request_get_connection(g->req) == NULL) {
+            g->detached = true;
+            evhttp_request_set_on_complete_cb(g->req, NULL, NULL);
+        } else {
+            g->req = NULL;
+        }
+    }
+    if (g->end_after_flush) { /* terminal event already handled: nothing more will come */
+        if (g->req && g->detached) evhttp_request_free(g->req);
+        g->req = NULL;
+        gen_free(g);
+        return;
+    }
+    engine_cancel(srv.e, g->eid);
+}
+
+/* libevent completed the request on its own (an error reply after a write failure). */
+static void on_complete_foreign(struct evhttp_request *req, void *arg) {
+    struct gen *g = arg;
+    (void)req;
+    g->req = NULL;
+    if (g->conn) evhttp_connection_set_closecb(g->conn, NULL, NULL);
+    g->conn = NULL;
+    g->client_gone = true;
+    engine_cancel(srv.e, g->eid);
+}
+
+static void flush_pending(struct gen *g);
+
+static void on_chunk_written(struct evhttp_connection *conn, void *arg) {
+    struct gen *g = arg;
+    (void)conn;
+    g->inflight = false;
+    flush_pending(g);
+}
+
+/* Sends pending output if nothing is in flight; ends the response when asked and drained. */
+static void flush_pending(struct gen *g) {
+    if (!g->req || g->client_gone) return;
+    if (g->inflight) return;
+    if (g->pending.len > 0) {
+        struct evbuffer *b = evbuffer_new();
+        if (!b) return;
+        evbuffer_add(b, g->pending.data, g->pending.len);
+        g->pending.len = 0;
+        g->inflight = true;
+        evhttp_send_reply_chunk_with_cb(g->req, b, on_chunk_written, g);
+        evbuffer_free(b);
+        return;
+    }
+    if (g->end_after_flush) {
+        struct evhttp_request *req = g->req;
+        gen_unhook(g);
+        g->req = NULL;
+        evhttp_send_reply_end(req);
+        gen_free(g);
+    }
+}
+
+static void stream_start(struct gen *g) {
+    http_count_status(200);
+    http_common_headers(g->req, "text/event-stream");
+    struct evkeyvalq *h = evhttp_request_get_output_headers(g->req);
+    evhttp_add_header(h, "Cache-Control", "no-cache");
+    evhttp_send_reply_start(g->req, 200, "OK");
+    g->started = true;
+}
+
+static void meta_of(const struct gen *g, struct resp_meta *m) {
+    m->id = g->id;
+    m->created = g->created;
+    m->model = srv.model_name;
+    m->kind = g->kind;
+}
+
+/* Is the peer of a non-stream request gone? (EOF seen by a non-consuming peek.) */
+static bool peer_closed(struct gen *g) {
+    if (!g->conn) return false;
+    struct bufferevent *bev = evhttp_connection_get_bufferevent(g->conn);
+    evutil_socket_t fd = bev ? bufferevent_getfd(bev) : -1;
+    if (fd < 0) return false;
+    char c;
+    ssize_t n = recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+    return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+}
+
+static int engine_err_status(kv_status st) {
+    switch (st) {
+    case KV_EINVAL: case KV_ETOOLONG: return 400;
+    case KV_EBUSY: case KV_ECANCELLED: return 503;
+    default: return 500;
+    }
+}
+
+static void handle_event(struct gen *g, const struct engine_event *ev) {
+    bool terminal = ev->type != ENGINE_EV_DELTA;
+    struct resp_meta m;
+    meta_of(g, &m);
+    if (g->client_gone || !g->req) {
+        if (terminal) {
+            if (g->req && g->detached) evhttp_request_free(g->req);
+            g->req = NULL;
+            gen_unhook(g);
+            gen_free(g);
+        }
+        return;
+    }
+    if (ev->type == ENGINE_EV_ERROR) {
+        struct oai_error e;
+        oai_errf(&e, engine_err_status(ev->status), ev->status == KV_EINVAL || ev->status == KV_ETOOLONG
+                 ? "invalid_request_error" : "server_error", NULL,
+                 ev->status == KV_ETOOLONG ? "context_length_exceeded" : NULL, "%s",
+                 ev->message && *ev->message ? ev->message : kv_status_str(ev->status));
+        if (g->stream) {
+            resp_error_sse(&g->pending, &e);
+            kv_buf_puts(&g->pending, "data: [DONE]\n\n");
+            g->end_after_flush = true;
+            flush_pending(g);
+        } else {
+            struct evhttp_request *req = g->req;
+            gen_unhook(g);
+            g->req = NULL;
+            http_send_error(req, &e);
+            gen_free(g);
+        }
+        return;
+    }
+    /* DELTA or FINISH (FINISH may carry the last held-back text) */
+    if (g->stream) {
+        json_t *lp = NULL;
+        if (g->want_lp && ev->logprobs && ev->n_ids > 0) {
+            lp = resp_logprobs_new(g->kind);
+            resp_logprobs_append(lp, g->kind, srv.t, g->tokens_as_ids, ev->logprobs, ev->top,
+                                 ev->n_ids, ev->n_top, &g->lp_offset);
+        }
+        const char *fin = terminal ? finish_reason_str(ev->finish) : NULL;
+        if (ev->text_len > 0 || lp || fin)
+            resp_chunk_sse(&g->pending, &m, NULL, ev->text ? ev->text : "", ev->text_len, lp, fin);
+        if (terminal) {
+            if (g->include_usage) {
+                struct resp_usage u = {ev->prompt_tokens, ev->completion_tokens, ev->cached_tokens};
+                resp_usage_sse(&g->pending, &m, &u);
+            }
+            kv_buf_puts(&g->pending, "data: [DONE]\n\n");
+            g->end_after_flush = true;
+        }
+        flush_pending(g);
+        return;
+    }
+    if (ev->text_len) kv_buf_append(&g->text, ev->text, ev->text_len);
+    if (g->want_lp && ev->logprobs && ev->n_ids > 0)
+        resp_logprobs_append(g->lp, g->kind, srv.t, g->tokens_as_ids, ev->logprobs, ev->top,
+                             ev->n_ids, ev->n_top, &g->lp_offset);
+    if (!terminal) {
+        /* libevent does not watch a connection while we compute a non-stream answer: peek.
+         * On EOF cancel; the (cancelled) reply is still sent so libevent cleans up. */
+        uint64_t now = kv_now_ns();
+        if (!g->peek_gone && now - g->last_peek_ns > 50000000ull) {
+            g->last_peek_ns = now;
+            if (peer_closed(g)) {
+                g->peek_gone = true;
+                srv.ctr.client_disconnects++;
+                engine_cancel(srv.e, g->eid);
+            }
+        }
+        return;
+    }
+    struct resp_usage u = {ev->prompt_tokens, ev->completion_tokens, ev->cached_tokens};
+    json_t *lp = g->lp;
+    g->lp = NULL;
+    char *body = resp_full_json(&m, g->text.data, g->text.len, lp, finish_reason_str(ev->finish), &u);
+    struct evhttp_request *req = g->req;
+    gen_unhook(g);
+    g->req = NULL;
+    if (body) http_send_json_str(req, 200, body);
+    else http_send_errf(req, 500, "server_error", NULL, NULL, "out of memory");
+    free(body);
+    gen_free(g);
+}
+
+/* ------------------------------------------------------------------ engine -> loop queue */
+
+static size_t align8(size_t n) { return (n + 7) & ~(size_t)7; }
+
+/* Engine thread: copy the event and wake the loop. Never blocks beyond the queue mutex. */
+static void engine_cb(const struct engine_event *ev, void *user) {
+    struct gen *g = user;
+    bool terminal = ev->type != ENGINE_EV_DELTA;
+    size_t n_top_all = ev->top ? (size_t)ev->n_ids * (size_t)ev->n_top : 0;
+    size_t msg_len = ev->message ? strlen(ev->message) + 1 : 0;
+    size_t sz = align8(ev->text_len + 1) + align8((size_t)ev->n_ids * sizeof(int32_t)) +
+                (ev->logprobs ? (size_t)ev->n_ids : 0) * sizeof(struct token_logprob) +
+                n_top_all * sizeof(struct token_logprob) + msg_len;
+    struct qev *q = terminal ? &g->term : kv_malloc(sizeof *q);
+    if (!q) return; /* a lost delta: the text is lost, the terminal event still comes */
+    memset(q, 0, sizeof *q);
+    q->embedded = terminal;
+    q->g = g;
+    q->ev = *ev;
+    char *p = kv_malloc(sz);
+    q->payload = p;
+    q->ev.text = "";
+    q->ev.text_len = 0;
+    q->ev.ids = NULL;
+    q->ev.logprobs = NULL;
+    q->ev.top = NULL;
+    q->ev.message = NULL;
+    if (p) {
+        char *c = p;
+        memcpy(c, ev->text ? ev->text : "", ev->text_len);
+        c[ev->text_len] = 0;
+        q->ev.text = c;
+        q->ev.text_len = ev->text_len;
+        c += align8(ev->text_len + 1);
+        if (ev->n_ids > 0 && ev->ids) memcpy(c, ev->ids, (size_t)ev->n_ids * sizeof(int32_t));
+        q->ev.ids = (const int32_t *)c;
+        c += align8((size_t)ev->n_ids * sizeof(int32_t));
+        if (ev->logprobs) {
+            memcpy(c, ev->logprobs, (size_t)ev->n_ids * sizeof(struct token_logprob));
+            q->ev.logprobs = (const struct token_logprob *)c;
+            c += (size_t)ev->n_ids * sizeof(struct token_logprob);
+        }
+        if (n_top_all) {
+            memcpy(c, ev->top, n_top_all * sizeof(struct token_logprob));
+            q->ev.top = (const struct token_logprob *)c;
+            c += n_top_all * sizeof(struct token_logprob);
+        }
+        if (msg_len) {
+            memcpy(c, ev->message, msg_len);
+            q->ev.message = c;
+        }
+    } else if (!terminal) {
+        free(q);
+        return;
+    }
+    pthread_mutex_lock(&srv.mu);
+    if (srv.closed) { /* loop is gone: nobody will read this (shutdown after timeout) */
+        pthread_mutex_unlock(&srv.mu);
+        free(q->payload);
+        if (!q->embedded) free(q);
+        return;
+    }
+    if (srv.qtail) srv.qtail->next = q;
+    else srv.qhead = q;
+    srv.qtail = q;
+    event_active(srv.wake, EV_READ, 0);
+    pthread_mutex_unlock(&srv.mu);
+}
+
+void gen_on_wake(evutil_socket_t fd, short what, void *arg) {
+    (void)fd;
+    (void)what;
+    (void)arg;
+    pthread_mutex_lock(&srv.mu);
+    struct qev *q = srv.qhead;
+    srv.qhead = srv.qtail = NULL;
+    pthread_mutex_unlock(&srv.mu);
+    while (q) {
+        struct qev *next = q->next;
+        void *payload = q->payload;
+        bool emb = q->embedded;
+        handle_event(q->g, &q->ev); /* may free q->g (and the embedded q with it) */
+        free(payload);
+        if (!emb) free(q);
+        q = next;
+    }
+}
+
+
+/* ------------------------------------------------------------------ start / shutdown */
+
+static void make_id(char *out, size_t cap, const char *prefix) {
+    uint64_t a = kv_rng_next(&srv.rng), b = kv_rng_next(&srv.rng) ^ ++srv.id_counter;
+    snprintf(out, cap, "%s%016llx%08llx", prefix, (unsigned long long)a,
+             (unsigned long long)(b & 0xffffffffull));
+}
+
+void gen_start(struct evhttp_request *req, const struct oai_request *r, const int32_t *ids,
+               size_t n) {
+    enum oai_kind kind = r->kind;
+    int mml = engine_config(srv.e)->max_model_len;
+    struct gen *g = kv_calloc(1, sizeof *g);
+    if (!g) {
+        http_send_errf(req, 500, "server_error", NULL, NULL, "out of memory");
+        return;
+    }
+    kv_buf_init(&g->text);
+    kv_buf_init(&g->pending);
+    g->req = req;
+    g->kind = kind;
+    g->stream = r->stream;
+    g->include_usage = r->include_usage;
+    g->tokens_as_ids = r->tokens_as_ids;
+    g->want_lp = r->sp.logprobs;
+    g->created = kv_unix_time();
+    make_id(g->id, sizeof g->id, kind == OAI_CHAT ? "chatcmpl-" : "cmpl-");
+    if (g->want_lp && !g->stream) g->lp = resp_logprobs_new(kind);
+    /* link before submit: events may arrive (on the engine thread) before submit returns,
+     * but they are only handled by this loop thread, after this function. */
+    g->next = srv.live;
+    if (srv.live) srv.live->prev = g;
+    srv.live = g;
+    srv.n_live++;
+    struct engine_request_params p;
+    oai_engine_params(r, ids, n, mml, &p); /* p.cache_salt = r->cache_salt, copied by submit */
+    char err[512] = "";
+    kv_status st = engine_submit(srv.e, &p, engine_cb, g, &g->eid, err, sizeof err);
+    if (st) {
+        g->req = NULL;
+        gen_free(g);
+        if (st == KV_EBUSY)
+            http_send_errf(req, 503, "server_error", NULL, NULL,
+                           *err ? err : "the server is overloaded (request queue full); retry later");
+        else if (st == KV_ETOOLONG)
+            http_send_errf(req, 400, "invalid_request_error", kind == OAI_CHAT ? "messages" : "prompt",
+                           "context_length_exceeded", *err ? err : "the prompt is too long");
+        else if (st == KV_EINVAL)
+            http_send_errf(req, 400, "invalid_request_error", NULL, NULL, *err ? err : "invalid request");
+        else
+            http_send_errf(req, 500, "server_error", NULL, NULL, *err ? err : kv_status_str(st));
+        return;
+    }
+    g->conn = evhttp_request_get_connection(req);
+    if (g->conn) evhttp_connection_set_closecb(g->conn, on_close, g);
+    evhttp_request_set_on_complete_cb(req, on_complete_foreign, g);
+    if (g->stream) {
+        stream_start(g);
+        if (kind == OAI_CHAT) {
+            struct resp_meta m;
+            meta_of(g, &m);
+            resp_chunk_sse(&g->pending, &m, "assistant", "", 0, NULL, NULL);
+            flush_pending(g);
+        }
+    }
+}
+
+void gen_cancel_all(void) {
+    for (struct gen *g = srv.live; g; g = g->next) engine_cancel(srv.e, g->eid);
+}
+
+void gen_shutdown(void) {
+    /* From here on engine events are dropped (gens still live after the grace period are
+     * leaked on purpose: the engine may still hold their pointers). */
+    pthread_mutex_lock(&srv.mu);
+    srv.closed = true;
+    struct qev *q = srv.qhead;
+    srv.qhead = srv.qtail = NULL;
+    pthread_mutex_unlock(&srv.mu);
+    while (q) {
+        struct qev *next = q->next;
+        free(q->payload);
+        if (!q->embedded) free(q);
+        q = next;
+    }
+    for (struct gen *g = srv.live; g; g = g->next) gen_unhook(g);
+}

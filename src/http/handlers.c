@@ -1,0 +1,229 @@
+/*
+ * handlers: the route handlers of the HTTP server (routing itself is in server.c).
+ *
+ *   completions / chat: parse (openai.c) -> render the chat template (tok_chat_render_json,
+ *   with tools / chat_template_kwargs) -> tokenize (prefix token cache when configured) ->
+ *   length checks -> gen_start (gen.c) which submits to the engine.
+ *   tokenize, detokenize, models, metrics, server_info: answered at once.
+ *   kv_events: ?poll=1 answers one JSON page; otherwise the SSE stream of kv_stream.c.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <event2/buffer.h>
+#include <event2/keyvalq_struct.h>
+
+#include "kv_endpoints.h"
+#include "server_internal.h"
+#include "tokenizer/prefix_cache.h"
+
+static kv_status parse_body(struct evhttp_request *req, enum oai_kind kind, struct oai_request *r) {
+    struct evbuffer *in = evhttp_request_get_input_buffer(req);
+    size_t len = evbuffer_get_length(in);
+    const char *body = len ? (const char *)evbuffer_pullup(in, -1) : "";
+    struct oai_error e;
+    if (oai_parse(kind, body, len, &srv.lim, r, &e)) {
+        http_send_error(req, &e);
+        return KV_EINVAL;
+    }
+    return KV_OK;
+}
+
+/* A copy of msgs with null contents replaced by "" (NULL if there were none, or on ENOMEM):
+ * the built-in renderers (a model without a usable template) need string contents, while a
+ * real template should see the null the client sent (e.g. an assistant turn that only has
+ * tool_calls). */
+static json_t *msgs_null_to_empty(const json_t *msgs) {
+    bool any = false;
+    size_t i;
+    json_t *m;
+    json_array_foreach((json_t *)msgs, i, m) any = any || json_is_null(json_object_get(m, "content"));
+    if (!any) return NULL;
+    json_t *c = json_deep_copy(msgs);
+    if (!c) return NULL;
+    json_array_foreach(c, i, m) {
+        json_t *ct = json_object_get(m, "content");
+        if (json_is_null(ct)) json_object_set_new(m, "content", json_string(""));
+    }
+    return c;
+}
+
+/* Renders a parsed chat request; *out heap. Errors are answered (400 / 500). */
+static kv_status render_chat(struct evhttp_request *req, const struct oai_request *r, char **out) {
+    char err[512] = "";
+    kv_status st = tok_chat_render_json(srv.t, r->chat_msgs, r->chat_kwargs, r->add_generation_prompt,
+                                        out, err, sizeof err);
+    if (st == KV_EINVAL) {
+        json_t *alt = msgs_null_to_empty(r->chat_msgs);
+        if (alt) {
+            char err2[512] = "";
+            if (tok_chat_render_json(srv.t, alt, r->chat_kwargs, r->add_generation_prompt, out, err2,
+                                     sizeof err2) == KV_OK)
+                st = KV_OK;
+            json_decref(alt);
+        }
+    }
+    if (st == KV_ENOMEM) {
+        http_send_errf(req, 500, "server_error", NULL, NULL, "out of memory");
+        return st;
+    }
+    if (st) {
+        http_send_errf(req, 400, "invalid_request_error", "messages", NULL,
+                       *err ? err : "the messages cannot be rendered with this model's chat template");
+        return st;
+    }
+    return KV_OK;
+}
+
+/* Prompt ids of a parsed request (chat: rendered template). *ids heap; errors answered. */
+static kv_status prompt_ids(struct evhttp_request *req, const struct oai_request *r,
+                            bool add_special, int32_t **ids, size_t *n) {
+    if (r->ids) {
+        *ids = kv_malloc(r->n_ids * sizeof **ids);
+        if (!*ids) goto oom;
+        memcpy(*ids, r->ids, r->n_ids * sizeof **ids);
+        *n = r->n_ids;
+        return KV_OK;
+    }
+    char *rendered = NULL;
+    const char *text = r->text;
+    size_t len = r->text_len;
+    if (r->chat_msgs) {
+        kv_status st = render_chat(req, r, &rendered);
+        if (st) return st;
+        text = rendered;
+        len = strlen(rendered);
+    }
+    struct prefix_cache *pc = srv.cfg ? srv.cfg->prefix_cache : NULL;
+    kv_status st = pc ? prefix_cache_encode(pc, text ? text : "", len, add_special, true, ids, n)
+                      : tok_encode(srv.t, text ? text : "", len, add_special, true, ids, n);
+    free(rendered);
+    if (st) goto oom;
+    return KV_OK;
+oom:
+    http_send_errf(req, 500, "server_error", NULL, NULL, "out of memory");
+    return KV_ENOMEM;
+}
+
+void handle_generate(struct evhttp_request *req, enum oai_kind kind) {
+    if (srv.stopping) {
+        http_send_errf(req, 503, "server_error", NULL, NULL, "the server is shutting down");
+        return;
+    }
+    struct oai_request r;
+    if (parse_body(req, kind, &r)) return;
+    int32_t *ids = NULL;
+    size_t n = 0;
+    if (prompt_ids(req, &r, true, &ids, &n)) {
+        oai_request_free(&r);
+        return;
+    }
+    int mml = engine_config(srv.e)->max_model_len;
+    if (n == 0) {
+        http_send_errf(req, 400, "invalid_request_error", kind == OAI_CHAT ? "messages" : "prompt",
+                       NULL, "the prompt is empty (no tokens)");
+    } else if (n >= (size_t)mml) {
+        char msg[256];
+        snprintf(msg, sizeof msg,
+                 "This model's maximum context length is %d tokens; the prompt has %zu tokens "
+                 "(at least 1 token must be left for the completion)", mml, n);
+        http_send_errf(req, 400, "invalid_request_error", kind == OAI_CHAT ? "messages" : "prompt",
+                       "context_length_exceeded", msg);
+    } else {
+        gen_start(req, &r, ids, n);
+    }
+    free(ids);
+    oai_request_free(&r);
+}
+
+void handle_tokenize(struct evhttp_request *req) {
+    struct oai_request r;
+    if (parse_body(req, OAI_TOKENIZE, &r)) return;
+    int32_t *ids = NULL;
+    size_t n = 0;
+    if (prompt_ids(req, &r, r.add_special, &ids, &n) == KV_OK) {
+        json_t *arr = json_array();
+        for (size_t i = 0; i < n; i++) json_array_append_new(arr, json_integer(ids[i]));
+        http_send_json(req, 200, json_pack("{s:o, s:I, s:i}", "tokens", arr, "count", (json_int_t)n,
+                                           "max_model_len", engine_config(srv.e)->max_model_len));
+        free(ids);
+    }
+    oai_request_free(&r);
+}
+
+void handle_detokenize(struct evhttp_request *req) {
+    struct oai_request r;
+    if (parse_body(req, OAI_DETOKENIZE, &r)) return;
+    char *s = NULL;
+    size_t len = 0;
+    kv_status st = tok_decode(srv.t, r.ids, r.n_ids, false, &s, &len);
+    if (st == KV_EINVAL)
+        http_send_errf(req, 400, "invalid_request_error", "tokens", NULL, "a token id is out of range");
+    else if (st)
+        http_send_errf(req, 500, "server_error", NULL, NULL, kv_status_str(st));
+    else
+        http_send_json(req, 200, json_pack("{s:s%}", "prompt", s, len));
+    free(s);
+    oai_request_free(&r);
+}
+
+void handle_models(struct evhttp_request *req) {
+    json_t *m = json_pack("{s:s, s:s, s:I, s:s, s:i}", "id", srv.model_name, "object", "model",
+                          "created", (json_int_t)kv_unix_time(), "owned_by", "kvserve",
+                          "max_model_len", engine_config(srv.e)->max_model_len);
+    if (m && srv.m->is_demo) {
+        json_object_set_new(m, "demo", json_true());
+        json_object_set_new(m, "note", json_string(
+            "This is kvserve's built-in random-weight demo model: its output is meaningless. "
+            "Serve a real model with `make serve MODEL=/path/to/model.gguf` or "
+            "`kvserve serve --model PATH` (a GGUF file or a Hugging Face directory)."));
+    }
+    http_send_json(req, 200, json_pack("{s:s, s:[o]}", "object", "list", "data", m));
+}
+
+void handle_metrics(struct evhttp_request *req) {
+    struct engine_stats s;
+    engine_get_stats(srv.e, &s);
+    kv_buf b;
+    kv_buf_init(&b);
+    struct prefix_cache_stats pcs;
+    struct prefix_cache *pc = srv.cfg ? srv.cfg->prefix_cache : NULL;
+    if (pc) prefix_cache_get_stats(pc, &pcs);
+    if (metrics_render(&b, &s, &srv.ctr, srv.model_name) ||
+        (pc && metrics_render_prefix_token_cache(&b, &pcs, srv.model_name))) {
+        kv_buf_free(&b);
+        http_send_errf(req, 500, "server_error", NULL, NULL, "out of memory");
+        return;
+    }
+    http_send_body(req, 200, "text/plain; version=0.0.4; charset=utf-8", b.data ? b.data : "", b.len);
+    kv_buf_free(&b);
+}
+
+void handle_server_info(struct evhttp_request *req) {
+    json_t *o = kvapi_server_info(srv.e, srv.model_name);
+    if (!o) http_send_errf(req, 500, "server_error", NULL, NULL, "out of memory");
+    else http_send_json(req, 200, o);
+}
+
+void handle_kv_events(struct evhttp_request *req) {
+    char err[256] = "out of memory";
+    const struct evhttp_uri *u = evhttp_request_get_evhttp_uri(req);
+    const char *query = u ? evhttp_uri_get_query(u) : NULL;
+    struct kvapi_query q;
+    if (kvapi_parse_query(query, &q, err, sizeof err)) {
+        http_send_errf(req, 400, "invalid_request_error", NULL, NULL, err);
+        return;
+    }
+    if (!q.poll) {
+        if (!q.has_after) { /* SSE reconnect: resume after the last id the client saw */
+            const char *lei = evhttp_find_header(evhttp_request_get_input_headers(req), "Last-Event-ID");
+            if (lei && kvapi_parse_u64(lei, &q.after)) q.has_after = true;
+        }
+        kvstream_start(req, q.has_after, q.after);
+        return;
+    }
+    json_t *o = kvapi_kv_events(srv.e, q.after, q.max, err, sizeof err);
+    if (!o) http_send_errf(req, 500, "server_error", NULL, NULL, err);
+    else http_send_json(req, 200, o);
+}

@@ -1,0 +1,100 @@
+/*
+ * Loop-thread state of the HTTP server, shared by its translation units (not a public API):
+ *
+ *   server.c    listener, routing table, signals, start/stop (http_serve, http_server_stop)
+ *   reply.c     plain replies: JSON bodies, OpenAI error JSON, status counters
+ *   gen.c       generation requests: engine thread -> loop queue, event handling, SSE
+ *               backpressure, client disconnects (the struct gen lifecycle drawn there)
+ *   handlers.c  route handlers: completions/chat (parse -> render -> tokenize -> submit),
+ *               tokenize, detokenize, models, metrics, server_info, /kv_events (poll form)
+ *   kv_stream.c GET /kv_events as a Server-Sent-Events stream (see kv_endpoints.h)
+ *
+ * Everything here is touched only by the loop thread, except srv.mu / srv.qhead / srv.qtail
+ * / srv.closed (engine thread, under srv.mu).
+ */
+#ifndef KV_HTTP_SERVER_INTERNAL_H
+#define KV_HTTP_SERVER_INTERNAL_H
+
+#include <pthread.h>
+
+#include <event2/event.h>
+#include <event2/http.h>
+
+#include "http.h"
+#include "http_internal.h"
+
+struct gen;
+struct qev;
+struct kvsub;
+
+struct server {
+    pthread_mutex_t mu;
+    struct qev *qhead, *qtail;    /* engine events waiting for the loop (under mu) */
+    struct event *wake;           /* event_active'd by the engine thread (under mu) */
+    bool closed;                  /* engine events are dropped after the loop ended */
+    /* loop-thread state */
+    struct event_base *base;
+    struct evhttp *http;
+    const struct http_config *cfg;
+    engine_t *e;
+    const model_t *m;
+    const tokenizer_t *t;
+    const char *model_name;
+    struct oai_limits lim;
+    char worker_id[160];          /* X-Kvserve-Worker header value */
+    struct gen *live;             /* generation requests not yet terminal */
+    int n_live;
+    struct kvsub *subs;           /* /kv_events stream subscribers */
+    int n_subs;
+    bool stopping;
+    struct http_counters ctr;
+    uint64_t id_counter;
+    kv_rng rng;
+};
+/* One server per process (defined in server.c); every file of the server calls it srv. */
+extern struct server http_srv;
+#define srv http_srv
+
+/* ---- reply.c (all answer req and count the status) ---- */
+void http_count_status(int status);
+void http_common_headers(struct evhttp_request *req, const char *ctype);
+void http_send_body(struct evhttp_request *req, int status, const char *ctype, const char *body,
+                    size_t len);
+void http_send_json_str(struct evhttp_request *req, int status, const char *s);
+/* Steals o (NULL -> 500 out of memory). */
+void http_send_json(struct evhttp_request *req, int status, json_t *o);
+void http_send_error(struct evhttp_request *req, const struct oai_error *e);
+void http_send_errf(struct evhttp_request *req, int status, const char *type, const char *param,
+                    const char *code, const char *msg);
+const char *http_method_name(enum evhttp_cmd_type c);
+
+/* ---- gen.c ---- */
+/* Handles POST /v1/completions and /v1/chat/completions; the request is answered (now, or
+ * later from the engine events). r and ids are borrowed. */
+void gen_start(struct evhttp_request *req, const struct oai_request *r, const int32_t *ids,
+               size_t n);
+/* Cancels every live generation (shutdown). */
+void gen_cancel_all(void);
+/* Shutdown after the loop: drops queued events and unhooks the connections of live gens. */
+void gen_shutdown(void);
+/* The wake event's callback (engine events -> handlers). */
+void gen_on_wake(evutil_socket_t fd, short what, void *arg);
+
+/* ---- handlers.c ---- */
+void handle_generate(struct evhttp_request *req, enum oai_kind kind);
+void handle_tokenize(struct evhttp_request *req);
+void handle_detokenize(struct evhttp_request *req);
+void handle_models(struct evhttp_request *req);
+void handle_metrics(struct evhttp_request *req);
+void handle_server_info(struct evhttp_request *req);
+/* GET /kv_events: ?poll=1 -> one JSON answer; otherwise kvstream_start. */
+void handle_kv_events(struct evhttp_request *req);
+
+/* ---- kv_stream.c ---- */
+/* Turns req into an SSE stream of KV events (query already validated by the caller:
+ * has_after/after = the resume point). Answers errors itself. */
+void kvstream_start(struct evhttp_request *req, bool has_after, uint64_t after);
+/* Ends every stream (shutdown: the final chunk is queued, then the subscriber is freed). */
+void kvstream_close_all(void);
+
+#endif
