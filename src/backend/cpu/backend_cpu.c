@@ -2,14 +2,15 @@
  * CPU backend: f32 forward over a batch of sequences with a paged KV pool.
  *
  * Per step: all new tokens of all sequences are stacked into one [T, dim] activation
- * matrix; every projection is cblas_sgemm (C = X * W^T, W stored (out, in)); attention runs
- * per (token, query head) over the sequence's block table; element-wise ops and attention
- * are spread over the thread pool.
+ * matrix; every projection is Y = X W^T (W stored (out, in)); attention runs per (token,
+ * query head) over the sequence's block table; element-wise ops and attention are spread
+ * over the thread pool.
  *
- * Determinism (see backend.h, "Determinism"): OpenBLAS 0.3.21 picks different kernels for
- * different M (measured: rows of a small-M call differ in the last bits from the same rows
- * in a larger call), so every sgemm is issued with exactly M = CPU_GEMM_ROWS rows; the last
- * partial tile is zero-padded. Each row's result then depends only on that row's input.
+ * Determinism (see backend.h, "Determinism"): in the default BACKEND_CPU_GEMM_INVARIANT mode
+ * every product goes through kv_matmul (matmul.h), whose element (m, n) depends only on
+ * X[m], W[n] and K by construction. BACKEND_CPU_GEMM_OPENBLAS calls cblas_sgemm once over all
+ * rows: faster for large prefills on some machines, but OpenBLAS picks kernels by M, so
+ * results may differ in the last bits with batch composition.
  */
 #include <cblas.h>
 #include <math.h>
@@ -19,19 +20,19 @@
 
 #include "../../base/threadpool.h"
 #include "../backend.h"
-
-#define CPU_GEMM_ROWS 16 /* fixed M of every sgemm call */
+#include "matmul.h"
 
 struct cpu_ctx {
     const model_t *m;
     kv_threadpool_t *tp;
     int n_threads;
+    enum backend_cpu_gemm gemm;
     float *pool;         /* (n_blocks * block_floats), owned */
     size_t block_floats; /* floats per block */
     int tpb;             /* tokens per block */
     float *inv_freq;     /* (head_dim/2) RoPE inverse frequencies after scaling */
 
-    /* per-row scratch, capacity cap_rows (a multiple of CPU_GEMM_ROWS) */
+    /* per-row scratch, capacity cap_rows */
     int cap_rows;
     float *x;    /* (rows, dim) residual stream */
     float *xb;   /* (rows, max(dim, n_heads*head_dim)) normed input / attention output */
@@ -44,27 +45,32 @@ struct cpu_ctx {
     int32_t *row_pos;           /* (rows) absolute position of each row */
     int32_t *row_seq;           /* (rows) sequence index of each row */
     int32_t *logit_rows;        /* (rows) rows that need logits, in output order */
-    float *logit_tail;          /* (CPU_GEMM_ROWS, n_vocab) for the last partial tile */
     int cap_ctx;                /* per-thread score capacity (positions) */
     float *scores;              /* (n_threads, cap_ctx) */
 };
 
-/* ---- GEMM in fixed row tiles ---- */
+/* ---- matrix products ---- */
 
-/* Y[0..M) = X[0..M) * W^T (+ bias). X and Y must have room for M rounded up to
- * CPU_GEMM_ROWS rows; the pad rows of X are zeroed, the pad rows of Y are overwritten. */
-static void gemm_tiled(float *X, int M, int K, const float *W, int N, float *Y, const float *bias) {
-    int Mp = (M + CPU_GEMM_ROWS - 1) / CPU_GEMM_ROWS * CPU_GEMM_ROWS;
-    if (Mp > M) memset(X + (size_t)M * K, 0, (size_t)(Mp - M) * K * sizeof(float));
-    for (int r = 0; r < Mp; r += CPU_GEMM_ROWS)
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, CPU_GEMM_ROWS, N, K, 1.0f,
-                    X + (size_t)r * K, K, W, K, 0.0f, Y + (size_t)r * N, N);
-    if (bias)
-        for (int r = 0; r < M; r++) {
-            float *y = Y + (size_t)r * N;
-            for (int i = 0; i < N; i++) y[i] += bias[i];
-        }
+/* Runs ops[0..n) (independent products Y = X W^T + bias) in the backend's gemm mode. */
+static void gemm(struct cpu_ctx *c, const struct kv_matmul_op *ops, int n) {
+    if (c->gemm == BACKEND_CPU_GEMM_INVARIANT) {
+        kv_matmul_batch(ops, n, c->tp);
+        return;
+    }
+    for (int i = 0; i < n; i++) {
+        const struct kv_matmul_op *o = &ops[i];
+        if (o->M < 1 || o->N < 1) continue;
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, o->M, o->N, o->K, 1.0f, o->X, o->K, o->W, o->K, 0.0f,
+                    o->Y, o->N);
+        if (o->bias)
+            for (int r = 0; r < o->M; r++) {
+                float *y = o->Y + (size_t)r * o->N;
+                for (int k = 0; k < o->N; k++) y[k] += o->bias[k];
+            }
+    }
 }
+
+#define MM(x, m, k, w, n, b, y) ((struct kv_matmul_op){.X = (x), .M = (m), .K = (k), .W = (w), .N = (n), .bias = (b), .Y = (y)})
 
 /* ---- element-wise kernels ---- */
 
@@ -167,8 +173,34 @@ static void task_qkv_post(void *p, int t, int th) {
     }
 }
 
-/* One (row, query head): causal attention over positions 0..pos of the row's sequence. */
-static void task_attention(void *p, int t, int th) {
+typedef float v16f __attribute__((vector_size(64)));
+
+/* a . b over n floats in a fixed order (that of matmul.h: 16 lanes, lane j sums e = j, j+16,
+ * ..., a fixed tree over the lanes, then the tail in order), so a score never depends on the
+ * batch. */
+static inline __attribute__((always_inline)) float attn_dot(const float *a, const float *b, int n) {
+    int n16 = n - n % 16;
+    float s = 0.0f;
+    if (n16) {
+        v16f acc = {0};
+        for (int e = 0; e < n16; e += 16) {
+            v16f x, y;
+            memcpy(&x, a + e, sizeof x);
+            memcpy(&y, b + e, sizeof y);
+            acc += x * y;
+        }
+        float l8[8], l4[4];
+        for (int j = 0; j < 8; j++) l8[j] = acc[j] + acc[j + 8];
+        for (int j = 0; j < 4; j++) l4[j] = l8[j] + l8[j + 4];
+        s = (l4[0] + l4[2]) + (l4[1] + l4[3]);
+    }
+    for (int e = n16; e < n; e++) s += a[e] * b[e];
+    return s;
+}
+
+/* One (row, query head): causal attention over positions 0..pos of the row's sequence.
+ * Cloned per ISA; every clone does the same IEEE operations in the same order. */
+__attribute__((target_clones("avx512f", "avx2", "default"))) static void task_attention(void *p, int t, int th) {
     struct job *j = p;
     struct cpu_ctx *c = j->c;
     const struct model_config *cfg = &c->m->cfg;
@@ -183,10 +215,7 @@ static void task_attention(void *p, int t, int th) {
     float scale = 1.0f / sqrtf((float)hd);
     float mx = -INFINITY;
     for (int i = 0; i <= pos; i++) {
-        const float *kp = kv_slot(c, bt, j->layer, 0, kvh, i);
-        float d = 0.0f;
-        for (int e = 0; e < hd; e++) d += q[e] * kp[e];
-        d *= scale;
+        float d = attn_dot(q, kv_slot(c, bt, j->layer, 0, kvh, i), hd) * scale;
         sc[i] = d;
         if (d > mx) mx = d;
     }
@@ -196,11 +225,20 @@ static void task_attention(void *p, int t, int th) {
         sum += sc[i];
     }
     float inv = 1.0f / sum;
+    int hd16 = hd - hd % 16;
     for (int e = 0; e < hd; e++) out[e] = 0.0f;
-    for (int i = 0; i <= pos; i++) {
+    for (int i = 0; i <= pos; i++) { /* out[e] accumulates over i in order, element-wise */
         const float *vp = kv_slot(c, bt, j->layer, 1, kvh, i);
         float w = sc[i] * inv;
-        for (int e = 0; e < hd; e++) out[e] += w * vp[e];
+        v16f wv = {w, w, w, w, w, w, w, w, w, w, w, w, w, w, w, w};
+        for (int e = 0; e < hd16; e += 16) {
+            v16f o, v;
+            memcpy(&o, out + e, sizeof o);
+            memcpy(&v, vp + e, sizeof v);
+            o += wv * v;
+            memcpy(out + e, &o, sizeof o);
+        }
+        for (int e = hd16; e < hd; e++) out[e] += w * vp[e];
     }
 }
 
@@ -209,7 +247,7 @@ static void task_attention(void *p, int t, int th) {
 static kv_status grow_rows(struct cpu_ctx *c, int rows) {
     if (rows <= c->cap_rows) return KV_OK;
     const struct model_config *cfg = &c->m->cfg;
-    int cap = (rows + CPU_GEMM_ROWS - 1) / CPU_GEMM_ROWS * CPU_GEMM_ROWS;
+    int cap = (rows + 15) / 16 * 16;
     size_t qw = (size_t)cfg->n_heads * cfg->head_dim, kw = (size_t)cfg->n_kv_heads * cfg->head_dim;
     size_t xbw = qw > (size_t)cfg->dim ? qw : (size_t)cfg->dim;
     size_t hbw = (size_t)cfg->ffn_dim > (size_t)cfg->dim ? (size_t)cfg->ffn_dim : (size_t)cfg->dim;
@@ -349,21 +387,23 @@ static kv_status cpu_forward(backend_t *be, const struct batch *b, float *logits
         /* attention block */
         j.src = c->x, j.dst = c->hb, j.norm_w = lw->attn_norm, j.width = dim;
         kv_threadpool_for(c->tp, nt, task_rmsnorm, &j);
-        gemm_tiled(c->hb, T, dim, lw->wq, qw, c->q, lw->bq);
-        gemm_tiled(c->hb, T, dim, lw->wk, kw, c->k, lw->bk);
-        gemm_tiled(c->hb, T, dim, lw->wv, kw, c->v, lw->bv);
+        struct kv_matmul_op qkv[3] = {MM(c->hb, T, dim, lw->wq, qw, lw->bq, c->q),
+                                      MM(c->hb, T, dim, lw->wk, kw, lw->bk, c->k),
+                                      MM(c->hb, T, dim, lw->wv, kw, lw->bv, c->v)};
+        gemm(c, qkv, 3);
         kv_threadpool_for(c->tp, nt, task_qkv_post, &j);
         kv_threadpool_for(c->tp, T * cfg->n_heads, task_attention, &j);
-        gemm_tiled(c->xb, T, qw, lw->wo, dim, c->hb, NULL);
+        gemm(c, &MM(c->xb, T, qw, lw->wo, dim, NULL, c->hb), 1);
         j.src = c->hb, j.dst = c->x;
         kv_threadpool_for(c->tp, nt, task_add, &j);
         /* FFN block */
         j.src = c->x, j.dst = c->xb, j.norm_w = lw->ffn_norm, j.width = dim;
         kv_threadpool_for(c->tp, nt, task_rmsnorm, &j);
-        gemm_tiled(c->xb, T, dim, lw->w_gate, cfg->ffn_dim, c->hb, NULL);
-        gemm_tiled(c->xb, T, dim, lw->w_up, cfg->ffn_dim, c->hb2, NULL);
+        struct kv_matmul_op gu[2] = {MM(c->xb, T, dim, lw->w_gate, cfg->ffn_dim, NULL, c->hb),
+                                     MM(c->xb, T, dim, lw->w_up, cfg->ffn_dim, NULL, c->hb2)};
+        gemm(c, gu, 2);
         kv_threadpool_for(c->tp, nt, task_swiglu, &j);
-        gemm_tiled(c->hb, T, cfg->ffn_dim, lw->w_down, dim, c->xb, NULL);
+        gemm(c, &MM(c->hb, T, cfg->ffn_dim, lw->w_down, dim, NULL, c->xb), 1);
         j.src = c->xb, j.dst = c->x;
         kv_threadpool_for(c->tp, nt, task_add, &j);
     }
@@ -371,12 +411,7 @@ static kv_status cpu_forward(backend_t *be, const struct batch *b, float *logits
     /* output head on the logit rows only */
     for (int i = 0; i < L; i++)
         rmsnorm(c->xb + (size_t)i * dim, c->x + (size_t)c->logit_rows[i] * dim, m->w.out_norm, dim, cfg->rms_eps);
-    int Lfull = L / CPU_GEMM_ROWS * CPU_GEMM_ROWS;
-    if (Lfull) gemm_tiled(c->xb, Lfull, dim, m->w.output, cfg->n_vocab, logits, NULL);
-    if (L > Lfull) {
-        gemm_tiled(c->xb + (size_t)Lfull * dim, L - Lfull, dim, m->w.output, cfg->n_vocab, c->logit_tail, NULL);
-        memcpy(logits + (size_t)Lfull * cfg->n_vocab, c->logit_tail, (size_t)(L - Lfull) * cfg->n_vocab * sizeof(float));
-    }
+    gemm(c, &MM(c->xb, L, dim, m->w.output, cfg->n_vocab, NULL, logits), 1);
     return KV_OK;
 }
 
@@ -405,7 +440,7 @@ static void cpu_free(backend_t *be) {
         free(c->inv_freq);
         free(c->x), free(c->xb), free(c->q), free(c->k), free(c->v), free(c->hb), free(c->hb2);
         free(c->rope_cos), free(c->rope_sin), free(c->row_pos), free(c->row_seq), free(c->logit_rows);
-        free(c->logit_tail), free(c->scores);
+        free(c->scores);
         free(c);
     }
     free(be);
@@ -445,7 +480,32 @@ static void rope_init(float *inv_freq, const struct model_config *cfg) {
 }
 
 kv_status backend_cpu_new(const model_t *m, int n_threads, backend_t **out, char *err, size_t errlen) {
-    if (!m || !out) return kv_errf(KV_EINVAL, err, errlen, "backend_cpu_new: NULL argument");
+    struct backend_cpu_options o = {.n_threads = n_threads, .gemm = BACKEND_CPU_GEMM_INVARIANT};
+    return backend_cpu_new_ex(m, &o, out, err, errlen);
+}
+
+const char *backend_cpu_gemm_name(enum backend_cpu_gemm g) {
+    switch (g) {
+    case BACKEND_CPU_GEMM_INVARIANT: return "invariant";
+    case BACKEND_CPU_GEMM_OPENBLAS: return "openblas";
+    }
+    return NULL;
+}
+
+kv_status backend_cpu_gemm_parse(const char *s, enum backend_cpu_gemm *out) {
+    if (!s || !out) return KV_EINVAL;
+    if (!strcmp(s, "invariant")) *out = BACKEND_CPU_GEMM_INVARIANT;
+    else if (!strcmp(s, "openblas")) *out = BACKEND_CPU_GEMM_OPENBLAS;
+    else return KV_EINVAL;
+    return KV_OK;
+}
+
+kv_status backend_cpu_new_ex(const model_t *m, const struct backend_cpu_options *opt, backend_t **out, char *err,
+                             size_t errlen) {
+    if (!m || !out || !opt) return kv_errf(KV_EINVAL, err, errlen, "backend_cpu_new: NULL argument");
+    if (!backend_cpu_gemm_name(opt->gemm))
+        return kv_errf(KV_EINVAL, err, errlen, "backend_cpu_new: unknown gemm mode %d", (int)opt->gemm);
+    int n_threads = opt->n_threads;
     const struct model_config *cfg = &m->cfg;
     if (cfg->n_heads < 1 || cfg->n_kv_heads < 1 || cfg->n_heads % cfg->n_kv_heads || cfg->head_dim < 2 ||
         cfg->head_dim % 2 || cfg->dim < 1 || cfg->n_vocab < 1 || cfg->ffn_dim < 1 || cfg->n_layers < 1)
@@ -470,17 +530,21 @@ kv_status backend_cpu_new(const model_t *m, int n_threads, backend_t **out, char
     be->model = m;
     c->m = m;
     c->n_threads = n_threads;
+    c->gemm = opt->gemm;
     c->tp = kv_threadpool_new(n_threads);
     c->inv_freq = kv_malloc((size_t)(cfg->head_dim / 2) * sizeof(float));
-    c->logit_tail = kv_malloc((size_t)CPU_GEMM_ROWS * cfg->n_vocab * sizeof(float));
-    if (!c->tp || !c->inv_freq || !c->logit_tail || grow_rows(c, CPU_GEMM_ROWS) || grow_ctx(c, 256)) {
+    if (!c->tp || !c->inv_freq || grow_rows(c, 16) || grow_ctx(c, 256)) {
         cpu_free(be);
         return kv_errf(KV_ENOMEM, err, errlen, "backend_cpu_new: out of memory");
     }
     rope_init(c->inv_freq, cfg);
     openblas_set_num_threads(n_threads);
-    KV_INFO("cpu backend: %d threads, OpenBLAS core %s, sgemm tile %d rows", n_threads, openblas_get_corename(),
-            CPU_GEMM_ROWS);
+    if (c->gemm == BACKEND_CPU_GEMM_INVARIANT)
+        KV_INFO("cpu backend: %d threads, gemm invariant (kernel %s; OpenBLAS core %s unused)", n_threads,
+                kv_matmul_isa_name(), openblas_get_corename());
+    else
+        KV_INFO("cpu backend: %d threads, gemm openblas (core %s; NOT batch-invariant)", n_threads,
+                openblas_get_corename());
     *out = be;
     return KV_OK;
 }

@@ -17,7 +17,7 @@
 #include "backend/backend.h"
 #include "test_util.h"
 
-static model_t *random_model(model_arch arch, uint64_t seed) {
+static model_t *random_model_hd(model_arch arch, uint64_t seed, int head_dim) {
     struct model_config cfg = {0};
     cfg.arch = arch;
     cfg.n_vocab = 97;
@@ -25,7 +25,7 @@ static model_t *random_model(model_arch arch, uint64_t seed) {
     cfg.n_layers = 2;
     cfg.n_heads = 6;
     cfg.n_kv_heads = 2;
-    cfg.head_dim = arch == MODEL_ARCH_QWEN3 ? 12 : 8;
+    cfg.head_dim = head_dim ? head_dim : arch == MODEL_ARCH_QWEN3 ? 12 : 8;
     cfg.ffn_dim = 80;
     cfg.rms_eps = 1e-6f;
     cfg.rope_theta = 10000.0f;
@@ -41,6 +41,7 @@ static model_t *random_model(model_arch arch, uint64_t seed) {
     model_randomize(m, seed, 0.2f);
     return m;
 }
+static model_t *random_model(model_arch arch, uint64_t seed) { return random_model_hd(arch, seed, 0); }
 
 /* ---- a tiny scheduler over S sequences ---- */
 #define MAXS 6
@@ -189,6 +190,13 @@ static void test_determinism_llama(void **st) {
     check_determinism(m, 2, 6);
     model_free(m);
 }
+/* head_dim 40: the attention dot product's 16-lane part and its scalar tail */
+static void test_determinism_llama_hd40(void **st) {
+    (void)st;
+    model_t *m = random_model_hd(MODEL_ARCH_LLAMA, 14, 40);
+    check_determinism(m, 2, 10);
+    model_free(m);
+}
 static void test_determinism_qwen2(void **st) {
     (void)st;
     model_t *m = random_model(MODEL_ARCH_QWEN2, 12);
@@ -334,11 +342,66 @@ static void test_kv_layout(void **st) {
     model_free(m);
 }
 
+/* Gemm modes: names round-trip, bad options are refused, and the OpenBLAS mode (one sgemm
+ * over all rows, not batch-invariant) computes the same logits as the default invariant
+ * kernel up to f32 rounding. */
+static void test_gemm_modes(void **st) {
+    (void)st;
+    enum backend_cpu_gemm g = BACKEND_CPU_GEMM_OPENBLAS;
+    assert_int_equal(backend_cpu_gemm_parse("invariant", &g), KV_OK);
+    assert_int_equal(g, BACKEND_CPU_GEMM_INVARIANT);
+    assert_int_equal(backend_cpu_gemm_parse("openblas", &g), KV_OK);
+    assert_int_equal(g, BACKEND_CPU_GEMM_OPENBLAS);
+    assert_int_equal(backend_cpu_gemm_parse("blas", &g), KV_EINVAL);
+    assert_int_equal(g, BACKEND_CPU_GEMM_OPENBLAS);
+    assert_string_equal(backend_cpu_gemm_name(BACKEND_CPU_GEMM_INVARIANT), "invariant");
+    assert_string_equal(backend_cpu_gemm_name(BACKEND_CPU_GEMM_OPENBLAS), "openblas");
+    assert_null(backend_cpu_gemm_name((enum backend_cpu_gemm)7));
+
+    model_t *m = random_model(MODEL_ARCH_QWEN2, 31); /* with q/k/v biases */
+    const struct model_config *c = &m->cfg;
+    char err[256];
+    backend_t *be[2] = {NULL, NULL};
+    struct backend_cpu_options bad = {.n_threads = 2, .gemm = (enum backend_cpu_gemm)7};
+    assert_int_equal(backend_cpu_new_ex(m, &bad, &be[0], err, sizeof err), KV_EINVAL);
+    assert_null(be[0]);
+    assert_int_equal(backend_cpu_new_ex(m, NULL, &be[0], err, sizeof err), KV_EINVAL);
+    struct backend_cpu_options o = {.n_threads = 2};
+    assert_int_equal(backend_cpu_new_ex(m, &o, &be[0], err, sizeof err), KV_OK);
+    o.gemm = BACKEND_CPU_GEMM_OPENBLAS;
+    assert_int_equal(backend_cpu_new_ex(m, &o, &be[1], err, sizeof err), KV_OK);
+    int32_t toks[40], bt[3] = {0, 1, 2};
+    for (int i = 0; i < 40; i++) toks[i] = (int32_t)((i * 37 + 5) % c->n_vocab);
+    float *lg[2];
+    for (int i = 0; i < 2; i++) {
+        struct kv_geometry geo = {c->n_layers, c->n_kv_heads, c->head_dim, 16};
+        assert_int_equal(be[i]->ops->kv_alloc(be[i], 3, &geo), KV_OK);
+        struct batch_seq s = {.tokens = toks, .n_tokens = 40, .block_table = bt, .n_blocks = 3,
+                              .logits = BATCH_LOGITS_ALL};
+        struct batch b = {&s, 1};
+        lg[i] = malloc((size_t)40 * c->n_vocab * sizeof(float));
+        assert_int_equal(be[i]->ops->forward(be[i], &b, lg[i], err, sizeof err), KV_OK);
+    }
+    double maxabs = 0, maxdiff = 0;
+    for (int i = 0; i < 40 * c->n_vocab; i++) {
+        double d = fabs((double)lg[0][i] - lg[1][i]);
+        maxdiff = d > maxdiff ? d : maxdiff;
+        maxabs = fabs(lg[0][i]) > maxabs ? fabs(lg[0][i]) : maxabs;
+    }
+    assert_true(maxabs > 1e-3);
+    if (maxdiff > 1e-4 * maxabs) fail_msg("openblas vs invariant logits: max diff %g (max |logit| %g)", maxdiff, maxabs);
+    free(lg[0]), free(lg[1]);
+    backend_free(be[0]), backend_free(be[1]);
+    model_free(m);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_validation),
         cmocka_unit_test(test_kv_layout),
+        cmocka_unit_test(test_gemm_modes),
         cmocka_unit_test(test_determinism_llama),
+        cmocka_unit_test(test_determinism_llama_hd40),
         cmocka_unit_test(test_determinism_qwen2),
         cmocka_unit_test(test_determinism_qwen3),
         cmocka_unit_test(test_determinism_stories),

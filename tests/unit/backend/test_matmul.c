@@ -1,0 +1,151 @@
+/*
+ * Batch-invariant matmul kernel (src/backend/cpu/matmul.h):
+ *  - every row of an M-row product (M = 1..40, rows taken at several offsets of a larger X,
+ *    random neighbours, 1/2/3 threads, single and batched calls) is bitwise equal to the
+ *    same row computed alone (M = 1, 1 thread);
+ *  - the result is bitwise equal to kv_matmul_reference(), the scalar transcription of the
+ *    documented summation order (so no fused multiply-add, no reordering), for every ISA
+ *    instantiation this CPU can run (AVX-512, AVX2, generic);
+ *  - values are within 1e-5 relative (of sum |x*w|) of a double-precision reference.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/cpu/matmul.h"
+
+static uint64_t g_rng = 88172645463325252ull;
+static float frand(void) { /* xorshift64, uniform in [-1, 1) */
+    g_rng ^= g_rng << 13, g_rng ^= g_rng >> 7, g_rng ^= g_rng << 17;
+    return (float)((g_rng >> 40) / (double)(1ull << 24) * 2.0 - 1.0);
+}
+static float *rnd_buf(size_t n) {
+    float *p = malloc(n * sizeof(float));
+    assert_non_null(p);
+    for (size_t i = 0; i < n; i++) p[i] = frand();
+    return p;
+}
+
+/* Shapes: K around the 16-lane boundary and with tails; N with 8/4/1 column edges. */
+static const int shapes[][2] = {{37, 53}, {64, 48}, {17, 16}, {9, 7}, {130, 96}, {5, 1}, {40, 200}};
+
+static void check_close_to_double(const float *X, int M, int K, const float *W, int N, const float *bias,
+                                  const float *Y) {
+    for (int m = 0; m < M; m++)
+        for (int n = 0; n < N; n++) {
+            double s = bias ? bias[n] : 0.0, mag = bias ? fabs(bias[n]) : 0.0;
+            for (int k = 0; k < K; k++) {
+                double p = (double)X[(size_t)m * K + k] * W[(size_t)n * K + k];
+                s += p, mag += fabs(p);
+            }
+            double e = fabs(Y[(size_t)m * N + n] - s);
+            if (e > 1e-5 * (mag > 1e-30 ? mag : 1e-30))
+                fail_msg("M %d K %d N %d: y[%d][%d] = %.9g, double reference %.9g", M, K, N, m, n,
+                         (double)Y[(size_t)m * N + n], s);
+        }
+}
+
+static void test_rows_equal_alone(void **st) {
+    (void)st;
+    kv_threadpool_t *tps[4] = {NULL, kv_threadpool_new(1), kv_threadpool_new(2), kv_threadpool_new(3)};
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        int N = shapes[si][0], K = shapes[si][1];
+        int MAXR = 40 + 23;
+        float *X = rnd_buf((size_t)MAXR * K), *W = rnd_buf((size_t)N * K), *bias = rnd_buf((size_t)N);
+        float *alone = malloc((size_t)MAXR * N * sizeof(float)), *Y = malloc((size_t)MAXR * N * sizeof(float));
+        float *ref = malloc((size_t)MAXR * N * sizeof(float));
+        /* every row alone, no pool */
+        for (int r = 0; r < MAXR; r++)
+            kv_matmul(X + (size_t)r * K, 1, K, W, N, si % 2 ? bias : NULL, alone + (size_t)r * N, NULL);
+        kv_matmul_reference(X, MAXR, K, W, N, si % 2 ? bias : NULL, ref);
+        if (memcmp(alone, ref, (size_t)MAXR * N * sizeof(float)))
+            fail_msg("N %d K %d: kernel differs from the scalar transcription of its summation order", N, K);
+        check_close_to_double(X, MAXR, K, W, N, si % 2 ? bias : NULL, alone);
+        const int offs[] = {0, 1, 3, 5, 23};
+        for (int M = 1; M <= 40; M++)
+            for (size_t oi = 0; oi < sizeof offs / sizeof offs[0]; oi++)
+                for (int ti = 0; ti < 4; ti++) {
+                    if ((M + (int)oi + ti) % 2 && M > 8) continue; /* halve the work, keep coverage */
+                    int off = offs[oi];
+                    memset(Y, 0xff, (size_t)M * N * sizeof(float));
+                    kv_matmul(X + (size_t)off * K, M, K, W, N, si % 2 ? bias : NULL, Y, tps[ti]);
+                    if (memcmp(Y, alone + (size_t)off * N, (size_t)M * N * sizeof(float)))
+                        fail_msg("N %d K %d: M %d at row offset %d with pool %d (0 = none) differs from rows alone",
+                                 N, K, M, off, ti);
+                }
+        free(X), free(W), free(bias), free(alone), free(Y), free(ref);
+    }
+    for (int i = 1; i < 4; i++) kv_threadpool_free(tps[i]);
+}
+
+/* kv_matmul_batch: several products in one parallel-for give the same bits as one at a time. */
+static void test_batch_equals_single(void **st) {
+    (void)st;
+    kv_threadpool_t *tp = kv_threadpool_new(2);
+    int M = 13, K = 96, Ns[3] = {72, 24, 200};
+    float *X = rnd_buf((size_t)M * K), *W[3], *b = rnd_buf(200), *Y[3], *Z[3];
+    struct kv_matmul_op ops[3];
+    for (int i = 0; i < 3; i++) {
+        W[i] = rnd_buf((size_t)Ns[i] * K);
+        Y[i] = calloc((size_t)M * Ns[i], sizeof(float));
+        Z[i] = calloc((size_t)M * Ns[i], sizeof(float));
+        ops[i] = (struct kv_matmul_op){.X = X, .W = W[i], .bias = i == 1 ? b : NULL, .Y = Y[i], .M = M, .N = Ns[i], .K = K};
+        kv_matmul(X, M, K, W[i], Ns[i], i == 1 ? b : NULL, Z[i], NULL);
+    }
+    kv_matmul_batch(ops, 3, tp);
+    for (int i = 0; i < 3; i++) {
+        assert_memory_equal(Y[i], Z[i], (size_t)M * Ns[i] * sizeof(float));
+        free(W[i]), free(Y[i]), free(Z[i]);
+    }
+    /* K == 0: bias (or zero); M == 0: nothing written */
+    float y0[3] = {7, 7, 7};
+    kv_matmul(X, 1, 0, X, 3, b, y0, tp);
+    for (int i = 0; i < 3; i++) assert_true(y0[i] == b[i]);
+    kv_matmul(X, 0, K, X, 3, NULL, y0, tp);
+    assert_true(y0[0] == b[0]);
+    free(X), free(b);
+    kv_threadpool_free(tp);
+}
+
+/* Each ISA instantiation the CPU supports gives the same bits as the scalar transcription. */
+static void test_isas_identical(void **st) {
+    (void)st;
+    kv_threadpool_t *tp = kv_threadpool_new(2);
+    int M = 11, N = 45, K = 777;
+    float *X = rnd_buf((size_t)M * K), *W = rnd_buf((size_t)N * K), *b = rnd_buf((size_t)N);
+    float *ref = malloc((size_t)M * N * sizeof(float)), *Y = malloc((size_t)M * N * sizeof(float));
+    kv_matmul_reference(X, M, K, W, N, b, ref);
+    check_close_to_double(X, M, K, W, N, b, ref);
+    enum kv_matmul_isa isas[] = {KV_MATMUL_ISA_GENERIC, KV_MATMUL_ISA_AVX2, KV_MATMUL_ISA_AVX512};
+    int tested = 0;
+    for (int i = 0; i < 3; i++) {
+        if (kv_matmul_set_isa(isas[i]) != isas[i]) {
+            fprintf(stderr, "NOTE: ISA %d not supported by this CPU, not tested\n", (int)isas[i]);
+            continue;
+        }
+        fprintf(stderr, "checking kernel ISA %s\n", kv_matmul_isa_name());
+        memset(Y, 0, (size_t)M * N * sizeof(float));
+        kv_matmul(X, M, K, W, N, b, Y, tp);
+        if (memcmp(Y, ref, (size_t)M * N * sizeof(float))) fail_msg("ISA %s differs from the reference", kv_matmul_isa_name());
+        tested++;
+    }
+    kv_matmul_set_isa(KV_MATMUL_ISA_AUTO);
+    assert_true(tested >= 1);
+    free(X), free(W), free(b), free(ref), free(Y);
+    kv_threadpool_free(tp);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_rows_equal_alone),
+        cmocka_unit_test(test_batch_equals_single),
+        cmocka_unit_test(test_isas_identical),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
