@@ -53,6 +53,9 @@ static void serve_usage(FILE *f) {
             "                                   entries are keyed by their first N bytes (default 2048)\n"
             "                           (\"chars\" are bytes of UTF-8)\n"
             "  --threads N              compute threads (default 0 = all cores)\n"
+            "  --gemm invariant|openblas  matrix kernel: 'invariant' (default) gives bitwise-identical\n"
+            "                           results whatever the batch; 'openblas' is one sgemm per\n"
+            "                           projection (results may differ in the last bits with batching)\n"
             "  --log-level LEVEL        debug | info | warn | error (default info)\n"
             "  --help                   show this help\n");
 }
@@ -77,6 +80,7 @@ int cmd_serve(int argc, char **argv) {
     const char *model_path = NULL, *host = "127.0.0.1", *served = NULL, *port_file = NULL;
     int port = 8000, tpb = 16, kv_blocks = 0, max_num_tokens = 512, max_batch = 64;
     int max_model_len = 0, max_queue = 1024, threads = 0;
+    enum backend_cpu_gemm gemm = BACKEND_CPU_GEMM_INVARIANT;
     uint64_t kv_mem = 0, max_body = 16ull << 20, host_mem = 0;
     bool kv_mem_set = false, no_prefix_cache = false;
     int prefix_wait = 64;
@@ -121,6 +125,9 @@ int cmd_serve(int argc, char **argv) {
         else if (!strcmp(a, "--max-model-len")) rc = parse_int_opt(a, v, 2, 1 << 24, &max_model_len);
         else if (!strcmp(a, "--max-queue")) rc = parse_int_opt(a, v, 1, 1 << 24, &max_queue);
         else if (!strcmp(a, "--threads")) rc = parse_int_opt(a, v, 0, 4096, &threads);
+        else if (!strcmp(a, "--gemm")) {
+            if (backend_cpu_gemm_parse(v, &gemm) != KV_OK) rc = bad_opt(a, v, "expected invariant or openblas");
+        }
         else if (!strcmp(a, "--prefix-wait-blocks")) rc = parse_int_opt(a, v, 0, 1 << 24, &prefix_wait);
         else if (!strcmp(a, "--hash-key-file")) hash_key_file = v;
         else if (!strncmp(a, "--prefix-token-cache-", 21)) {
@@ -229,7 +236,8 @@ int cmd_serve(int argc, char **argv) {
             m->cfg.name, model_arch_name(m->cfg.arch), m->cfg.n_layers, m->cfg.dim, m->cfg.n_vocab,
             kv_blocks, tpb, block_bytes, (double)kv_blocks * (double)block_bytes / (1024.0 * 1024.0),
             (long long)kv_blocks * tpb, max_model_len);
-    if (backend_cpu_new(m, threads, &be, err, sizeof err) != KV_OK) {
+    struct backend_cpu_options bopt = {.n_threads = threads, .gemm = gemm};
+    if (backend_cpu_new_ex(m, &bopt, &be, err, sizeof err) != KV_OK) {
         fprintf(stderr, "kvserve serve: cannot create the CPU backend: %s\n", err);
         goto out;
     }
