@@ -169,6 +169,9 @@ const char *kv_matmul_isa_name(void) {
 
 #define MAX_BATCH 8
 #define L2_BLOCK_BYTES (192 * 1024) /* W rows per task: about this many bytes, stays in L2 */
+/* Below this many multiply-adds in one batch, waking the pool costs more than it saves: run
+ * on the calling thread (results are identical either way: each element is computed whole). */
+#define INLINE_MACS (1L << 18)
 
 struct plan {
     const struct kv_matmul_op *ops;
@@ -192,8 +195,12 @@ static void plan_task(void *p, int t, int th) {
 static void run_batch(const struct kv_matmul_op *ops, int n_ops, kv_threadpool_t *tp) {
     int n_threads = tp ? kv_threadpool_size(tp) : 1;
     struct plan pl = {.ops = ops, .n_ops = n_ops, .fn = current_fn()};
-    long total_rows = 0;
-    for (int i = 0; i < n_ops; i++) total_rows += ops[i].M > 0 ? ops[i].N : 0;
+    long total_rows = 0, macs = 0;
+    for (int i = 0; i < n_ops; i++) {
+        total_rows += ops[i].M > 0 ? ops[i].N : 0;
+        macs += (long)(ops[i].M > 0 ? ops[i].M : 0) * ops[i].N * (ops[i].K > 0 ? ops[i].K : 1);
+    }
+    if (macs < INLINE_MACS) n_threads = 1;
     pl.first[0] = 0;
     for (int i = 0; i < n_ops; i++) {
         const struct kv_matmul_op *op = &ops[i];
