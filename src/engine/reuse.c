@@ -49,11 +49,11 @@ int engine_kv_events(engine_t *e, uint64_t after, struct engine_kv_event *out, i
     if (!e->ev_ring) return 0;
     pthread_mutex_lock(&e->ev_mu);
     uint64_t first = e->ev_seq >= ENGINE_EV_RING ? e->ev_seq - ENGINE_EV_RING + 1 : 1;
-    if (after + 1 < first) {
+    if (after < first - 1) { /* (not after + 1 < first: after may be UINT64_MAX) */
         if (lost) *lost = first - (after + 1);
         after = first - 1;
     }
-    for (uint64_t s = after + 1; s <= e->ev_seq && n < cap; s++, n++) {
+    for (uint64_t s = after + 1; after < e->ev_seq && s <= e->ev_seq && n < cap; s++, n++) {
         int slot = (int)(s % ENGINE_EV_RING);
         out[n] = e->ev_ring[slot];
         memcpy(tok + (size_t)n * (size_t)T, e->ev_tok + (size_t)slot * (size_t)T,

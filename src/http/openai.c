@@ -70,9 +70,10 @@ static kv_status get_num(json_t *o, const char *k, double lo, bool lo_open, doub
     if (!v) return KV_OK;
     if (!json_is_number(v)) return BAD(k, "'%s' must be a number", k);
     double d = json_number_value(v);
-    if (!isfinite(d) || d > hi || (lo_open ? d <= lo : d < lo))
+    float f = (float)d; /* judged after the conversion: 1e-300 is > 0 but (float) 0 */
+    if (!isfinite(d) || d > hi || (lo_open ? d <= lo || f <= lo : d < lo))
         return BAD(k, "'%s' must be in %s%g, %g], got %g", k, lo_open ? "(" : "[", lo, hi, d);
-    *out = (float)d;
+    *out = f;
     return KV_OK;
 }
 
@@ -88,10 +89,11 @@ static kv_status parse_ids(json_t *arr, const char *param, const struct oai_limi
             return BAD(param, "'%s' must be a string or an array of token ids (integers)", param);
         }
         json_int_t x = json_integer_value(v);
-        if (x < 0 || (lim && lim->n_vocab > 0 && x >= lim->n_vocab)) {
+        int64_t end = lim && lim->n_vocab > 0 ? lim->n_vocab : (int64_t)INT32_MAX + 1;
+        if (x < 0 || x >= end) {
             free(ids);
-            return BAD(param, "token id %lld in '%s' is out of range [0, %d)", (long long)x,
-                       param, lim ? lim->n_vocab : 0);
+            return BAD(param, "token id %lld in '%s' is out of range [0, %lld)", (long long)x,
+                       param, (long long)end);
         }
         ids[i] = (int32_t)x;
     }
@@ -507,7 +509,11 @@ static kv_status parse_obj(enum oai_kind kind, json_t *o, const struct oai_limit
         if (get_bool(o, "add_special_tokens", &r->add_special, err)) return KV_EINVAL;
         if (field(o, "messages")) return parse_messages(o, r, err) || parse_chat_extras(o, r, err) ? KV_EINVAL : KV_OK;
         if (!field(o, "prompt")) return BAD("prompt", "'prompt' or 'messages' is required");
-        return parse_prompt(o, NULL, r, err);
+        if (!lim) return parse_prompt(o, NULL, r, err);
+        /* ids are checked against the vocabulary; no context-length limit for tokenize */
+        struct oai_limits tl = *lim;
+        tl.max_model_len = 0;
+        return parse_prompt(o, &tl, r, err);
     case OAI_DETOKENIZE: {
         if (check_model(o, lim, err)) return KV_EINVAL;
         json_t *t = field(o, "tokens");

@@ -78,7 +78,8 @@ void resp_logprobs_append(json_t *acc, enum oai_kind kind, const tokenizer_t *t,
                                   json_real((double)lp[i].logprob));
             json_array_append_new(json_object_get(acc, "text_offset"),
                                   json_integer((json_int_t)(offset ? *offset : 0)));
-            if (offset) *offset += nb;
+            /* special tokens (BOS, EOS...) are not in the returned text: they take no room */
+            if (offset && !(t && tok_is_special(t, lp[i].id))) *offset += nb;
             json_t *tops = json_object();
             for (int j = 0; top && j < n_top; j++) {
                 const struct token_logprob *a = &top[(size_t)i * n_top + j];

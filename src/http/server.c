@@ -15,6 +15,7 @@
 
 #include <event2/buffer.h>
 #include <event2/keyvalq_struct.h>
+#include <event2/listener.h>
 #include <event2/thread.h>
 
 #include "server_internal.h"
@@ -46,6 +47,7 @@ static const struct {
  * with an HTML 413 and offers no hook to change that body, so its cap is set higher
  * (body_hard_cap) and bodies between the two limits get the JSON 413 here. */
 static size_t body_limit;
+#define HTTP_MAX_HEADERS_BYTES (1 << 20) /* request line + headers */
 
 static size_t body_hard_cap(size_t limit) {
     size_t cap = limit * 4;
@@ -100,6 +102,33 @@ static void on_request(struct evhttp_request *req, void *arg) {
 
 static struct evhttp_bound_socket *g_bound;
 static struct event *g_grace_timer;
+static struct event *g_accept_timer; /* re-enables the listener after an accept() failure */
+static uint64_t g_accept_errors, g_accept_logged_ns;
+
+/* accept() failed for a reason libevent does not retry by itself (EMFILE / ENFILE / ENOBUFS:
+ * out of descriptors or memory). libevent's default is to log a warning and retry at once,
+ * a busy loop that burns a core and writes ~400k log lines a second while the condition lasts.
+ * Pause accepting for 100 ms instead, and log at most every 10 s. */
+static void on_accept_resume(evutil_socket_t fd, short what, void *arg) {
+    (void)fd;
+    (void)what;
+    (void)arg;
+    if (g_bound && !srv.stopping) evconnlistener_enable(evhttp_bound_socket_get_listener(g_bound));
+}
+
+static void on_accept_error(struct evconnlistener *l, void *arg) {
+    (void)arg;
+    int err = EVUTIL_SOCKET_ERROR();
+    g_accept_errors++;
+    uint64_t now = kv_now_ns();
+    if (g_accept_logged_ns == 0 || now - g_accept_logged_ns > 10000000000ull) {
+        KV_WARN("http: accept() failed: %s (%llu time(s)); pausing new connections for 100 ms",
+                evutil_socket_error_to_string(err), (unsigned long long)g_accept_errors);
+        g_accept_logged_ns = now;
+    }
+    struct timeval tv = {0, 100000};
+    if (g_accept_timer && evconnlistener_disable(l) == 0) evtimer_add(g_accept_timer, &tv);
+}
 
 static void on_grace(evutil_socket_t fd, short what, void *arg) {
     (void)fd;
@@ -114,6 +143,7 @@ static void begin_stop(void) {
     if (srv.stopping) return;
     srv.stopping = true;
     KV_INFO("http: stopping (%d live request(s) cancelled)", srv.n_live);
+    if (g_accept_timer) evtimer_del(g_accept_timer);
     if (g_bound) {
         evhttp_del_accept_socket(srv.http, g_bound);
         g_bound = NULL;
@@ -133,9 +163,12 @@ static void begin_stop(void) {
     else event_base_loopbreak(srv.base);
 }
 
+static bool g_signalled; /* a SIGINT/SIGTERM started the stop */
+
 static void on_signal(evutil_socket_t sig, short what, void *arg) {
     (void)what;
     (void)arg;
+    g_signalled = true;
     KV_INFO("http: received signal %d", (int)sig);
     begin_stop();
 }
@@ -189,6 +222,7 @@ kv_status http_serve(const struct http_config *cfg, engine_t *e, const model_t *
     srv.subs = NULL;
     srv.n_subs = 0;
     srv.stopping = false;
+    g_signalled = false;
     memset(&srv.ctr, 0, sizeof srv.ctr);
     kv_rng_seed(&srv.rng, kv_now_ns() ^ ((uint64_t)getpid() << 32));
     const char *host = cfg->host && *cfg->host ? cfg->host : "127.0.0.1";
@@ -207,6 +241,8 @@ kv_status http_serve(const struct http_config *cfg, engine_t *e, const model_t *
     evsignal_add(sigterm, NULL);
     body_limit = cfg->max_body_bytes ? cfg->max_body_bytes : (size_t)16 << 20;
     evhttp_set_max_body_size(srv.http, (ev_ssize_t)body_hard_cap(body_limit));
+    /* libevent's default is no limit: a client could make us buffer gigabytes of headers */
+    evhttp_set_max_headers_size(srv.http, HTTP_MAX_HEADERS_BYTES);
     evhttp_set_flags(srv.http, EVHTTP_SERVER_LINGERING_CLOSE);
     evhttp_set_timeout(srv.http, 3600); /* a stream may wait long in the queue */
     evhttp_set_allowed_methods(srv.http, EVHTTP_REQ_GET | EVHTTP_REQ_POST | EVHTTP_REQ_HEAD |
@@ -215,10 +251,14 @@ kv_status http_serve(const struct http_config *cfg, engine_t *e, const model_t *
     evhttp_set_gencb(srv.http, on_request, NULL);
     int port = cfg->port < 0 ? 8000 : cfg->port;
     g_bound = evhttp_bind_socket_with_handle(srv.http, host, (ev_uint16_t)port);
-    if (!g_bound) {
-        st = kv_errf(KV_EIO, err, errlen, "cannot listen on %s:%d: %s", host, port, strerror(errno));
+    if (!g_bound) { /* errno is 0 when the address did not resolve */
+        st = kv_errf(KV_EIO, err, errlen, "cannot listen on %s:%d: %s", host, port,
+                     errno ? strerror(errno) : "cannot resolve the address");
         goto done;
     }
+    g_accept_timer = evtimer_new(srv.base, on_accept_resume, NULL);
+    g_accept_errors = g_accept_logged_ns = 0;
+    evconnlistener_set_error_cb(evhttp_bound_socket_get_listener(g_bound), on_accept_error);
     struct sockaddr_storage ss;
     socklen_t sl = sizeof ss;
     if (getsockname(evhttp_bound_socket_get_fd(g_bound), (struct sockaddr *)&ss, &sl) == 0) {
@@ -248,8 +288,17 @@ done:
     g_bound = NULL;
     if (g_grace_timer) event_free(g_grace_timer);
     g_grace_timer = NULL;
+    if (g_accept_timer) event_free(g_accept_timer);
+    g_accept_timer = NULL;
     if (sigint) event_free(sigint);
     if (sigterm) event_free(sigterm);
+    /* Freeing the signal events restored the default action (terminate). Once a signal has
+     * asked us to stop, a repeated SIGINT/SIGTERM (process managers, `timeout` and shells
+     * send several) must not kill the process mid-teardown with a signal status. */
+    if (g_signalled) {
+        signal(SIGINT, SIG_IGN);
+        signal(SIGTERM, SIG_IGN);
+    }
     if (stop_ev) event_free(stop_ev);
     if (srv.wake) event_free(srv.wake);
     srv.wake = NULL;

@@ -41,7 +41,7 @@ def check(cond, what):
 
 
 class Server:
-    def __init__(self, model, extra=()):
+    def __init__(self, model, extra=(), preexec_fn=None):
         self.tmp = tempfile.mkdtemp(prefix="kvserve-e2e-")
         self.port_file = os.path.join(self.tmp, "port")
         self.log = open(os.path.join(self.tmp, "server.log"), "w+")
@@ -49,7 +49,7 @@ class Server:
         self.proc = subprocess.Popen(
             wrap + [BIN, "serve", "--model", model, "--port", "0", "--port-file", self.port_file,
              "--max-model-len", "512", "--threads", "1", *extra],
-            stdout=self.log, stderr=subprocess.STDOUT)
+            stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=preexec_fn)
         deadline = time.time() + 60
         while not os.path.exists(self.port_file):
             if self.proc.poll() is not None or time.time() > deadline:
@@ -282,6 +282,10 @@ def bad_cases():
         ("wrong method", "GET", P, None, 405, None),
         ("wrong method 2", "POST", "/health", {}, 405, None),
         ("20 MB body", "POST", P, b"{\"prompt\": \"" + b"a" * (20 << 20) + b"\"}", 413, None),
+        # regressions found by a break-it pass:
+        ("top_p that is 0 as a float", "POST", P, {"prompt": "a", "top_p": 1e-300}, 400, "top_p"),
+        ("tokenize id out of vocab", "POST", "/tokenize", {"prompt": [1, 512]}, 400, "prompt"),
+        ("tokenize id >= 2^32", "POST", "/tokenize", {"prompt": [4294967297]}, 400, "prompt"),
     ]
 
 
@@ -312,6 +316,132 @@ def test_bad_inputs(s):
                 check(False, "bad input %s: body is not OpenAI error JSON: %r" % (name, payload[:200]))
         st, resp, _ = s.post("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0})
         check(st == 200 and resp["choices"][0]["text"] == ", there was a", "normal request after bad input %s" % name)
+
+
+def test_text_offset(s):
+    """text_offset indexes the returned text: a generated special token (BOS, no text) takes no
+    room (regression: offsets after it were shifted by len("<s>"))."""
+    rec = [r for r in greedy_records() if 1 in r["completion_ids"]]
+    check(rec, "a reference completion generates BOS")
+    if not rec:
+        return
+    body = {"prompt": rec[0]["prompt"], "max_tokens": rec[0]["completion_ids"].index(1) + 6,
+            "temperature": 0, "logprobs": 1}
+    for stream in (False, True):
+        if stream:
+            _, events, _ = s.stream("/v1/completions", dict(body, stream=True))
+            text, toks, offs = "", [], []
+            for e in events:
+                if isinstance(e, dict) and e.get("choices"):
+                    c = e["choices"][0]
+                    text += c["text"]
+                    if c.get("logprobs"):
+                        toks += c["logprobs"]["tokens"]
+                        offs += c["logprobs"]["text_offset"]
+        else:
+            st, resp, _ = s.post("/v1/completions", body)
+            check(st == 200, "text_offset request: status %s" % st)
+            if st != 200:
+                return
+            c = resp["choices"][0]
+            text, toks, offs = c["text"], c["logprobs"]["tokens"], c["logprobs"]["text_offset"]
+        check("<s>" in toks, "stream=%s: the completion has a BOS token (%s)" % (stream, toks))
+        tb = text.encode()
+        bad = [i for i, (t, o) in enumerate(zip(toks, offs)) if t != "<s>" and not tb[o:].startswith(t.encode())]
+        check(len(toks) == len(offs) and not bad,
+              "stream=%s: text_offset points at each token in the text (bad at %s: %s %s)" % (stream, bad[:3], toks, offs))
+
+
+def test_header_limit(s):
+    """Headers are bounded (regression: libevent's default is unlimited, so one client could
+    make the server buffer any amount: 300 MB of headers -> 300 MB RSS)."""
+    sk = socket.create_connection(("127.0.0.1", s.port), timeout=10)
+    sent = 0
+    answer = b""
+    try:
+        sk.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        line = b"X-Big: " + b"a" * (1 << 20) + b"\r\n"
+        for _ in range(64):
+            sk.sendall(line)
+            sent += len(line)
+    except OSError:
+        pass
+    try:
+        answer = sk.recv(4096)
+    except OSError:
+        pass
+    sk.close()
+    check(sent < (16 << 20), "huge headers: the server stops reading early (%d MB sent)" % (sent >> 20))
+    check(answer == b"" or answer.startswith(b"HTTP/1.1 4"), "huge headers: refused (%r)" % answer[:60])
+    st, _, payload = s.request("GET", "/health?" + "a" * 100000)
+    check(st == 200, "a 100 kB URL is still fine (%s)" % st)
+    with open("/proc/%d/status" % s.proc.pid) as f:
+        rss_kb = int(f.read().split("VmRSS:")[1].split()[0])
+    check(rss_kb < 512 * 1024, "huge headers: server RSS %d kB" % rss_kb)
+
+
+def test_fd_exhaustion():
+    """More connections than the process may open: accept() fails with EMFILE. The server must
+    not spin on it (regression: libevent retried at once, a busy loop at 100% CPU writing
+    ~400k "Error from accept() call" lines a second), and must serve again once they close."""
+    import resource
+
+    def low_nofile():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+
+    s = Server(GGUF, preexec_fn=low_nofile)
+    socks = []
+    try:
+        for _ in range(120):
+            sk = socket.socket()
+            sk.settimeout(5)
+            sk.connect(("127.0.0.1", s.port))  # the kernel completes it; the server cannot accept
+            socks.append(sk)
+
+        def cpu():
+            with open("/proc/%d/stat" % s.proc.pid) as f:
+                v = f.read().rsplit(")", 1)[1].split()
+            return (int(v[11]) + int(v[12])) / os.sysconf("SC_CLK_TCK")
+
+        time.sleep(0.5)
+        c0 = cpu()
+        time.sleep(2.0)
+        used = cpu() - c0
+        check(used < 0.5, "EMFILE: server CPU over 2 s of refused accepts is %.2f s (want < 0.5)" % used)
+        log = s.logtext()
+        check(log.count("accept") <= 5, "EMFILE: at most a few accept() log lines (%d)" % log.count("accept"))
+    finally:
+        for sk in socks:
+            sk.close()
+    try:
+        time.sleep(0.3)
+        st, resp, _ = s.post("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0},
+                             timeout=30)
+        check(st == 200 and resp["choices"][0]["text"] == ", there was a", "EMFILE: serves again afterwards")
+    finally:
+        s.stop()
+
+
+def test_repeated_signals():
+    """SIGTERM sent again and again (as `timeout`, process managers and shells do) while the
+    server stops: it must still exit 0 (regression: a signal arriving after the event loop
+    ended hit the restored default action and killed it with status -15)."""
+    rcs = []
+    for _ in range(3):
+        s = Server(GGUF)
+        t0 = time.time()
+        while s.proc.poll() is None and time.time() - t0 < 30:
+            try:
+                s.proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                break
+            time.sleep(0.0005)
+        try:
+            rcs.append(s.proc.wait(timeout=30))
+        except subprocess.TimeoutExpired:
+            s.proc.kill()
+            rcs.append("hung")
+    check(rcs == [0, 0, 0], "repeated SIGTERM: exit status 0 every time (%s)" % rcs)
 
 
 def raw_stream_and_drop(port, body, n_bytes):
@@ -387,6 +517,7 @@ def main():
     try:
         for name, fn in [("basics", test_basics), ("greedy", lambda s: test_greedy(s, "gguf")),
                          ("stream", test_stream), ("chat", test_chat), ("bad", test_bad_inputs),
+                         ("text_offset", test_text_offset), ("headers", test_header_limit),
                          ("concurrent", test_concurrent), ("disconnect", test_disconnects)]:
             if want(name):
                 t0 = time.time()
@@ -401,6 +532,22 @@ def main():
                 break
     finally:
         s.stop()
+    if want("fd_limit"):
+        t0 = time.time()
+        before = len(failures)
+        try:
+            test_fd_exhaustion()
+        except Exception as e:
+            check(False, "fd_limit raised %r" % e)
+        print("%-10s %s (%.1fs)" % ("fd_limit", "ok" if len(failures) == before else "FAILED", time.time() - t0), flush=True)
+    if want("signals"):
+        t0 = time.time()
+        before = len(failures)
+        try:
+            test_repeated_signals()
+        except Exception as e:
+            check(False, "signals raised %r" % e)
+        print("%-10s %s (%.1fs)" % ("signals", "ok" if len(failures) == before else "FAILED", time.time() - t0), flush=True)
     if want("hf") and os.path.isdir(HF):
         t0 = time.time()
         before = len(failures)

@@ -65,6 +65,9 @@ static const struct bad_case bad[] = {
     {C, "{\"prompt\":\"a\",\"temperature\":\"hot\"}", 400, "temperature", NULL},
     {C, "{\"prompt\":\"a\",\"top_p\":0}", 400, "top_p", NULL},
     {C, "{\"prompt\":\"a\",\"top_p\":1.01}", 400, "top_p", NULL},
+    /* > 0 as a double but 0 as the engine's float: rejected here with the param named */
+    {C, "{\"prompt\":\"a\",\"top_p\":1e-300}", 400, "top_p", NULL},
+    {C, "{\"prompt\":\"a\",\"repetition_penalty\":1e-300}", 400, "repetition_penalty", NULL},
     {C, "{\"prompt\":\"a\",\"top_k\":-2}", 400, "top_k", NULL},
     {C, "{\"prompt\":\"a\",\"top_k\":true}", 400, "top_k", NULL},
     {C, "{\"prompt\":\"a\",\"min_p\":1.5}", 400, "min_p", NULL},
@@ -130,6 +133,10 @@ static const struct bad_case bad[] = {
     /* tokenize / detokenize */
     {T, "{}", 400, "prompt", NULL},
     {T, "{\"prompt\":\"a\",\"add_special_tokens\":\"yes\"}", 400, "add_special_tokens", NULL},
+    /* token-id prompts to /tokenize are checked against the vocabulary (were echoed, and ids
+     * >= 2^31 were silently truncated: 4294967297 came back as 1) */
+    {T, "{\"prompt\":[1, 512]}", 400, "prompt", NULL},
+    {T, "{\"prompt\":[4294967297]}", 400, "prompt", NULL},
     {D, "{}", 400, "tokens", NULL},
     {D, "{\"tokens\":\"1 2\"}", 400, "tokens", NULL},
     {D, "{\"tokens\":[1, 99999]}", 400, "tokens", NULL},
@@ -391,6 +398,18 @@ static void test_tokenize_detokenize(void **state) {
     assert_int_equal(json_array_size(r.chat_msgs), 1);
     assert_true(r.add_special);
     oai_request_free(&r);
+    /* a tokenize id prompt longer than max_model_len is fine (no generation) */
+    {
+        kv_buf b;
+        kv_buf_init(&b);
+        kv_buf_puts(&b, "{\"prompt\":[1");
+        for (int i = 0; i < 600; i++) kv_buf_puts(&b, ",5");
+        kv_buf_puts(&b, "]}");
+        parse_ok(T, b.data, &r);
+        assert_int_equal(r.n_ids, 601);
+        oai_request_free(&r);
+        kv_buf_free(&b);
+    }
     parse_ok(D, "{\"tokens\":[1, 511, 0]}", &r);
     assert_int_equal(r.n_ids, 3);
     assert_int_equal(r.ids[1], 511);
