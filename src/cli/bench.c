@@ -225,6 +225,10 @@ int cmd_bench(int argc, char **argv) {
     bench_summary s;
     bench_summarize(&r, &s);
     bench_print_summary(stdout, &s);
+    if (rc == 0 && s.requests > 0 && s.ok == 0) {
+        fprintf(stderr, "kvserve bench: every request failed (see errors above)\n");
+        rc = 3;
+    }
     if (out_json) {
         if (bench_write_json(out_json, &c, &r, &s, err, sizeof err)) {
             fprintf(stderr, "kvserve bench: %s\n", err);
