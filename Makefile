@@ -1,4 +1,5 @@
 # kvserve: `make serve` (set up + run the server), `make test` (set up + run every test).
+MAKEFLAGS += --no-print-directory
 BUILD ?= build
 ASAN_BUILD ?= build-asan
 JOBS ?= $(shell nproc)

@@ -71,7 +71,8 @@ static void gen_free(struct gen *g) {
     kv_buf_free(&g->pending);
     json_decref(g->lp);
     free(g);
-    if (srv.stopping && srv.n_live == 0) event_base_loopbreak(srv.base);
+    /* let the last replies' final bytes (chunked terminators) reach the sockets first */
+    if (srv.stopping && srv.n_live == 0) event_base_loopexit(srv.base, &(struct timeval){0, 50000});
 }
 
 /* Releases our hold on the connection/request before a final write or free. */

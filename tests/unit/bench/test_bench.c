@@ -442,7 +442,7 @@ static void test_fake_delays_and_errors(void **st) {
             assert_true(q->ttft_s <= q->e2e_s);
             /* usage and [DONE] follow the last chunk at once (the server's timers may drift
              * a little per gap, so compare with the measured last chunk) */
-            assert_true(q->e2e_s - q->chunk_s[n - 1] >= 0 && q->e2e_s - q->chunk_s[n - 1] < 0.010);
+            assert_true(q->e2e_s - q->chunk_s[n - 1] >= 0 && q->e2e_s - q->chunk_s[n - 1] < 0.050);
         } else {
             assert_non_null(q->error_kind);
         }
