@@ -94,6 +94,8 @@ static kv_status prompt_ids(struct evhttp_request *req, const struct oai_request
         if (st) return st;
         text = rendered;
         len = strlen(rendered);
+        /* the template may write BOS itself: then no second one (tokenizer.h, llama.cpp) */
+        if (add_special && tok_text_starts_with_bos(srv.t, text, len)) add_special = false;
     }
     struct prefix_cache *pc = srv.cfg ? srv.cfg->prefix_cache : NULL;
     kv_status st = pc ? prefix_cache_encode(pc, text ? text : "", len, add_special, true, ids, n)

@@ -853,7 +853,6 @@ kv_status tok_encode(const tokenizer_t *t, const char *text, size_t len, bool ad
     kv_status st = KV_OK;
     if (add_special)
         for (int i = 0; i < t->n_prefix && !st; i++) st = idvec_push(&out, t->prefix_ids[i]);
-    size_t body = out.n;
     size_t pos = 0;
     while (!st) {
         size_t ms = len, me = len;
@@ -863,11 +862,6 @@ kv_status tok_encode(const tokenizer_t *t, const char *text, size_t len, bool ad
         if (k < 0 || st) break;
         st = idvec_push(&out, t->added[k].id);
         pos = me;
-    }
-    /* A template that already starts with BOS (chat rendering) does not get a second one. */
-    if (!st && add_special && t->n_prefix == 1 && out.n > body && out.v[body] == t->prefix_ids[0]) {
-        memmove(out.v, out.v + 1, (out.n - 1) * sizeof *out.v);
-        out.n--;
     }
     if (add_special)
         for (int i = 0; i < t->n_suffix && !st; i++) st = idvec_push(&out, t->suffix_ids[i]);

@@ -404,3 +404,10 @@ const char *tok_token_str(const tokenizer_t *t, int id) {
     return id >= 0 && id < t->n_tok ? t->tok[id].s : NULL;
 }
 int tok_find(const tokenizer_t *t, const char *s) { return s ? tok_lookup(t, s, strlen(s)) : -1; }
+
+bool tok_text_starts_with_bos(const tokenizer_t *t, const char *text, size_t len) {
+    int bos = t ? tok_bos(t) : -1;
+    const char *s = bos >= 0 ? tok_token_str(t, bos) : NULL;
+    size_t n = s ? strlen(s) : 0;
+    return n > 0 && text && len >= n && memcmp(text, s, n) == 0;
+}

@@ -45,12 +45,15 @@ bool tok_is_eog(const tokenizer_t *t, int id);
 const char *tok_token_str(const tokenizer_t *t, int id);
 /* Finds the id of an exact vocabulary/added-token string, -1 if absent. */
 int tok_find(const tokenizer_t *t, const char *s);
+/* True when the tokenizer has a BOS token and text[0..len) begins with its string (e.g. a
+ * rendered Llama-3 chat prompt starting with "<|begin_of_text|>"). */
+bool tok_text_starts_with_bos(const tokenizer_t *t, const char *text, size_t len);
 
 /* Encodes text[0..len) (UTF-8; invalid bytes are encoded through byte fallback or
  * byte-level mapping, never dropped). add_special: prepend BOS (and whatever the
- * post-processor adds) when the tokenizer uses it; when the text itself already starts with
- * that BOS token (parse_special, e.g. a rendered Llama-3 chat template) no second BOS is
- * added. parse_special: text like "<|im_end|>" or "<s>" becomes the special token
+ * post-processor adds) when the tokenizer uses it, exactly as HF tokenizers does (text that
+ * itself starts with the BOS token gets a second one: see tok_text_starts_with_bos for the
+ * chat rule). parse_special: text like "<|im_end|>" or "<s>" becomes the special token
  * (otherwise it is encoded as plain text); non-special added tokens always match.
  * *ids is heap-allocated (caller frees); KV_ENOMEM on failure with *ids untouched. */
 kv_status tok_encode(const tokenizer_t *t, const char *text, size_t len, bool add_special,
@@ -100,8 +103,9 @@ kv_status tok_stream_flush(tok_stream_t *s, kv_buf *out);
  * [INST], detected by markers) with a warning logged at load.
  * The output is exactly the template's text, including a BOS string when the template
  * writes one (Llama-3 "<|begin_of_text|>", Llama-2/Mistral "<s>"); ChatML writes none.
- * It is then tokenized with add_special = true and parse_special = true; tok_encode does
- * not prepend a second BOS to text that starts with the BOS token, so exactly one BOS. */
+ * It is then tokenized with parse_special = true and add_special = tok_add_bos(t) &&
+ * !tok_text_starts_with_bos(t, text, len): exactly one BOS, as llama.cpp does (HF's
+ * apply_chat_template tokenizes with add_special_tokens=False and relies on the template). */
 struct chat_message {
     const char *role;    /* "system" | "user" | "assistant" | "tool" ... (borrowed) */
     const char *content; /* borrowed UTF-8 */
