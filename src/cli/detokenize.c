@@ -30,14 +30,6 @@ static void usage(FILE *f) {
             "  -h, --help        show this help\n");
 }
 
-static kv_status read_stdin(kv_buf *b) {
-    char chunk[65536];
-    size_t n;
-    while ((n = fread(chunk, 1, sizeof chunk, stdin)) > 0)
-        if (kv_buf_append(b, chunk, n)) return KV_ENOMEM;
-    return ferror(stdin) ? KV_EIO : KV_OK;
-}
-
 /* Parses "1 2,3" or "[1, 2, 3]" in s[0..n) into *ids. Returns false with a message in err. */
 static bool parse_ids(const tokenizer_t *t, const char *s, size_t n, int32_t **ids, size_t *n_ids, char *err,
                       size_t errlen) {
@@ -125,17 +117,13 @@ int cmd_detokenize(int argc, char **argv) {
         usage(stderr);
         return 2;
     }
-    char err[512] = "";
-    tokenizer_t *t;
-    kv_status st = tok_load(path, &t, err, sizeof err);
-    if (st) {
-        fprintf(stderr, "kvserve detokenize: %s: %s\n", kv_status_str(st), err[0] ? err : path);
-        return 1;
-    }
+    tokenizer_t *t = cli_load_tokenizer("detokenize", path);
+    if (!t) return 1;
+    kv_status st;
     kv_buf in;
     kv_buf_init(&in);
     int rc = 0;
-    if ((st = read_stdin(&in))) {
+    if ((st = cli_read_stdin(&in))) {
         fprintf(stderr, "kvserve detokenize: reading stdin: %s\n", kv_status_str(st));
         rc = 1;
     }
@@ -150,6 +138,7 @@ int cmd_detokenize(int argc, char **argv) {
         }
         int32_t *ids;
         size_t n;
+        char err[256] = "";
         if (!parse_ids(t, data + pos, ll, &ids, &n, err, sizeof err)) {
             if (lines) fprintf(stderr, "kvserve detokenize: stdin line %zu: %s\n", lineno, err);
             else fprintf(stderr, "kvserve detokenize: stdin: %s\n", err);

@@ -36,14 +36,6 @@ static void usage(FILE *f) {
             "  -h, --help        show this help\n");
 }
 
-static kv_status read_stdin(kv_buf *b) {
-    char chunk[65536];
-    size_t n;
-    while ((n = fread(chunk, 1, sizeof chunk, stdin)) > 0)
-        if (kv_buf_append(b, chunk, n)) return KV_ENOMEM;
-    return ferror(stdin) ? KV_EIO : KV_OK;
-}
-
 /* Prints ids (and token strings with json) for one encoding; returns false on write error. */
 static bool print_ids(const tokenizer_t *t, const int32_t *ids, size_t n, bool json, bool lines) {
     if (!json && !lines) {
@@ -99,17 +91,13 @@ int cmd_tokenize(int argc, char **argv) {
         usage(stderr);
         return 2;
     }
-    char err[512] = "";
-    tokenizer_t *t;
-    kv_status st = tok_load(path, &t, err, sizeof err);
-    if (st) {
-        fprintf(stderr, "kvserve tokenize: %s: %s\n", kv_status_str(st), err[0] ? err : path);
-        return 1;
-    }
+    tokenizer_t *t = cli_load_tokenizer("tokenize", path);
+    if (!t) return 1;
+    kv_status st;
     kv_buf in;
     kv_buf_init(&in);
     int rc = 0;
-    if ((st = read_stdin(&in))) {
+    if ((st = cli_read_stdin(&in))) {
         fprintf(stderr, "kvserve tokenize: reading stdin: %s\n", kv_status_str(st));
         rc = 1;
     }
