@@ -22,4 +22,16 @@ static inline const char *test_data_path(char *buf, size_t cap, const char *rel)
     fclose(f);
     return buf;
 }
+
+/* A private temporary directory per test binary: test_tmpdir_make(prefix) creates
+ * /tmp/<prefix>_XXXXXX into buf; test_tmpdir_remove(buf) deletes it recursively. 0 on success. */
+static inline int test_tmpdir_make(char *buf, size_t cap, const char *prefix) {
+    snprintf(buf, cap, "/tmp/%s_XXXXXX", prefix);
+    return mkdtemp(buf) ? 0 : -1;
+}
+static inline int test_tmpdir_remove(const char *dir) {
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    return system(cmd) == 0 ? 0 : -1;
+}
 #endif

@@ -19,14 +19,11 @@ static char g_tmp[256];
 
 static int setup(void **state) {
     (void)state;
-    snprintf(g_tmp, sizeof g_tmp, "/tmp/kv_test_hf_XXXXXX");
-    return mkdtemp(g_tmp) ? 0 : -1;
+    return test_tmpdir_make(g_tmp, sizeof g_tmp, "kv_test_hf");
 }
 static int teardown(void **state) {
     (void)state;
-    char cmd[512];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_tmp);
-    return system(cmd) == 0 ? 0 : -1;
+    return test_tmpdir_remove(g_tmp);
 }
 
 /* GGUF llama q/k rows are in adjacent-pair RoPE order; HF rows are in rotate-half order:

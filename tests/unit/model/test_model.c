@@ -18,14 +18,11 @@ static char g_tmpdir[256];
 
 static int setup_tmp(void **state) {
     (void)state;
-    snprintf(g_tmpdir, sizeof g_tmpdir, "/tmp/kv_test_model_XXXXXX");
-    return mkdtemp(g_tmpdir) ? 0 : -1;
+    return test_tmpdir_make(g_tmpdir, sizeof g_tmpdir, "kv_test_model");
 }
 static int teardown_tmp(void **state) {
     (void)state;
-    char cmd[512];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_tmpdir);
-    return system(cmd) == 0 ? 0 : -1;
+    return test_tmpdir_remove(g_tmpdir);
 }
 
 static size_t layer_sizes(const struct model_config *c, size_t out[14]) {
