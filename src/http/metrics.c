@@ -8,14 +8,18 @@ static kv_status metric(kv_buf *b, const char *name, const char *type, const cha
                          name, type, name, model, v);
 }
 
+/* A label value safe to print between quotes (model names come from file names). */
+static void label_value(char *out, size_t cap, const char *name) {
+    size_t j = 0;
+    for (const char *p = name ? name : ""; *p && j + 1 < cap; p++)
+        out[j++] = (*p == '"' || *p == '\\' || *p == '\n') ? '_' : *p;
+    out[j] = 0;
+}
+
 kv_status metrics_render(kv_buf *out, const struct engine_stats *s, const struct http_counters *c,
                          const char *model_name) {
-    /* model names come from file names: keep the label safe */
     char model[128];
-    size_t j = 0;
-    for (const char *p = model_name ? model_name : ""; *p && j + 1 < sizeof model; p++)
-        model[j++] = (*p == '"' || *p == '\\' || *p == '\n') ? '_' : *p;
-    model[j] = 0;
+    label_value(model, sizeof model, model_name);
     kv_status st = KV_OK;
 #define C(name, help, v) st |= metric(out, "kvserve_" name, "counter", help, model, (double)(v))
 #define G(name, help, v) st |= metric(out, "kvserve_" name, "gauge", help, model, (double)(v))
@@ -72,10 +76,7 @@ kv_status metrics_render(kv_buf *out, const struct engine_stats *s, const struct
 kv_status metrics_render_prefix_token_cache(kv_buf *out, const struct prefix_cache_stats *s,
                                             const char *model_name) {
     char model[128];
-    size_t j = 0;
-    for (const char *p = model_name ? model_name : ""; *p && j + 1 < sizeof model; p++)
-        model[j++] = (*p == '"' || *p == '\\' || *p == '\n') ? '_' : *p;
-    model[j] = 0;
+    label_value(model, sizeof model, model_name);
     kv_status st = KV_OK;
 #define C(name, help, v) st |= metric(out, "kvserve_prefix_token_cache_" name, "counter", help, model, (double)(v))
 #define G(name, help, v) st |= metric(out, "kvserve_prefix_token_cache_" name, "gauge", help, model, (double)(v))
