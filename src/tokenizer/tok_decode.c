@@ -5,8 +5,6 @@
 
 #include "tok_internal.h"
 
-void tok_bytelevel_tables(const int16_t **dec);
-
 static const char k_fffd[3] = {(char)0xEF, (char)0xBF, (char)0xBD};
 
 /* Appends s[0..n) to out replacing each maximal invalid subsequence by U+FFFD (like

@@ -16,6 +16,7 @@
 
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
+#include <utf8proc.h>
 
 #include "tokenizer.h"
 
@@ -146,6 +147,63 @@ kv_status pairmap_init(struct pairmap *m, size_t n);
 pcre2_code *tok_regex_compile(const char *pat, size_t len, char *err, size_t errlen);
 /* Numeric code points (Unicode 16) that this utf8proc/PCRE2 does not classify as N*. */
 bool tok_cp_extra_numeric(int32_t cp);
+
+/* ---- UTF-8 helpers shared by tok_encode.c and tok_pretok.c ---- */
+
+/* Length in bytes of the UTF-8 character at p (n >= 1 bytes available); 1 for an invalid
+ * or truncated sequence, so that callers step over one invalid byte at a time. */
+static inline size_t tok_u8len(const char *p, size_t n) {
+    int l = kv_utf8_seq_len((unsigned char)p[0]);
+    if (l <= 1 || (size_t)l > n) return 1;
+    return kv_utf8_valid(p, (size_t)l) ? (size_t)l : 1;
+}
+
+/* Code point of the l-byte character at p (as measured by tok_u8len); -1 if invalid. */
+static inline int32_t tok_u8decode(const char *p, size_t l) {
+    utf8proc_int32_t cp = -1;
+    utf8proc_iterate((const utf8proc_uint8_t *)p, (utf8proc_ssize_t)l, &cp);
+    return cp;
+}
+
+/* HF/Rust char::is_whitespace: ASCII 9..13, space, U+0085 and categories Zs, Zl, Zp. */
+static inline bool tok_cp_is_space(int32_t cp) {
+    if (cp == ' ' || (cp >= 9 && cp <= 13)) return true;
+    if (cp < 128) return false;
+    utf8proc_category_t c = utf8proc_category(cp);
+    return cp == 0x85 || c == UTF8PROC_CATEGORY_ZS || c == UTF8PROC_CATEGORY_ZL ||
+           c == UTF8PROC_CATEGORY_ZP;
+}
+
+/* ---- tok_pretok.c: byte-level table, normalizers, pre-tokenizers ---- */
+
+/* Pieces: spans of one owned buffer (the words a pre-tokenizer produces). */
+struct tok_span {
+    size_t off, len; /* bytes, into buf */
+    bool first; /* starts at the beginning of the input text (Metaspace prepend_scheme=first) */
+};
+typedef struct {
+    kv_buf buf;
+    struct tok_span *s; /* [n], owned */
+    size_t n, cap;
+} tok_pieces;
+
+/* Frees p's buffer and spans (p itself is the caller's). */
+void tok_pieces_free(tok_pieces *p);
+
+/* Builds the GPT-2 byte<->char tables once (thread-safe, idempotent). */
+void tok_bytelevel_init(void);
+/* *dec = the table codepoint (< 512) -> byte, -1 where not a byte-level char; initializes it. */
+void tok_bytelevel_tables(const int16_t **dec);
+
+/* Runs t's normalizer chain over s[0..n) into out (out is reset first; owned by the caller).
+ * Errors: KV_ENOMEM, KV_EINTERNAL (regex failure); out then holds unspecified bytes. */
+kv_status tok_normalize(const tokenizer_t *t, const char *s, size_t n, kv_buf *out);
+
+/* Runs t's pre-tokenizer chain over the (normalized) segment s[0..n); first: the segment
+ * starts the input text. *out is overwritten (need not be initialized) with the words, in
+ * order; the caller frees it with tok_pieces_free, after a failure too. Requires
+ * tok_bytelevel_init() to have run. Errors: KV_ENOMEM, KV_EINTERNAL (regex failure). */
+kv_status tok_pretokenize(const tokenizer_t *t, const char *s, size_t n, bool first, tok_pieces *out);
 
 /* loaders */
 kv_status tok_load_json(tokenizer_t *t, const char *json_path, const char *config_path, char *err,
