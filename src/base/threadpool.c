@@ -1,21 +1,44 @@
-/* threadpool: fixed pthread pool with a generation-counted parallel-for (see threadpool.h). */
+/* threadpool: fixed pthread pool with a generation-counted parallel-for (see threadpool.h).
+ *
+ * Hand-off protocol (lock-free on the hot path):
+ *  - The caller writes the job (fn, ctx, n_tasks, next = 0, n_active = n_workers) and then
+ *    publishes it by incrementing the atomic generation counter `gen` (seq_cst).
+ *  - Workers wait for `gen` to change: first a bounded spin (pause instruction, about
+ *    KV_TP_SPIN_NS), then they sleep on the `wake` condvar. A sleeping worker registers in
+ *    `n_sleeping` under `mu` before re-checking `gen`; the caller loads `n_sleeping` after
+ *    bumping `gen` and only then takes `mu` and broadcasts. Both sides use seq_cst, so either
+ *    the worker sees the new generation or the caller sees the sleeper (no lost wake-up).
+ *  - Completion is the mirror image: each worker decrements `n_active` (seq_cst) when it has
+ *    no more tasks to claim; the caller spins on it for a bounded time, then sleeps on `done`
+ *    after setting `caller_sleeping` under `mu`; the worker that brings `n_active` to zero
+ *    signals when it sees the flag.
+ *  - After the bounded spin nobody burns CPU: an idle pool has every worker blocked in
+ *    pthread_cond_wait.
+ */
 #include "threadpool.h"
 
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <time.h>
+
+/* How long a thread spins before falling back to a condvar. Back-to-back parallel-for calls
+ * (one per op of a decode step) arrive well inside this window, so they never sleep. */
+#define KV_TP_SPIN_NS 50000
 
 struct kv_threadpool {
     int n_threads;
     pthread_t *workers;      /* (n_threads - 1) */
     int n_started;
     pthread_mutex_t mu;
-    pthread_cond_t wake;     /* workers wait for a new generation */
-    pthread_cond_t done;     /* caller waits for n_active == 0 */
-    uint64_t generation;
-    bool stop;
-    int n_active;            /* workers still inside the current job */
-    /* current job */
+    pthread_cond_t wake;     /* workers sleep here waiting for a new generation */
+    pthread_cond_t done;     /* caller sleeps here waiting for n_active == 0 */
+    atomic_uint gen;         /* bumped by the caller to publish a job */
+    atomic_bool stop;
+    atomic_int n_sleeping;   /* workers registered to sleep on `wake` (guarded by mu to change) */
+    atomic_bool caller_sleeping;
+    atomic_int n_active;     /* workers still inside the current job */
+    /* current job: plain fields, published by the release/acquire on gen and n_active */
     kv_task_fn fn;
     void *ctx;
     int n_tasks;
@@ -24,11 +47,47 @@ struct kv_threadpool {
 
 struct worker_arg { kv_threadpool_t *tp; int id; };
 
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __asm__ __volatile__("pause" ::: "memory");
+#elif defined(__aarch64__) || defined(__arm__)
+    __asm__ __volatile__("yield" ::: "memory");
+#else
+    atomic_signal_fence(memory_order_seq_cst);
+#endif
+}
+
+static inline int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
 static void run_tasks(kv_threadpool_t *tp, int thread) {
+    kv_task_fn fn = tp->fn;
+    void *ctx = tp->ctx;
+    int n = tp->n_tasks;
     for (;;) {
-        int t = atomic_fetch_add(&tp->next, 1);
-        if (t >= tp->n_tasks) break;
-        tp->fn(tp->ctx, t, thread);
+        int t = atomic_fetch_add_explicit(&tp->next, 1, memory_order_relaxed);
+        if (t >= n) break;
+        fn(ctx, t, thread);
+    }
+}
+
+/* Spins until `gen` differs from `seen` or `stop` is set; false when the spin budget ran
+ * out first. */
+static bool spin_for_gen(kv_threadpool_t *tp, unsigned seen) {
+    int64_t deadline = 0;
+    for (unsigned i = 1;; i++) {
+        if (atomic_load_explicit(&tp->gen, memory_order_acquire) != seen ||
+            atomic_load_explicit(&tp->stop, memory_order_relaxed))
+            return true;
+        cpu_relax();
+        if ((i & 31) == 0) {
+            int64_t t = now_ns();
+            if (deadline == 0) deadline = t + KV_TP_SPIN_NS;
+            else if (t >= deadline) return false;
+        }
     }
 }
 
@@ -37,18 +96,25 @@ static void *worker_main(void *p) {
     kv_threadpool_t *tp = a->tp;
     int id = a->id;
     free(a);
-    uint64_t seen = 0;
-    pthread_mutex_lock(&tp->mu);
+    unsigned seen = 0;
     for (;;) {
-        while (!tp->stop && tp->generation == seen) pthread_cond_wait(&tp->wake, &tp->mu);
-        if (tp->stop) break;
-        seen = tp->generation;
-        pthread_mutex_unlock(&tp->mu);
+        if (!spin_for_gen(tp, seen)) {
+            pthread_mutex_lock(&tp->mu);
+            atomic_fetch_add(&tp->n_sleeping, 1);
+            while (atomic_load(&tp->gen) == seen && !atomic_load(&tp->stop))
+                pthread_cond_wait(&tp->wake, &tp->mu);
+            atomic_fetch_sub(&tp->n_sleeping, 1);
+            pthread_mutex_unlock(&tp->mu);
+        }
+        if (atomic_load(&tp->stop)) break;
+        seen = atomic_load(&tp->gen);
         run_tasks(tp, id);
-        pthread_mutex_lock(&tp->mu);
-        if (--tp->n_active == 0) pthread_cond_signal(&tp->done);
+        if (atomic_fetch_sub(&tp->n_active, 1) == 1 && atomic_load(&tp->caller_sleeping)) {
+            pthread_mutex_lock(&tp->mu);
+            pthread_cond_signal(&tp->done);
+            pthread_mutex_unlock(&tp->mu);
+        }
     }
-    pthread_mutex_unlock(&tp->mu);
     return NULL;
 }
 
@@ -60,6 +126,11 @@ kv_threadpool_t *kv_threadpool_new(int n_threads) {
     pthread_mutex_init(&tp->mu, NULL);
     pthread_cond_init(&tp->wake, NULL);
     pthread_cond_init(&tp->done, NULL);
+    atomic_init(&tp->gen, 0);
+    atomic_init(&tp->stop, false);
+    atomic_init(&tp->n_sleeping, 0);
+    atomic_init(&tp->caller_sleeping, false);
+    atomic_init(&tp->n_active, 0);
     atomic_init(&tp->next, 0);
     if (n_threads > 1) {
         tp->workers = kv_calloc((size_t)n_threads - 1, sizeof *tp->workers);
@@ -84,7 +155,7 @@ kv_threadpool_t *kv_threadpool_new(int n_threads) {
 void kv_threadpool_free(kv_threadpool_t *tp) {
     if (!tp) return;
     pthread_mutex_lock(&tp->mu);
-    tp->stop = true;
+    atomic_store(&tp->stop, true);
     pthread_cond_broadcast(&tp->wake);
     pthread_mutex_unlock(&tp->mu);
     for (int i = 0; i < tp->n_started; i++) pthread_join(tp->workers[i], NULL);
@@ -99,21 +170,40 @@ int kv_threadpool_size(const kv_threadpool_t *tp) { return tp->n_threads; }
 
 void kv_threadpool_for(kv_threadpool_t *tp, int n_tasks, kv_task_fn fn, void *ctx) {
     if (n_tasks <= 0) return;
-    if (tp->n_threads == 1 || n_tasks == 1) {
+    if (tp->n_threads == 1 || tp->n_started == 0 || n_tasks == 1) {
         for (int t = 0; t < n_tasks; t++) fn(ctx, t, 0);
         return;
     }
-    pthread_mutex_lock(&tp->mu);
+    /* All workers finished the previous job (n_active reached 0), so the job fields are ours. */
     tp->fn = fn;
     tp->ctx = ctx;
     tp->n_tasks = n_tasks;
-    atomic_store(&tp->next, 0);
-    tp->n_active = tp->n_started;
-    tp->generation++;
-    pthread_cond_broadcast(&tp->wake);
-    pthread_mutex_unlock(&tp->mu);
+    atomic_store_explicit(&tp->next, 0, memory_order_relaxed);
+    atomic_store_explicit(&tp->n_active, tp->n_started, memory_order_relaxed);
+    atomic_fetch_add(&tp->gen, 1); /* seq_cst: publishes the job, orders against n_sleeping */
+    if (atomic_load(&tp->n_sleeping) > 0) {
+        pthread_mutex_lock(&tp->mu);
+        pthread_cond_broadcast(&tp->wake);
+        pthread_mutex_unlock(&tp->mu);
+    }
     run_tasks(tp, 0);
-    pthread_mutex_lock(&tp->mu);
-    while (tp->n_active > 0) pthread_cond_wait(&tp->done, &tp->mu);
-    pthread_mutex_unlock(&tp->mu);
+
+    /* Wait for the workers: bounded spin, then the condvar. */
+    int64_t deadline = 0;
+    for (unsigned i = 1; atomic_load_explicit(&tp->n_active, memory_order_acquire) > 0; i++) {
+        cpu_relax();
+        if ((i & 31) == 0) {
+            int64_t t = now_ns();
+            if (deadline == 0) {
+                deadline = t + KV_TP_SPIN_NS;
+            } else if (t >= deadline) {
+                pthread_mutex_lock(&tp->mu);
+                atomic_store(&tp->caller_sleeping, true);
+                while (atomic_load(&tp->n_active) > 0) pthread_cond_wait(&tp->done, &tp->mu);
+                atomic_store(&tp->caller_sleeping, false);
+                pthread_mutex_unlock(&tp->mu);
+                break;
+            }
+        }
+    }
 }
