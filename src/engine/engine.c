@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define ENGINE_MAX_TOP_LOGPROBS 20
 
@@ -19,6 +20,7 @@ const char *finish_reason_str(enum finish_reason r) {
     case FINISH_STOP: return "stop";
     case FINISH_LENGTH: return "length";
     case FINISH_CANCELLED: return "cancelled";
+    case FINISH_NOT_FINISHED: return "not_finished";
     default: return "none";
     }
 }
@@ -33,8 +35,9 @@ void engine_queued_add(struct engine *e, int delta) {
 
 /* ---------------------------------------------------------------- requests */
 
-static void request_free(struct request *r) {
+void engine_request_free(struct request *r) {
     if (!r) return;
+    free(r->peer);
     free(r->tokens);
     free(r->blocks);
     reuse_request_free(r);
@@ -43,8 +46,14 @@ static void request_free(struct request *r) {
     free(r);
 }
 
-static void post_terminal(struct engine *e, struct request *r, enum engine_event_type type,
+void engine_post_terminal(struct engine *e, struct request *r, enum engine_event_type type,
                           enum finish_reason fin, kv_status st, const char *msg) {
+    if (r->terminal_sent) return;
+    r->terminal_sent = true;
+    if (r->state != REQ_TRANSFER_OUT && r->state != REQ_TRANSFER_IN) /* those keep blocks */
+        r->state = type == ENGINE_EV_ERROR ? REQ_FAILED
+                   : fin == FINISH_CANCELLED ? REQ_CANCELLED
+                                             : REQ_FINISHED;
     struct engine_event ev;
     memset(&ev, 0, sizeof ev);
     ev.type = type;
@@ -68,15 +77,15 @@ static void post_terminal(struct engine *e, struct request *r, enum engine_event
 
 void engine_fail_request(struct engine *e, struct request *r, kv_status st, const char *msg) {
     sched_free_blocks(e, r);
-    post_terminal(e, r, ENGINE_EV_ERROR, FINISH_NONE, st, msg);
-    request_free(r);
+    engine_post_terminal(e, r, ENGINE_EV_ERROR, FINISH_NONE, st, msg);
+    engine_request_free(r);
 }
 
 /* Ends a request that is already out of the lists. */
 static void finish_request(struct engine *e, struct request *r, enum finish_reason fin) {
     sched_free_blocks(e, r);
-    post_terminal(e, r, ENGINE_EV_FINISH, fin, KV_OK, NULL);
-    request_free(r);
+    engine_post_terminal(e, r, ENGINE_EV_FINISH, fin, KV_OK, NULL);
+    engine_request_free(r);
 }
 
 static bool is_eog(const struct engine *e, int32_t id) {
@@ -142,6 +151,28 @@ kv_status engine_submit(engine_t *e, const struct engine_request_params *p, engi
     if (!e || !p || !cb) return kv_errf(KV_EINVAL, err, errlen, "engine_submit: NULL argument");
     kv_status st = check_params(e, p, err, errlen);
     if (st) return st;
+    if (p->disagg == ENGINE_DISAGG_CONTEXT_ONLY || p->disagg == ENGINE_DISAGG_GENERATION_ONLY) {
+        if (!e->has_xt)
+            return kv_errf(KV_EUNSUPPORTED, err, errlen,
+                           "this worker has no KV transfer (start it with --role context or "
+                           "--role generation) and cannot serve disaggregated_params");
+        if (p->disagg == ENGINE_DISAGG_GENERATION_ONLY && (!p->peer_endpoint || !*p->peer_endpoint))
+            return kv_errf(KV_EINVAL, err, errlen,
+                           "a generation_only request needs the context worker's endpoint "
+                           "(disaggregated_params.ctx_info_endpoint)");
+        if (p->n_first < 0 || p->n_first > 1 || (p->n_first && !p->first_tokens))
+            return kv_errf(KV_EINVAL, err, errlen,
+                           "first_gen_tokens must hold at most one token (got %d)", p->n_first);
+        for (int i = 0; i < p->n_first; i++)
+            if (p->first_tokens[i] < 0 || p->first_tokens[i] >= e->n_vocab)
+                return kv_errf(KV_EINVAL, err, errlen,
+                               "first_gen_tokens[%d] = %d is outside the vocabulary [0, %d)", i,
+                               (int)p->first_tokens[i], e->n_vocab);
+        if (p->n_first_top < 0 || p->n_first_top > ENGINE_MAX_TOP_LOGPROBS)
+            return kv_errf(KV_EINVAL, err, errlen, "bad first-token top logprobs count");
+    } else if (p->disagg != ENGINE_DISAGG_NONE && p->disagg != ENGINE_DISAGG_PROBE) {
+        return kv_errf(KV_EINVAL, err, errlen, "unknown disaggregation mode %d", (int)p->disagg);
+    }
 
     struct request *r = kv_calloc(1, sizeof *r);
     if (!r) return kv_errf(KV_ENOMEM, err, errlen, "out of memory");
@@ -155,7 +186,7 @@ kv_status engine_submit(engine_t *e, const struct engine_request_params *p, engi
     r->blocks = kv_malloc((size_t)r->blocks_cap * sizeof *r->blocks);
     if (!r->tokens || !r->blocks || reuse_request_init(r, p) != KV_OK ||
         stop_init(&r->stop, p->stop, p->n_stop) != KV_OK) {
-        request_free(r);
+        engine_request_free(r);
         return kv_errf(KV_ENOMEM, err, errlen, "out of memory");
     }
     memcpy(r->tokens, p->prompt_ids, p->n_prompt * sizeof *r->tokens);
@@ -165,16 +196,37 @@ kv_status engine_submit(engine_t *e, const struct engine_request_params *p, engi
     r->cb = cb;
     r->user = user;
     r->t_arrival_ns = kv_now_ns();
+    r->state = REQ_WAITING;
+    r->disagg = p->disagg;
+    r->disagg_id = p->disagg_id;
+    r->context_first = p->context_first;
+    if (p->disagg == ENGINE_DISAGG_GENERATION_ONLY) {
+        r->peer = kv_strdup(p->peer_endpoint);
+        if (!r->peer) {
+            engine_request_free(r);
+            return kv_errf(KV_ENOMEM, err, errlen, "out of memory");
+        }
+        r->n_first = p->n_first;
+        for (int i = 0; i < p->n_first; i++) r->first[i] = p->first_tokens[i];
+        if (p->first_logprob) {
+            r->has_first_lp = true;
+            r->first_lp = *p->first_logprob;
+            r->n_first_top = p->first_top ? p->n_first_top : 0;
+            for (int i = 0; i < r->n_first_top; i++) r->first_top[i] = p->first_top[i];
+        }
+        /* a generation leg waits for blocks at most as long as its sender keeps them */
+        r->deadline_ns = r->t_arrival_ns + (uint64_t)((e->xt.timeout_s > 0 ? e->xt.timeout_s : 60.0) * 1e9);
+    }
 
     pthread_mutex_lock(&e->mu);
     if (e->stopping) {
         pthread_mutex_unlock(&e->mu);
-        request_free(r);
+        engine_request_free(r);
         return kv_errf(KV_ECANCELLED, err, errlen, "engine is shutting down");
     }
     if (e->n_queued >= e->cfg.max_queue) {
         pthread_mutex_unlock(&e->mu);
-        request_free(r);
+        engine_request_free(r);
         return kv_errf(KV_EBUSY, err, errlen, "server busy: %d requests are already waiting",
                        e->cfg.max_queue);
     }
@@ -183,7 +235,7 @@ kv_status engine_submit(engine_t *e, const struct engine_request_params *p, engi
         void *np = kv_realloc(e->incoming, (size_t)nc * sizeof *e->incoming);
         if (!np) {
             pthread_mutex_unlock(&e->mu);
-            request_free(r);
+            engine_request_free(r);
             return kv_errf(KV_ENOMEM, err, errlen, "out of memory");
         }
         e->incoming = np;
@@ -229,7 +281,7 @@ void engine_get_stats(engine_t *e, struct engine_stats *out) {
 
 /* ---------------------------------------------------------------- engine thread */
 
-static void publish_stats(struct engine *e, bool step) {
+void engine_publish_stats(struct engine *e, bool step) {
     int nfree = kv_pool_n_free(e->pool), ntot = kv_pool_n_blocks(e->pool);
     pthread_mutex_lock(&e->stats_mu);
     if (step) e->stats.steps_total++;
@@ -241,6 +293,15 @@ static void publish_stats(struct engine *e, bool step) {
     e->stats.kv_blocks_free = nfree;
     e->stats.kv_blocks_used = ntot - nfree;
     reuse_fill_stats(e, &e->stats);
+    int nout = 0;
+    for (int i = 0; i < e->n_xfer; i++) nout += e->xfer[i]->state == REQ_TRANSFER_OUT;
+    e->stats.n_transfer_out = nout;
+    e->stats.n_transfer_in = e->n_xfer - nout;
+    e->stats.kv_sends_ok = e->xstats[0];
+    e->stats.kv_sends_failed = e->xstats[1];
+    e->stats.kv_recvs_ok = e->xstats[2];
+    e->stats.kv_recvs_failed = e->xstats[3];
+    e->stats.kv_transfer_timeouts = e->xstats[4];
     pthread_mutex_unlock(&e->stats_mu);
 }
 
@@ -254,10 +315,11 @@ static struct request *find_live(struct engine *e, uint64_t id) {
 
 /* Appends the newly sampled token id to r, emits its DELTA and, if r is done, its FINISH.
  * Returns true if r was finished (and freed). */
-static bool on_token(struct engine *e, struct request *r, int32_t id,
+bool engine_on_token(struct engine *e, struct request *r, int32_t id,
                      const struct token_logprob *chosen, const struct token_logprob *top,
                      int n_top) {
     r->tokens[r->n_tokens++] = id;
+    r->state = REQ_DECODE;
     if (!r->t_first_ns) r->t_first_ns = kv_now_ns();
     bool eog = !r->ignore_eos && is_eog(e, id);
     bool length = req_n_gen(r) >= r->max_gen;
@@ -308,13 +370,17 @@ static bool on_token(struct engine *e, struct request *r, int32_t id,
         finish_request(e, r, (stopped || eog) ? FINISH_STOP : FINISH_LENGTH);
         return true;
     }
+    if (r->disagg == ENGINE_DISAGG_CONTEXT_ONLY) {
+        disagg_begin_send(e, r);
+        return true;
+    }
     return false;
 }
 
 /* Deadlock detection: no request progressed for ENGINE_STALL_PASSES passes while some
  * exist (planned prefix waits are not progress): fail them all with a clear error. */
 static void note_progress(struct engine *e, int n_planned) {
-    if (n_planned > 0 || (e->n_waiting == 0 && e->n_running == 0)) {
+    if (n_planned > 0 || (e->n_waiting == 0 && e->n_running == 0) || e->n_xfer > 0) {
         e->stall_passes = 0;
         return;
     }
@@ -336,7 +402,7 @@ static void note_progress(struct engine *e, int n_planned) {
     e->stall_passes = 0;
 }
 
-static void run_step(struct engine *e) {
+static int run_step(struct engine *e) {
     int n = sched_step(e);
     kv_status cst = reuse_flush_copies(e);
     note_progress(e, n);
@@ -347,12 +413,12 @@ static void run_step(struct engine *e) {
             engine_fail_request(e, e->plan[i].r, KV_EINTERNAL, "KV host tier copy failed");
         }
         kv_pool_clear_cache(e->pool);
-        publish_stats(e, true);
-        return;
+        engine_publish_stats(e, true);
+        return n;
     }
     if (n == 0) {
-        publish_stats(e, false);
-        return;
+        engine_publish_stats(e, false);
+        return 0;
     }
     uint64_t prefill_tokens = 0;
     for (int i = 0; i < n; i++) {
@@ -379,8 +445,8 @@ static void run_step(struct engine *e) {
             sched_remove(e, e->plan[i].r);
             engine_fail_request(e, e->plan[i].r, KV_EINTERNAL, msg);
         }
-        publish_stats(e, true);
-        return;
+        engine_publish_stats(e, true);
+        return n;
     }
     uint64_t gen_tokens = 0;
     int row = 0;
@@ -399,25 +465,67 @@ static void run_step(struct engine *e) {
                                     r->tokens + r->n_prompt, req_n_gen(r), &r->rng, &e->scratch,
                                     want_lp ? &chosen : NULL, e->top, n_top);
         gen_tokens++;
-        on_token(e, r, id, want_lp ? &chosen : NULL, e->top, n_top);
+        engine_on_token(e, r, id, want_lp ? &chosen : NULL, e->top, n_top);
     }
     pthread_mutex_lock(&e->stats_mu);
     e->stats.prefill_tokens_computed += prefill_tokens;
     e->stats.generation_tokens_total += gen_tokens;
     pthread_mutex_unlock(&e->stats_mu);
-    publish_stats(e, true);
+    engine_publish_stats(e, true);
+    return n;
+}
+
+/* Takes the queued transfer completions (under mu) into a private array. */
+static int take_xdone(struct engine *e, struct xfer_done **buf, int *cap) {
+    int n = e->n_xdone;
+    if (n > *cap) {
+        void *np = kv_realloc(*buf, (size_t)n * sizeof **buf);
+        if (!np) n = *cap; /* the rest waits for the next pass */
+        else {
+            *buf = np;
+            *cap = n;
+        }
+    }
+    if (n) {
+        memcpy(*buf, e->xdone, (size_t)n * sizeof **buf);
+        e->n_xdone -= n;
+        memmove(e->xdone, e->xdone + n, (size_t)e->n_xdone * sizeof *e->xdone);
+    }
+    return n;
 }
 
 static void *engine_main(void *arg) {
     struct engine *e = arg;
     uint64_t *cancels = NULL;
     int n_cancels = 0, cap_cancels = 0;
+    struct xfer_done *xd = NULL;
+    int cap_xd = 0;
     bool stop = false;
+    uint64_t next_deadline = 0;
+    int last_plan = 1;
     while (!stop) {
         pthread_mutex_lock(&e->mu);
-        while (!e->stopping && e->n_incoming == 0 && e->n_cancels == 0 && e->n_waiting == 0 &&
-               e->n_running == 0)
-            pthread_cond_wait(&e->cv, &e->mu);
+        /* sleep when nothing can run: also when the waiting requests only wait for blocks
+         * that transfers hold (their completions wake us) */
+        while (!e->stopping && e->n_incoming == 0 && e->n_cancels == 0 && e->n_xdone == 0 &&
+               e->n_running == 0 && (e->n_waiting == 0 || (last_plan == 0 && e->n_xfer > 0))) {
+            if (e->n_xfer == 0) {
+                pthread_cond_wait(&e->cv, &e->mu);
+                continue;
+            }
+            /* only transfers in flight: sleep until their nearest deadline (or a wakeup) */
+            uint64_t now = kv_now_ns();
+            if (next_deadline && now >= next_deadline) break;
+            uint64_t until = next_deadline ? next_deadline : now + 1000000000ull;
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            uint64_t wait = until - now;
+            if (wait > 1000000000ull) wait = 1000000000ull;
+            uint64_t ns = (uint64_t)ts.tv_nsec + wait;
+            ts.tv_sec += (time_t)(ns / 1000000000ull);
+            ts.tv_nsec = (long)(ns % 1000000000ull);
+            if (pthread_cond_timedwait(&e->cv, &e->mu, &ts) != 0) break;
+        }
         stop = e->stopping;
         /* incoming -> tail of waiting */
         if (e->n_incoming && e->n_waiting + e->n_incoming > e->cap_waiting) {
@@ -431,9 +539,22 @@ static void *engine_main(void *arg) {
         }
         int take = e->n_incoming;
         if (e->n_waiting + take > e->cap_waiting) take = e->cap_waiting - e->n_waiting;
+        struct request *probes[64];
+        int n_probes = 0;
         if (take > 0) {
-            memcpy(e->waiting + e->n_waiting, e->incoming, (size_t)take * sizeof *e->incoming);
-            e->n_waiting += take;
+            for (int i = 0; i < take; i++) {
+                struct request *r = e->incoming[i];
+                if (r->disagg == ENGINE_DISAGG_PROBE) {
+                    if (n_probes == 64) { /* the rest waits for the next pass */
+                        take = i;
+                        break;
+                    }
+                    probes[n_probes++] = r; /* answered below, never scheduled */
+                    e->n_queued--;
+                } else {
+                    e->waiting[e->n_waiting++] = r;
+                }
+            }
             e->n_incoming -= take;
             memmove(e->incoming, e->incoming + take, (size_t)e->n_incoming * sizeof *e->incoming);
         }
@@ -450,18 +571,24 @@ static void *engine_main(void *arg) {
             e->n_cancels -= n_cancels;
             memmove(e->cancels, e->cancels + n_cancels, (size_t)e->n_cancels * sizeof *cancels);
         }
+        int n_xd = take_xdone(e, &xd, &cap_xd);
         pthread_mutex_unlock(&e->mu);
 
+        for (int i = 0; i < n_probes; i++) disagg_answer_probe(e, probes[i]);
+        if (n_xd) disagg_apply_done(e, xd, n_xd);
         for (int i = 0; i < n_cancels; i++) {
+            if (disagg_cancel(e, cancels[i])) continue;
             struct request *r = find_live(e, cancels[i]);
             if (!r) continue;
             sched_remove(e, r);
             finish_request(e, r, FINISH_CANCELLED);
         }
+        next_deadline = disagg_check_deadlines(e);
         if (stop) break;
-        run_step(e);
+        last_plan = run_step(e);
     }
     free(cancels);
+    free(xd);
 
     /* shutdown: every live request gets its terminal event */
     pthread_mutex_lock(&e->mu);
@@ -471,6 +598,7 @@ static void *engine_main(void *arg) {
     }
     e->n_incoming = 0;
     e->n_queued = 0;
+    e->n_xdone = 0;
     pthread_mutex_unlock(&e->mu);
     while (e->n_running) {
         struct request *r = e->running[--e->n_running];
@@ -480,7 +608,8 @@ static void *engine_main(void *arg) {
         struct request *r = e->waiting[--e->n_waiting];
         engine_fail_request(e, r, KV_ECANCELLED, "engine stopped");
     }
-    publish_stats(e, false);
+    disagg_shutdown(e);
+    engine_publish_stats(e, false);
     return NULL;
 }
 
@@ -495,6 +624,8 @@ static void engine_destroy(struct engine *e) {
     free(e->running);
     free(e->incoming);
     free(e->cancels);
+    free(e->xdone);
+    free(e->xfer);
     free(e->plan);
     free(e->seqs);
     free(e->logits);
@@ -574,7 +705,7 @@ kv_status engine_start(const struct engine_config *cfg_in, const model_t *m, con
         engine_destroy(e);
         return st;
     }
-    publish_stats(e, false);
+    engine_publish_stats(e, false);
     if (pthread_create(&e->thread, NULL, engine_main, e) != 0) {
         engine_destroy(e);
         return kv_errf(KV_ENOMEM, err, errlen, "engine: cannot start the engine thread");

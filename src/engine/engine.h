@@ -60,12 +60,42 @@ struct engine_request_params {
     bool ignore_eos;
     const char *cache_salt;    /* NULL = none; copied. Requests with different salts never
                                   share KV blocks (it is a type-tagged extra key of the hash) */
+    /* ---- disaggregated serving (docs/disaggregation.md); zero = an ordinary request ---- */
+    enum engine_disagg_mode {
+        ENGINE_DISAGG_NONE = 0,
+        /* context leg: prefill, sample the first token, then keep the prompt's blocks pinned
+         * and offer them (engine_kv_transfer.offer) under disagg_id; the terminal event comes
+         * right after the first token, with finish FINISH_NOT_FINISHED (or stop/length if the
+         * request already ended: then nothing is offered) */
+        ENGINE_DISAGG_CONTEXT_ONLY,
+        /* generation leg: admit with blocks allocated for the prompt (its own cached prefix
+         * reused), pull the blocks it lacks from peer_endpoint (engine_kv_transfer.recv), then
+         * emit first_tokens (context first) or the token the transfer brings (generation
+         * first) and decode on */
+        ENGINE_DISAGG_GENERATION_ONLY,
+        /* no generation: the terminal FINISH event reports cached_tokens = the prompt prefix
+         * this worker's KV cache holds right now (device or host tier, whole blocks, never the
+         * block of the last token) and prompt_tokens. Nothing is pinned or computed. */
+        ENGINE_DISAGG_PROBE,
+    } disagg;
+    uint64_t disagg_id;        /* context/generation: the transfer key (disagg_request_id) */
+    bool context_first;        /* schedule style (generation: how the sender treats us) */
+    const char *peer_endpoint; /* generation: the context worker's transfer endpoint (copied) */
+    const int32_t *first_tokens; /* generation, context first: tokens the context worker sampled */
+    int n_first;               /* 0..4; 0 = they come with the KV (generation first) */
+    const struct token_logprob *first_logprob; /* optional: the first token's logprob (and */
+    const struct token_logprob *first_top;     /* its n_first_top alternatives), reported with */
+    int n_first_top;                           /* the first token when logprobs are asked for */
 };
 
 enum engine_event_type { ENGINE_EV_DELTA = 0, ENGINE_EV_FINISH, ENGINE_EV_ERROR };
 
-enum finish_reason { FINISH_NONE = 0, FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED };
-const char *finish_reason_str(enum finish_reason r); /* "stop", "length", "cancelled" */
+enum finish_reason {
+    FINISH_NONE = 0, FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED,
+    FINISH_NOT_FINISHED, /* context leg: the KV cache was offered to a generation worker */
+};
+/* "stop", "length", "cancelled", "not_finished" */
+const char *finish_reason_str(enum finish_reason r);
 
 struct token_logprob {
     int32_t id;
@@ -130,6 +160,10 @@ struct engine_stats {
     uint64_t prefix_waits_total;        /* scheduler passes a request spent waiting */
     uint64_t kv_checksum_failures;      /* debug builds: host round trips that changed bytes */
     uint64_t deadlock_failures;         /* requests failed by the no-progress detector */
+    /* disaggregated serving */
+    int n_transfer_out, n_transfer_in;  /* requests whose blocks a transfer holds now */
+    uint64_t kv_sends_ok, kv_sends_failed, kv_recvs_ok, kv_recvs_failed;
+    uint64_t kv_transfer_timeouts;      /* engine-side deadlines that fired */
 };
 
 typedef struct engine engine_t;
@@ -153,6 +187,33 @@ kv_status engine_submit(engine_t *e, const struct engine_request_params *p, engi
 void engine_cancel(engine_t *e, uint64_t req_id);
 void engine_get_stats(engine_t *e, struct engine_stats *out);
 const struct engine_config *engine_config(const engine_t *e);
+
+/* ---- disaggregated serving: the KV-transfer seam ----
+ * The engine never talks to a peer itself: it calls these (from the engine thread; they must
+ * not block) and gets every outcome back through engine_kv_transfer_done. serve wires them to
+ * the transfer agent (transfer/transfer.h); tests can plug in a mock. Each successful offer or
+ * recv call must be followed by exactly one engine_kv_transfer_done for (disagg_id, is_send),
+ * also after cancel; until then the engine keeps the blocks pinned (a peer may still read or
+ * write them: BUG-08). */
+struct engine_kv_transfer {
+    void *ctx;
+    /* Sender: blocks[0..n_blocks) hold the K/V of tokens [0, n_tokens). */
+    kv_status (*offer)(void *ctx, uint64_t disagg_id, const int32_t *blocks, int n_blocks,
+                       int n_tokens, const int32_t *first, int n_first, int cached_tokens);
+    /* Receiver: fill dst[0..n_dst), the LAST n_dst blocks of the prompt's ceil(n_tokens/T). */
+    kv_status (*recv)(void *ctx, uint64_t disagg_id, const char *peer, bool context_first,
+                      const int32_t *dst, int n_dst, int n_tokens);
+    void (*cancel)(void *ctx, uint64_t disagg_id);
+    double timeout_s;          /* the transfer deadline; the engine adds a 5 s grace, then
+                                  cancels, then after another grace frees the blocks anyway */
+};
+/* Installs the seam (copied). Call before submitting disaggregated requests; without it they
+ * fail at submit with KV_EUNSUPPORTED. Not thread-safe against submits in flight. */
+void engine_set_kv_transfer(engine_t *e, const struct engine_kv_transfer *xt);
+/* Reports one transfer outcome (thread-safe; the engine thread acts on it at its next pass).
+ * first/n_first: generation-first receive: the tokens the context worker sampled. */
+void engine_kv_transfer_done(engine_t *e, uint64_t disagg_id, bool is_send, kv_status status,
+                             const char *message, const int32_t *first, int n_first);
 
 /* ---- KV events (for routers that mirror what this worker holds) ---- */
 enum engine_kv_event_type { ENGINE_KV_STORED = 0, ENGINE_KV_REMOVED, ENGINE_KV_CLEARED };

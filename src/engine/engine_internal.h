@@ -13,8 +13,27 @@
 #include "sampler.h"
 #include "stop.h"
 
+/* Request states (architecture.md). Every state but FINISHED/FAILED/CANCELLED lives in one
+ * engine list: WAITING in waiting[], PREFILL/DECODE in running[], TRANSFER_* in xfer[].
+ *
+ *   WAITING --admit--> PREFILL --last chunk--> DECODE --eos/stop/length--> FINISHED
+ *      |                  context leg: first token --offer--> TRANSFER_OUT --done--> freed
+ *      +--generation leg: blocks allocated, recv--> TRANSFER_IN --KV checked--> DECODE
+ *   TRANSFER_IN --error/deadline--> FAILED;  any --cancel--> CANCELLED (transfer states keep
+ *   their blocks until the transfer's completion arrives)
+ *
+ * Deadlines: TRANSFER_* and a generation leg's WAITING expire after the transfer timeout
+ * plus a grace (disagg.c); the other states have none (the request's own length bounds them). */
+enum req_state {
+    REQ_WAITING = 0, REQ_PREFILL, REQ_DECODE, REQ_TRANSFER_OUT, REQ_TRANSFER_IN,
+    REQ_FINISHED, REQ_FAILED, REQ_CANCELLED,
+};
+const char *req_state_name(enum req_state s);
+
 struct request {
     uint64_t id;
+    enum req_state state;
+    uint64_t deadline_ns;       /* 0 = none (see enum req_state) */
     engine_event_cb cb;
     void *user;                 /* borrowed until the terminal event */
     int32_t *tokens;            /* (cap) prompt ids, then generated ids; owned */
@@ -42,6 +61,20 @@ struct request {
     int n_hashed, n_reg;
     int cached_tokens;          /* prompt tokens reused at first admission (-1 = not yet) */
     int wait_passes;            /* scheduler passes spent in prefix waits (never reset) */
+    /* disaggregated serving (disagg.c) */
+    enum engine_disagg_mode disagg;
+    uint64_t disagg_id;
+    bool context_first;
+    char *peer;                 /* owned: generation leg's peer endpoint */
+    int32_t first[4];
+    int n_first;
+    struct token_logprob first_lp;
+    struct token_logprob first_top[20];
+    int n_first_top;
+    bool has_first_lp;
+    bool terminal_sent;         /* the client saw its terminal event; only the blocks remain */
+    bool xfer_cancelled;        /* cancel was sent to the transfer; waiting for its completion */
+    int n_recv_from;            /* generation leg: first block index received (cached before) */
 };
 
 static inline int req_n_gen(const struct request *r) { return r->n_tokens - r->n_prompt; }
@@ -71,6 +104,10 @@ struct engine {
     int n_incoming, cap_incoming;
     uint64_t *cancels;
     int n_cancels, cap_cancels;
+    struct xfer_done *xdone;    /* transfer completions (engine_kv_transfer_done) */
+    int n_xdone, cap_xdone;
+    struct engine_kv_transfer xt;
+    bool has_xt;
     int n_queued;               /* incoming + waiting (for KV_EBUSY) */
     uint64_t next_id;
     kv_rng seed_rng;            /* seeds for requests without one */
@@ -85,6 +122,9 @@ struct engine {
     int n_waiting, cap_waiting;
     struct request **running;   /* admission order: running[n_running-1] is the newest */
     int n_running, cap_running;
+    struct request **xfer;      /* TRANSFER_OUT / TRANSFER_IN (disagg.c) */
+    int n_xfer, cap_xfer;
+    uint64_t xstats[5];         /* sends ok/failed, recvs ok/failed, timeouts */
     struct sched_entry *plan;   /* (max_batch_size) this step */
     int n_plan;
     struct batch_seq *seqs;     /* (max_batch_size) */
@@ -132,6 +172,9 @@ void reuse_request_free(struct request *r);
 /* Admission of a request with no blocks: pins the longest cached prefix of full blocks
  * (never the block holding the last token) and sets n_blocks / n_computed. */
 void reuse_match(struct engine *e, struct request *r);
+/* Full blocks of r's prefix the index holds now (device or host tier; never the block with
+ * the last token), without pinning anything. 0 when reuse is off. */
+int reuse_probe(struct engine *e, struct request *r);
 /* Registers r's full computed blocks in the index (after a forward). */
 void reuse_register(struct engine *e, struct request *r);
 /* True if waiting request r should wait this pass for an in-flight owner (counts the pass). */
@@ -141,7 +184,45 @@ kv_status reuse_flush_copies(struct engine *e);
 /* Adds reuse counters to a stats snapshot (under stats_mu). */
 void reuse_fill_stats(struct engine *e, struct engine_stats *s);
 
+/* ---- disagg.c ---- */
+struct xfer_done {
+    uint64_t disagg_id;
+    bool is_send;
+    kv_status status;
+    char message[160];
+    int32_t first[4];
+    int n_first;
+};
+/* Context leg after its first token (not finished): moves r from running to TRANSFER_OUT and
+ * offers its blocks. Returns false if the offer failed (r was failed and freed). */
+bool disagg_begin_send(struct engine *e, struct request *r);
+/* Admission of a waiting generation leg: true if r left waiting (now TRANSFER_IN, or failed);
+ * false if it must keep waiting for blocks (nothing pinned). */
+bool disagg_admit_recv(struct engine *e, struct request *r);
+/* Applies queued completions (engine thread). */
+void disagg_apply_done(struct engine *e, struct xfer_done *d, int n);
+/* Cancel of a request in xfer[] (true if found there). */
+bool disagg_cancel(struct engine *e, uint64_t req_id);
+/* Deadlines of xfer[] and of waiting generation legs; returns the nearest future deadline
+ * (0 = none) for the engine thread's timed wait. */
+uint64_t disagg_check_deadlines(struct engine *e);
+/* Shutdown: every transfer-state request is freed (terminal event if not yet sent). */
+void disagg_shutdown(struct engine *e);
+/* Probe requests: answers r (terminal FINISH with cached_tokens) and frees it. */
+void disagg_answer_probe(struct engine *e, struct request *r);
+
 /* ---- engine.c ---- */
+/* Appends the sampled token id to r, emits its DELTA and, if r is done, its FINISH (a context
+ * leg goes to TRANSFER_OUT instead). Returns true if r left the running list. */
+bool engine_on_token(struct engine *e, struct request *r, int32_t id,
+                     const struct token_logprob *chosen, const struct token_logprob *top,
+                     int n_top);
+/* Terminal event without freeing (disagg.c). */
+void engine_post_terminal(struct engine *e, struct request *r, enum engine_event_type type,
+                          enum finish_reason fin, kv_status st, const char *msg);
+void engine_request_free(struct request *r);
+kv_status engine_vec_grow(void **arr, int *cap, int need, size_t elt);
+void engine_publish_stats(struct engine *e, bool step);
 /* Posts r's terminal ERROR event, frees its blocks and the request. r must already be out
  * of the running/waiting lists. */
 void engine_fail_request(struct engine *e, struct request *r, kv_status st, const char *msg);

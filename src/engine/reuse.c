@@ -182,6 +182,22 @@ void reuse_match(struct engine *e, struct request *r) {
     }
 }
 
+int reuse_probe(struct engine *e, struct request *r) {
+    if (!e->reuse) return 0;
+    int T = e->cfg.tokens_per_block, max = max_match_blocks(e, r), n = 0;
+    ensure_root(e, r);
+    ensure_hashes(e, r, max);
+    uint64_t parent = r->root_uid;
+    while (n < max && parent) {
+        uint64_t uid = 0;
+        if (kv_pool_lookup(e->pool, parent, &r->bhash[n], r->tokens + (size_t)n * T, &uid) < 0)
+            break;
+        parent = uid;
+        n++;
+    }
+    return n;
+}
+
 void reuse_register(struct engine *e, struct request *r) {
     if (!e->reuse) return;
     int T = e->cfg.tokens_per_block, full = r->n_computed / T;

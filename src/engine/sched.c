@@ -20,7 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static kv_status vec_grow(void **arr, int *cap, int need, size_t elt) {
+kv_status engine_vec_grow(void **arr, int *cap, int need, size_t elt) {
     if (need <= *cap) return KV_OK;
     int nc = *cap ? *cap * 2 : 16;
     while (nc < need) nc *= 2;
@@ -77,7 +77,8 @@ static void preempt(struct engine *e, struct request *v) {
     remove_from(e->running, &e->n_running, v);
     sched_free_blocks(e, v);
     v->chunk = 0;
-    if (vec_grow((void **)&e->waiting, &e->cap_waiting, e->n_waiting + 1, sizeof *e->waiting)) {
+    v->state = REQ_WAITING;
+    if (engine_vec_grow((void **)&e->waiting, &e->cap_waiting, e->n_waiting + 1, sizeof *e->waiting)) {
         engine_fail_request(e, v, KV_ENOMEM, "out of memory while preempting the request");
         return;
     }
@@ -154,11 +155,16 @@ int sched_step(struct engine *e) {
                                 "request needs more KV blocks than the whole pool holds");
             continue;
         }
+        if (r->disagg == ENGINE_DISAGG_GENERATION_ONLY) {
+            /* no compute, no budget: blocks for the prompt, then the transfer (disagg.c) */
+            if (disagg_admit_recv(e, r)) continue;
+            break; /* arrival order: later requests do not overtake it for blocks */
+        }
         if (reuse_should_wait(e, r)) {
             wi++;
             continue;
         }
-        if (vec_grow((void **)&e->running, &e->cap_running, e->n_running + 1, sizeof *e->running))
+        if (engine_vec_grow((void **)&e->running, &e->cap_running, e->n_running + 1, sizeof *e->running))
             break;
         reuse_match(e, r); /* pins cached blocks: n_blocks, n_computed */
         int room = room_tokens(e, r);
@@ -172,6 +178,7 @@ int sched_step(struct engine *e) {
         remove_from(e->waiting, &e->n_waiting, r);
         engine_queued_add(e, -1);
         e->running[e->n_running++] = r;
+        r->state = REQ_PREFILL;
         plan_add(e, r, chunk);
         budget -= chunk;
         slots--;
