@@ -9,6 +9,7 @@
 #include "engine/engine.h"
 #include "http/http.h"
 #include "model/model.h"
+#include "serve_disagg.h"
 #include "tokenizer/prefix_cache.h"
 #include "tokenizer/tokenizer.h"
 
@@ -58,6 +59,7 @@ static void serve_usage(FILE *f) {
             "                           projection (results may differ in the last bits with batching)\n"
             "  --log-level LEVEL        debug | info | warn | error (default info)\n"
             "  --help                   show this help\n");
+    serve_disagg_usage(f);
 }
 
 static int bad_opt(const char *opt, const char *val, const char *why) {
@@ -89,6 +91,8 @@ int cmd_serve(int argc, char **argv) {
     struct prefix_cache_config ptc;
     prefix_cache_config_default(&ptc);
     prefix_cache_t *pcache = NULL;
+    struct serve_disagg sd;
+    serve_disagg_defaults(&sd);
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
@@ -112,7 +116,9 @@ int cmd_serve(int argc, char **argv) {
             return 2;
         }
         const char *v = argv[++i];
-        int rc = 0;
+        int rc = serve_disagg_option(&sd, a, v);
+        if (rc == 1) continue;
+        if (rc) return rc;
         if (!strcmp(a, "--model")) model_path = v;
         else if (!strcmp(a, "--host")) host = v;
         else if (!strcmp(a, "--served-model-name")) served = v;
@@ -277,6 +283,12 @@ int cmd_serve(int argc, char **argv) {
     struct http_config hc = {.host = host, .port = port, .max_body_bytes = (size_t)max_body,
                              .served_model_name = served, .port_file = port_file,
                              .prefix_cache = pcache};
+    st = serve_disagg_start(&sd, e, be, m, tpb, host, &hc, err, sizeof err);
+    if (st != KV_OK) {
+        fprintf(stderr, "kvserve serve: %s\n", err);
+        ret = st == KV_EINVAL || st == KV_EUNSUPPORTED ? 2 : 1;
+        goto out;
+    }
     if (m->is_demo)
         KV_WARN("serving the random-weight demo model: use `kvserve serve --model PATH` for a real one");
     st = http_serve(&hc, e, m, t, err, sizeof err);
@@ -286,6 +298,7 @@ int cmd_serve(int argc, char **argv) {
     }
     ret = 0;
 out:
+    serve_disagg_stop(&sd);
     if (e) engine_stop(e);
     if (be) backend_free(be);
     prefix_cache_free(pcache);

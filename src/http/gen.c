@@ -57,6 +57,18 @@ struct gen {
     bool end_after_flush;
     uint64_t last_peek_ns;
     struct qev term;              /* terminal-event slot (never lost to malloc failure) */
+    /* disaggregated serving */
+    bool probe;                   /* /kv_probe: answer {prompt_tokens, cached_tokens} */
+    enum oai_disagg_type dtype;
+    uint64_t disagg_id;
+    bool context_first;
+    int32_t *prompt_ids;          /* context leg: owned copy, echoed as prompt_token_ids */
+    size_t n_prompt_ids;
+    int32_t first_id;             /* context leg: the first generated token */
+    bool has_first;
+    struct token_logprob first_lp, first_top[20];
+    int n_first_top;
+    bool has_first_lp;
 };
 
 
@@ -70,6 +82,7 @@ static void gen_free(struct gen *g) {
     kv_buf_free(&g->text);
     kv_buf_free(&g->pending);
     json_decref(g->lp);
+    free(g->prompt_ids);
     free(g);
     /* let the last replies' final bytes (chunked terminators) reach the sockets first */
     if (srv.stopping && srv.n_live == 0) event_base_loopexit(srv.base, &(struct timeval){0, 50000});
@@ -185,6 +198,8 @@ static int engine_err_status(kv_status st) {
     }
 }
 
+static char *ctx_response_add_params(const struct gen *g, const char *body);
+
 static void handle_event(struct gen *g, const struct engine_event *ev) {
     bool terminal = ev->type != ENGINE_EV_DELTA;
     struct resp_meta m;
@@ -240,6 +255,16 @@ static void handle_event(struct gen *g, const struct engine_event *ev) {
         flush_pending(g);
         return;
     }
+    if (g->dtype == OAI_DISAGG_CONTEXT_ONLY && !g->has_first && ev->n_ids > 0 && ev->ids) {
+        g->has_first = true;
+        g->first_id = ev->ids[0];
+        if (ev->logprobs) {
+            g->has_first_lp = true;
+            g->first_lp = ev->logprobs[0];
+            g->n_first_top = ev->top ? (ev->n_top < 20 ? ev->n_top : 20) : 0;
+            for (int i = 0; i < g->n_first_top; i++) g->first_top[i] = ev->top[i];
+        }
+    }
     if (ev->text_len) kv_buf_append(&g->text, ev->text, ev->text_len);
     if (g->want_lp && ev->logprobs && ev->n_ids > 0)
         resp_logprobs_append(g->lp, g->kind, srv.t, g->tokens_as_ids, ev->logprobs, ev->top,
@@ -261,7 +286,19 @@ static void handle_event(struct gen *g, const struct engine_event *ev) {
     struct resp_usage u = {ev->prompt_tokens, ev->completion_tokens, ev->cached_tokens};
     json_t *lp = g->lp;
     g->lp = NULL;
-    char *body = resp_full_json(&m, g->text.data, g->text.len, lp, finish_reason_str(ev->finish), &u);
+    char *body;
+    if (g->probe) {
+        json_decref(lp);
+        body = json_dumps(json_pack("{s:i, s:i}", "prompt_tokens", ev->prompt_tokens,
+                                    "cached_tokens", ev->cached_tokens), JSON_COMPACT);
+    } else {
+        body = resp_full_json(&m, g->text.data, g->text.len, lp, finish_reason_str(ev->finish), &u);
+        if (body && g->dtype == OAI_DISAGG_CONTEXT_ONLY) {
+            char *b2 = ctx_response_add_params(g, body);
+            free(body);
+            body = b2;
+        }
+    }
     struct evhttp_request *req = g->req;
     gen_unhook(g);
     g->req = NULL;
@@ -269,6 +306,52 @@ static void handle_event(struct gen *g, const struct engine_event *ev) {
     else http_send_errf(req, 500, "server_error", NULL, NULL, "out of memory");
     free(body);
     gen_free(g);
+}
+
+/* Context leg: adds choices[0].disaggregated_params (docs/disaggregation.md) to the body.
+ * Returns a new heap string, or NULL on ENOMEM. */
+static char *ctx_response_add_params(const struct gen *g, const char *body) {
+    json_t *o = json_loads(body, 0, NULL);
+    json_t *ch = o ? json_array_get(json_object_get(o, "choices"), 0) : NULL;
+    json_t *d = json_object();
+    json_t *ids = json_array();
+    if (!ch || !d || !ids) goto oom;
+    for (size_t i = 0; i < g->n_prompt_ids; i++) json_array_append_new(ids, json_integer(g->prompt_ids[i]));
+    const struct http_config *c = srv.cfg;
+    json_object_set_new(d, "request_type", json_string("context_only"));
+    json_object_set_new(d, "disagg_request_id", json_integer((json_int_t)g->disagg_id));
+    json_object_set_new(d, "ctx_request_id", json_integer((json_int_t)g->eid));
+    json_object_set_new(d, "schedule_style",
+                        json_string(g->context_first ? "context_first" : "generation_first"));
+    json_object_set_new(d, "first_gen_tokens",
+                        g->has_first ? json_pack("[i]", g->first_id) : json_array());
+    json_object_set_new(d, "prompt_token_ids", ids);
+    ids = NULL;
+    if (c && c->kv_endpoint) json_object_set_new(d, "ctx_info_endpoint", json_string(c->kv_endpoint));
+    if (c && c->kv_transport) json_object_set_new(d, "kv_transport", json_string(c->kv_transport));
+    if (c && c->kv_pool_json) {
+        json_t *pool = json_loads(c->kv_pool_json, 0, NULL);
+        if (pool) json_object_set_new(d, "pool", pool);
+    }
+    if (g->has_first_lp) {
+        json_t *top = json_array();
+        for (int i = 0; i < g->n_first_top; i++)
+            json_array_append_new(top, json_pack("[i, f]", g->first_top[i].id,
+                                                 (double)g->first_top[i].logprob));
+        json_object_set_new(d, "first_gen_logprobs",
+                            json_pack("{s:i, s:f, s:o}", "id", g->first_lp.id, "logprob",
+                                      (double)g->first_lp.logprob, "top", top));
+    }
+    json_object_set_new(ch, "disaggregated_params", d);
+    d = NULL;
+    char *out = json_dumps(o, JSON_COMPACT);
+    json_decref(o);
+    return out;
+oom:
+    json_decref(ids);
+    json_decref(d);
+    json_decref(o);
+    return NULL;
 }
 
 /* ------------------------------------------------------------------ engine -> loop queue */
@@ -386,6 +469,20 @@ void gen_start(struct evhttp_request *req, const struct oai_request *r, const in
     g->tokens_as_ids = r->tokens_as_ids;
     g->want_lp = r->sp.logprobs;
     g->created = kv_unix_time();
+    g->probe = r->probe;
+    g->dtype = r->disagg.type;
+    g->disagg_id = r->disagg.disagg_id;
+    g->context_first = r->disagg.context_first;
+    if (g->dtype == OAI_DISAGG_CONTEXT_ONLY) {
+        g->prompt_ids = kv_malloc((n ? n : 1) * sizeof *g->prompt_ids);
+        if (!g->prompt_ids) {
+            free(g);
+            http_send_errf(req, 500, "server_error", NULL, NULL, "out of memory");
+            return;
+        }
+        memcpy(g->prompt_ids, ids, n * sizeof *ids);
+        g->n_prompt_ids = n;
+    }
     make_id(g->id, sizeof g->id, kind == OAI_CHAT ? "chatcmpl-" : "cmpl-");
     if (g->want_lp && !g->stream) g->lp = resp_logprobs_new(kind);
     /* link before submit: events may arrive (on the engine thread) before submit returns,
@@ -396,6 +493,7 @@ void gen_start(struct evhttp_request *req, const struct oai_request *r, const in
     srv.n_live++;
     struct engine_request_params p;
     oai_engine_params(r, ids, n, mml, &p); /* p.cache_salt = r->cache_salt, copied by submit */
+    if (r->probe) p.disagg = ENGINE_DISAGG_PROBE;
     char err[512] = "";
     kv_status st = engine_submit(srv.e, &p, engine_cb, g, &g->eid, err, sizeof err);
     if (st) {
@@ -409,6 +507,9 @@ void gen_start(struct evhttp_request *req, const struct oai_request *r, const in
                            "context_length_exceeded", *err ? err : "the prompt is too long");
         else if (st == KV_EINVAL)
             http_send_errf(req, 400, "invalid_request_error", NULL, NULL, *err ? err : "invalid request");
+        else if (st == KV_EUNSUPPORTED)
+            http_send_errf(req, 400, "invalid_request_error", "disaggregated_params", NULL,
+                           *err ? err : "disaggregated serving is not enabled on this worker");
         else
             http_send_errf(req, 500, "server_error", NULL, NULL, *err ? err : kv_status_str(st));
         return;

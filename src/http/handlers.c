@@ -79,6 +79,13 @@ static kv_status render_chat(struct evhttp_request *req, const struct oai_reques
 /* Prompt ids of a parsed request (chat: rendered template). *ids heap; errors answered. */
 static kv_status prompt_ids(struct evhttp_request *req, const struct oai_request *r,
                             bool add_special, int32_t **ids, size_t *n) {
+    if (r->disagg.prompt_ids) { /* generation leg: the context worker's prompt, as it was run */
+        *ids = kv_malloc(r->disagg.n_prompt_ids * sizeof **ids);
+        if (!*ids) goto oom;
+        memcpy(*ids, r->disagg.prompt_ids, r->disagg.n_prompt_ids * sizeof **ids);
+        *n = r->disagg.n_prompt_ids;
+        return KV_OK;
+    }
     if (r->ids) {
         *ids = kv_malloc(r->n_ids * sizeof **ids);
         if (!*ids) goto oom;
@@ -108,13 +115,24 @@ oom:
     return KV_ENOMEM;
 }
 
-void handle_generate(struct evhttp_request *req, enum oai_kind kind) {
+static void generate(struct evhttp_request *req, enum oai_kind kind, bool probe) {
     if (srv.stopping) {
         http_send_errf(req, 503, "server_error", NULL, NULL, "the server is shutting down");
         return;
     }
     struct oai_request r;
     if (parse_body(req, kind, &r)) return;
+    if (probe) {
+        r.probe = true;
+        r.stream = false;
+        if (r.disagg.type != OAI_DISAGG_NONE) {
+            http_send_errf(req, 400, "invalid_request_error", "disaggregated_params", NULL,
+                           "/kv_probe takes an ordinary completions or chat body (no "
+                           "disaggregated_params)");
+            oai_request_free(&r);
+            return;
+        }
+    }
     int32_t *ids = NULL;
     size_t n = 0;
     if (prompt_ids(req, &r, true, &ids, &n)) {
@@ -137,6 +155,20 @@ void handle_generate(struct evhttp_request *req, enum oai_kind kind) {
     }
     free(ids);
     oai_request_free(&r);
+}
+
+void handle_generate(struct evhttp_request *req, enum oai_kind kind) { generate(req, kind, false); }
+
+/* POST /kv_probe: a completions body (with "prompt") or a chat body (with "messages");
+ * answers {"prompt_tokens", "cached_tokens"} (docs/disaggregation.md). */
+void handle_kv_probe(struct evhttp_request *req) {
+    struct evbuffer *in = evhttp_request_get_input_buffer(req);
+    size_t len = evbuffer_get_length(in);
+    const char *body = len ? (const char *)evbuffer_pullup(in, -1) : "";
+    json_t *o = json_loadb(body, len, 0, NULL);
+    bool chat = o && json_object_get(o, "messages") != NULL;
+    json_decref(o);
+    generate(req, chat ? OAI_CHAT : OAI_COMPLETION, true);
 }
 
 void handle_tokenize(struct evhttp_request *req) {
@@ -204,6 +236,19 @@ void handle_metrics(struct evhttp_request *req) {
 
 void handle_server_info(struct evhttp_request *req) {
     json_t *o = kvapi_server_info(srv.e, srv.model_name);
+    const struct http_config *c = srv.cfg;
+    if (o) {
+        json_object_set_new(o, "role", json_string(c && c->role ? c->role : "aggregated"));
+        if (c && c->kv_endpoint) {
+            json_t *d = json_pack("{s:s, s:s}", "ctx_info_endpoint", c->kv_endpoint,
+                                  "kv_transport", c->kv_transport ? c->kv_transport : "tcp");
+            if (d && c->kv_pool_json) {
+                json_t *pool = json_loads(c->kv_pool_json, 0, NULL);
+                if (pool) json_object_set_new(d, "pool", pool);
+            }
+            json_object_set_new(o, "disaggregated_params", d);
+        }
+    }
     if (!o) http_send_errf(req, 500, "server_error", NULL, NULL, "out of memory");
     else http_send_json(req, 200, o);
 }

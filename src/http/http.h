@@ -28,6 +28,11 @@ struct http_config {
      * (tokenizer/prefix_cache.h; same ids as tok_encode), and /metrics reports its counters.
      * NULL (the default) = plain tok_encode. */
     struct prefix_cache *prefix_cache;
+    /* disaggregated serving (docs/disaggregation.md); all optional, borrowed */
+    const char *role;          /* "aggregated" (NULL = this) | "context" | "generation" */
+    const char *kv_endpoint;   /* the KV-transfer agent's "host:port" (ctx_info_endpoint) */
+    const char *kv_transport;  /* "tcp" | "ucx" */
+    const char *kv_pool_json;  /* the KV page table as JSON text (sent as disaggregated_params.pool) */
 };
 
 /* Serves until SIGINT/SIGTERM (or http_server_stop from another thread); returns KV_OK on a

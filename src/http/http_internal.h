@@ -43,6 +43,26 @@ enum oai_kind { OAI_COMPLETION = 0, OAI_CHAT, OAI_TOKENIZE, OAI_DETOKENIZE };
 #define OAI_MAX_LOGPROBS_COMPLETION 5
 #define OAI_MAX_CACHE_SALT 256 /* bytes */
 
+/* disaggregated_params of a context or generation leg (docs/disaggregation.md). */
+enum oai_disagg_type { OAI_DISAGG_NONE = 0, OAI_DISAGG_CONTEXT_ONLY, OAI_DISAGG_GENERATION_ONLY };
+struct oai_disagg {
+    enum oai_disagg_type type;
+    uint64_t disagg_id;         /* disagg_request_id (required, < 2^53) */
+    bool has_ctx_id;
+    uint64_t ctx_request_id;
+    bool context_first;         /* schedule_style (default context_first) */
+    int32_t first[4];           /* first_gen_tokens (generation leg, context first) */
+    int n_first;
+    char *endpoint;             /* owned: ctx_info_endpoint */
+    int32_t *prompt_ids;        /* owned: prompt_token_ids (generation leg) */
+    size_t n_prompt_ids;
+    bool has_first_lp;          /* first_gen_logprobs */
+    struct token_logprob first_lp;
+    struct token_logprob first_top[20];
+    int n_first_top;
+    char *conversation_id;      /* owned or NULL */
+};
+
 /* A validated request. Everything is owned; release with oai_request_free. */
 struct oai_request {
     enum oai_kind kind;
@@ -71,6 +91,8 @@ struct oai_request {
     bool ignore_eos;
     bool tokens_as_ids;         /* return_tokens_as_token_ids: logprob tokens as "token_id:N" */
     bool add_special;           /* tokenize: add_special_tokens (default true) */
+    struct oai_disagg disagg;   /* completions/chat: disaggregated_params */
+    bool probe;                 /* POST /kv_probe: report the cached prefix, generate nothing */
 };
 
 /* Parses body[0..len) as the given endpoint's request. On error returns KV_EINVAL, fills *err

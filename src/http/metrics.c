@@ -57,6 +57,17 @@ kv_status metrics_render(kv_buf *out, const struct engine_stats *s, const struct
     C("kv_host_evictions_total", "KV blocks dropped from the host tier.", s->kv_host_evictions);
     C("kv_cache_hits_device_total", "KV blocks reused from the device pool.", s->kv_hits_device);
     C("kv_cache_hits_host_total", "KV blocks reused from the host tier.", s->kv_hits_host);
+    G("num_requests_transfer_out", "Context legs whose blocks a KV transfer still holds.",
+      s->n_transfer_out);
+    G("num_requests_transfer_in", "Generation legs waiting for their KV transfer.", s->n_transfer_in);
+    C("kv_transfer_sends_ok_total", "KV transfers this context worker completed.", s->kv_sends_ok);
+    C("kv_transfer_sends_failed_total", "KV transfers that failed, were cancelled or timed out (sender).",
+      s->kv_sends_failed);
+    C("kv_transfer_recvs_ok_total", "KV transfers this generation worker received.", s->kv_recvs_ok);
+    C("kv_transfer_recvs_failed_total", "KV transfers that failed or were cancelled (receiver).",
+      s->kv_recvs_failed);
+    C("kv_transfer_deadlines_total", "Engine-side KV-transfer deadlines that fired.",
+      s->kv_transfer_timeouts);
     C("prefix_waits_total", "Scheduler passes requests spent waiting for an in-flight prefix.",
       s->prefix_waits_total);
     C("scheduler_deadlock_failures_total", "Requests failed by the no-progress detector.",

@@ -487,6 +487,133 @@ static kv_status parse_cache_salt(json_t *o, struct oai_request *r, struct oai_e
     return r->cache_salt ? KV_OK : OOM();
 }
 
+/* disaggregated_params (docs/disaggregation.md): strict, every key known. */
+static kv_status parse_disagg(json_t *o, const struct oai_limits *lim, struct oai_request *r,
+                              struct oai_error *err) {
+    json_t *d = field(o, "disaggregated_params");
+    if (!d) return KV_OK;
+    struct oai_disagg *g = &r->disagg;
+    if (!json_is_object(d)) return BAD("disaggregated_params", "'disaggregated_params' must be an object");
+    static const char *const known[] = {"request_type", "disagg_request_id", "ctx_request_id",
+                                        "schedule_style", "first_gen_tokens", "ctx_info_endpoint",
+                                        "prompt_token_ids", "first_gen_logprobs", "conversation_id",
+                                        "pool", "kv_transport", "ctx_usage"};
+    const char *k;
+    json_t *v;
+    json_object_foreach(d, k, v) {
+        size_t i = 0;
+        while (i < sizeof known / sizeof *known && strcmp(k, known[i])) i++;
+        if (i == sizeof known / sizeof *known)
+            return BAD("disaggregated_params", "unknown field 'disaggregated_params.%s'", k);
+    }
+    json_t *t = field(d, "request_type");
+    const char *ts = json_is_string(t) ? json_string_value(t) : "";
+    if (!strcmp(ts, "context_only")) g->type = OAI_DISAGG_CONTEXT_ONLY;
+    else if (!strcmp(ts, "generation_only")) g->type = OAI_DISAGG_GENERATION_ONLY;
+    else
+        return BAD("disaggregated_params.request_type",
+                   "'disaggregated_params.request_type' must be \"context_only\" or "
+                   "\"generation_only\"");
+    bool present;
+    int64_t x;
+    const int64_t max53 = ((int64_t)1 << 53) - 1;
+    if (get_int(d, "disagg_request_id", 0, max53, &present, &x, err)) goto param;
+    if (!present)
+        return BAD("disaggregated_params.disagg_request_id",
+                   "'disaggregated_params.disagg_request_id' is required");
+    g->disagg_id = (uint64_t)x;
+    if (get_int(d, "ctx_request_id", 0, max53, &g->has_ctx_id, &x, err)) goto param;
+    if (g->has_ctx_id) g->ctx_request_id = (uint64_t)x;
+    g->context_first = true;
+    json_t *ss = field(d, "schedule_style");
+    if (ss) {
+        const char *s2 = json_is_string(ss) ? json_string_value(ss) : "";
+        if (!strcmp(s2, "generation_first")) g->context_first = false;
+        else if (strcmp(s2, "context_first"))
+            return BAD("disaggregated_params.schedule_style",
+                       "'disaggregated_params.schedule_style' must be \"context_first\" or "
+                       "\"generation_first\"");
+    }
+    json_t *ft = field(d, "first_gen_tokens");
+    if (ft) {
+        int32_t *ids = NULL;
+        size_t n = 0;
+        if (!json_is_array(ft) || json_array_size(ft) > 1)
+            return BAD("disaggregated_params.first_gen_tokens",
+                       "'disaggregated_params.first_gen_tokens' must be an array of one token id");
+        if (parse_ids(ft, "disaggregated_params.first_gen_tokens", lim, &ids, &n, err)) return KV_EINVAL;
+        for (size_t i = 0; i < n; i++) g->first[i] = ids[i];
+        g->n_first = (int)n;
+        free(ids);
+    }
+    json_t *ep = field(d, "ctx_info_endpoint");
+    if (ep && json_is_array(ep)) ep = json_array_get(ep, 0); /* TRT-LLM: a list -> its first */
+    if (ep) {
+        if (!json_is_string(ep) || !json_string_length(ep) || json_string_length(ep) > 255)
+            return BAD("disaggregated_params.ctx_info_endpoint",
+                       "'disaggregated_params.ctx_info_endpoint' must be a \"host:port\" string");
+        g->endpoint = kv_strdup(json_string_value(ep));
+        if (!g->endpoint) return OOM();
+    }
+    json_t *pi = field(d, "prompt_token_ids");
+    if (pi) {
+        if (!json_is_array(pi) || json_array_size(pi) == 0)
+            return BAD("disaggregated_params.prompt_token_ids",
+                       "'disaggregated_params.prompt_token_ids' must be a non-empty array of token ids");
+        if (parse_ids(pi, "disaggregated_params.prompt_token_ids", lim, &g->prompt_ids,
+                      &g->n_prompt_ids, err))
+            return KV_EINVAL;
+    }
+    json_t *lp = field(d, "first_gen_logprobs");
+    if (lp) {
+        json_t *id = json_object_get(lp, "id"), *l = json_object_get(lp, "logprob"),
+               *top = json_object_get(lp, "top");
+        if (!json_is_object(lp) || !json_is_integer(id) || !json_is_number(l) ||
+            (top && !json_is_array(top)) || json_array_size(top) > 20)
+            return BAD("disaggregated_params.first_gen_logprobs",
+                       "'disaggregated_params.first_gen_logprobs' must be {\"id\", \"logprob\", "
+                       "\"top\": [[id, logprob], ...]}");
+        g->has_first_lp = true;
+        g->first_lp.id = (int32_t)json_integer_value(id);
+        g->first_lp.logprob = (float)json_number_value(l);
+        size_t i;
+        json_t *e2;
+        json_array_foreach(top, i, e2) {
+            json_t *a = json_array_get(e2, 0), *b = json_array_get(e2, 1);
+            if (!json_is_integer(a) || !json_is_number(b))
+                return BAD("disaggregated_params.first_gen_logprobs",
+                           "'disaggregated_params.first_gen_logprobs.top' entries are [id, logprob]");
+            g->first_top[i].id = (int32_t)json_integer_value(a);
+            g->first_top[i].logprob = (float)json_number_value(b);
+            g->n_first_top = (int)i + 1;
+        }
+    }
+    json_t *cv = field(d, "conversation_id");
+    if (cv) {
+        if (!json_is_string(cv))
+            return BAD("disaggregated_params.conversation_id",
+                       "'disaggregated_params.conversation_id' must be a string");
+        g->conversation_id = kv_strdup(json_string_value(cv));
+        if (!g->conversation_id) return OOM();
+    }
+    if (g->type == OAI_DISAGG_CONTEXT_ONLY && r->stream)
+        return BAD("stream", "a context_only leg is not streamed (send 'stream': false)");
+    if (g->type == OAI_DISAGG_GENERATION_ONLY && !g->endpoint)
+        return BAD("disaggregated_params.ctx_info_endpoint",
+                   "a generation_only leg needs 'disaggregated_params.ctx_info_endpoint'");
+    if (g->type == OAI_DISAGG_GENERATION_ONLY && g->context_first && g->n_first == 0)
+        return BAD("disaggregated_params.first_gen_tokens",
+                   "a context_first generation_only leg needs 'disaggregated_params.first_gen_tokens'");
+    return KV_OK;
+param:
+    if (err->param[0] && strncmp(err->param, "disaggregated_params.", 21)) {
+        char tmp[64];
+        snprintf(tmp, sizeof tmp, "%s", err->param);
+        snprintf(err->param, sizeof err->param, "disaggregated_params.%.40s", tmp);
+    }
+    return KV_EINVAL;
+}
+
 static kv_status parse_obj(enum oai_kind kind, json_t *o, const struct oai_limits *lim,
                            struct oai_request *r, struct oai_error *err) {
     r->kind = kind;
@@ -498,12 +625,12 @@ static kv_status parse_obj(enum oai_kind kind, json_t *o, const struct oai_limit
         if (check_model(o, lim, err) || check_ignored_strings(o, err) || parse_cache_salt(o, r, err))
             return KV_EINVAL;
         if (parse_prompt(o, lim, r, err)) return KV_EINVAL;
-        return parse_generation(o, lim, r, err);
+        return parse_generation(o, lim, r, err) || parse_disagg(o, lim, r, err) ? KV_EINVAL : KV_OK;
     case OAI_CHAT:
         if (check_model(o, lim, err) || check_ignored_strings(o, err) || parse_cache_salt(o, r, err))
             return KV_EINVAL;
         if (parse_messages(o, r, err) || parse_chat_extras(o, r, err)) return KV_EINVAL;
-        return parse_generation(o, lim, r, err);
+        return parse_generation(o, lim, r, err) || parse_disagg(o, lim, r, err) ? KV_EINVAL : KV_OK;
     case OAI_TOKENIZE:
         if (check_model(o, lim, err)) return KV_EINVAL;
         if (get_bool(o, "add_special_tokens", &r->add_special, err)) return KV_EINVAL;
@@ -554,6 +681,9 @@ void oai_request_free(struct oai_request *r) {
     json_decref(r->chat_msgs);
     json_decref(r->chat_kwargs);
     free(r->cache_salt);
+    free(r->disagg.endpoint);
+    free(r->disagg.prompt_ids);
+    free(r->disagg.conversation_id);
     for (int i = 0; i < r->n_stop; i++) free(r->stop[i]);
     free(r->stop);
     memset(r, 0, sizeof *r);
@@ -575,4 +705,17 @@ void oai_engine_params(const struct oai_request *r, const int32_t *ids, size_t n
     p->n_stop = r->n_stop;
     p->ignore_eos = r->ignore_eos;
     p->cache_salt = r->cache_salt;
+    const struct oai_disagg *g = &r->disagg;
+    if (g->type == OAI_DISAGG_CONTEXT_ONLY) p->disagg = ENGINE_DISAGG_CONTEXT_ONLY;
+    else if (g->type == OAI_DISAGG_GENERATION_ONLY) p->disagg = ENGINE_DISAGG_GENERATION_ONLY;
+    p->disagg_id = g->disagg_id;
+    p->context_first = g->context_first;
+    p->peer_endpoint = g->endpoint;
+    p->first_tokens = g->n_first ? g->first : NULL;
+    p->n_first = g->n_first;
+    if (g->has_first_lp) {
+        p->first_logprob = &g->first_lp;
+        p->first_top = g->first_top;
+        p->n_first_top = g->n_first_top;
+    }
 }

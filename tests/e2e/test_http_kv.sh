@@ -9,7 +9,7 @@ here="$(cd "$(dirname "$0")" && pwd)"
 export KVSERVE_BIN KVSERVE_TEST_DATA
 if [ ! -f "$KVSERVE_TEST_DATA/models/stories260K/stories260K.gguf" ]; then
     echo "SKIP: test data not found in $KVSERVE_TEST_DATA (set KVSERVE_TEST_DATA)"
-    exit 0
+    exit 77
 fi
 if [ ! -x "$KVSERVE_BIN" ]; then
     echo "FAIL: kvserve binary not found at $KVSERVE_BIN (set KVSERVE_BIN)"

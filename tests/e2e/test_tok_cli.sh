@@ -4,7 +4,7 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 data="${KVSERVE_TEST_DATA:-$here/../../../shared/data}"
 tok="$data/tokenizers/llama2"
-if [[ ! -d "$tok" ]]; then echo "SKIP: $tok not found (set KVSERVE_TEST_DATA)"; exit 0; fi
+if [[ ! -d "$tok" ]]; then echo "SKIP: $tok not found (set KVSERVE_TEST_DATA)"; exit 77; fi
 bin=${KVSERVE_BIN:?}
 fail() { echo "FAIL: $*"; exit 1; }
 text=$'Hello world <s> caf\u00e9 \U0001F999\n  x'

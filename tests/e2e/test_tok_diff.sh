@@ -6,10 +6,10 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 data="${KVSERVE_TEST_DATA:-$here/../../../shared/data}"
-if [[ ! -d "$data/tokenizers/qwen3" ]]; then echo "SKIP: $data/tokenizers not found (set KVSERVE_TEST_DATA)"; exit 0; fi
-if ! command -v node >/dev/null; then echo "SKIP: node not installed"; exit 0; fi
+if [[ ! -d "$data/tokenizers/qwen3" ]]; then echo "SKIP: $data/tokenizers not found (set KVSERVE_TEST_DATA)"; exit 77; fi
+if ! command -v node >/dev/null; then echo "SKIP: node not installed"; exit 77; fi
 if [[ ! -d "$here/node_modules/@anush008/tokenizers" ]]; then
-  (cd "$here" && npm install --no-audit --no-fund --loglevel=error >/dev/null) || { echo "SKIP: npm install failed"; exit 0; }
+  (cd "$here" && npm install --no-audit --no-fund --loglevel=error >/dev/null) || { echo "SKIP: npm install failed"; exit 77; }
 fi
 # HF single-threaded so the 2-core CI machine is shared fairly with the kvserve processes.
 export RAYON_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false

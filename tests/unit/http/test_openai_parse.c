@@ -47,6 +47,21 @@ static const struct bad_case bad[] = {
     {C, "{\"prompt\": [1, -3]}", 400, "prompt", NULL},
     {C, "{\"prompt\": [1, 512]}", 400, "prompt", NULL},
     {C, "{\"prompt\": [[]]}", 400, "prompt", NULL},
+    /* disaggregated_params */
+    {C, "{\"prompt\":\"a\",\"disaggregated_params\":5}", 400, "disaggregated_params", NULL},
+    {C, "{\"prompt\":\"a\",\"disaggregated_params\":{\"request_type\":\"both\",\"disagg_request_id\":1}}", 400, "disaggregated_params.request_type", NULL},
+    {C, "{\"prompt\":\"a\",\"disaggregated_params\":{\"request_type\":\"context_only\"}}", 400, "disaggregated_params.disagg_request_id", NULL},
+    {C, "{\"prompt\":\"a\",\"disaggregated_params\":{\"request_type\":\"context_only\",\"disagg_request_id\":-1}}", 400, "disaggregated_params.disagg_request_id", NULL},
+    {C, "{\"prompt\":\"a\",\"disaggregated_params\":{\"request_type\":\"context_only\",\"disagg_request_id\":9007199254740992}}", 400, "disaggregated_params.disagg_request_id", NULL},
+    {C, "{\"prompt\":\"a\",\"disaggregated_params\":{\"request_type\":\"context_only\",\"disagg_request_id\":1,\"bogus\":1}}", 400, "disaggregated_params", NULL},
+    {C, "{\"prompt\":\"a\",\"stream\":true,\"disaggregated_params\":{\"request_type\":\"context_only\",\"disagg_request_id\":1}}", 400, "stream", NULL},
+    {C, "{\"prompt\":\"a\",\"disaggregated_params\":{\"request_type\":\"generation_only\",\"disagg_request_id\":1,\"first_gen_tokens\":[5]}}", 400, "disaggregated_params.ctx_info_endpoint", NULL},
+    {C, "{\"prompt\":\"a\",\"disaggregated_params\":{\"request_type\":\"generation_only\",\"disagg_request_id\":1,\"ctx_info_endpoint\":\"h:1\"}}", 400, "disaggregated_params.first_gen_tokens", NULL},
+    {C, "{\"prompt\":\"a\",\"disaggregated_params\":{\"request_type\":\"generation_only\",\"disagg_request_id\":1,\"ctx_info_endpoint\":\"h:1\",\"first_gen_tokens\":[512]}}", 400, "disaggregated_params.first_gen_tokens", NULL},
+    {C, "{\"prompt\":\"a\",\"disaggregated_params\":{\"request_type\":\"generation_only\",\"disagg_request_id\":1,\"ctx_info_endpoint\":\"h:1\",\"first_gen_tokens\":[1,2]}}", 400, "disaggregated_params.first_gen_tokens", NULL},
+    {C, "{\"prompt\":\"a\",\"disaggregated_params\":{\"request_type\":\"generation_only\",\"disagg_request_id\":1,\"ctx_info_endpoint\":\"h:1\",\"first_gen_tokens\":[1],\"prompt_token_ids\":[]}}", 400, "disaggregated_params.prompt_token_ids", NULL},
+    {C, "{\"prompt\":\"a\",\"disaggregated_params\":{\"request_type\":\"generation_only\",\"disagg_request_id\":1,\"ctx_info_endpoint\":7,\"first_gen_tokens\":[1]}}", 400, "disaggregated_params.ctx_info_endpoint", NULL},
+    {C, "{\"prompt\":\"a\",\"disaggregated_params\":{\"request_type\":\"generation_only\",\"disagg_request_id\":1,\"ctx_info_endpoint\":\"h:1\",\"schedule_style\":\"x\"}}", 400, "disaggregated_params.schedule_style", NULL},
     /* model */
     {C, "{\"prompt\":\"a\",\"model\":\"gpt-4\"}", 404, "model", "model_not_found"},
     {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"model\":\"x\"}", 404, "model", "model_not_found"},
@@ -387,6 +402,50 @@ static void test_chat_tools(void **state) {
     assert_string_equal(e.param, "cache_salt");
 }
 
+static void test_disaggregated_params(void **state) {
+    (void)state;
+    struct oai_request r;
+    parse_ok(C, "{\"prompt\":\"a\",\"disaggregated_params\":{\"request_type\":\"generation_only\","
+                "\"disagg_request_id\":9007199254740991,\"ctx_request_id\":4,\"schedule_style\":"
+                "\"context_first\",\"first_gen_tokens\":[7],\"ctx_info_endpoint\":[\"127.0.0.1:9\"],"
+                "\"prompt_token_ids\":[1,2,3],\"first_gen_logprobs\":{\"id\":7,\"logprob\":-0.5,"
+                "\"top\":[[7,-0.5],[8,-1.5]]},\"pool\":{},\"conversation_id\":\"c1\"}}", &r);
+    assert_int_equal(r.disagg.type, OAI_DISAGG_GENERATION_ONLY);
+    assert_true(r.disagg.disagg_id == 9007199254740991ull);
+    assert_true(r.disagg.has_ctx_id);
+    assert_true(r.disagg.context_first);
+    assert_int_equal(r.disagg.n_first, 1);
+    assert_int_equal(r.disagg.first[0], 7);
+    assert_string_equal(r.disagg.endpoint, "127.0.0.1:9");
+    assert_int_equal(r.disagg.n_prompt_ids, 3);
+    assert_int_equal(r.disagg.prompt_ids[2], 3);
+    assert_true(r.disagg.has_first_lp);
+    assert_int_equal(r.disagg.n_first_top, 2);
+    assert_int_equal(r.disagg.first_top[1].id, 8);
+    assert_string_equal(r.disagg.conversation_id, "c1");
+    struct engine_request_params p;
+    oai_engine_params(&r, r.disagg.prompt_ids, r.disagg.n_prompt_ids, 512, &p);
+    assert_int_equal(p.disagg, ENGINE_DISAGG_GENERATION_ONLY);
+    assert_int_equal(p.n_first, 1);
+    assert_non_null(p.first_logprob);
+    assert_string_equal(p.peer_endpoint, "127.0.0.1:9");
+    oai_request_free(&r);
+    /* generation first: no first token, the schedule style flips */
+    parse_ok(H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"stream\":true,"
+                "\"disaggregated_params\":{\"request_type\":\"generation_only\",\"disagg_request_id\":3,"
+                "\"schedule_style\":\"generation_first\",\"ctx_info_endpoint\":\"h:2\"}}", &r);
+    assert_false(r.disagg.context_first);
+    assert_int_equal(r.disagg.n_first, 0);
+    oai_request_free(&r);
+    parse_ok(C, "{\"prompt\":\"a\",\"disaggregated_params\":{\"request_type\":\"context_only\","
+                "\"disagg_request_id\":5}}", &r);
+    assert_int_equal(r.disagg.type, OAI_DISAGG_CONTEXT_ONLY);
+    oai_engine_params(&r, (const int32_t[]){1}, 1, 512, &p);
+    assert_int_equal(p.disagg, ENGINE_DISAGG_CONTEXT_ONLY);
+    assert_true(p.disagg_id == 5);
+    oai_request_free(&r);
+}
+
 static void test_tokenize_detokenize(void **state) {
     (void)state;
     struct oai_request r;
@@ -456,6 +515,7 @@ int main(void) {
         cmocka_unit_test(test_completion_token_prompt),
         cmocka_unit_test(test_chat),
         cmocka_unit_test(test_chat_tools),
+        cmocka_unit_test(test_disaggregated_params),
         cmocka_unit_test(test_tokenize_detokenize),
         cmocka_unit_test(test_responses_shapes),
     };
