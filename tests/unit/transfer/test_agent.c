@@ -1,0 +1,439 @@
+/*
+ * The KV-transfer agent (src/transfer/transfer.h) with two agents in one process over loopback,
+ * on malloc'd pools filled with a per-block pattern: bytes exact, end-aligned suffix pulls
+ * (BUG-17), zero blocks, fragmented blocks through the bounce path, every fault of the transfer
+ * state machine (DONE dropped, READY never sent, a failed read, a delayed request), cancels from
+ * each side and before the id was seen, the stale sweep (context first FAILED, generation first
+ * dropped silently), a page-table mismatch refused at the handshake, and stop with live
+ * transfers. Completions are awaited on a condition variable with a bounded deadline.
+ */
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <cmocka.h>
+
+#include "transfer/transfer.h"
+
+#define NB 64
+#define T 16
+
+struct side {
+    kvx_agent_t *a;
+    uint8_t *pool;
+    size_t bb;
+    struct kvx_page_table pt;
+};
+
+static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_cv = PTHREAD_COND_INITIALIZER;
+static struct kvx_result g_res[256];
+static int g_n;
+
+static void on_result(const struct kvx_result *r, void *user) {
+    (void)user;
+    pthread_mutex_lock(&g_mu);
+    if (g_n < 256) g_res[g_n++] = *r;
+    pthread_cond_broadcast(&g_cv);
+    pthread_mutex_unlock(&g_mu);
+}
+
+/* Waits for the completion (id, is_send); fails the test after max_s. */
+static struct kvx_result wait_res(uint64_t id, bool is_send, double max_s) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_sec += (time_t)max_s + 1;
+    pthread_mutex_lock(&g_mu);
+    for (;;) {
+        for (int i = 0; i < g_n; i++)
+            if (g_res[i].disagg_id == id && g_res[i].is_send == is_send) {
+                struct kvx_result r = g_res[i];
+                pthread_mutex_unlock(&g_mu);
+                return r;
+            }
+        if (pthread_cond_timedwait(&g_cv, &g_mu, &ts)) {
+            pthread_mutex_unlock(&g_mu);
+            fail_msg("no %s completion for %llu within %.0f s", is_send ? "send" : "recv",
+                     (unsigned long long)id, max_s);
+        }
+    }
+}
+
+static int count_res(uint64_t id, bool is_send) {
+    pthread_mutex_lock(&g_mu);
+    int n = 0;
+    for (int i = 0; i < g_n; i++) n += g_res[i].disagg_id == id && g_res[i].is_send == is_send;
+    pthread_mutex_unlock(&g_mu);
+    return n;
+}
+
+static void side_start(struct side *s, int heads, double timeout, double ttl, const char *faults,
+                       size_t bounce) {
+    char err[256];
+    assert_int_equal(kvx_page_table_dense_kv(&s->pt, 0, 3, heads, 8, T, KVX_DTYPE_F32, err, sizeof err), KV_OK);
+    s->bb = s->pt.views[0].block_bytes;
+    s->pool = calloc(NB, s->bb);
+    assert_non_null(s->pool);
+    struct kvx_config c = {.host = "127.0.0.1", .port = 0, .transport = KVX_TRANSPORT_TCP,
+                           .timeout_s = timeout, .stale_ttl_s = ttl, .bounce_min_bytes = bounce,
+                           .pt = &s->pt, .pool_base = s->pool, .n_blocks = NB, .cb = on_result};
+    if (faults) assert_int_equal(kvx_fault_parse(faults, &c.faults, err, sizeof err), KV_OK);
+    assert_int_equal(kvx_agent_start(&c, &s->a, err, sizeof err), KV_OK);
+}
+
+static void side_stop(struct side *s) {
+    kvx_agent_stop(s->a);
+    kvx_page_table_free(&s->pt);
+    free(s->pool);
+    memset(s, 0, sizeof *s);
+}
+
+static void fill(struct side *s, int b, uint8_t seed) {
+    for (size_t i = 0; i < s->bb; i++) s->pool[(size_t)b * s->bb + i] = (uint8_t)(seed * 31 + i * 7 + (i >> 8));
+}
+
+static bool same(const struct side *x, int bx, const struct side *y, int by) {
+    return memcmp(x->pool + (size_t)bx * x->bb, y->pool + (size_t)by * y->bb, x->bb) == 0;
+}
+
+static void reset(void) {
+    pthread_mutex_lock(&g_mu);
+    g_n = 0;
+    pthread_mutex_unlock(&g_mu);
+}
+
+static struct kvx_aux aux_of(int n_tokens, int32_t first) {
+    struct kvx_aux a = {.n_tokens = n_tokens, .n_first = 1, .first = {first}};
+    return a;
+}
+
+/* ---------------------------------------------------------------- tests */
+
+/* Context first: offer, then the receiver pulls everything; bytes exact, aux delivered. */
+static void test_full_transfer(void **st) {
+    (void)st;
+    reset();
+    struct side s, r;
+    side_start(&s, 2, 5, 60, NULL, 0);
+    side_start(&r, 2, 5, 60, NULL, 0);
+    int32_t src[5] = {3, 9, 10, 11, 40}, dst[5] = {0, 1, 2, 50, 7};
+    for (int i = 0; i < 5; i++) fill(&s, src[i], (uint8_t)(i + 1));
+    struct kvx_aux ax = aux_of(5 * T - 3, 42);
+    ax.cached_tokens = 16;
+    assert_int_equal(kvx_send_offer(s.a, 1, src, 5, &ax), KV_OK);
+    assert_int_equal(kvx_recv_start(r.a, 1, kvx_agent_endpoint(s.a), true, dst, 5, 5 * T - 3), KV_OK);
+    struct kvx_result rr = wait_res(1, false, 10), rs = wait_res(1, true, 10);
+    assert_int_equal(rr.status, KV_OK);
+    assert_int_equal(rs.status, KV_OK);
+    assert_int_equal(rr.aux.n_first, 1);
+    assert_int_equal(rr.aux.first[0], 42);
+    assert_int_equal(rr.aux.cached_tokens, 16);
+    assert_int_equal(rr.bytes, 5 * s.bb);
+    for (int i = 0; i < 5; i++) assert_true(same(&s, src[i], &r, dst[i]));
+    assert_int_equal(count_res(1, false), 1);
+    side_stop(&s);
+    side_stop(&r);
+}
+
+/* A receiver that caches the first 3 of 5 blocks gets the sender's LAST 2 (BUG-17); with nothing
+ * missing only the aux data moves. Generation first: the REQ waits for the offer. */
+static void test_suffix_and_generation_first(void **st) {
+    (void)st;
+    reset();
+    struct side s, r;
+    side_start(&s, 2, 5, 60, NULL, 0);
+    side_start(&r, 2, 5, 60, NULL, 0);
+    int32_t src[5] = {1, 2, 3, 4, 5}, dst[2] = {20, 30};
+    for (int i = 0; i < 5; i++) fill(&s, src[i], (uint8_t)(10 + i));
+    /* generation first: the receiver asks before the offer exists */
+    assert_int_equal(kvx_recv_start(r.a, 2, kvx_agent_endpoint(s.a), false, dst, 2, 5 * T), KV_OK);
+    struct kvx_stats stt;
+    for (int i = 0; i < 2000; i++) { /* until the sender stored the request */
+        kvx_get_stats(s.a, &stt);
+        if (stt.stored_requests == 1) break;
+        struct timespec d = {0, 1000000};
+        nanosleep(&d, NULL);
+    }
+    assert_int_equal(stt.stored_requests, 1);
+    struct kvx_aux ax = aux_of(5 * T, 7);
+    assert_int_equal(kvx_send_offer(s.a, 2, src, 5, &ax), KV_OK);
+    assert_int_equal(wait_res(2, false, 10).status, KV_OK);
+    assert_int_equal(wait_res(2, true, 10).status, KV_OK);
+    assert_true(same(&s, 4, &r, 20));
+    assert_true(same(&s, 5, &r, 30));
+    assert_false(same(&s, 1, &r, 20));
+    /* zero blocks missing */
+    assert_int_equal(kvx_send_offer(s.a, 3, src, 5, &ax), KV_OK);
+    assert_int_equal(kvx_recv_start(r.a, 3, kvx_agent_endpoint(s.a), true, NULL, 0, 5 * T), KV_OK);
+    struct kvx_result rr = wait_res(3, false, 10);
+    assert_int_equal(rr.status, KV_OK);
+    assert_int_equal(rr.bytes, 0);
+    assert_int_equal(rr.aux.first[0], 7);
+    assert_int_equal(wait_res(3, true, 10).status, KV_OK);
+    /* a prompt-length mismatch is refused */
+    assert_int_equal(kvx_send_offer(s.a, 4, src, 5, &ax), KV_OK);
+    assert_int_equal(kvx_recv_start(r.a, 4, kvx_agent_endpoint(s.a), true, dst, 2, 5 * T - 1), KV_OK);
+    rr = wait_res(4, false, 10);
+    assert_int_equal(rr.status, KV_EIO);
+    assert_non_null(strstr(rr.message, "prompt length"));
+    kvx_cancel(s.a, 4);
+    assert_int_equal(wait_res(4, true, 10).status, KV_ECANCELLED);
+    side_stop(&s);
+    side_stop(&r);
+}
+
+/* Fragmented blocks of a large transfer go through the staging buffer; bytes stay exact. */
+static void test_bounce_path(void **st) {
+    (void)st;
+    reset();
+    struct side s, r;
+    side_start(&s, 2, 5, 60, NULL, 1); /* any fragmented transfer of >= 1 block */
+    side_start(&r, 2, 5, 60, NULL, 1);
+    int32_t src[6] = {5, 1, 9, 3, 7, 11}, dst[6] = {60, 2, 33, 8, 21, 0};
+    for (int i = 0; i < 6; i++) fill(&s, src[i], (uint8_t)(77 + i));
+    struct kvx_aux ax = aux_of(6 * T, 1);
+    assert_int_equal(kvx_send_offer(s.a, 5, src, 6, &ax), KV_OK);
+    assert_int_equal(kvx_recv_start(r.a, 5, kvx_agent_endpoint(s.a), true, dst, 6, 6 * T), KV_OK);
+    assert_int_equal(wait_res(5, false, 10).status, KV_OK);
+    assert_int_equal(wait_res(5, true, 10).status, KV_OK);
+    for (int i = 0; i < 6; i++) assert_true(same(&s, src[i], &r, dst[i]));
+    struct kvx_stats a, b;
+    kvx_get_stats(s.a, &a);
+    kvx_get_stats(r.a, &b);
+    assert_int_equal(a.bounce_transfers, 1);
+    assert_int_equal(b.bounce_transfers, 1);
+    side_stop(&s);
+    side_stop(&r);
+}
+
+static void test_page_table_mismatch_refused(void **st) {
+    (void)st;
+    reset();
+    struct side s, r;
+    side_start(&s, 2, 5, 60, NULL, 0);
+    side_start(&r, 4, 5, 60, NULL, 0); /* 4 kv heads vs 2 */
+    int32_t b[1] = {0};
+    struct kvx_aux ax = aux_of(T, 1);
+    assert_int_equal(kvx_send_offer(s.a, 6, b, 1, &ax), KV_OK);
+    assert_int_equal(kvx_recv_start(r.a, 6, kvx_agent_endpoint(s.a), true, b, 1, T), KV_OK);
+    struct kvx_result rr = wait_res(6, false, 10);
+    assert_int_equal(rr.status, KV_EIO);
+    assert_non_null(strstr(rr.message, "do not match"));
+    side_stop(&s); /* the offer ends as cancelled */
+    assert_int_equal(wait_res(6, true, 10).status, KV_ECANCELLED);
+    side_stop(&r);
+}
+
+/* DONE dropped: the receiver has its bytes; the sender fails by its deadline (then unpins). */
+static void test_drop_done(void **st) {
+    (void)st;
+    reset();
+    struct side s, r;
+    side_start(&s, 2, 1, 60, NULL, 0);
+    side_start(&r, 2, 1, 60, "drop_done", 0);
+    int32_t b[2] = {1, 2};
+    fill(&s, 1, 1);
+    fill(&s, 2, 2);
+    struct kvx_aux ax = aux_of(2 * T, 1);
+    assert_int_equal(kvx_send_offer(s.a, 7, b, 2, &ax), KV_OK);
+    assert_int_equal(kvx_recv_start(r.a, 7, kvx_agent_endpoint(s.a), true, b, 2, 2 * T), KV_OK);
+    assert_int_equal(wait_res(7, false, 5).status, KV_OK);
+    struct kvx_result rs = wait_res(7, true, 5);
+    assert_int_equal(rs.status, KV_EBUSY);
+    assert_non_null(strstr(rs.message, "no DONE"));
+    side_stop(&s);
+    side_stop(&r);
+}
+
+/* The sender never answers: the receiver fails by its deadline; the offer times out too. */
+static void test_drop_ready_and_fail_read(void **st) {
+    (void)st;
+    reset();
+    struct side s, r;
+    side_start(&s, 2, 1, 60, "drop_ready", 0);
+    side_start(&r, 2, 1, 60, NULL, 0);
+    int32_t b[1] = {3};
+    struct kvx_aux ax = aux_of(T, 1);
+    assert_int_equal(kvx_send_offer(s.a, 8, b, 1, &ax), KV_OK);
+    assert_int_equal(kvx_recv_start(r.a, 8, kvx_agent_endpoint(s.a), true, b, 1, T), KV_OK);
+    struct kvx_result rr = wait_res(8, false, 5);
+    assert_int_equal(rr.status, KV_EBUSY);
+    assert_int_equal(wait_res(8, true, 5).status, KV_EBUSY);
+    side_stop(&s);
+    side_stop(&r);
+    reset();
+    side_start(&s, 2, 5, 60, NULL, 0);
+    side_start(&r, 2, 5, 60, "fail_read", 0);
+    assert_int_equal(kvx_send_offer(s.a, 9, b, 1, &ax), KV_OK);
+    assert_int_equal(kvx_recv_start(r.a, 9, kvx_agent_endpoint(s.a), true, b, 1, T), KV_OK);
+    rr = wait_res(9, false, 5);
+    assert_int_equal(rr.status, KV_EIO);
+    assert_non_null(strstr(rr.message, "injected"));
+    assert_int_equal(wait_res(9, true, 5).status, KV_EIO); /* the receiver told the sender */
+    side_stop(&s);
+    side_stop(&r);
+}
+
+/* A receiver that waits before it asks: the sender just holds the pinned blocks (no memory per
+ * byte), then serves. */
+static void test_delayed_request(void **st) {
+    (void)st;
+    reset();
+    struct side s, r;
+    side_start(&s, 2, 5, 60, NULL, 0);
+    side_start(&r, 2, 5, 60, "delay_request_ms=300", 0);
+    int32_t b[1] = {4};
+    fill(&s, 4, 9);
+    struct kvx_aux ax = aux_of(T, 1);
+    assert_int_equal(kvx_send_offer(s.a, 10, b, 1, &ax), KV_OK);
+    uint64_t t0 = kv_now_ns();
+    assert_int_equal(kvx_recv_start(r.a, 10, kvx_agent_endpoint(s.a), true, b, 1, T), KV_OK);
+    assert_int_equal(wait_res(10, false, 5).status, KV_OK);
+    assert_true(kv_now_ns() - t0 >= 300000000ull);
+    assert_true(same(&s, 4, &r, 4));
+    assert_int_equal(wait_res(10, true, 5).status, KV_OK);
+    side_stop(&s);
+    side_stop(&r);
+}
+
+static void test_cancels(void **st) {
+    (void)st;
+    reset();
+    struct side s, r;
+    side_start(&s, 2, 5, 60, NULL, 0);
+    side_start(&r, 2, 5, 60, "delay_request_ms=200", 0);
+    int32_t b[1] = {4};
+    struct kvx_aux ax = aux_of(T, 1);
+    /* receiver cancels while it waits: both sides end */
+    assert_int_equal(kvx_send_offer(s.a, 11, b, 1, &ax), KV_OK);
+    assert_int_equal(kvx_recv_start(r.a, 11, kvx_agent_endpoint(s.a), true, b, 1, T), KV_OK);
+    kvx_cancel(r.a, 11);
+    assert_int_equal(wait_res(11, false, 5).status, KV_ECANCELLED);
+    kvx_cancel(s.a, 11); /* (the receiver never connected: the sender cancels its own offer) */
+    assert_int_equal(wait_res(11, true, 5).status, KV_ECANCELLED);
+    /* a cancel for an id not seen yet is remembered */
+    kvx_cancel(s.a, 12);
+    assert_int_equal(kvx_send_offer(s.a, 12, b, 1, &ax), KV_OK);
+    assert_int_equal(wait_res(12, true, 5).status, KV_ECANCELLED);
+    kvx_cancel(r.a, 13);
+    assert_int_equal(kvx_recv_start(r.a, 13, kvx_agent_endpoint(s.a), true, b, 1, T), KV_OK);
+    assert_int_equal(wait_res(13, false, 5).status, KV_ECANCELLED);
+    /* sender cancels while the receiver's request is stored: the receiver hears it */
+    side_stop(&r);
+    side_start(&r, 2, 5, 60, NULL, 0);
+    assert_int_equal(kvx_recv_start(r.a, 14, kvx_agent_endpoint(s.a), false, b, 1, T), KV_OK);
+    struct kvx_stats stt;
+    for (int i = 0; i < 2000; i++) {
+        kvx_get_stats(s.a, &stt);
+        if (stt.stored_requests == 1) break;
+        struct timespec d = {0, 1000000};
+        nanosleep(&d, NULL);
+    }
+    assert_int_equal(kvx_send_offer(s.a, 15, b, 1, &ax), KV_OK); /* unrelated offer */
+    kvx_cancel(s.a, 15);
+    assert_int_equal(wait_res(15, true, 5).status, KV_ECANCELLED);
+    assert_int_equal(kvx_send_offer(s.a, 14, b, 1, &ax), KV_OK);
+    assert_int_equal(wait_res(14, false, 5).status, KV_OK);
+    assert_int_equal(wait_res(14, true, 5).status, KV_OK);
+    /* completion once, and a late cancel changes nothing (sticky) */
+    kvx_cancel(s.a, 14);
+    kvx_cancel(r.a, 14);
+    side_stop(&s);
+    side_stop(&r);
+    assert_int_equal(count_res(14, true), 1);
+    assert_int_equal(count_res(14, false), 1);
+}
+
+/* Stale sweep: context-first requests no offer claims get FAILED; generation-first ones are
+ * dropped silently (the receiver times out by itself); a later ordinary transfer works. */
+static void test_stale_sweep(void **st) {
+    (void)st;
+    reset();
+    struct side s, r;
+    side_start(&s, 2, 30, 1, NULL, 0);
+    side_start(&r, 2, 3, 60, NULL, 0);
+    int32_t b[1] = {5};
+    uint64_t t0 = kv_now_ns();
+    assert_int_equal(kvx_recv_start(r.a, 20, kvx_agent_endpoint(s.a), true, b, 1, T), KV_OK);
+    assert_int_equal(kvx_recv_start(r.a, 21, kvx_agent_endpoint(s.a), false, b, 1, T), KV_OK);
+    struct kvx_result a = wait_res(20, false, 5);
+    assert_int_equal(a.status, KV_EIO);
+    assert_non_null(strstr(a.message, "stale"));
+    assert_true(kv_now_ns() - t0 < 2900000000ull); /* by the sweep, not the 3 s deadline */
+    struct kvx_result g = wait_res(21, false, 6);
+    assert_int_equal(g.status, KV_EBUSY); /* its own deadline */
+    assert_true(kv_now_ns() - t0 >= 2900000000ull);
+    struct kvx_stats stt;
+    kvx_get_stats(s.a, &stt);
+    assert_int_equal(stt.stale_failed, 1);
+    assert_int_equal(stt.stale_dropped, 1);
+    struct kvx_aux ax = aux_of(T, 1);
+    fill(&s, 5, 3);
+    assert_int_equal(kvx_send_offer(s.a, 22, b, 1, &ax), KV_OK);
+    assert_int_equal(kvx_recv_start(r.a, 22, kvx_agent_endpoint(s.a), true, b, 1, T), KV_OK);
+    assert_int_equal(wait_res(22, false, 5).status, KV_OK);
+    assert_true(same(&s, 5, &r, 5));
+    side_stop(&s);
+    side_stop(&r);
+}
+
+/* Stop with transfers in flight: every offer and receive completes (cancelled), exactly once;
+ * a peer that is gone fails the other side; bad arguments are refused. */
+static void test_stop_and_bad_args(void **st) {
+    (void)st;
+    reset();
+    struct side s, r;
+    side_start(&s, 2, 5, 60, NULL, 0);
+    side_start(&r, 2, 5, 60, NULL, 0);
+    int32_t b[2] = {1, 2};
+    struct kvx_aux ax = aux_of(2 * T, 1);
+    assert_int_equal(kvx_send_offer(s.a, 30, b, 2, &ax), KV_OK);
+    assert_int_equal(kvx_recv_start(r.a, 31, kvx_agent_endpoint(s.a), false, b, 2, 2 * T), KV_OK);
+    assert_int_equal(kvx_send_offer(s.a, 30, b, 1, &ax), KV_EINVAL); /* counts */
+    assert_int_equal(kvx_recv_start(r.a, 32, "nohostport", true, b, 1, T), KV_EINVAL);
+    int32_t badb[1] = {NB};
+    assert_int_equal(kvx_send_offer(s.a, 33, badb, 1, &(struct kvx_aux){.n_tokens = T}), KV_EINVAL);
+    side_stop(&s);
+    assert_int_equal(wait_res(30, true, 5).status, KV_ECANCELLED);
+    assert_true(wait_res(31, false, 5).status != KV_OK); /* the sender went away */
+    /* nothing listens there any more */
+    assert_int_equal(kvx_recv_start(r.a, 34, "127.0.0.1:1", true, b, 1, T), KV_OK);
+    struct kvx_result rr = wait_res(34, false, 5);
+    assert_int_equal(rr.status, KV_EIO);
+    assert_non_null(strstr(rr.message, "connect"));
+    side_stop(&r);
+    assert_int_equal(count_res(30, true), 1);
+    assert_int_equal(count_res(31, false), 1);
+    char err[128];
+    struct kvx_faults f;
+    assert_int_equal(kvx_fault_parse("drop_done,delay_request_ms=5", &f, err, sizeof err), KV_OK);
+    assert_true(f.drop_done);
+    assert_int_equal(f.delay_request_ms, 5);
+    assert_int_equal(kvx_fault_parse("explode", &f, err, sizeof err), KV_EINVAL);
+    assert_non_null(strstr(err, "explode"));
+    enum kvx_transport_kind k;
+    assert_int_equal(kvx_transport_parse("tcp", &k), KV_OK);
+    assert_int_equal(kvx_transport_parse("carrier-pigeon", &k), KV_EINVAL);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_full_transfer),
+        cmocka_unit_test(test_suffix_and_generation_first),
+        cmocka_unit_test(test_bounce_path),
+        cmocka_unit_test(test_page_table_mismatch_refused),
+        cmocka_unit_test(test_drop_done),
+        cmocka_unit_test(test_drop_ready_and_fail_read),
+        cmocka_unit_test(test_delayed_request),
+        cmocka_unit_test(test_cancels),
+        cmocka_unit_test(test_stale_sweep),
+        cmocka_unit_test(test_stop_and_bad_args),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
