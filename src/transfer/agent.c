@@ -443,7 +443,7 @@ kv_status kvx_send_offer(kvx_agent_t *a, uint64_t id, const int32_t *blocks, int
         free(b);
         return KV_ENOMEM;
     }
-    memcpy(b, blocks, (size_t)n_blocks * sizeof *b);
+    if (n_blocks) memcpy(b, blocks, (size_t)n_blocks * sizeof *b);
     c->type = CMD_OFFER;
     c->id = id;
     c->blocks = b;
@@ -469,7 +469,7 @@ kv_status kvx_recv_start(kvx_agent_t *a, uint64_t id, const char *peer, bool con
         free(b);
         return KV_ENOMEM;
     }
-    memcpy(b, dst, (size_t)n_dst * sizeof *b);
+    if (n_dst) memcpy(b, dst, (size_t)n_dst * sizeof *b);
     c->type = CMD_RECV;
     c->id = id;
     c->blocks = b;
