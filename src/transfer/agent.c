@@ -17,7 +17,6 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include "transport.h"
 
 const char *kvx_transport_name(enum kvx_transport_kind k) {
     return k == KVX_TRANSPORT_UCX ? "ucx" : "tcp";
@@ -155,6 +154,47 @@ static void memo_add(struct kvx_agent *a, uint64_t id) {
 
 static uint64_t timeout_ns(const struct kvx_agent *a) { return (uint64_t)(a->cfg.timeout_s * 1e9); }
 
+/* ---------------------------------------------------------------- UCX peers */
+
+kvx_peer_t *agent_ucx_peer(struct kvx_agent *a, const char *endpoint, const uint8_t *desc, size_t n,
+                           char *why, size_t whylen) {
+    uint64_t h = 1469598103934665603ull; /* FNV-1a: tells a restarted peer's descriptor apart */
+    for (size_t i = 0; i < n; i++) h = (h ^ desc[i]) * 1099511628211ull;
+    char key[208];
+    snprintf(key, sizeof key, "%s#%016llx", endpoint, (unsigned long long)h);
+    for (int i = 0; i < a->n_peers; i++)
+        if (!strcmp(a->peers[i].key, key)) return a->peers[i].p;
+    kvx_peer_t *p = NULL;
+    if (a->tp->ops->connect(a->tp, desc, n, &p, why, whylen) != KV_OK) return NULL;
+    if (a->n_peers == 32) { /* bounded cache: drop the oldest */
+        a->tp->ops->disconnect(a->tp, a->peers[0].p);
+        memmove(a->peers, a->peers + 1, 31 * sizeof a->peers[0]);
+        a->n_peers--;
+    }
+    snprintf(a->peers[a->n_peers].key, sizeof a->peers[0].key, "%s", key);
+    a->peers[a->n_peers++].p = p;
+    return p;
+}
+
+void agent_ucx_forget(struct kvx_agent *a, kvx_peer_t *p) {
+    for (int i = 0; i < a->n_peers; i++)
+        if (a->peers[i].p == p) {
+            a->tp->ops->disconnect(a->tp, p);
+            a->peers[i] = a->peers[--a->n_peers];
+            return;
+        }
+}
+
+static void ucx_progress(struct kvx_agent *a) {
+    if (!a->tp) return;
+    struct kvx_completion done[32];
+    for (int guard = 0; guard < 64; guard++) {
+        int n = a->tp->ops->progress(a->tp, done, 32, 0);
+        if (n <= 0) return;
+        for (int i = 0; i < n; i++) conn_read_done(a, &done[i]);
+    }
+}
+
 /* ---------------------------------------------------------------- commands */
 
 static void do_offer(struct kvx_agent *a, struct cmd *c) {
@@ -231,7 +271,16 @@ static void check_deadlines(struct kvx_agent *a, uint64_t now) {
         }
     }
     for (struct conn *c = a->conns; c; c = c->next) {
-        if (c->st == CS_CLOSED) continue;
+        if (c->st == CS_CLOSED) {
+            if (c->read_inflight && now >= c->deadline_ns + 2 * timeout_ns(a)) {
+                KV_ERROR("kv transfer: a read for %llu never completed; giving up on it",
+                         (unsigned long long)c->id);
+                struct kvx_completion k = {.cookie = c->cookie, .status = KV_EIO};
+                snprintf(k.message, sizeof k.message, "transport read never completed");
+                conn_read_done(a, &k);
+            }
+            continue;
+        }
         if (c->is_recv && c->st == CS_DONE_SENT) { /* lingering (drop_done): bounded */
             if (now >= c->deadline_ns + timeout_ns(a)) conn_close(c);
             continue;
@@ -291,7 +340,7 @@ static void stale_sweep(struct kvx_agent *a, uint64_t now) {
 static void unlink_closed(struct kvx_agent *a) {
     for (struct conn **pp = &a->conns; *pp;) {
         struct conn *c = *pp;
-        if (c->st == CS_CLOSED) {
+        if (c->st == CS_CLOSED && !c->read_inflight) {
             *pp = c->next;
             conn_free(c);
         } else {
@@ -313,6 +362,7 @@ static void *agent_main(void *arg) {
         pthread_mutex_unlock(&a->mu);
         run_cmds(a);
         if (stop) break;
+        ucx_progress(a);
         uint64_t now = kv_now_ns();
         check_deadlines(a, now);
         if (now - a->last_sweep_ns >= 1000000000ull) {
@@ -323,7 +373,7 @@ static void *agent_main(void *arg) {
         for (struct conn *c = a->conns; c; c = c->next)
             if (c->start_at_ns && now >= c->start_at_ns && c->st != CS_CLOSED) conn_io(a, c, 0);
         unlink_closed(a);
-        int n = 2;
+        int n = 3;
         for (struct conn *c = a->conns; c; c = c->next) n++;
         if (n > cap) {
             int nc = n * 2;
@@ -342,7 +392,12 @@ static void *agent_main(void *arg) {
         pfd[1] = (struct pollfd){a->listen_fd, POLLIN, 0};
         int k = 2;
         int timeout = 200;
+        int efd = a->tp && a->tp->ops->event_fd ? a->tp->ops->event_fd(a->tp) : -1;
         for (struct conn *c = a->conns; c; c = c->next) {
+            /* UCX reads complete only through progress (and RMA over tcp needs the exposing
+             * side to progress too): poll briskly while any UCX transfer is live */
+            if (c->ucx && (c->read_inflight || c->st == CS_WAIT_DONE)) timeout = c->read_inflight ? 0 : 1;
+            if (c->st == CS_CLOSED) continue;
             if (c->start_at_ns) {
                 int64_t ms = (int64_t)(c->start_at_ns - now) / 1000000 + 1;
                 if (ms < timeout) timeout = ms > 0 ? (int)ms : 0;
@@ -365,6 +420,15 @@ static void *agent_main(void *arg) {
             a->stats.stored_requests = nst;
             pthread_mutex_unlock(&a->mu);
         }
+        int first_conn = 2;
+        if (efd >= 0) {
+            pfd[k] = pfd[1];
+            pc[k] = NULL;
+            pfd[1] = (struct pollfd){efd, POLLIN, 0};
+            pfd[k].revents = 0;
+            k++;
+            first_conn = 2;
+        }
         int r = poll(pfd, (nfds_t)k, timeout);
         if (r < 0 && errno != EINTR) {
             KV_ERROR("kv transfer: poll failed: %s", strerror(errno));
@@ -378,15 +442,16 @@ static void *agent_main(void *arg) {
             while (read(a->wake[0], buf, sizeof buf) > 0) {
             }
         }
-        if (pfd[1].revents & POLLIN) {
-            for (int i = 0; i < 64; i++) {
+        for (int i = 1; i < k; i++) {
+            if (pfd[i].fd != a->listen_fd || !(pfd[i].revents & POLLIN)) continue;
+            for (int j = 0; j < 64; j++) {
                 int fd = accept(a->listen_fd, NULL, NULL);
                 if (fd < 0) break;
                 conn_accept(a, fd);
             }
         }
-        for (int i = 2; i < k; i++)
-            if (pfd[i].revents && pc[i]->st != CS_CLOSED) conn_io(a, pc[i], pfd[i].revents);
+        for (int i = first_conn; i < k; i++)
+            if (pc[i] && pfd[i].revents && pc[i]->st != CS_CLOSED) conn_io(a, pc[i], pfd[i].revents);
     }
     /* stop: every live transfer ends as cancelled */
     for (struct conn *c = a->conns; c; c = c->next)
@@ -397,6 +462,28 @@ static void *agent_main(void *arg) {
         agent_complete(a, id, true, KV_ECANCELLED, NULL, 0, "transfer agent stopped");
     }
     for (struct conn *c = a->conns; c; c = c->next) conn_close(c);
+    if (a->tp) { /* reads still in flight end (cancelled) before the transport goes */
+        uint64_t end = kv_now_ns() + 2000000000ull;
+        for (;;) {
+            bool live = false;
+            for (struct conn *c = a->conns; c; c = c->next) live |= c->read_inflight;
+            if (!live || kv_now_ns() > end) break;
+            ucx_progress(a);
+        }
+        for (int i = 0; i < a->n_peers; i++) a->tp->ops->disconnect(a->tp, a->peers[i].p);
+        a->n_peers = 0;
+        a->tp->ops->destroy(a->tp);
+        a->tp = NULL;
+        for (struct conn *c = a->conns; c; c = c->next)
+            if (c->read_inflight) {
+                c->read_inflight = false;
+                if (c->is_recv && !c->completed) {
+                    c->completed = true;
+                    agent_complete(a, c->id, false, c->abort_pending ? c->abort_st : KV_ECANCELLED,
+                                   NULL, 0, "transfer agent stopped");
+                }
+            }
+    }
     unlink_closed(a);
     free(pfd);
     free(pc);
@@ -561,6 +648,26 @@ kv_status kvx_agent_start(const struct kvx_config *cfg, kvx_agent_t **out, char 
         kvx_agent_stop(a);
         return st;
     }
+    if (cfg->transport == KVX_TRANSPORT_UCX) {
+        const char *h = cfg->host && *cfg->host ? cfg->host : "127.0.0.1";
+        kv_buf desc;
+        kv_buf_init(&desc);
+        kv_status st = kvx_transport_ucx_new(h, &a->tp, err, errlen);
+        if (st == KV_OK)
+            st = a->tp->ops->expose(a->tp, cfg->pool_base, (size_t)cfg->n_blocks * a->pt.views[0].block_bytes,
+                                    &desc, err, errlen);
+        if (st == KV_OK) {
+            a->desc_hex = kv_malloc(desc.len * 2 + 1);
+            if (!a->desc_hex) st = kv_errf(KV_ENOMEM, err, errlen, "out of memory");
+            for (size_t i = 0; a->desc_hex && i < desc.len; i++)
+                snprintf(a->desc_hex + 2 * i, 3, "%02x", (unsigned)(uint8_t)desc.data[i]);
+        }
+        kv_buf_free(&desc);
+        if (st != KV_OK) {
+            kvx_agent_stop(a);
+            return st;
+        }
+    }
     a->last_sweep_ns = kv_now_ns();
     if (pthread_create(&a->thread, NULL, agent_main, a) != 0) {
         kvx_agent_stop(a);
@@ -592,6 +699,8 @@ void kvx_agent_stop(kvx_agent_t *a) {
     if (a->listen_fd >= 0) close(a->listen_fd);
     if (a->wake[0] >= 0) close(a->wake[0]);
     if (a->wake[1] >= 0) close(a->wake[1]);
+    if (a->tp) a->tp->ops->destroy(a->tp); /* (a failed start) */
+    free(a->desc_hex);
     kvx_page_table_free(&a->pt);
     free(a->memo);
     pthread_mutex_destroy(&a->mu);

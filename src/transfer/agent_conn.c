@@ -95,6 +95,14 @@ static void send_done(struct kvx_agent *a, struct conn *c, kv_status st, const c
 
 static void recv_done(struct kvx_agent *a, struct conn *c, kv_status st, const char *fmt, const char *arg) {
     if (c->completed) return;
+    if (c->read_inflight && st != KV_OK) { /* the read may still land: complete when it drained */
+        if (!c->abort_pending) {
+            c->abort_pending = true;
+            c->abort_st = st;
+            snprintf(c->abort_msg, sizeof c->abort_msg, fmt ? fmt : "%s", arg ? arg : "");
+        }
+        return;
+    }
     c->completed = true;
     agent_complete(a, c->id, false, st, st == KV_OK ? &c->aux : NULL, c->moved, fmt, arg ? arg : "");
 }
@@ -188,8 +196,9 @@ static kv_status start_connect(struct kvx_agent *a, struct conn *c, char *why, s
     json_t *pt = kvx_page_table_to_json(&a->pt);
     char ids[24];
     snprintf(ids, sizeof ids, "%llu", (unsigned long long)c->id);
-    json_t *o = pt ? json_pack("{s:s, s:s, s:b, s:i, s:i, s:o}", "t", "req", "id", ids, "context_first",
-                               c->context_first, "n_dst", c->n_dst, "n_tokens", c->n_tokens, "pt", pt)
+    json_t *o = pt ? json_pack("{s:s, s:s, s:b, s:i, s:i, s:o, s:s}", "t", "req", "id", ids,
+                               "context_first", c->context_first, "n_dst", c->n_dst, "n_tokens",
+                               c->n_tokens, "pt", pt, "tp", a->tp ? "ucx" : "tcp")
                    : NULL;
     if (queue_json(c, o) != KV_OK) return kv_errf(KV_ENOMEM, why, whylen, "out of memory");
     return KV_OK;
@@ -225,6 +234,96 @@ void conn_open_recv(struct kvx_agent *a, const struct cmd *cmd) {
     }
 }
 
+static void recv_finish(struct kvx_agent *a, struct conn *c);
+
+/* UCX: read the sender's blocks (READY's "src" ids) straight into ours. */
+static kv_status ucx_start_read(struct kvx_agent *a, struct conn *c, json_t *o, const char *hex,
+                                char *why, size_t whylen) {
+    size_t hl = strlen(hex);
+    json_t *src = json_object_get(o, "src");
+    if (hl % 2 || hl > (8u << 20) || !json_is_array(src) || (int)json_array_size(src) != c->n_dst)
+        return kv_errf(KV_EIO, why, whylen, "malformed UCX READY");
+    uint8_t *desc = kv_malloc(hl / 2 + 1);
+    if (!desc) return kv_errf(KV_ENOMEM, why, whylen, "out of memory");
+    for (size_t i = 0; i < hl / 2; i++) {
+        unsigned v;
+        if (sscanf(hex + 2 * i, "%2x", &v) != 1) {
+            free(desc);
+            return kv_errf(KV_EIO, why, whylen, "malformed UCX descriptor");
+        }
+        desc[i] = (uint8_t)v;
+    }
+    struct kvx_page_table ppt;
+    if (kvx_page_table_from_json(json_object_get(o, "pt"), &ppt, why, whylen) != KV_OK) {
+        free(desc);
+        return KV_EIO;
+    }
+    struct kvx_map m;
+    kv_status st = kvx_page_table_match(&a->pt, &ppt, &m, why, whylen);
+    kvx_page_table_free(&ppt);
+    if (st) {
+        free(desc);
+        return KV_EINVAL;
+    }
+    int32_t *sb = kv_malloc((size_t)(c->n_dst ? c->n_dst : 1) * sizeof *sb);
+    struct kvx_run *runs = NULL;
+    int n_runs = 0;
+    if (!sb) st = KV_ENOMEM;
+    for (int i = 0; !st && i < c->n_dst; i++) {
+        json_t *v = json_array_get(src, (size_t)i);
+        if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) > INT32_MAX) st = KV_EIO;
+        else sb[i] = (int32_t)json_integer_value(v);
+    }
+    if (!st) st = kvx_map_runs(&m, sb, c->dst, c->n_dst, a->cfg.pool_base, &runs, &n_runs);
+    kvx_map_free(&m);
+    free(sb);
+    if (st) {
+        free(desc);
+        return kv_errf(st, why, whylen, "bad UCX READY (%s)", kv_status_str(st));
+    }
+    kvx_peer_t *p = agent_ucx_peer(a, c->peer, desc, hl / 2, why, whylen);
+    free(desc);
+    struct kvx_frag *fr = p ? kv_malloc((size_t)(n_runs ? n_runs : 1) * sizeof *fr) : NULL;
+    if (!p || !fr) {
+        free(runs);
+        free(fr);
+        return p ? kv_errf(KV_ENOMEM, why, whylen, "out of memory") : KV_EIO;
+    }
+    for (int i = 0; i < n_runs; i++) fr[i] = (struct kvx_frag){runs[i].src_off, runs[i].dst, runs[i].len};
+    free(runs);
+    c->cookie = ++a->cookie_seq;
+    c->ucx = true;
+    st = a->tp->ops->read(a->tp, p, 0, fr, n_runs, c->cookie, why, whylen);
+    free(fr);
+    if (st != KV_OK) {
+        agent_ucx_forget(a, p);
+        return KV_EIO;
+    }
+    c->read_inflight = true;
+    return KV_OK;
+}
+
+void conn_read_done(struct kvx_agent *a, const struct kvx_completion *k) {
+    struct conn *c = a->conns;
+    while (c && !(c->is_recv && c->read_inflight && c->cookie == k->cookie)) c = c->next;
+    if (!c) return;
+    c->read_inflight = false;
+    if (c->abort_pending) { /* failed or cancelled meanwhile: now the blocks are ours again */
+        c->completed = true;
+        agent_complete(a, c->id, false, c->abort_st, NULL, 0, "%s", c->abort_msg);
+        if (c->st != CS_CLOSED) conn_fail(a, c, c->abort_msg);
+        return;
+    }
+    if (c->st == CS_CLOSED) return;
+    if (k->status != KV_OK) {
+        recv_done(a, c, KV_EIO, "KV transfer: UCX read failed: %s", k->message);
+        conn_fail(a, c, "read failed");
+        return;
+    }
+    c->moved = c->total;
+    recv_finish(a, c);
+}
+
 static kv_status on_ready(struct kvx_agent *a, struct conn *c, json_t *o, char *why, size_t whylen) {
     struct kvx_page_table ppt;
     if (kvx_page_table_from_json(json_object_get(o, "pt"), &ppt, why, whylen) != KV_OK) return KV_EIO;
@@ -253,6 +352,8 @@ static kv_status on_ready(struct kvx_agent *a, struct conn *c, json_t *o, char *
     if (bytes != c->total)
         return kv_errf(KV_EIO, why, whylen, "the sender announced %llu bytes, %llu expected",
                        (unsigned long long)bytes, (unsigned long long)c->total);
+    const char *hex = json_string_value(json_object_get(o, "ucx"));
+    if (hex && a->tp) return ucx_start_read(a, c, o, hex, why, whylen);
     if (staged) { /* read one run into staging, scatter when complete */
         c->staging = kv_malloc(c->total ? c->total : 1);
         if (!c->staging) return kv_errf(KV_ENOMEM, why, whylen, "out of memory (staging)");
@@ -325,7 +426,7 @@ void conn_serve(struct kvx_agent *a, struct conn *c, struct offer *o) {
         conn_fail(a, c, "out of memory");
         return;
     }
-    bool staged = use_bounce(a, c->n_runs, c->total, bb);
+    bool staged = !c->ucx && use_bounce(a, c->n_runs, c->total, bb);
     if (staged) {
         c->staging = kv_malloc(c->total);
         if (c->staging) {
@@ -349,6 +450,12 @@ void conn_serve(struct kvx_agent *a, struct conn *c, struct offer *o) {
                                           o->aux.n_tokens, "cached_tokens", o->aux.cached_tokens, "first",
                                           first, "pt", pt)
                               : NULL;
+    if (msg && c->ucx) { /* the receiver reads; we only tell it where */
+        json_t *ids = json_array();
+        for (int i = 0; i < c->n_dst && ids; i++) json_array_append_new(ids, json_integer(src[i]));
+        json_object_set_new(msg, "src", ids ? ids : json_null());
+        json_object_set_new(msg, "ucx", json_string(a->desc_hex));
+    }
     if (queue_json(c, msg) != KV_OK) {
         conn_fail(a, c, "out of memory");
         return;
@@ -356,7 +463,8 @@ void conn_serve(struct kvx_agent *a, struct conn *c, struct offer *o) {
     o->conn = c;
     c->offer = o;
     c->deadline_ns = kv_now_ns() + (uint64_t)(a->cfg.timeout_s * 1e9);
-    c->st = c->total ? CS_SEND_DATA : CS_WAIT_DONE;
+    c->st = c->total && !c->ucx ? CS_SEND_DATA : CS_WAIT_DONE;
+    if (c->ucx) c->moved = c->total; /* counted as sent once DONE arrives */
 }
 
 static void on_req(struct kvx_agent *a, struct conn *c, json_t *o) {
@@ -374,6 +482,8 @@ static void on_req(struct kvx_agent *a, struct conn *c, json_t *o) {
     c->context_first = json_is_true(json_object_get(o, "context_first"));
     c->n_dst = (int)json_integer_value(nd);
     c->n_tokens = (int)json_integer_value(nt);
+    const char *tp = json_string_value(json_object_get(o, "tp"));
+    c->ucx = a->tp && tp && !strcmp(tp, "ucx"); /* both sides UCX, else the TCP stream */
     if (kvx_page_table_from_json(json_object_get(o, "pt"), &c->peer_pt, why, sizeof why) != KV_OK) {
         conn_fail(a, c, why);
         return;
@@ -473,7 +583,7 @@ static void on_eof(struct kvx_agent *a, struct conn *c, const char *what) {
 
 static void do_read(struct kvx_agent *a, struct conn *c) {
     for (int guard = 0; guard < 256 && c->st != CS_CLOSED; guard++) {
-        if (c->st == CS_RECV_DATA) {
+        if (c->st == CS_RECV_DATA && !c->ucx) {
             struct iovec iov[IOV_MAX_BATCH];
             int n = 0;
             for (int i = c->run_i; i < c->n_runs && n < IOV_MAX_BATCH; i++) {

@@ -18,6 +18,7 @@
 #include <pthread.h>
 
 #include "transfer.h"
+#include "transport.h"
 
 #define KVX_MAX_FRAME (16u << 20)
 
@@ -80,6 +81,14 @@ struct conn {
     struct kvx_aux aux;        /* receiver: from READY */
     struct kvx_page_table peer_pt; /* sender: the receiver's page table (from REQ) */
     bool close_after_flush;
+    /* UCX data path (both sides use UCX): the receiver reads with the transport, the sender
+     * only waits for DONE */
+    bool ucx;
+    uint64_t cookie;           /* receiver: the transport read's cookie */
+    bool read_inflight;        /* receiver: a read may still be writing our blocks */
+    bool abort_pending;        /* a failure/cancel waits for the read to drain (BUG-08) */
+    kv_status abort_st;
+    char abort_msg[160];
 };
 
 struct cmd {
@@ -120,6 +129,15 @@ struct kvx_agent {
     uint64_t finished[1024];   /* ids whose send ended (REQ for them gets FAILED) */
     int n_finished;
     uint64_t last_sweep_ns;
+    /* UCX transport (cfg.transport == ucx) */
+    kvx_transport_t *tp;
+    char *desc_hex;            /* our exposed pool's descriptor, hex */
+    struct {
+        char key[208];         /* endpoint + "#" + descriptor hash */
+        kvx_peer_t *p;
+    } peers[32];
+    int n_peers;
+    uint64_t cookie_seq;
 };
 
 /* ---- agent.c ---- */
@@ -150,5 +168,11 @@ void conn_cancel(struct kvx_agent *a, struct conn *c);
 /* Closes the socket and frees buffers (the struct stays until the sweep unlinks it). */
 void conn_close(struct conn *c);
 void conn_free(struct conn *c);
+/* A transport read finished (receiver, UCX). */
+void conn_read_done(struct kvx_agent *a, const struct kvx_completion *k);
+/* UCX: the cached transport peer for endpoint/descriptor (connects on first use); NULL + why. */
+kvx_peer_t *agent_ucx_peer(struct kvx_agent *a, const char *endpoint, const uint8_t *desc, size_t n,
+                           char *why, size_t whylen);
+void agent_ucx_forget(struct kvx_agent *a, kvx_peer_t *p);
 
 #endif
