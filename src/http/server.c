@@ -1,7 +1,8 @@
 /*
- * server: the listener and lifecycle of the HTTP front: routing table, body limit, signals,
- * start (http_serve) and stop (http_server_stop, SIGINT/SIGTERM: stop accepting, cancel live
- * generations, end /kv_events streams, wait up to 10 s for terminal events).
+ * server: the lifecycle of the worker's HTTP front: routing table, start (http_serve) and stop
+ * (http_server_stop, SIGINT/SIGTERM: stop accepting, cancel live generations, end /kv_events
+ * streams, wait up to 10 s for terminal events). Binding, limits, accept backoff and signals
+ * are the shared http_listener's (listener.c).
  * The other parts: reply.c, gen.c, handlers.c, kv_stream.c (see server_internal.h).
  */
 #include <errno.h>
@@ -20,10 +21,9 @@
 
 #include "server_internal.h"
 
-struct server http_srv = {.mu = PTHREAD_MUTEX_INITIALIZER};
-
-static struct event *g_stop_ev; /* set while serving; event_active'd by http_server_stop */
-static pthread_mutex_t g_stop_mu = PTHREAD_MUTEX_INITIALIZER;
+struct server http_srv = {.mu = PTHREAD_MUTEX_INITIALIZER,
+                          .reply = {.ctr = &http_srv.ctr, .id_header = "X-Kvserve-Worker",
+                                    .id_value = http_srv.worker_id}};
 
 enum route_id { R_COMPLETIONS, R_CHAT, R_MODELS, R_HEALTH, R_TOKENIZE, R_DETOKENIZE, R_METRICS,
                 R_KV_EVENTS, R_SERVER_INFO };
@@ -43,28 +43,8 @@ static const struct {
     {"/server_info", EVHTTP_REQ_GET, R_SERVER_INFO},
 };
 
-/* Body limit answered with OpenAI error JSON. libevent 2.1 answers bodies over its own cap
- * with an HTML 413 and offers no hook to change that body, so its cap is set higher
- * (body_hard_cap) and bodies between the two limits get the JSON 413 here. */
-static size_t body_limit;
-#define HTTP_MAX_HEADERS_BYTES (1 << 20) /* request line + headers */
-
-static size_t body_hard_cap(size_t limit) {
-    size_t cap = limit * 4;
-    return cap < ((size_t)64 << 20) ? ((size_t)64 << 20) : cap;
-}
-
 static void on_request(struct evhttp_request *req, void *arg) {
-    (void)arg;
-    srv.ctr.http_requests_total++;
-    size_t body_len = evbuffer_get_length(evhttp_request_get_input_buffer(req));
-    if (body_len > body_limit) {
-        char msg[160];
-        snprintf(msg, sizeof msg, "request body of %zu bytes exceeds the limit of %zu bytes",
-                 body_len, body_limit);
-        http_send_errf(req, 413, "invalid_request_error", NULL, "request_too_large", msg);
-        return;
-    }
+    (void)arg; /* counted and size-checked by the listener */
     const struct evhttp_uri *u = evhttp_request_get_evhttp_uri(req);
     const char *path = u ? evhttp_uri_get_path(u) : NULL;
     if (!path || !*path) path = "/";
@@ -100,35 +80,7 @@ static void on_request(struct evhttp_request *req, void *arg) {
 
 /* ------------------------------------------------------------------ start / stop */
 
-static struct evhttp_bound_socket *g_bound;
 static struct event *g_grace_timer;
-static struct event *g_accept_timer; /* re-enables the listener after an accept() failure */
-static uint64_t g_accept_errors, g_accept_logged_ns;
-
-/* accept() failed for a reason libevent does not retry by itself (EMFILE / ENFILE / ENOBUFS:
- * out of descriptors or memory). libevent's default is to log a warning and retry at once,
- * a busy loop that burns a core and writes ~400k log lines a second while the condition lasts.
- * Pause accepting for 100 ms instead, and log at most every 10 s. */
-static void on_accept_resume(evutil_socket_t fd, short what, void *arg) {
-    (void)fd;
-    (void)what;
-    (void)arg;
-    if (g_bound && !srv.stopping) evconnlistener_enable(evhttp_bound_socket_get_listener(g_bound));
-}
-
-static void on_accept_error(struct evconnlistener *l, void *arg) {
-    (void)arg;
-    int err = EVUTIL_SOCKET_ERROR();
-    g_accept_errors++;
-    uint64_t now = kv_now_ns();
-    if (g_accept_logged_ns == 0 || now - g_accept_logged_ns > 10000000000ull) {
-        KV_WARN("http: accept() failed: %s (%llu time(s)); pausing new connections for 100 ms",
-                evutil_socket_error_to_string(err), (unsigned long long)g_accept_errors);
-        g_accept_logged_ns = now;
-    }
-    struct timeval tv = {0, 100000};
-    if (g_accept_timer && evconnlistener_disable(l) == 0) evtimer_add(g_accept_timer, &tv);
-}
 
 static void on_grace(evutil_socket_t fd, short what, void *arg) {
     (void)fd;
@@ -139,15 +91,13 @@ static void on_grace(evutil_socket_t fd, short what, void *arg) {
     event_base_loopbreak(srv.base);
 }
 
-static void begin_stop(void) {
+/* The listener's on_stop: the listening socket is closed; cancel live generations, end the
+ * /kv_events streams, and break the loop when they are done (or the grace period ends). */
+static void begin_stop(void *arg) {
+    (void)arg;
     if (srv.stopping) return;
     srv.stopping = true;
     KV_INFO("http: stopping (%d live request(s) cancelled)", srv.n_live);
-    if (g_accept_timer) evtimer_del(g_accept_timer);
-    if (g_bound) {
-        evhttp_del_accept_socket(srv.http, g_bound);
-        g_bound = NULL;
-    }
     gen_cancel_all();
     bool had_streams = srv.n_subs > 0;
     kvstream_close_all(); /* final chunks queued */
@@ -163,40 +113,13 @@ static void begin_stop(void) {
     else event_base_loopbreak(srv.base);
 }
 
-static bool g_signalled; /* a SIGINT/SIGTERM started the stop */
-
-static void on_signal(evutil_socket_t sig, short what, void *arg) {
-    (void)what;
-    (void)arg;
-    g_signalled = true;
-    KV_INFO("http: received signal %d", (int)sig);
-    begin_stop();
-}
-
-static void on_stop_ev(evutil_socket_t fd, short what, void *arg) {
-    (void)fd;
-    (void)what;
-    (void)arg;
-    begin_stop();
-}
+static pthread_mutex_t g_stop_mu = PTHREAD_MUTEX_INITIALIZER; /* guards g_stop_listener */
+static struct http_listener *g_stop_listener; /* set while serving */
 
 void http_server_stop(void) {
     pthread_mutex_lock(&g_stop_mu);
-    if (g_stop_ev) event_active(g_stop_ev, EV_READ, 0);
+    if (g_stop_listener) http_listener_stop(g_stop_listener);
     pthread_mutex_unlock(&g_stop_mu);
-}
-
-static kv_status write_port_file(const char *path, int port, char *err, size_t errlen) {
-    char tmp[4200];
-    snprintf(tmp, sizeof tmp, "%s.tmp%d", path, (int)getpid());
-    FILE *f = fopen(tmp, "w");
-    if (!f) return kv_errf(KV_EIO, err, errlen, "cannot write port file %s: %s", tmp, strerror(errno));
-    fprintf(f, "%d\n", port);
-    if (fclose(f) != 0 || rename(tmp, path) != 0) {
-        unlink(tmp);
-        return kv_errf(KV_EIO, err, errlen, "cannot write port file %s: %s", path, strerror(errno));
-    }
-    return KV_OK;
 }
 
 kv_status http_serve(const struct http_config *cfg, engine_t *e, const model_t *m,
@@ -222,88 +145,54 @@ kv_status http_serve(const struct http_config *cfg, engine_t *e, const model_t *
     srv.subs = NULL;
     srv.n_subs = 0;
     srv.stopping = false;
-    g_signalled = false;
+    srv.worker_id[0] = 0;
     memset(&srv.ctr, 0, sizeof srv.ctr);
     kv_rng_seed(&srv.rng, kv_now_ns() ^ ((uint64_t)getpid() << 32));
     const char *host = cfg->host && *cfg->host ? cfg->host : "127.0.0.1";
 
     srv.base = event_base_new();
-    srv.http = srv.base ? evhttp_new(srv.base) : NULL;
     srv.wake = srv.base ? event_new(srv.base, -1, 0, gen_on_wake, NULL) : NULL;
-    struct event *stop_ev = srv.base ? event_new(srv.base, -1, 0, on_stop_ev, NULL) : NULL;
-    struct event *sigint = srv.base ? evsignal_new(srv.base, SIGINT, on_signal, NULL) : NULL;
-    struct event *sigterm = srv.base ? evsignal_new(srv.base, SIGTERM, on_signal, NULL) : NULL;
-    if (!srv.http || !srv.wake || !stop_ev || !sigint || !sigterm) {
+    if (!srv.base || !srv.wake) {
         st = kv_errf(KV_ENOMEM, err, errlen, "cannot create the event loop");
         goto done;
     }
-    evsignal_add(sigint, NULL);
-    evsignal_add(sigterm, NULL);
-    body_limit = cfg->max_body_bytes ? cfg->max_body_bytes : (size_t)16 << 20;
-    evhttp_set_max_body_size(srv.http, (ev_ssize_t)body_hard_cap(body_limit));
-    /* libevent's default is no limit: a client could make us buffer gigabytes of headers */
-    evhttp_set_max_headers_size(srv.http, HTTP_MAX_HEADERS_BYTES);
-    evhttp_set_flags(srv.http, EVHTTP_SERVER_LINGERING_CLOSE);
-    evhttp_set_timeout(srv.http, 3600); /* a stream may wait long in the queue */
-    evhttp_set_allowed_methods(srv.http, EVHTTP_REQ_GET | EVHTTP_REQ_POST | EVHTTP_REQ_HEAD |
-                                             EVHTTP_REQ_PUT | EVHTTP_REQ_DELETE |
-                                             EVHTTP_REQ_OPTIONS | EVHTTP_REQ_PATCH);
-    evhttp_set_gencb(srv.http, on_request, NULL);
-    int port = cfg->port < 0 ? 8000 : cfg->port;
-    g_bound = evhttp_bind_socket_with_handle(srv.http, host, (ev_uint16_t)port);
-    if (!g_bound) { /* errno is 0 when the address did not resolve */
-        st = kv_errf(KV_EIO, err, errlen, "cannot listen on %s:%d: %s", host, port,
-                     errno ? strerror(errno) : "cannot resolve the address");
-        goto done;
-    }
-    g_accept_timer = evtimer_new(srv.base, on_accept_resume, NULL);
-    g_accept_errors = g_accept_logged_ns = 0;
-    evconnlistener_set_error_cb(evhttp_bound_socket_get_listener(g_bound), on_accept_error);
-    struct sockaddr_storage ss;
-    socklen_t sl = sizeof ss;
-    if (getsockname(evhttp_bound_socket_get_fd(g_bound), (struct sockaddr *)&ss, &sl) == 0) {
-        if (ss.ss_family == AF_INET) port = ntohs(((struct sockaddr_in *)&ss)->sin_port);
-        else if (ss.ss_family == AF_INET6) port = ntohs(((struct sockaddr_in6 *)&ss)->sin6_port);
-    }
+    /* X-Kvserve-Worker before the listener starts: KVSERVE_WORKER_ID, else host:port (the
+     * port is known only after binding; nothing is answered before it is set below) */
     const char *wid = getenv("KVSERVE_WORKER_ID");
+    struct http_listener_config lc = {
+        .name = "http", .host = host, .port = cfg->port, .port_file = NULL,
+        .max_body_bytes = cfg->max_body_bytes, .timeout_s = 3600, /* a stream may wait long */
+        .handle_signals = true, .reply = &srv.reply, .on_request = on_request,
+        .on_stop = begin_stop, .arg = NULL};
+    if ((st = http_listener_start(srv.base, &lc, &srv.listener, err, errlen))) goto done;
+    int port = http_listener_port(srv.listener);
     if (wid && *wid) snprintf(srv.worker_id, sizeof srv.worker_id, "%s", wid);
     else snprintf(srv.worker_id, sizeof srv.worker_id, "%s:%d", host, port);
-    if (cfg->port_file && *cfg->port_file && (st = write_port_file(cfg->port_file, port, err, errlen)))
+    if (cfg->port_file && *cfg->port_file &&
+        (st = http_write_port_file(cfg->port_file, port, err, errlen)))
         goto done;
+    srv.http = http_listener_evhttp(srv.listener);
     KV_INFO("http: listening on http://%s:%d (model '%s', max_model_len %d)", host, port,
             srv.model_name, srv.lim.max_model_len);
     pthread_mutex_lock(&g_stop_mu);
-    g_stop_ev = stop_ev;
+    g_stop_listener = srv.listener;
     pthread_mutex_unlock(&g_stop_mu);
     event_base_dispatch(srv.base);
     pthread_mutex_lock(&g_stop_mu);
-    g_stop_ev = NULL;
+    g_stop_listener = NULL;
     pthread_mutex_unlock(&g_stop_mu);
     KV_INFO("http: stopped");
 done:
     gen_shutdown();
     kvstream_close_all();
-    if (srv.http) evhttp_free(srv.http);
+    http_listener_free(srv.listener); /* frees the evhttp and every connection */
+    srv.listener = NULL;
     srv.http = NULL;
-    g_bound = NULL;
     if (g_grace_timer) event_free(g_grace_timer);
     g_grace_timer = NULL;
-    if (g_accept_timer) event_free(g_accept_timer);
-    g_accept_timer = NULL;
-    if (sigint) event_free(sigint);
-    if (sigterm) event_free(sigterm);
-    /* Freeing the signal events restored the default action (terminate). Once a signal has
-     * asked us to stop, a repeated SIGINT/SIGTERM (process managers, `timeout` and shells
-     * send several) must not kill the process mid-teardown with a signal status. */
-    if (g_signalled) {
-        signal(SIGINT, SIG_IGN);
-        signal(SIGTERM, SIG_IGN);
-    }
-    if (stop_ev) event_free(stop_ev);
     if (srv.wake) event_free(srv.wake);
     srv.wake = NULL;
     if (srv.base) event_base_free(srv.base);
     srv.base = NULL;
     return st;
 }
-

@@ -1,8 +1,10 @@
 /*
  * Loop-thread state of the HTTP server, shared by its translation units (not a public API):
  *
- *   server.c    listener, routing table, signals, start/stop (http_serve, http_server_stop)
- *   reply.c     plain replies: JSON bodies, OpenAI error JSON, status counters
+ *   server.c    routing table, start/stop (http_serve, http_server_stop) on an http_listener
+ *   listener.c  the generic listener shared with the router (bind, limits, signals; listener.h)
+ *   reply.c     plain replies: JSON bodies, OpenAI error JSON, status counters (the worker's
+ *               reply context srv.reply; the router has its own)
  *   gen.c       generation requests: engine thread -> loop queue, event handling, SSE
  *               backpressure, client disconnects (the struct gen lifecycle drawn there)
  *   handlers.c  route handlers: completions/chat (parse -> render -> tokenize -> submit),
@@ -22,6 +24,7 @@
 
 #include "http.h"
 #include "http_internal.h"
+#include "listener.h"
 
 struct gen;
 struct qev;
@@ -48,6 +51,8 @@ struct server {
     int n_subs;
     bool stopping;
     struct http_counters ctr;
+    struct http_reply_ctx reply;  /* -> ctr, X-Kvserve-Worker: worker_id (static init) */
+    struct http_listener *listener;
     uint64_t id_counter;
     kv_rng rng;
 };
@@ -55,7 +60,8 @@ struct server {
 extern struct server http_srv;
 #define srv http_srv
 
-/* ---- reply.c (all answer req and count the status) ---- */
+/* ---- reply.c (all answer req and count the status into srv.reply; listener.h has the
+ * instance forms http_reply_*) ---- */
 void http_count_status(int status);
 void http_common_headers(struct evhttp_request *req, const char *ctype);
 void http_send_body(struct evhttp_request *req, int status, const char *ctype, const char *body,
@@ -66,7 +72,6 @@ void http_send_json(struct evhttp_request *req, int status, json_t *o);
 void http_send_error(struct evhttp_request *req, const struct oai_error *e);
 void http_send_errf(struct evhttp_request *req, int status, const char *type, const char *param,
                     const char *code, const char *msg);
-const char *http_method_name(enum evhttp_cmd_type c);
 
 /* ---- gen.c ---- */
 /* Handles POST /v1/completions and /v1/chat/completions; the request is answered (now, or
