@@ -1,0 +1,138 @@
+/* kvserve router: the front door of disaggregated serving (src/router/router.h). */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/base.h"
+#include "router/router.h"
+
+static void router_usage(FILE *f) {
+    fprintf(f,
+            "usage: kvserve router --port N --context URL... --generation URL... [options]\n"
+            "       kvserve router --port N --workers URL... [options]\n\n"
+            "Front door of disaggregated serving: each request's context leg (prefill + first token)\n"
+            "goes to a context worker, its generation leg (decode, relayed to the client) to a\n"
+            "generation worker; round robin inside each role. With only --workers it is a plain\n"
+            "round-robin proxy. Routes: POST /v1/completions, POST /v1/chat/completions,\n"
+            "GET /v1/models, GET /health, GET /metrics. Wire format: docs/disaggregation.md.\n\n"
+            "options:\n"
+            "  --host ADDR              listen address (default 127.0.0.1)\n"
+            "  --port N                 listen port (default 8000; 0 = any free port)\n"
+            "  --port-file PATH         write the bound port to PATH once listening\n"
+            "  --context URL...         context workers (http://host:port; repeat or list)\n"
+            "  --generation URL...      generation workers\n"
+            "  --workers URL...         aggregated workers (used when no context/generation pool)\n"
+            "  --schedule-style S       context_first (default) | generation_first\n"
+            "  --max-retries N          retries of failed legs (default 1; spec rules: generation\n"
+            "                           legs retry only when certainly undelivered, up to max(N, 5))\n"
+            "  --max-local-prefill-tokens N  conditional disaggregation: ask the generation worker\n"
+            "                           (/kv_probe) and let it prefill itself when at most N prompt\n"
+            "                           tokens are not cached there (default off)\n"
+            "  --timeout SECONDS        limit of one upstream leg (default 180; 0 = none)\n"
+            "  --max-body-size BYTES    largest client body (default 16777216)\n"
+            "  --log-level LEVEL        debug | info | warn | error (default info)\n"
+            "environment: KVSERVE_DISAGG_NO_RETRY=1 disables every retry.\n");
+}
+
+static bool parse_long(const char *s, long lo, long hi, long *out) {
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || end == s || *end || v < lo || v > hi) return false;
+    *out = v;
+    return true;
+}
+
+/* Appends the URLs of a repeatable option: "--context A B" and "--context A,B" both work. */
+static int take_urls(int argc, char **argv, int i, const char ***list, int *n) {
+    int j = i + 1;
+    for (; j < argc && strncmp(argv[j], "--", 2) != 0; j++) {
+        char *s = argv[j];
+        for (char *tok = strtok(s, ","); tok; tok = strtok(NULL, ",")) {
+            const char **nl = realloc(*list, (size_t)(*n + 1) * sizeof *nl);
+            if (!nl) return -1;
+            *list = nl;
+            (*list)[(*n)++] = tok;
+        }
+    }
+    return j - 1;
+}
+
+int cmd_router(int argc, char **argv) {
+    struct router_config c = {.host = "127.0.0.1", .port = 8000, .max_retries = 1,
+                              .max_local_prefill_tokens = -1, .timeout_s = 180,
+                              .max_body_bytes = (size_t)16 << 20};
+    const char **ctx = NULL, **gen = NULL, **wk = NULL;
+    int nctx = 0, ngen = 0, nwk = 0, rc = 2;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            router_usage(stdout);
+            rc = 0;
+            goto out;
+        }
+        if (!strcmp(a, "--context") || !strcmp(a, "--generation") || !strcmp(a, "--workers")) {
+            const char ***l = a[2] == 'c' ? &ctx : a[2] == 'g' ? &gen : &wk;
+            int *n = a[2] == 'c' ? &nctx : a[2] == 'g' ? &ngen : &nwk;
+            int before = *n;
+            int j = take_urls(argc, argv, i, l, n);
+            if (j < 0) {
+                fprintf(stderr, "kvserve router: out of memory\n");
+                rc = 1;
+                goto out;
+            }
+            if (*n == before) {
+                fprintf(stderr, "kvserve router: %s needs at least one URL\n", a);
+                goto out;
+            }
+            i = j;
+            continue;
+        }
+        if (i + 1 >= argc) {
+            fprintf(stderr, "kvserve router: unknown option or missing value: %s\n\n", a);
+            router_usage(stderr);
+            goto out;
+        }
+        const char *v = argv[++i];
+        long n;
+        if (!strcmp(a, "--host")) c.host = v;
+        else if (!strcmp(a, "--port") && parse_long(v, 0, 65535, &n)) c.port = (int)n;
+        else if (!strcmp(a, "--port-file")) c.port_file = v;
+        else if (!strcmp(a, "--max-retries") && parse_long(v, 0, 1000, &n)) c.max_retries = (int)n;
+        else if (!strcmp(a, "--max-local-prefill-tokens") && parse_long(v, 0, 1L << 40, &n))
+            c.max_local_prefill_tokens = n;
+        else if (!strcmp(a, "--timeout") && parse_long(v, 0, 1L << 30, &n)) c.timeout_s = (double)n;
+        else if (!strcmp(a, "--max-body-size") && parse_long(v, 1, 1L << 40, &n)) c.max_body_bytes = (size_t)n;
+        else if (!strcmp(a, "--schedule-style") && !strcmp(v, "context_first")) c.style = ROUTER_CONTEXT_FIRST;
+        else if (!strcmp(a, "--schedule-style") && !strcmp(v, "generation_first")) c.style = ROUTER_GENERATION_FIRST;
+        else if (!strcmp(a, "--log-level") && !strcmp(v, "debug")) kv_log_set_level(KV_LOG_DEBUG);
+        else if (!strcmp(a, "--log-level") && !strcmp(v, "info")) kv_log_set_level(KV_LOG_INFO);
+        else if (!strcmp(a, "--log-level") && !strcmp(v, "warn")) kv_log_set_level(KV_LOG_WARN);
+        else if (!strcmp(a, "--log-level") && !strcmp(v, "error")) kv_log_set_level(KV_LOG_ERROR);
+        else {
+            fprintf(stderr, "kvserve router: bad option or value: %s %s\n\n", a, v);
+            router_usage(stderr);
+            goto out;
+        }
+    }
+    c.context = ctx;
+    c.n_context = nctx;
+    c.generation = gen;
+    c.n_generation = ngen;
+    c.workers = wk;
+    c.n_workers = nwk;
+    char err[1024] = "";
+    kv_status st = router_run(&c, err, sizeof err);
+    if (st) {
+        fprintf(stderr, "kvserve router: %s\n", err);
+        rc = st == KV_EINVAL ? 2 : 1;
+        goto out;
+    }
+    rc = 0;
+out:
+    free(ctx);
+    free(gen);
+    free(wk);
+    return rc;
+}

@@ -1,0 +1,122 @@
+/* router policy unit tests: round robin with exclusion, delivery classes (spec decision 3),
+ * retry rules of generation, context and plain legs (spec §2), KVSERVE_DISAGG_NO_RETRY. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <curl/curl.h>
+
+#include "router/router_internal.h"
+
+static void test_round_robin(void **st) {
+    (void)st;
+    const char *u[] = {"a", "b", "c"};
+    struct rt_pool p = {u, 3, 0};
+    assert_int_equal(rt_pool_pick(&p, -1), 0);
+    assert_int_equal(rt_pool_pick(&p, -1), 1);
+    assert_int_equal(rt_pool_pick(&p, -1), 2);
+    assert_int_equal(rt_pool_pick(&p, -1), 0);
+    /* the next pick (1) is excluded: skip to 2 */
+    assert_int_equal(rt_pool_pick(&p, 1), 2);
+    struct rt_pool one = {u, 1, 0};
+    assert_int_equal(rt_pool_pick(&one, 0), 0); /* a single worker is retried on itself */
+    struct rt_pool none = {u, 0, 0};
+    assert_int_equal(rt_pool_pick(&none, -1), -1);
+}
+
+static struct rt_outcome oc(int code, long status, bool written, bool any, bool got) {
+    return (struct rt_outcome){code, status, written, any, got};
+}
+
+static void test_classify(void **st) {
+    (void)st;
+    struct rt_outcome o;
+    o = oc(CURLE_OK, 200, true, true, true);
+    assert_int_equal(rt_classify(&o), RT_COMPLETED);
+    o = oc(CURLE_COULDNT_CONNECT, 0, false, false, false);
+    assert_int_equal(rt_classify(&o), RT_UNDELIVERED);
+    o = oc(CURLE_COULDNT_RESOLVE_HOST, 0, false, false, false);
+    assert_int_equal(rt_classify(&o), RT_UNDELIVERED);
+    /* send error: depends on whether the whole request went out */
+    o = oc(CURLE_SEND_ERROR, 0, false, true, false);
+    assert_int_equal(rt_classify(&o), RT_UNDELIVERED);
+    o = oc(CURLE_SEND_ERROR, 0, true, true, false);
+    assert_int_equal(rt_classify(&o), RT_POSSIBLY_DELIVERED);
+    /* the worker closed after reading (empty reply), recv errors, partial bodies, timeouts */
+    o = oc(CURLE_GOT_NOTHING, 0, true, true, false);
+    assert_int_equal(rt_classify(&o), RT_POSSIBLY_DELIVERED);
+    o = oc(CURLE_RECV_ERROR, 0, true, true, false);
+    assert_int_equal(rt_classify(&o), RT_POSSIBLY_DELIVERED);
+    o = oc(CURLE_PARTIAL_FILE, 200, true, true, true);
+    assert_int_equal(rt_classify(&o), RT_POSSIBLY_DELIVERED);
+    o = oc(CURLE_OPERATION_TIMEDOUT, 0, true, true, false);
+    assert_int_equal(rt_classify(&o), RT_POSSIBLY_DELIVERED);
+    /* a timeout before any request byte went out (connect timeout): nothing was delivered */
+    o = oc(CURLE_OPERATION_TIMEDOUT, 0, false, false, false);
+    assert_int_equal(rt_classify(&o), RT_UNDELIVERED);
+    /* any HTTP status was delivered */
+    o = oc(CURLE_OK, 500, true, true, true);
+    assert_int_equal(rt_classify(&o), RT_POSSIBLY_DELIVERED);
+    o = oc(CURLE_OK, 400, true, true, true);
+    assert_int_equal(rt_classify(&o), RT_POSSIBLY_DELIVERED);
+    o = oc(CURLE_OK, 0, true, true, false); /* completed without any byte: an oddity */
+    assert_int_equal(rt_classify(&o), RT_POSSIBLY_DELIVERED);
+}
+
+static void test_generation_retries(void **st) {
+    (void)st;
+    struct rt_retry_policy p = {.max_retries = 1, .no_retry = false};
+    struct rt_outcome refused = oc(CURLE_COULDNT_CONNECT, 0, false, false, false);
+    struct rt_outcome empty = oc(CURLE_GOT_NOTHING, 0, true, true, false);
+    struct rt_outcome s500 = oc(CURLE_OK, 500, true, true, true);
+    /* undelivered: budget max(max_retries, 5) = 5 */
+    for (int i = 0; i < 5; i++) assert_true(rt_should_retry(RT_LEG_GENERATION, &refused, &p, i, false));
+    assert_false(rt_should_retry(RT_LEG_GENERATION, &refused, &p, 5, false));
+    p.max_retries = 8;
+    assert_true(rt_should_retry(RT_LEG_GENERATION, &refused, &p, 7, false));
+    assert_false(rt_should_retry(RT_LEG_GENERATION, &refused, &p, 8, false));
+    p.max_retries = 0; /* still 5: only NO_RETRY turns it off (decision 3) */
+    assert_true(rt_should_retry(RT_LEG_GENERATION, &refused, &p, 4, false));
+    /* possibly delivered: never */
+    assert_false(rt_should_retry(RT_LEG_GENERATION, &empty, &p, 0, false));
+    assert_false(rt_should_retry(RT_LEG_GENERATION, &s500, &p, 0, false));
+    p.no_retry = true;
+    assert_false(rt_should_retry(RT_LEG_GENERATION, &refused, &p, 0, false));
+}
+
+static void test_context_retries(void **st) {
+    (void)st;
+    struct rt_retry_policy p = {.max_retries = 1, .no_retry = false};
+    struct rt_outcome s400 = oc(CURLE_OK, 400, true, true, true);
+    struct rt_outcome s503 = oc(CURLE_OK, 503, true, true, true);
+    struct rt_outcome refused = oc(CURLE_COULDNT_CONNECT, 0, false, false, false);
+    struct rt_outcome empty = oc(CURLE_GOT_NOTHING, 0, true, true, false);
+    struct rt_outcome tmo = oc(CURLE_OPERATION_TIMEDOUT, 0, true, true, false);
+    for (int k = RT_LEG_CONTEXT; k <= RT_LEG_PLAIN; k += 2) {
+        assert_false(rt_should_retry(k, &s400, &p, 0, false)); /* 4xx never */
+        assert_true(rt_should_retry(k, &s503, &p, 0, false));
+        assert_false(rt_should_retry(k, &s503, &p, 1, false));
+        assert_true(rt_should_retry(k, &refused, &p, 0, false));
+        assert_false(rt_should_retry(k, &refused, &p, 1, false));
+        assert_true(rt_should_retry(k, &tmo, &p, 0, false));
+        /* server disconnected: the transient budget max(max_retries, 5) */
+        assert_true(rt_should_retry(k, &empty, &p, 4, false));
+        assert_false(rt_should_retry(k, &empty, &p, 5, false));
+        /* nothing after the first streamed byte */
+        assert_false(rt_should_retry(k, &refused, &p, 0, true));
+    }
+    p.no_retry = true;
+    assert_false(rt_should_retry(RT_LEG_CONTEXT, &refused, &p, 0, false));
+    assert_false(rt_should_retry(RT_LEG_CONTEXT, &s503, &p, 0, false));
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_round_robin),
+        cmocka_unit_test(test_classify),
+        cmocka_unit_test(test_generation_retries),
+        cmocka_unit_test(test_context_retries),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
