@@ -3,6 +3,8 @@
 
 #include "cli.h"
 
+int cmd_router(int argc, char **argv); /* router.c */
+
 static const struct {
     const char *name;
     int (*fn)(int, char **);
@@ -11,6 +13,7 @@ static const struct {
     {"serve", cmd_serve, "serve a model over the OpenAI-compatible HTTP API"},
     {"inspect", cmd_inspect, "print a model file's configuration and tensors"},
     {"generate", cmd_generate, "run one prompt through the engine and print the completion"},
+    {"router", cmd_router, "front door of disaggregated serving (context + generation workers)"},
     {"bench", cmd_bench, "replay multi-turn traces against any OpenAI-compatible server"},
     {"tokenize", cmd_tokenize, "text on stdin -> token ids (--tokenizer PATH)"},
     {"detokenize", cmd_detokenize, "token ids on stdin -> text (--tokenizer PATH)"},
