@@ -10,7 +10,8 @@ switch the failure mode through control routes:
   GET  /_log          -> {"requests": [{path, body, ...}], "events": [...]}
   POST /_mode         {"mode": M, ...options} (also clears the log)
 
-Modes: normal, close_after_read (read the request, close without answering), status500,
+Modes: normal, big_stream (events of event_bytes as fast as the socket takes them; /_log
+"written" counts the bytes sent), close_after_read (read the request, close without answering), status500,
 status400, malformed (a context answer without disaggregated_params), finished (context:
 finish_reason "stop"), stall (never answer; record "client_closed" when the peer goes away),
 slow_stream (one event every 0.2 s, 50 of them), fail_midstream (2 events, then close),
@@ -26,7 +27,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 LOCK = threading.Lock()
-STATE = {"mode": "normal", "opts": {}, "requests": [], "events": []}
+STATE = {"mode": "normal", "opts": {}, "requests": [], "events": [], "written": 0}
 
 
 def record(kind, item):
@@ -71,7 +72,8 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self):
         if self.path == "/_log":
             with LOCK:
-                self._send(200, {"requests": STATE["requests"], "events": STATE["events"]})
+                self._send(200, {"requests": STATE["requests"], "events": STATE["events"],
+                                 "written": STATE["written"]})
             return
         record("requests", {"path": self.path, "method": "GET"})
         if self.path == "/server_info":
@@ -97,6 +99,7 @@ class Handler(BaseHTTPRequestHandler):
                 STATE["opts"] = o
                 STATE["requests"] = []
                 STATE["events"] = []
+                STATE["written"] = 0
             self._send(200, {"ok": True})
             return
         try:
@@ -194,7 +197,19 @@ class Handler(BaseHTTPRequestHandler):
                 chunk(ev)
 
         n = 50 if mode == "slow_stream" else 3
+        if mode == "big_stream":  # as fast as the socket takes it; STATE["written"] counts
+            n = int(STATE["opts"].get("events", 1000))
+            pad = "x" * int(STATE["opts"].get("event_bytes", 65536))
         try:
+            if mode == "big_stream":
+                for i in range(n):
+                    event(text if i == 0 else pad, "length" if i == n - 1 else None)
+                    with LOCK:
+                        STATE["written"] += len(pad)
+                chunk("data: [DONE]\n\n")
+                self.wfile.write(b"0\r\n\r\n")
+                self.wfile.flush()
+                return
             for i in range(n):
                 # split one event over two writes: the router must re-frame
                 if i == 0:

@@ -478,6 +478,40 @@ def slow_client_backpressure():
         r.stop()
 
 
+@case("streams")
+def slow_client_backpressure_pauses_upstream():
+    # 1000 events of 64 KiB (64 MiB): a client that stops reading must stall the worker
+    # (the router pauses the upstream transfer) instead of the router buffering it all
+    reset(("gen0", "big_stream", {"events": 1000, "event_bytes": 65536}))
+    r = Router(["--context", W["ctx0"], "--generation", W["gen0"]])
+    try:
+        c = r.conn(timeout=60)
+        c.request("POST", "/v1/completions", json.dumps({"prompt": "p", "stream": True}))
+        resp = c.getresponse()
+        assert resp.status == 200
+        head = resp.read(100)
+        last = [-1, time.time()]
+
+        def settled():  # the worker's progress stopped for 0.5 s
+            w = fake_log(W["gen0"])["written"]
+            if w != last[0]:
+                last[0], last[1] = w, time.time()
+                return False
+            return time.time() - last[1] > 0.5
+        wait_for(settled, 30, "the worker to stall behind the slow client")
+        total = 1000 * 65536
+        assert last[0] < total // 2, "the worker wrote %d of %d bytes to a client that reads nothing" % (
+            last[0], total)
+        print("     worker stalled after %.1f MiB of %.1f MiB" % (last[0] / 2**20, total / 2**20))
+        data = head + resp.read()
+        ev = sse_events(data)
+        assert ev[-1] == "[DONE]" and len(ev) == 1001, len(ev)
+        assert len(data) > total, len(data)
+        c.close()
+    finally:
+        r.stop()
+
+
 def main():
     groups = [g for g in sys.argv[1:] if not g.startswith("-k=")] or ["all"]
     only = [g[3:] for g in sys.argv[1:] if g.startswith("-k=")]
