@@ -17,6 +17,18 @@
  *
  * RMA over TCP (UCX_TLS=tcp) is emulated by UCX: the exposing side's worker must progress
  * for reads to complete. The agent calls progress() on both sides; so do the tests.
+ *
+ * Peer failure: endpoints use UCP_ERR_HANDLING_MODE_NONE by default, because UCX 1.13 keeps
+ * shared memory and CMA off endpoints in PEER mode (keepalive): in PEER mode a same-host read
+ * goes over tcp/lo at about 0.6-0.9 GB/s instead of 6-9 GB/s through CMA (bench_transfer).
+ * So the transport bounds every read itself: a read not finished after
+ * KVSERVE_UCX_READ_TIMEOUT_MS (default 30000) fails with KV_EIO "read timed out", and its peer
+ * is marked failed and its endpoint force-closed (further reads: KV_EIO; disconnect frees it).
+ * KVSERVE_UCX_ERR_MODE=peer selects PEER mode (UCX reports a dead peer by itself, typically
+ * within seconds: "Endpoint timeout"; set it on both sides), at that cost.
+ *
+ * event_fd: the worker's wakeup fd. progress() arms it whenever it returns with no live read,
+ * so a caller that poll()s it after progress() wakes on the next UCX event.
  */
 #ifdef KVSERVE_HAVE_UCX
 #include "transport.h"
@@ -59,8 +71,11 @@ struct ucxt {
     int efd;
     struct ucxt_region regions[2];
     struct ucxt_read *done_head, *done_tail; /* finished reads, not yet reported */
+    struct ucxt_read *live_head, *live_tail; /* posted, not finished (FIFO = deadline order) */
     struct ucxt_peer *peers;                 /* all connected peers (for destroy) */
-    int live_reads;                          /* posted, not finished */
+    int live_reads;                          /* posted, not finished, not yet reported */
+    ucp_err_handling_mode_t err_mode;
+    uint64_t read_timeout_ns;
 };
 
 struct kvx_peer {
@@ -83,6 +98,10 @@ struct ucxt_peer {
 
 struct ucxt_read {
     struct ucxt *t;
+    struct kvx_peer *peer;  /* NULL once the peer is gone */
+    uint64_t deadline_ns;
+    struct ucxt_read *lprev, *lnext; /* live list */
+    bool reported;          /* timed out: reported already, kept until UCX lets go of it */
     uint64_t cookie;
     int outstanding;   /* gets in flight + 1 while posting */
     kv_status status;
@@ -125,6 +144,14 @@ static kv_status ucs_err(kv_status s, char *err, size_t errlen, const char *what
 /* ---- completions ---- */
 static void read_finish(struct ucxt_read *r) {
     struct ucxt *t = r->t;
+    if (r->lprev) r->lprev->lnext = r->lnext;
+    else t->live_head = r->lnext;
+    if (r->lnext) r->lnext->lprev = r->lprev;
+    else t->live_tail = r->lprev;
+    if (r->reported) { /* a timed-out read whose gets finally let go */
+        free(r);
+        return;
+    }
     t->live_reads--;
     r->next = NULL;
     if (t->done_tail) t->done_tail->next = r;
@@ -323,7 +350,7 @@ static kv_status ucxt_connect(kvx_transport_t *t, const void *desc, size_t len, 
         .field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                       UCP_EP_PARAM_FIELD_ERR_HANDLER,
         .address = addr,
-        .err_mode = UCP_ERR_HANDLING_MODE_PEER,
+        .err_mode = u->err_mode,
         .err_handler = {.cb = ep_err_cb, .arg = pr},
     };
     ucs_status_t st = ucp_ep_create(u->worker, &ep, &pr->ep);
@@ -360,25 +387,65 @@ static kv_status ucxt_connect(kvx_transport_t *t, const void *desc, size_t len, 
     return KV_OK;
 }
 
-/* Closes the endpoint (force: outstanding gets complete with UCS_ERR_CANCELED), frees rkeys,
- * unlinks and frees the peer. */
-static void peer_release(struct ucxt *u, struct kvx_peer *p) {
+/* Force-closes the endpoint (outstanding gets complete with UCS_ERR_CANCELED) and destroys
+ * the rkeys; the peer stays allocated (failed) until disconnect. */
+static void peer_close_ep(struct ucxt *u, struct kvx_peer *p) {
     for (int r = 0; r < 2; r++)
-        if (p->r[r].rkey) ucp_rkey_destroy(p->r[r].rkey);
-    if (p->ep) {
-        ucp_request_param_t cp = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
-                                  .flags = UCP_EP_CLOSE_FLAG_FORCE};
-        ucs_status_ptr_t req = ucp_ep_close_nbx(p->ep, &cp);
-        if (UCS_PTR_IS_PTR(req)) {
-            uint64_t end = kv_now_ns() + (uint64_t)UCXT_CLOSE_WAIT_MS * 1000000ull;
-            while (ucp_request_check_status(req) == UCS_INPROGRESS && kv_now_ns() < end)
-                ucp_worker_progress(u->worker);
-            if (ucp_request_check_status(req) == UCS_INPROGRESS)
-                KV_WARN("ucx transport: endpoint close did not finish in %d ms",
-                        UCXT_CLOSE_WAIT_MS);
-            ucp_request_free(req);
+        if (p->r[r].rkey) {
+            ucp_rkey_destroy(p->r[r].rkey);
+            p->r[r].rkey = NULL;
         }
+    if (!p->ep) return;
+    ucp_request_param_t cp = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
+                              .flags = UCP_EP_CLOSE_FLAG_FORCE};
+    ucs_status_ptr_t req = ucp_ep_close_nbx(p->ep, &cp);
+    p->ep = NULL;
+    if (UCS_PTR_IS_PTR(req)) {
+        uint64_t end = kv_now_ns() + (uint64_t)UCXT_CLOSE_WAIT_MS * 1000000ull;
+        while (ucp_request_check_status(req) == UCS_INPROGRESS && kv_now_ns() < end)
+            ucp_worker_progress(u->worker);
+        if (ucp_request_check_status(req) == UCS_INPROGRESS)
+            KV_WARN("ucx transport: endpoint close did not finish in %d ms", UCXT_CLOSE_WAIT_MS);
+        ucp_request_free(req);
     }
+}
+
+/* A read passed its deadline: fail every live read of its peer and close the endpoint (the
+ * peer stays failed; the agent disconnects it). */
+static void peer_timeout(struct ucxt *u, struct kvx_peer *p) {
+    char why[128];
+    snprintf(why, sizeof why, "ucx transport: read timed out after %llu ms (peer not "
+             "answering)", (unsigned long long)(u->read_timeout_ns / 1000000));
+    for (struct ucxt_read *r = u->live_head; r; r = r->lnext)
+        if (r->peer == p) read_fail(r, KV_EIO, "%s", why);
+    if (!p->failed) snprintf(p->why, sizeof p->why, "%s", why);
+    p->failed = true;
+    peer_close_ep(u, p);
+    /* Gets that even a forced close did not complete (error mode none: UCX does not cancel
+     * them): report the read now and keep its record until UCX calls back (or destroy). */
+    for (struct ucxt_read *r = u->live_head; r; r = r->lnext) {
+        if (r->peer != p || r->reported) continue;
+        struct ucxt_read *c = kv_calloc(1, sizeof *c);
+        if (!c) continue; /* stays live; retried on the next progress */
+        c->t = u;
+        c->cookie = r->cookie;
+        c->status = r->status;
+        snprintf(c->message, sizeof c->message, "%s", r->message);
+        r->reported = true;
+        r->peer = NULL;
+        u->live_reads--;
+        c->next = NULL;
+        if (u->done_tail) u->done_tail->next = c;
+        else u->done_head = c;
+        u->done_tail = c;
+    }
+}
+
+/* Closes the endpoint, unlinks and frees the peer. */
+static void peer_release(struct ucxt *u, struct kvx_peer *p) {
+    peer_close_ep(u, p);
+    for (struct ucxt_read *r = u->live_head; r; r = r->lnext)
+        if (r->peer == p) r->peer = NULL;
     struct ucxt_peer *n = p->self;
     if (n->prev) n->prev->next = n->next;
     else u->peers = n->next;
@@ -423,9 +490,15 @@ static kv_status ucxt_read(kvx_transport_t *t, kvx_peer_t *p, int region,
     struct ucxt_read *r = kv_calloc(1, sizeof *r);
     if (!r) return kv_errf(KV_ENOMEM, err, errlen, "ucx transport: out of memory");
     r->t = u;
+    r->peer = p;
+    r->deadline_ns = kv_now_ns() + u->read_timeout_ns;
     r->cookie = cookie;
     r->outstanding = 1;
     u->live_reads++;
+    r->lprev = u->live_tail;
+    if (u->live_tail) u->live_tail->lnext = r;
+    else u->live_head = r;
+    u->live_tail = r;
     ucp_request_param_t rp = {
         .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
         .cb.send = get_cb,
@@ -477,26 +550,44 @@ static int ucxt_progress(kvx_transport_t *t, struct kvx_completion *out, int cap
     struct ucxt *u = T(t);
     if (cap < 0 || (cap > 0 && !out)) return KV_EINVAL;
     uint64_t end = kv_now_ns() + (timeout_ms > 0 ? (uint64_t)timeout_ms * 1000000ull : 0);
+    int busy = 0;
     for (;;) {
         while (ucp_worker_progress(u->worker)) {
         }
+        if (u->live_reads > 0) {
+            uint64_t now = kv_now_ns();
+            for (struct ucxt_read *r = u->live_head; r; r = r->lnext)
+                if (!r->reported && r->peer && now > r->deadline_ns) {
+                    peer_timeout(u, r->peer);
+                    break; /* the list changed; the rest is checked on the next round */
+                }
+        }
         if (u->done_head && cap > 0) return drain(u, out, cap);
+        /* Idle: arm the event fd before returning or sleeping, so that a caller's poll() on
+         * event_fd() (the agent's loop) wakes on the next event. */
+        bool armed = false;
+        if (u->live_reads == 0 && u->efd >= 0) {
+            ucs_status_t st = ucp_worker_arm(u->worker);
+            if (st == UCS_ERR_BUSY) {
+                if (timeout_ms > 0 || ++busy < 16) continue; /* events pending: progress again */
+                return 0;
+            }
+            if (st != UCS_OK) return KV_EIO;
+            armed = true;
+        }
         uint64_t now = kv_now_ns();
         if (timeout_ms <= 0 || now >= end) return 0;
         /* Live reads (shared memory / CMA gets complete only by progressing): spin. */
-        if (u->live_reads > 0) continue;
-        uint64_t left_ms = (end - now + 999999) / 1000000;
-        int wait = (int)(left_ms > 1000 ? 1000 : left_ms);
-        if (u->efd < 0) {
-            struct timespec ts = {0, 1000000}; /* idle without an event fd: 1 ms naps */
-            nanosleep(&ts, NULL);
+        if (!armed) {
+            if (u->live_reads == 0) { /* no event fd: 1 ms naps */
+                struct timespec ts = {0, 1000000};
+                nanosleep(&ts, NULL);
+            }
             continue;
         }
-        ucs_status_t st = ucp_worker_arm(u->worker);
-        if (st == UCS_ERR_BUSY) continue; /* events pending: progress again */
-        if (st != UCS_OK) return KV_EIO;
+        uint64_t left_ms = (end - now + 999999) / 1000000;
         struct pollfd pfd = {.fd = u->efd, .events = POLLIN};
-        int rc = poll(&pfd, 1, wait);
+        int rc = poll(&pfd, 1, (int)(left_ms > 1000 ? 1000 : left_ms));
         if (rc < 0 && errno != EINTR) return KV_EIO;
     }
 }
@@ -524,6 +615,12 @@ static void ucxt_destroy(kvx_transport_t *t) {
     if (u->addr) ucp_worker_release_address(u->worker, u->addr);
     if (u->worker) ucp_worker_destroy(u->worker);
     if (u->ctx) ucp_cleanup(u->ctx);
+    /* Reads UCX never let go of (timed out, or not cancelled in time): UCX is gone now. */
+    while (u->live_head) {
+        struct ucxt_read *r = u->live_head;
+        u->live_head = r->lnext;
+        free(r);
+    }
     free(u);
     free(t);
 }
@@ -587,6 +684,29 @@ kv_status kvx_transport_ucx_new(const char *host, kvx_transport_t **out, char *e
     t->ops = &ucxt_ops;
     t->ctx = u;
     u->efd = -1;
+    u->err_mode = UCP_ERR_HANDLING_MODE_NONE;
+    u->read_timeout_ns = 30000ull * 1000000ull;
+    const char *em = getenv("KVSERVE_UCX_ERR_MODE");
+    if (em && *em) {
+        if (!strcmp(em, "peer")) u->err_mode = UCP_ERR_HANDLING_MODE_PEER;
+        else if (strcmp(em, "none")) {
+            free(u);
+            free(t);
+            return kv_errf(KV_EINVAL, err, errlen, "ucx transport: KVSERVE_UCX_ERR_MODE=%s "
+                           "(none or peer)", em);
+        }
+    }
+    const char *to = getenv("KVSERVE_UCX_READ_TIMEOUT_MS");
+    if (to && *to) {
+        int64_t ms;
+        if (kv_parse_i64(to, 1, 86400000, &ms) != KV_OK) {
+            free(u);
+            free(t);
+            return kv_errf(KV_EINVAL, err, errlen, "ucx transport: KVSERVE_UCX_READ_TIMEOUT_MS="
+                           "%s (1..86400000)", to);
+        }
+        u->read_timeout_ns = (uint64_t)ms * 1000000ull;
+    }
 
     ucp_config_t *cfg = NULL;
     ucs_status_t st = ucp_config_read(NULL, NULL, &cfg);

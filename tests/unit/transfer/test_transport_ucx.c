@@ -27,7 +27,8 @@
 #define DEADLINE_S 20.0
 
 struct mode {
-    const char *tls; /* NULL: UCX's default transports */
+    const char *tls;      /* NULL: UCX's default transports */
+    const char *err_mode; /* KVSERVE_UCX_ERR_MODE (NULL: the default, none) */
 };
 
 struct pair {
@@ -41,9 +42,11 @@ struct pair {
 static kvx_transport_t *new_ucx(const struct mode *m, char *err, size_t errlen) {
     if (m && m->tls) setenv("UCX_TLS", m->tls, 1);
     else unsetenv("UCX_TLS");
+    if (m && m->err_mode) setenv("KVSERVE_UCX_ERR_MODE", m->err_mode, 1);
     kvx_transport_t *t = NULL;
     kv_status s = kvx_transport_ucx_new("127.0.0.1", &t, err, errlen);
     unsetenv("UCX_TLS");
+    unsetenv("KVSERVE_UCX_ERR_MODE");
     return s == KV_OK ? t : NULL;
 }
 
@@ -439,6 +442,7 @@ static void test_dead_peer(void **state) {
         snprintf(a1, sizeof a1, "%d", to_parent[1]);
         snprintf(a2, sizeof a2, "%d", to_child[0]);
         if (m->tls) setenv("UCX_TLS", m->tls, 1);
+        if (m->err_mode) setenv("KVSERVE_UCX_ERR_MODE", m->err_mode, 1);
         execl("/proc/self/exe", "test_transport_ucx", "--serve", a1, a2, (char *)NULL);
         _exit(127);
     }
@@ -459,7 +463,10 @@ static void test_dead_peer(void **state) {
         got += (size_t)k;
     }
     char err[256] = "";
+    /* The transport's own read deadline (error mode none): 3 s here instead of 30. */
+    setenv("KVSERVE_UCX_READ_TIMEOUT_MS", "3000", 1);
     kvx_transport_t *b = new_ucx(m, err, sizeof err);
+    unsetenv("KVSERVE_UCX_READ_TIMEOUT_MS");
     assert_non_null(b);
     kvx_peer_t *peer = NULL;
     assert_int_equal(b->ops->connect(b, d, n, &peer, err, sizeof err), KV_OK);
@@ -487,6 +494,8 @@ static void test_dead_peer(void **state) {
         print_message("dead peer: read completion %s: %s\n", kv_status_str(c.status),
                       c.message);
         assert_int_not_equal(c.status, KV_OK);
+        /* The peer is failed now: further reads are refused at once. */
+        assert_int_equal(b->ops->read(b, peer, 0, &f, 1, 3, err, sizeof err), KV_EIO);
     } else {
         print_message("dead peer: read refused: %s\n", err);
     }
@@ -508,7 +517,22 @@ static void test_create_destroy_unused(void **state) {
     assert_int_equal(kvx_transport_ucx_new("127.0.0.1", NULL, err, sizeof err), KV_EINVAL);
 }
 
-static struct mode m_default = {NULL}, m_tcp = {"tcp"};
+static struct mode m_default = {NULL, NULL}, m_tcp = {"tcp", NULL}, m_peer = {NULL, "peer"};
+
+static void test_bad_env(void **state) {
+    (void)state;
+    char err[256] = "";
+    kvx_transport_t *t = NULL;
+    setenv("KVSERVE_UCX_ERR_MODE", "sometimes", 1);
+    assert_int_equal(kvx_transport_ucx_new("127.0.0.1", &t, err, sizeof err), KV_EINVAL);
+    unsetenv("KVSERVE_UCX_ERR_MODE");
+    assert_null(t);
+    assert_non_null(strstr(err, "KVSERVE_UCX_ERR_MODE"));
+    setenv("KVSERVE_UCX_READ_TIMEOUT_MS", "-5", 1);
+    assert_int_equal(kvx_transport_ucx_new("127.0.0.1", &t, err, sizeof err), KV_EINVAL);
+    unsetenv("KVSERVE_UCX_READ_TIMEOUT_MS");
+    assert_null(t);
+}
 
 #define BOTH(fn)                                                                           \
     cmocka_unit_test_prestate(fn, &m_default), cmocka_unit_test_prestate(fn, &m_tcp)
@@ -522,6 +546,9 @@ int main(int argc, char **argv) {
         BOTH(test_shuffled_blocks),       BOTH(test_zero_fragments_and_cookies),
         BOTH(test_staging_region),        BOTH(test_bad_descriptors), BOTH(test_bad_rkey),
         BOTH(test_out_of_range),          BOTH(test_dead_peer),
+        cmocka_unit_test_prestate(test_contiguous, &m_peer),
+        cmocka_unit_test_prestate(test_dead_peer, &m_peer),
+        cmocka_unit_test(test_bad_env),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
