@@ -26,7 +26,7 @@ struct server http_srv = {.mu = PTHREAD_MUTEX_INITIALIZER,
                                     .id_value = http_srv.worker_id}};
 
 enum route_id { R_COMPLETIONS, R_CHAT, R_MODELS, R_HEALTH, R_TOKENIZE, R_DETOKENIZE, R_METRICS,
-                R_KV_EVENTS, R_SERVER_INFO };
+                R_KV_EVENTS, R_SERVER_INFO, R_KV_PROBE };
 static const struct {
     const char *path;
     enum evhttp_cmd_type method;
@@ -41,6 +41,7 @@ static const struct {
     {"/metrics", EVHTTP_REQ_GET, R_METRICS},
     {"/kv_events", EVHTTP_REQ_GET, R_KV_EVENTS},
     {"/server_info", EVHTTP_REQ_GET, R_SERVER_INFO},
+    {"/kv_probe", EVHTTP_REQ_POST, R_KV_PROBE},
 };
 
 static void on_request(struct evhttp_request *req, void *arg) {
@@ -71,6 +72,7 @@ static void on_request(struct evhttp_request *req, void *arg) {
         case R_METRICS: handle_metrics(req); return;
         case R_KV_EVENTS: handle_kv_events(req); return;
         case R_SERVER_INFO: handle_server_info(req); return;
+        case R_KV_PROBE: handle_kv_probe(req); return;
         }
     }
     char msg[300];

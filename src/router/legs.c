@@ -219,6 +219,8 @@ kv_status rt_response_to_sse(const json_t *resp, bool chat, bool include_usage, 
 bool rt_probe_local(const json_t *probe, long max_local) {
     const json_t *p = json_object_get(probe, "prompt_tokens"), *c = json_object_get(probe, "cached_tokens");
     if (!json_is_integer(p) || !json_is_integer(c) || max_local < 0) return false;
+    /* spec §3: a context leg is needed iff nothing is cached or the uncached tail is too long */
+    if (json_integer_value(c) <= 0) return false;
     json_int_t need = json_integer_value(p) - json_integer_value(c);
     return need <= (json_int_t)max_local;
 }

@@ -106,7 +106,8 @@ class Proc:
             if line.startswith("#") or not line.strip():
                 continue
             name, val = line.rsplit(" ", 1)
-            out[name.split("{")[0]] = float(val)
+            key = name.split("{")[0]
+            out[key] = out.get(key, 0.0) + float(val)  # labelled series summed
         return out
 
     def kill(self):
@@ -501,7 +502,7 @@ def test_stale(refs, recs):
 
 def test_conditional(agg):
     ctx, gen = worker("context"), worker("generation")
-    rt = router([ctx], [gen], ["--max-local-prefill-tokens", "32"])
+    rt = router([ctx], [gen], ["--max-local-prefill-tokens", "64"])
     try:
         msgs = [{"role": "user", "content": "Once upon a time there was a little girl named Lily."}]
         body = dict(messages=msgs, max_tokens=48, temperature=0)

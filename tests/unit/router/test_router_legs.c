@@ -173,6 +173,9 @@ static void test_probe(void **st) {
     assert_false(rt_probe_local(p, 9));
     assert_false(rt_probe_local(p, -1));
     json_decref(p);
+    p = J("{\"prompt_tokens\":5,\"cached_tokens\":0}"); /* nothing cached: disaggregate (spec §3) */
+    assert_false(rt_probe_local(p, 1000));
+    json_decref(p);
     p = J("{\"prompt_tokens\":\"x\"}");
     assert_false(rt_probe_local(p, 1000));
     json_decref(p);
