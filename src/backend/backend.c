@@ -3,6 +3,10 @@
 
 #include <string.h>
 
+#ifdef KVSERVE_HAVE_CUDA
+#include "cuda/backend_cuda.h"
+#endif
+
 size_t kv_block_bytes(const struct kv_geometry *g) {
     return (size_t)g->n_layers * 2 * (size_t)g->n_kv_heads * (size_t)g->tokens_per_block *
            (size_t)g->head_dim * sizeof(float);
@@ -48,4 +52,52 @@ kv_status backend_copy_from_host(backend_t *be, const void *const *host, const i
     size_t bytes = kv_block_bytes(&be->geom);
     for (int i = 0; i < n; i++) memcpy(be->ops->block_ptr(be, blocks[i]), host[i], bytes);
     return KV_OK;
+}
+
+/* ---- registry ---- */
+
+const char *backend_kind_name(enum backend_kind k) {
+    switch (k) {
+    case BACKEND_KIND_CPU: return "cpu";
+    case BACKEND_KIND_CUDA: return "cuda";
+    }
+    return NULL;
+}
+
+kv_status backend_kind_parse(const char *s, enum backend_kind *out) {
+    if (!s || !out) return KV_EINVAL;
+    if (!strcmp(s, "cpu")) *out = BACKEND_KIND_CPU;
+    else if (!strcmp(s, "cuda")) *out = BACKEND_KIND_CUDA;
+    else return KV_EINVAL;
+    return KV_OK;
+}
+
+bool backend_cuda_compiled(void) {
+#ifdef KVSERVE_HAVE_CUDA
+    return true;
+#else
+    return false;
+#endif
+}
+
+kv_status backend_create(const model_t *m, const struct backend_options *opt, backend_t **out, char *err,
+                         size_t errlen) {
+    if (!m || !opt || !out) return kv_errf(KV_EINVAL, err, errlen, "backend_create: NULL argument");
+    switch (opt->kind) {
+    case BACKEND_KIND_CPU: {
+        struct backend_cpu_options o = {.n_threads = opt->n_threads, .gemm = opt->gemm};
+        return backend_cpu_new_ex(m, &o, out, err, errlen);
+    }
+    case BACKEND_KIND_CUDA: {
+#ifdef KVSERVE_HAVE_CUDA
+        struct backend_cuda_options o = {.device = opt->device, .f32_weights = opt->f32_weights};
+        return backend_cuda_new(m, &o, out, err, errlen);
+#else
+        return kv_errf(KV_EUNSUPPORTED, err, errlen,
+                       "backend cuda: this kvserve was built without CUDA (configure with -DKVSERVE_CUDA=ON "
+                       "on a machine with nvcc)");
+#endif
+    }
+    }
+    return kv_errf(KV_EINVAL, err, errlen, "backend_create: unknown backend kind %d", (int)opt->kind);
 }

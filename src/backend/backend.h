@@ -164,4 +164,30 @@ kv_status backend_cpu_new_ex(const model_t *m, const struct backend_cpu_options 
                              size_t errlen);
 void backend_free(backend_t *be);
 
+/* ---- backend registry (the serve / generate CLIs' --backend cpu|cuda) ---- */
+enum backend_kind { BACKEND_KIND_CPU = 0, BACKEND_KIND_CUDA = 1 };
+/* "cpu" / "cuda"; NULL for an unknown value. */
+const char *backend_kind_name(enum backend_kind k);
+/* Parses "cpu" / "cuda" into *out; KV_EINVAL (and *out untouched) otherwise. */
+kv_status backend_kind_parse(const char *s, enum backend_kind *out);
+/* True when this build contains the CUDA backend (configured with KVSERVE_CUDA=ON and nvcc).
+ * Says nothing about a GPU being present: backend_create reports that. */
+bool backend_cuda_compiled(void);
+
+struct backend_options {
+    enum backend_kind kind;     /* BACKEND_KIND_CPU (0) unless asked otherwise */
+    int n_threads;              /* cpu: 0 = all cores */
+    enum backend_cpu_gemm gemm; /* cpu only */
+    int device;                 /* cuda: device ordinal (0 = first GPU) */
+    bool f32_weights;           /* cuda: keep weights f32 on the device (default bf16) */
+};
+/* Creates the backend opt->kind names for model m (which must outlive it).
+ * cpu: backend_cpu_new_ex. cuda: backend_cuda_new (cuda/backend_cuda.h): weights bf16 in
+ * device memory, KV pool in HBM; needs a GPU. Errors: KV_EINVAL (NULL argument, unknown
+ * kind, unsupported shape), KV_EUNSUPPORTED (cuda asked for in a build without CUDA, or no
+ * usable GPU: the message says which), KV_ENOMEM, KV_EIO (a CUDA call failed). *out is
+ * untouched on failure. */
+kv_status backend_create(const model_t *m, const struct backend_options *opt, backend_t **out, char *err,
+                         size_t errlen);
+
 #endif

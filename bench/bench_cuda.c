@@ -1,0 +1,234 @@
+/*
+ * bench_cuda: the CUDA backend on a random-weight Llama-3-8B shape (generated on the device,
+ * nothing shipped), and the page-copy kernel against cudaMemcpyAsync. GPU only.
+ *
+ *   bench_cuda [--layers 32] [--batches 1,8,32] [--ctxs 512,4096] [--steps 20] [--no-copy] [--no-decode]
+ *
+ * Prints: measured device-to-device copy bandwidth (bytes read + written), then per (batch,
+ * context) the median decode-step time (one forward of `batch` sequences, one new token
+ * each, logits of every sequence copied back), the HBM floor (bf16 weight bytes + f32 KV
+ * bytes read) / copy bandwidth, and tokens/s; then page-copy GB/s per direction.
+ */
+#include <cuda_runtime_api.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/backend.h"
+#include "backend/cuda/backend_cuda.h"
+
+static double now_s(void) { return kv_now_s(); }
+
+static int cmp_d(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static int parse_list(const char *s, int *out, int cap) {
+    int n = 0;
+    while (*s && n < cap) {
+        out[n++] = atoi(s);
+        const char *c = strchr(s, ',');
+        if (!c) break;
+        s = c + 1;
+    }
+    return n;
+}
+
+#define CK(x)                                                                                      \
+    do {                                                                                           \
+        cudaError_t e_ = (x);                                                                      \
+        if (e_ != cudaSuccess) {                                                                   \
+            fprintf(stderr, "bench_cuda: %s: %s\n", #x, cudaGetErrorString(e_));                   \
+            exit(1);                                                                               \
+        }                                                                                          \
+    } while (0)
+
+/* Device-to-device copy bandwidth (read + write bytes / s) over a 2 GiB buffer. */
+static double copy_bw(void) {
+    size_t n = (size_t)2 << 30;
+    void *a, *b;
+    CK(cudaMalloc(&a, n));
+    CK(cudaMalloc(&b, n));
+    CK(cudaMemset(a, 1, n));
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0), cudaEventCreate(&e1);
+    double ts[10];
+    for (int i = 0; i < 13; i++) {
+        cudaEventRecord(e0, 0);
+        CK(cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice, 0));
+        cudaEventRecord(e1, 0);
+        CK(cudaEventSynchronize(e1));
+        float ms;
+        cudaEventElapsedTime(&ms, e0, e1);
+        if (i >= 3) ts[i - 3] = ms / 1e3;
+    }
+    qsort(ts, 10, sizeof ts[0], cmp_d);
+    cudaFree(a), cudaFree(b);
+    return 2.0 * (double)n / ts[5];
+}
+
+static void bench_decode(int layers, const int *batches, int nb, const int *ctxs, int nc, int steps, double bw) {
+    struct model_config cfg = {0};
+    cfg.arch = MODEL_ARCH_LLAMA;
+    cfg.n_vocab = 128256, cfg.dim = 4096, cfg.n_layers = layers, cfg.n_heads = 32, cfg.n_kv_heads = 8;
+    cfg.head_dim = 128, cfg.ffn_dim = 14336, cfg.rms_eps = 1e-5f, cfg.rope_theta = 500000.f, cfg.rope_neox = true;
+    cfg.rope_scaling = (struct rope_scaling){.type = 1, .factor = 8, .low_freq_factor = 1, .high_freq_factor = 4,
+                                             .original_max_pos = 8192};
+    cfg.max_ctx = 8192, cfg.bos_id = 1, cfg.eos_id = 2;
+    model_t m;
+    memset(&m, 0, sizeof m);
+    m.cfg = cfg; /* no host weights: generated on the device */
+    struct backend_cuda_options o = {.device = 0, .random_weights_seed = 1234};
+    backend_t *be = NULL;
+    char err[512];
+    double t0 = now_s();
+    if (backend_cuda_new(&m, &o, &be, err, sizeof err)) {
+        fprintf(stderr, "bench_cuda: %s\n", err);
+        exit(1);
+    }
+    double dim = 4096, qw = 4096, kw = 1024, ffn = 14336, V = 128256;
+    double wbytes = 2.0 * (layers * (dim * (qw + 2 * kw) + qw * dim + 2 * ffn * dim + ffn * dim) + 2 * V * dim);
+    fprintf(stderr, "model: %d layers, weights %.2f GB bf16 (made in %.1f s)\n", layers, wbytes / 1e9, now_s() - t0);
+    printf("\n| batch | context | step ms (median) | HBM floor ms | step / floor | tokens/s |\n|---|---|---|---|---|---|\n");
+    int tpb = 16;
+    for (int ci = 0; ci < nc; ci++)
+        for (int bi = 0; bi < nb; bi++) {
+            int B = batches[bi], ctx = ctxs[ci];
+            int per = (ctx + steps + 8 + tpb - 1) / tpb;
+            struct kv_geometry g = {layers, 8, 128, tpb};
+            size_t blk = kv_block_bytes(&g);
+            if ((double)per * B * blk > 90e9) {
+                printf("| %d | %d | skipped (f32 KV %.0f GB) | | | |\n", B, ctx, (double)per * B * blk / 1e9);
+                continue;
+            }
+            if (be->ops->kv_alloc(be, per * B, &g)) {
+                printf("| %d | %d | kv_alloc failed | | | |\n", B, ctx);
+                continue;
+            }
+            /* random KV content (no zeros): one pinned random block copied everywhere */
+            float *hb = kv_cuda_host_alloc(blk);
+            for (size_t i = 0; i < blk / 4; i++) hb[i] = (float)((i * 2654435761u) % 1000) / 1000.0f - 0.5f;
+            int32_t *ids = malloc(sizeof(int32_t) * 256);
+            const void *hs[256];
+            for (int i = 0; i < 256; i++) hs[i] = hb;
+            for (int b0 = 0; b0 < per * B; b0 += 256) {
+                int k = per * B - b0 < 256 ? per * B - b0 : 256;
+                for (int i = 0; i < k; i++) ids[i] = b0 + i;
+                if (backend_copy_from_host(be, hs, ids, k)) {
+                    fprintf(stderr, "bench_cuda: KV fill failed\n");
+                    exit(1);
+                }
+            }
+            free(ids);
+            kv_cuda_host_free(hb);
+            int32_t *bt = malloc(sizeof(int32_t) * (size_t)per * B), *tok = malloc(sizeof(int32_t) * B);
+            for (int i = 0; i < per * B; i++) bt[i] = i;
+            struct batch_seq *seqs = calloc((size_t)B, sizeof *seqs);
+            float *lg = malloc((size_t)B * cfg.n_vocab * sizeof(float));
+            double *ts = malloc(sizeof(double) * (size_t)steps);
+            for (int s = -3; s < steps; s++) {
+                int step = s < 0 ? 0 : s;
+                for (int i = 0; i < B; i++) {
+                    tok[i] = (int32_t)((i * 7919 + step * 31) % cfg.n_vocab);
+                    seqs[i] = (struct batch_seq){.tokens = &tok[i], .n_tokens = 1, .n_past = ctx + step,
+                                                 .block_table = bt + (size_t)i * per, .n_blocks = per,
+                                                 .logits = BATCH_LOGITS_LAST};
+                }
+                struct batch b = {seqs, B};
+                double a = now_s();
+                if (be->ops->forward(be, &b, lg, err, sizeof err)) {
+                    fprintf(stderr, "bench_cuda: forward: %s\n", err);
+                    exit(1);
+                }
+                if (s >= 0) ts[s] = now_s() - a;
+            }
+            qsort(ts, (size_t)steps, sizeof ts[0], cmp_d);
+            double med = ts[steps / 2];
+            double kvb = (double)B * (ctx + steps / 2) * layers * 2 * kw * 4; /* f32 K+V read */
+            double floor_s = (wbytes + kvb) / bw;
+            printf("| %d | %d | %.3f | %.3f | %.2fx | %.0f |\n", B, ctx, med * 1e3, floor_s * 1e3, med / floor_s,
+                   B / med);
+            fflush(stdout);
+            free(bt), free(tok), free(seqs), free(lg), free(ts);
+        }
+    backend_free(be);
+}
+
+static void bench_copy(void) {
+    size_t sizes[] = {64 << 10, 2 << 20, 8 << 20, 128 << 20, (size_t)512 << 20};
+    printf("\n| page | pages | dir | ours GB/s | cudaMemcpyAsync GB/s | ratio |\n|---|---|---|---|---|---|\n");
+    for (size_t si = 0; si < sizeof sizes / sizeof sizes[0]; si++) {
+        size_t bytes = sizes[si];
+        int n = bytes <= (2 << 20) ? 256 : bytes <= (8 << 20) ? 16 : bytes <= (128 << 20) ? 2 : 1;
+        void **h = calloc((size_t)n, sizeof(void *)), **d = calloc((size_t)n, sizeof(void *));
+        for (int i = 0; i < n; i++) {
+            h[i] = kv_cuda_host_alloc(bytes), d[i] = kv_cuda_malloc(bytes);
+            if (!h[i] || !d[i]) exit(1);
+            memset(h[i], i + 1, bytes);
+        }
+        cudaStream_t st;
+        CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+        for (int dir = 0; dir < 2; dir++) {
+            char err[256];
+            double ours[7], theirs[7];
+            for (int r = 0; r < 8; r++) {
+                double a = now_s();
+                kv_status s = dir == 0 ? kv_cuda_copy_pages(KV_CUDA_H2D, d, (const void *const *)h, n, bytes, err, sizeof err)
+                                       : kv_cuda_copy_pages(KV_CUDA_D2H, h, (const void *const *)d, n, bytes, err, sizeof err);
+                if (s) {
+                    fprintf(stderr, "bench_cuda: %s\n", err);
+                    exit(1);
+                }
+                double t1 = now_s() - a;
+                a = now_s();
+                for (int i = 0; i < n; i++)
+                    CK(cudaMemcpyAsync(dir == 0 ? d[i] : h[i], dir == 0 ? h[i] : d[i], bytes,
+                                       dir == 0 ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost, st));
+                CK(cudaStreamSynchronize(st));
+                double t2 = now_s() - a;
+                if (r) ours[r - 1] = t1, theirs[r - 1] = t2;
+            }
+            qsort(ours, 7, sizeof(double), cmp_d);
+            qsort(theirs, 7, sizeof(double), cmp_d);
+            double tot = (double)bytes * n;
+            printf("| %zu KiB | %d | %s | %.1f | %.1f | %.2fx |\n", bytes >> 10, n, dir ? "D2H" : "H2D", tot / ours[3] / 1e9,
+                   tot / theirs[3] / 1e9, theirs[3] / ours[3]);
+            fflush(stdout);
+        }
+        cudaStreamDestroy(st);
+        for (int i = 0; i < n; i++) kv_cuda_host_free(h[i]), kv_cuda_free(d[i]);
+        free(h), free(d);
+    }
+}
+
+int main(int argc, char **argv) {
+    int layers = 32, steps = 20, do_copy = 1, do_decode = 1;
+    int batches[8] = {1, 8, 32}, nb = 3, ctxs[8] = {512, 4096}, nc = 2;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--layers") && i + 1 < argc) layers = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--steps") && i + 1 < argc) steps = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--batches") && i + 1 < argc) nb = parse_list(argv[++i], batches, 8);
+        else if (!strcmp(argv[i], "--ctxs") && i + 1 < argc) nc = parse_list(argv[++i], ctxs, 8);
+        else if (!strcmp(argv[i], "--no-copy")) do_copy = 0;
+        else if (!strcmp(argv[i], "--no-decode")) do_decode = 0;
+        else {
+            fprintf(stderr, "usage: bench_cuda [--layers N] [--batches 1,8,32] [--ctxs 512,4096] [--steps N] "
+                            "[--no-copy] [--no-decode]\n");
+            return 2;
+        }
+    }
+    if (steps < 1) steps = 1;
+    char err[256];
+    if (kv_cuda_device_check(err, sizeof err)) {
+        fprintf(stderr, "bench_cuda: %s\n", err);
+        return 77;
+    }
+    char name[256];
+    kv_cuda_device_name(0, name, sizeof name);
+    double bw = copy_bw();
+    printf("device: %s\ndevice-to-device copy: %.0f GB/s (read + write)\n", name, bw / 1e9);
+    if (do_decode) bench_decode(layers, batches, nb, ctxs, nc, steps, bw);
+    if (do_copy) bench_copy();
+    return 0;
+}

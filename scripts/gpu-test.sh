@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# GPU tests of the CUDA backend (issue 10) in one call, for a machine with an NVIDIA GPU.
+#
+#   scripts/gpu-test.sh [--bench] [--bench-args "ARGS"]       build build-gpu here, run test_cuda
+#   scripts/gpu-test.sh --prebuilt DIR [--bench] ...          run binaries from DIR (no build)
+#   scripts/gpu-test.sh --bundle DIR [--build BUILD]          (on the build machine) put test_cuda,
+#        bench_cuda, their non-system shared libraries and the test data they read into DIR,
+#        for a GPU machine that lacks kvserve's -dev packages (then carry DIR and use --prebuilt)
+#
+# Test data: $KVSERVE_TEST_DATA (default ../shared/data, or DIR/data with --prebuilt).
+# Exit status: test_cuda's (0 = every test passed or was skipped with a SKIP: line).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+prebuilt="" bundle="" build="build-cuda" bench=0 bench_args=""
+while [ $# -gt 0 ]; do
+    case "$1" in
+    --prebuilt) prebuilt="$2"; shift 2 ;;
+    --bundle) bundle="$2"; shift 2 ;;
+    --build) build="$2"; shift 2 ;;
+    --bench) bench=1; shift ;;
+    --bench-args) bench_args="$2"; bench=1; shift 2 ;;
+    *) echo "usage: $0 [--prebuilt DIR | --bundle DIR [--build BUILD]] [--bench] [--bench-args ARGS]" >&2; exit 2 ;;
+    esac
+done
+
+if [ -n "$bundle" ]; then
+    data="${KVSERVE_TEST_DATA:-../shared/data}"
+    rm -rf "$bundle" && mkdir -p "$bundle/lib" "$bundle/data/models/stories260K" "$bundle/data/references/stories260K"
+    cp "$build/test_cuda" "$build/bench_cuda" "$build/kvserve" "$bundle/" || exit 1
+    # shared libraries that are not glibc / libstdc++ / CUDA / OpenBLAS (the GPU machine has those);
+    # --prebuilt drops the ones the GPU machine has itself
+    ldd "$build/test_cuda" "$build/bench_cuda" "$build/kvserve" | awk '/=> \//{print $3}' | sort -u |
+        grep -vE '/(libc|libm|libdl|librt|libpthread|libstdc\+\+|libgcc_s|libcublas|libcublasLt|libcudart|libopenblas|libgfortran|libquadmath)\.so' |
+        while read -r l; do cp -L "$l" "$bundle/lib/"; done
+    cp "$data/models/stories260K/stories260K.gguf" "$bundle/data/models/stories260K/"
+    cp "$data/references/stories260K/llamacpp_greedy.public.jsonl" "$bundle/data/references/stories260K/"
+    du -sh "$bundle"
+    exit 0
+fi
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || echo "nvidia-smi failed"
+if [ -n "$prebuilt" ]; then
+    bin="$prebuilt"
+    mkdir -p "$prebuilt/lib.system"
+    for l in "$prebuilt"/lib/*.so*; do # prefer the machine's own copy of a library
+        [ -e "$l" ] || continue
+        if ldconfig -p | grep -q "$(basename "$l") "; then mv "$l" "$prebuilt/lib.system/"; fi
+    done
+    echo "carried libraries used: $(ls "$prebuilt/lib" | tr '\n' ' ')"
+    export LD_LIBRARY_PATH="$prebuilt/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    export KVSERVE_TEST_DATA="${KVSERVE_TEST_DATA:-$prebuilt/data}"
+else
+    bin="build-gpu"
+    cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVSERVE_CUDA=ON >/dev/null || exit 1
+    cmake --build build-gpu -j"$(nproc)" --target test_cuda bench_cuda || exit 1
+    export KVSERVE_TEST_DATA="${KVSERVE_TEST_DATA:-$PWD/../shared/data}"
+fi
+if [ "${SERVE_SMOKE:-0}" = 1 ]; then # kvserve serve --backend cuda answers a completion
+    echo "== serve --backend cuda smoke"
+    pf=$(mktemp)
+    "$bin/kvserve" serve --backend cuda --model "$KVSERVE_TEST_DATA/models/stories260K/stories260K.gguf" \
+        --port 0 --port-file "$pf" > /tmp/serve.log 2>&1 &
+    spid=$!
+    for _ in $(seq 100); do [ -s "$pf" ] && break; sleep 0.1; done
+    port=$(cat "$pf")
+    curl -s -m 20 "http://127.0.0.1:$port/v1/completions" -H 'content-type: application/json' \
+        -d '{"prompt":"Once upon a time","max_tokens":32,"temperature":0}'
+    echo
+    kill "$spid"; wait "$spid" 2>/dev/null
+    tail -5 /tmp/serve.log
+fi
+echo "== test_cuda"
+"$bin/test_cuda"
+rc=$?
+echo "== test_cuda exit $rc"
+if [ "$bench" = 1 ]; then
+    echo "== bench_cuda $bench_args"
+    # shellcheck disable=SC2086
+    "$bin/bench_cuda" $bench_args
+    echo "== bench_cuda exit $?"
+fi
+exit $rc

@@ -1,0 +1,736 @@
+/*
+ * CUDA backend: host side (weights upload, KV pool, forward driver, host copies).
+ * See backend_cuda.h for the contract, kernels.cuh for the kernels.
+ */
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend_cuda.h"
+#include "cuda_internal.h"
+#include "kernels.cuh"
+
+#define BLAS_TRY(call, what)                                                                       \
+    do {                                                                                           \
+        cublasStatus_t s_ = (call);                                                                \
+        if (s_ != CUBLAS_STATUS_SUCCESS)                                                           \
+            return kv_errf(s_ == CUBLAS_STATUS_ALLOC_FAILED ? KV_ENOMEM : KV_EIO, err, errlen,     \
+                           "cublas: %s: %s", (what), cublasGetStatusString(s_));                   \
+    } while (0)
+#define LAUNCHED(what) CU_TRY(cudaGetLastError(), what)
+
+struct cuda_layer {
+    void *wqkv, *wo, *wgu, *wdown; /* weight dtype */
+    float *attn_norm, *ffn_norm, *bqkv, *q_norm, *k_norm;
+};
+
+struct cuda_ctx {
+    const model_t *m;
+    int dev;
+    bool f32w;
+    int gemv_max; /* products with M <= gemv_max rows use k_gemv_bf16 (KVSERVE_CUDA_GEMV_MAX, default 1) */
+    size_t wsz; /* bytes per weight element */
+    cudaStream_t st;
+    cublasHandle_t blas;
+    /* weights */
+    void *tok_embd, *output; /* output == tok_embd when tied */
+    float *out_norm;
+    struct cuda_layer *L;
+    float *inv_freq;
+    size_t weight_bytes;
+    /* KV pool */
+    float *pool;
+    size_t block_floats;
+    int tpb;
+    float **bounce_src; /* scratch pointer tables for host copies (n entries) */
+    void *bounce;       /* pinned staging for host copies from/to pageable memory */
+    size_t bounce_bytes;
+    /* scratch */
+    int cap_rows;
+    float *x;  /* (rows, dim) residual stream */
+    float *h;  /* (rows, hw) GEMM outputs */
+    void *a;   /* (rows, aw) GEMM inputs, weight dtype */
+    size_t hw, aw;
+    size_t cap_logits; /* floats */
+    float *logits;
+    size_t cap_part, cap_ml; /* bytes */
+    float *part, *part_ml;
+    size_t cap_meta; /* int32 entries */
+    int32_t *d_meta, *h_meta;
+};
+
+/* ---- helpers ---- */
+
+static unsigned grid_for(size_t n, int threads) {
+    size_t g = (n + threads - 1) / threads;
+    if (g > 65536) g = 65536;
+    return g ? (unsigned)g : 1u;
+}
+
+static kv_status dev_alloc(void **p, size_t bytes, char *err, size_t errlen) {
+    *p = NULL;
+    CU_TRY(cudaMalloc(p, bytes ? bytes : 16), "cudaMalloc");
+    return KV_OK;
+}
+
+static kv_status grow(void **p, size_t *cap, size_t need_bytes, char *err, size_t errlen) {
+    if (need_bytes <= *cap) return KV_OK;
+    size_t nc = *cap ? *cap : 4096;
+    while (nc < need_bytes) nc *= 2;
+    if (*p) cudaFree(*p);
+    *p = NULL;
+    *cap = 0;
+    CU_TRY(cudaMalloc(p, nc), "cudaMalloc (scratch)");
+    *cap = nc;
+    return KV_OK;
+}
+
+/* Uploads n f32 host values into dst (weight dtype) at element offset off, or fills them
+ * with random values (random mode). */
+static kv_status put_weights(struct cuda_ctx *c, void *dst, size_t off, const float *src, size_t n, bool is_norm,
+                             uint64_t seed, float *staging, size_t staging_floats, char *err, size_t errlen) {
+    char *d = (char *)dst + off * c->wsz;
+    if (!src) { /* random mode */
+        float mean = is_norm ? 1.0f : 0.0f, amp = is_norm ? 0.1f : 0.02f * 1.7320508f;
+        if (c->f32w) k_fill_random<float><<<grid_for(n, 256), 256, 0, c->st>>>((float *)d, n, seed, mean, amp);
+        else
+            k_fill_random<__nv_bfloat16><<<grid_for(n, 256), 256, 0, c->st>>>((__nv_bfloat16 *)d, n, seed, mean, amp);
+        LAUNCHED("fill random");
+        return KV_OK;
+    }
+    if (c->f32w) {
+        CU_TRY(cudaMemcpyAsync(d, src, n * sizeof(float), cudaMemcpyHostToDevice, c->st), "weights upload");
+        return KV_OK;
+    }
+    for (size_t i = 0; i < n; i += staging_floats) {
+        size_t k = n - i < staging_floats ? n - i : staging_floats;
+        CU_TRY(cudaMemcpyAsync(staging, src + i, k * sizeof(float), cudaMemcpyHostToDevice, c->st), "weights upload");
+        k_convert<__nv_bfloat16><<<grid_for(k, 256), 256, 0, c->st>>>((__nv_bfloat16 *)d + i, staging, k);
+        LAUNCHED("convert");
+    }
+    return KV_OK;
+}
+
+/* f32 vectors (norms, biases) stay f32. */
+static kv_status put_f32(struct cuda_ctx *c, float **dst, const float *const *srcs, const size_t *ns, int nsrc,
+                         bool is_norm, uint64_t seed, char *err, size_t errlen) {
+    size_t tot = 0;
+    for (int i = 0; i < nsrc; i++) tot += ns[i];
+    kv_status st = dev_alloc((void **)dst, tot * sizeof(float), err, errlen);
+    if (st) return st;
+    size_t off = 0;
+    for (int i = 0; i < nsrc; i++) {
+        if (srcs[i]) {
+            CU_TRY(cudaMemcpyAsync(*dst + off, srcs[i], ns[i] * sizeof(float), cudaMemcpyHostToDevice, c->st),
+                   "upload");
+        } else {
+            k_fill_random<float><<<grid_for(ns[i], 256), 256, 0, c->st>>>(*dst + off, ns[i], seed + (uint64_t)i,
+                                                                            is_norm ? 1.0f : 0.0f, 0.1f);
+            LAUNCHED("fill random");
+        }
+        off += ns[i];
+    }
+    c->weight_bytes += tot * sizeof(float);
+    return KV_OK;
+}
+
+static kv_status alloc_w(struct cuda_ctx *c, void **p, size_t n, char *err, size_t errlen) {
+    c->weight_bytes += n * c->wsz;
+    return dev_alloc(p, n * c->wsz, err, errlen);
+}
+
+/* HF-style RoPE inverse frequencies (as the CPU backend computes them). */
+static void rope_init(float *inv_freq, const struct model_config *cfg) {
+    int hd = cfg->head_dim;
+    const struct rope_scaling *rs = &cfg->rope_scaling;
+    for (int i = 0; i < hd / 2; i++) {
+        float f = 1.0f / powf(cfg->rope_theta, (float)(2 * i) / (float)hd);
+        if (rs->type == 2 && rs->factor > 0) {
+            f /= rs->factor;
+        } else if (rs->type == 1 && rs->factor > 0) {
+            double lo_wl = rs->original_max_pos / rs->low_freq_factor;
+            double hi_wl = rs->original_max_pos / rs->high_freq_factor;
+            double wl = 2.0 * M_PI / f;
+            if (wl > lo_wl) {
+                f = f / rs->factor;
+            } else if (wl >= hi_wl) {
+                double smooth = (rs->original_max_pos / wl - rs->low_freq_factor) /
+                                (rs->high_freq_factor - rs->low_freq_factor);
+                f = (float)((1.0 - smooth) * f / rs->factor + smooth * f);
+            }
+        }
+        inv_freq[i] = f;
+    }
+}
+
+static kv_status upload_model(struct cuda_ctx *c, uint64_t seed, char *err, size_t errlen) {
+    const model_t *m = c->m;
+    const struct model_config *cfg = &m->cfg;
+    bool rnd = seed != 0;
+    size_t dim = (size_t)cfg->dim, V = (size_t)cfg->n_vocab, ffn = (size_t)cfg->ffn_dim;
+    size_t qw = (size_t)cfg->n_heads * cfg->head_dim, kw = (size_t)cfg->n_kv_heads * cfg->head_dim;
+    size_t staging_floats = (size_t)16 << 20; /* 64 MiB */
+    float *staging = NULL;
+    kv_status st = KV_OK;
+    if (!c->f32w && !rnd && (st = dev_alloc((void **)&staging, staging_floats * sizeof(float), err, errlen)))
+        return st;
+#define PUT(dst, off, src, n, norm, sd)                                                                      \
+    do {                                                                                                     \
+        if ((st = put_weights(c, dst, off, rnd ? NULL : (src), n, norm, sd, staging, staging_floats, err,   \
+                              errlen)))                                                                      \
+            goto out;                                                                                        \
+    } while (0)
+    if ((st = alloc_w(c, &c->tok_embd, V * dim, err, errlen))) goto out;
+    PUT(c->tok_embd, 0, m->w.tok_embd, V * dim, false, seed + 1);
+    if (cfg->tied_embeddings || (!rnd && m->w.output == m->w.tok_embd)) {
+        c->output = c->tok_embd;
+    } else {
+        if ((st = alloc_w(c, &c->output, V * dim, err, errlen))) goto out;
+        PUT(c->output, 0, m->w.output, V * dim, false, seed + 2);
+    }
+    {
+        const float *srcs[1] = {rnd ? NULL : m->w.out_norm};
+        size_t ns[1] = {dim};
+        if ((st = put_f32(c, &c->out_norm, srcs, ns, 1, true, seed + 3, err, errlen))) goto out;
+    }
+    for (int l = 0; l < cfg->n_layers; l++) {
+        const struct layer_weights *lw = rnd ? NULL : &m->w.layers[l];
+        struct cuda_layer *L = &c->L[l];
+        uint64_t s = seed + 100 + (uint64_t)l * 16;
+        if ((st = alloc_w(c, &L->wqkv, (qw + 2 * kw) * dim, err, errlen))) goto out;
+        PUT(L->wqkv, 0, lw ? lw->wq : NULL, qw * dim, false, s + 0);
+        PUT(L->wqkv, qw * dim, lw ? lw->wk : NULL, kw * dim, false, s + 1);
+        PUT(L->wqkv, (qw + kw) * dim, lw ? lw->wv : NULL, kw * dim, false, s + 2);
+        if ((st = alloc_w(c, &L->wo, dim * qw, err, errlen))) goto out;
+        PUT(L->wo, 0, lw ? lw->wo : NULL, dim * qw, false, s + 3);
+        if ((st = alloc_w(c, &L->wgu, 2 * ffn * dim, err, errlen))) goto out;
+        PUT(L->wgu, 0, lw ? lw->w_gate : NULL, ffn * dim, false, s + 4);
+        PUT(L->wgu, ffn * dim, lw ? lw->w_up : NULL, ffn * dim, false, s + 5);
+        if ((st = alloc_w(c, &L->wdown, dim * ffn, err, errlen))) goto out;
+        PUT(L->wdown, 0, lw ? lw->w_down : NULL, dim * ffn, false, s + 6);
+        const float *an[1] = {lw ? lw->attn_norm : NULL}, *fn[1] = {lw ? lw->ffn_norm : NULL};
+        size_t nd[1] = {dim};
+        if ((st = put_f32(c, &L->attn_norm, an, nd, 1, true, s + 7, err, errlen))) goto out;
+        if ((st = put_f32(c, &L->ffn_norm, fn, nd, 1, true, s + 8, err, errlen))) goto out;
+        if (cfg->attn_bias) {
+            const float *b[3] = {lw ? lw->bq : NULL, lw ? lw->bk : NULL, lw ? lw->bv : NULL};
+            size_t nb[3] = {qw, kw, kw};
+            if ((st = put_f32(c, &L->bqkv, b, nb, 3, false, s + 9, err, errlen))) goto out;
+        }
+        if (cfg->qk_norm) {
+            const float *qn[1] = {lw ? lw->q_norm : NULL}, *kn[1] = {lw ? lw->k_norm : NULL};
+            size_t nh[1] = {(size_t)cfg->head_dim};
+            if ((st = put_f32(c, &L->q_norm, qn, nh, 1, true, s + 12, err, errlen))) goto out;
+            if ((st = put_f32(c, &L->k_norm, kn, nh, 1, true, s + 13, err, errlen))) goto out;
+        }
+    }
+    {
+        float *f = (float *)malloc((size_t)(cfg->head_dim / 2) * sizeof(float));
+        if (!f) {
+            st = kv_errf(KV_ENOMEM, err, errlen, "cuda backend: out of host memory");
+            goto out;
+        }
+        rope_init(f, cfg);
+        const float *srcs[1] = {f};
+        size_t ns[1] = {(size_t)cfg->head_dim / 2};
+        st = put_f32(c, &c->inv_freq, srcs, ns, 1, false, 0, err, errlen);
+        if (!st) {
+            cudaError_t e = cudaStreamSynchronize(c->st); /* f is freed next */
+            if (e != cudaSuccess) st = kv_errf(KV_EIO, err, errlen, "cuda: upload: %s", cudaGetErrorString(e));
+        }
+        free(f);
+        if (st) goto out;
+    }
+    {
+        cudaError_t e = cudaStreamSynchronize(c->st);
+        if (e != cudaSuccess) st = kv_errf(KV_EIO, err, errlen, "cuda: weights upload: %s", cudaGetErrorString(e));
+    }
+#undef PUT
+out:
+    if (staging) cudaFree(staging);
+    return st;
+}
+
+/* ---- ops ---- */
+
+static void free_pool(struct cuda_ctx *c) {
+    if (c->pool) cudaFree(c->pool);
+    c->pool = NULL;
+}
+
+static kv_status cuda_kv_alloc(backend_t *be, int n_blocks, const struct kv_geometry *g) {
+    struct cuda_ctx *c = (struct cuda_ctx *)be->ctx;
+    const struct model_config *cfg = &c->m->cfg;
+    cudaStreamSynchronize(c->st);
+    free_pool(c);
+    be->n_blocks = 0;
+    memset(&be->geom, 0, sizeof be->geom);
+    if (n_blocks < 1 || !g || g->n_layers != cfg->n_layers || g->n_kv_heads != cfg->n_kv_heads ||
+        g->head_dim != cfg->head_dim || g->tokens_per_block < 1) {
+        KV_ERROR("cuda backend: kv_alloc: geometry does not match the model or n_blocks < 1");
+        return KV_EINVAL;
+    }
+    /* kv_block_bytes(g) / sizeof(float), computed here (kv_backend links this target) */
+    size_t bf = (size_t)g->n_layers * 2 * (size_t)g->n_kv_heads * (size_t)g->tokens_per_block * (size_t)g->head_dim;
+    cudaError_t e = cudaMalloc((void **)&c->pool, (size_t)n_blocks * bf * sizeof(float));
+    if (e != cudaSuccess) {
+        c->pool = NULL;
+        KV_ERROR("cuda backend: kv_alloc of %d blocks x %zu bytes: %s", n_blocks, bf * sizeof(float),
+                 cudaGetErrorString(e));
+        return e == cudaErrorMemoryAllocation ? KV_ENOMEM : KV_EIO;
+    }
+    e = cudaMemsetAsync(c->pool, 0, (size_t)n_blocks * bf * sizeof(float), c->st);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(c->st);
+    if (e != cudaSuccess) {
+        free_pool(c);
+        KV_ERROR("cuda backend: kv_alloc: %s", cudaGetErrorString(e));
+        return KV_EIO;
+    }
+    c->block_floats = bf;
+    c->tpb = g->tokens_per_block;
+    be->geom = *g;
+    be->n_blocks = n_blocks;
+    return KV_OK;
+}
+
+static kv_status validate(backend_t *be, const struct batch *b, char *err, size_t errlen) {
+    struct cuda_ctx *c = (struct cuda_ctx *)be->ctx;
+    const struct model_config *cfg = &c->m->cfg;
+    if (!b || b->n_seqs < 0 || (b->n_seqs > 0 && !b->seqs))
+        return kv_errf(KV_EINVAL, err, errlen, "forward: bad batch");
+    if (b->n_seqs > 0 && (!c->pool || be->n_blocks < 1))
+        return kv_errf(KV_EINVAL, err, errlen, "forward: KV pool not allocated");
+    long total = 0;
+    for (int i = 0; i < b->n_seqs; i++) {
+        const struct batch_seq *s = &b->seqs[i];
+        if (s->n_tokens < 1 || !s->tokens || s->n_past < 0 || s->n_tokens > INT32_MAX / 2 ||
+            s->n_past > INT32_MAX / 2)
+            return kv_errf(KV_EINVAL, err, errlen, "forward: seq %d: n_tokens %d / n_past %d invalid", i,
+                           s->n_tokens, s->n_past);
+        if (s->logits != BATCH_LOGITS_NONE && s->logits != BATCH_LOGITS_LAST && s->logits != BATCH_LOGITS_ALL)
+            return kv_errf(KV_EINVAL, err, errlen, "forward: seq %d: bad logits mode %d", i, (int)s->logits);
+        int need = (s->n_past + s->n_tokens + c->tpb - 1) / c->tpb;
+        if (s->n_blocks < need || !s->block_table)
+            return kv_errf(KV_EINVAL, err, errlen,
+                           "forward: seq %d: block table has %d blocks, %d needed for %d positions", i, s->n_blocks,
+                           need, s->n_past + s->n_tokens);
+        for (int k = 0; k < need; k++)
+            if (s->block_table[k] < 0 || s->block_table[k] >= be->n_blocks)
+                return kv_errf(KV_EINVAL, err, errlen, "forward: seq %d: block id %d (entry %d) outside pool of %d",
+                               i, (int)s->block_table[k], k, be->n_blocks);
+        for (int k = 0; k < s->n_tokens; k++)
+            if (s->tokens[k] < 0 || s->tokens[k] >= cfg->n_vocab)
+                return kv_errf(KV_EINVAL, err, errlen, "forward: seq %d: token id %d outside vocabulary of %d", i,
+                               (int)s->tokens[k], cfg->n_vocab);
+        total += s->n_tokens;
+        if (total > (1 << 20)) return kv_errf(KV_EINVAL, err, errlen, "forward: batch too large");
+    }
+    return KV_OK;
+}
+
+/* Y[M,N] (f32) = X[M,K] W[N,K]^T, X and W in the weight dtype, f32 accumulation. */
+static kv_status gemm(struct cuda_ctx *c, const void *X, int M, int K, const void *W, int N, float *Y, char *err,
+                      size_t errlen) {
+    const float alpha = 1.0f, beta = 0.0f;
+    if (!c->f32w && M <= c->gemv_max && K % 8 == 0) {
+        unsigned g = (unsigned)((N + GEMV_WARPS - 1) / GEMV_WARPS);
+        const __nv_bfloat16 *x = (const __nv_bfloat16 *)X, *w = (const __nv_bfloat16 *)W;
+        switch (M) {
+        case 1: k_gemv_bf16<1><<<g, 32 * GEMV_WARPS, 0, c->st>>>(x, w, Y, N, K); break;
+        case 2: k_gemv_bf16<2><<<g, 32 * GEMV_WARPS, 0, c->st>>>(x, w, Y, N, K); break;
+        case 3: k_gemv_bf16<3><<<g, 32 * GEMV_WARPS, 0, c->st>>>(x, w, Y, N, K); break;
+        case 4: k_gemv_bf16<4><<<g, 32 * GEMV_WARPS, 0, c->st>>>(x, w, Y, N, K); break;
+        case 5: k_gemv_bf16<5><<<g, 32 * GEMV_WARPS, 0, c->st>>>(x, w, Y, N, K); break;
+        case 6: k_gemv_bf16<6><<<g, 32 * GEMV_WARPS, 0, c->st>>>(x, w, Y, N, K); break;
+        case 7: k_gemv_bf16<7><<<g, 32 * GEMV_WARPS, 0, c->st>>>(x, w, Y, N, K); break;
+        default: k_gemv_bf16<8><<<g, 32 * GEMV_WARPS, 0, c->st>>>(x, w, Y, N, K); break;
+        }
+        LAUNCHED("gemv");
+        return KV_OK;
+    }
+    cudaDataType_t t = c->f32w ? CUDA_R_32F : CUDA_R_16BF;
+    BLAS_TRY(cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &alpha, W, t, K, X, t, K, &beta, Y, CUDA_R_32F,
+                          N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+             "gemm");
+    return KV_OK;
+}
+
+template <typename TA>
+static kv_status launch_norm(struct cuda_ctx *c, float *x, const float *add, const float *w, int n_out,
+                             const int32_t *rows, int write_back, char *err, size_t errlen) {
+    const struct model_config *cfg = &c->m->cfg;
+    k_add_rmsnorm<TA><<<n_out, 256, 0, c->st>>>(x, add, w, (TA *)c->a, cfg->dim, cfg->rms_eps, rows, write_back);
+    LAUNCHED("rmsnorm");
+    return KV_OK;
+}
+
+template <typename TA>
+static kv_status forward_t(backend_t *be, const struct batch *b, float *logits, char *err, size_t errlen) {
+    struct cuda_ctx *c = (struct cuda_ctx *)be->ctx;
+    const model_t *m = c->m;
+    const struct model_config *cfg = &m->cfg;
+    int T = 0, max_pos = 0, L = 0;
+    size_t nbt = 0;
+    for (int i = 0; i < b->n_seqs; i++) {
+        const struct batch_seq *s = &b->seqs[i];
+        T += s->n_tokens;
+        int e = s->n_past + s->n_tokens;
+        if (e > max_pos) max_pos = e;
+        nbt += (size_t)(e + c->tpb - 1) / c->tpb;
+        L += s->logits == BATCH_LOGITS_ALL ? s->n_tokens : s->logits == BATCH_LOGITS_LAST ? 1 : 0;
+    }
+    if (T == 0) return KV_OK;
+    int dim = cfg->dim, hd = cfg->head_dim, nh = cfg->n_heads, nkv = cfg->n_kv_heads, ffn = cfg->ffn_dim;
+    int qw = nh * hd, kw = nkv * hd, qkvw = qw + 2 * kw;
+    kv_status st;
+
+    /* scratch */
+    if (T > c->cap_rows) {
+        int cap = (T + 63) / 64 * 64;
+        cudaFree(c->x), cudaFree(c->h), cudaFree(c->a);
+        c->x = NULL, c->h = NULL, c->a = NULL, c->cap_rows = 0;
+        CU_TRY(cudaMalloc((void **)&c->x, (size_t)cap * dim * sizeof(float)), "cudaMalloc (x)");
+        CU_TRY(cudaMalloc((void **)&c->h, (size_t)cap * c->hw * sizeof(float)), "cudaMalloc (h)");
+        CU_TRY(cudaMalloc(&c->a, (size_t)cap * c->aw * sizeof(TA)), "cudaMalloc (a)");
+        c->cap_rows = cap;
+    }
+    if ((st = grow((void **)&c->logits, &c->cap_logits, (size_t)(L ? L : 1) * cfg->n_vocab * sizeof(float), err,
+                   errlen)))
+        return st;
+    /* attention parts: 32 positions each, larger while rows * parts > 8192 */
+    int split_len = 32;
+    while ((long)T * ((max_pos + split_len - 1) / split_len) > 8192 && split_len < (1 << 24)) split_len *= 2;
+    int max_parts = (max_pos + split_len - 1) / split_len;
+    size_t slots = (size_t)T * nh * max_parts;
+    size_t part_bytes = slots * hd * sizeof(float), ml_bytes = slots * 2 * sizeof(float);
+    if ((st = grow((void **)&c->part, &c->cap_part, part_bytes, err, errlen))) return st;
+    if ((st = grow((void **)&c->part_ml, &c->cap_ml, ml_bytes, err, errlen))) return st;
+    /* metadata: tokens[T] pos[T] btoff[T] logit_rows[L] bt[nbt] */
+    size_t meta_n = (size_t)3 * T + L + nbt;
+    if (meta_n > c->cap_meta) {
+        size_t cap = meta_n * 2;
+        if (c->h_meta) cudaFreeHost(c->h_meta);
+        if (c->d_meta) cudaFree(c->d_meta);
+        c->h_meta = NULL, c->d_meta = NULL, c->cap_meta = 0;
+        CU_TRY(cudaHostAlloc((void **)&c->h_meta, cap * sizeof(int32_t), cudaHostAllocDefault), "cudaHostAlloc");
+        CU_TRY(cudaMalloc((void **)&c->d_meta, cap * sizeof(int32_t)), "cudaMalloc (meta)");
+        c->cap_meta = cap;
+    }
+    int32_t *h_tok = c->h_meta, *h_pos = h_tok + T, *h_bto = h_pos + T, *h_lr = h_bto + T, *h_bt = h_lr + L;
+    int r = 0, li = 0;
+    size_t bo = 0;
+    for (int i = 0; i < b->n_seqs; i++) {
+        const struct batch_seq *s = &b->seqs[i];
+        int need = (s->n_past + s->n_tokens + c->tpb - 1) / c->tpb;
+        memcpy(h_bt + bo, s->block_table, (size_t)need * sizeof(int32_t));
+        for (int k = 0; k < s->n_tokens; k++, r++) {
+            h_tok[r] = s->tokens[k];
+            h_pos[r] = s->n_past + k;
+            h_bto[r] = (int32_t)bo;
+            if (s->logits == BATCH_LOGITS_ALL || (s->logits == BATCH_LOGITS_LAST && k == s->n_tokens - 1))
+                h_lr[li++] = r;
+        }
+        bo += (size_t)need;
+    }
+    CU_TRY(cudaMemcpyAsync(c->d_meta, c->h_meta, meta_n * sizeof(int32_t), cudaMemcpyHostToDevice, c->st),
+           "metadata upload");
+    const int32_t *d_tok = c->d_meta, *d_pos = d_tok + T, *d_bto = d_pos + T, *d_lr = d_bto + T, *d_bt = d_lr + L;
+
+    k_embed<TA><<<T, 256, 0, c->st>>>((const TA *)c->tok_embd, d_tok, c->x, dim);
+    LAUNCHED("embed");
+    int group = nh / nkv, hc = group;
+    while (hc > ATT_HC) { /* largest divisor of group <= ATT_HC */
+        int d = ATT_HC;
+        while (group % d) d--;
+        hc = d;
+    }
+    float scale = 1.0f / sqrtf((float)hd);
+    size_t att_smem = (size_t)ATT_WARPS * hc * (hd + 2) * sizeof(float);
+    for (int l = 0; l < cfg->n_layers; l++) {
+        const struct cuda_layer *Ly = &c->L[l];
+        /* attention block: x += h (previous FFN output) then norm */
+        if ((st = launch_norm<TA>(c, c->x, l ? c->h : NULL, Ly->attn_norm, T, NULL, l ? 1 : 0, err, errlen))) return st;
+        if ((st = gemm(c, c->a, T, dim, Ly->wqkv, qkvw, c->h, err, errlen))) return st;
+        k_qkv_post<<<dim3((unsigned)T, (unsigned)((nh + nkv + QKV_WARPS - 1) / QKV_WARPS)), 32 * QKV_WARPS, 0,
+                     c->st>>>(c->h, qkvw, Ly->bqkv, Ly->q_norm, Ly->k_norm, c->inv_freq, d_pos,
+                                                    d_bto, d_bt, c->pool, c->block_floats, l, nh, nkv, hd, c->tpb,
+                                                    cfg->rms_eps, cfg->rope_neox ? 1 : 0);
+        LAUNCHED("qkv_post");
+        dim3 ag((unsigned)T, (unsigned)(nh / hc), (unsigned)max_parts);
+#define ATT(D)                                                                                                   \
+    k_attn_part<D><<<ag, 32 * ATT_WARPS, att_smem, c->st>>>(c->h, qkvw, c->pool, c->block_floats, l, nkv, hd,   \
+                                                             c->tpb, group, hc, d_pos, d_bto, d_bt, split_len,  \
+                                                             max_parts, scale, c->part, c->part_ml)
+        if (hd <= 32) ATT(1);
+        else if (hd <= 64) ATT(2);
+        else if (hd <= 128) ATT(4);
+        else ATT(8);
+#undef ATT
+        LAUNCHED("attention");
+        k_attn_combine<TA><<<dim3((unsigned)T, (unsigned)nh), (unsigned)((hd + 31) / 32 * 32), 0, c->st>>>(
+            c->part, c->part_ml, d_pos, split_len, max_parts, nh, hd, (TA *)c->a);
+        LAUNCHED("attention combine");
+        if ((st = gemm(c, c->a, T, qw, Ly->wo, dim, c->h, err, errlen))) return st;
+        /* FFN block */
+        if ((st = launch_norm<TA>(c, c->x, c->h, Ly->ffn_norm, T, NULL, 1, err, errlen))) return st;
+        if ((st = gemm(c, c->a, T, dim, Ly->wgu, 2 * ffn, c->h, err, errlen))) return st;
+        k_swiglu<TA><<<grid_for((size_t)T * ffn, 256), 256, 0, c->st>>>(c->h, (TA *)c->a, T, ffn);
+        LAUNCHED("swiglu");
+        if ((st = gemm(c, c->a, T, ffn, Ly->wdown, dim, c->h, err, errlen))) return st;
+    }
+    if (L > 0) {
+        /* last residual add fused into the output norm, on the logit rows only */
+        if ((st = launch_norm<TA>(c, c->x, c->h, c->out_norm, L, d_lr, 0, err, errlen))) return st;
+        if ((st = gemm(c, c->a, L, dim, c->output, cfg->n_vocab, c->logits, err, errlen))) return st;
+        CU_TRY(cudaMemcpyAsync(logits, c->logits, (size_t)L * cfg->n_vocab * sizeof(float), cudaMemcpyDeviceToHost,
+                               c->st),
+               "logits download");
+    }
+    CU_TRY(cudaStreamSynchronize(c->st), "forward");
+    return KV_OK;
+}
+
+static kv_status cuda_forward(backend_t *be, const struct batch *b, float *logits, char *err, size_t errlen) {
+    struct cuda_ctx *c = (struct cuda_ctx *)be->ctx;
+    kv_status st = validate(be, b, err, errlen);
+    if (st) return st;
+    int nl = 0;
+    for (int i = 0; i < b->n_seqs; i++)
+        nl += b->seqs[i].logits == BATCH_LOGITS_ALL ? b->seqs[i].n_tokens : b->seqs[i].logits == BATCH_LOGITS_LAST;
+    if (nl > 0 && !logits) return kv_errf(KV_EINVAL, err, errlen, "forward: logits is NULL");
+    CU_TRY(cudaSetDevice(c->dev), "cudaSetDevice");
+    return c->f32w ? forward_t<float>(be, b, logits, err, errlen) : forward_t<__nv_bfloat16>(be, b, logits, err, errlen);
+}
+
+static kv_status cuda_copy_blocks(backend_t *be, const int32_t *src, const int32_t *dst, int n) {
+    struct cuda_ctx *c = (struct cuda_ctx *)be->ctx;
+    char err[256];
+    size_t errlen = sizeof err;
+    if (n <= 0) return n < 0 ? KV_EINVAL : KV_OK;
+    for (int i = 0; i < n; i++)
+        if (src[i] < 0 || src[i] >= be->n_blocks || dst[i] < 0 || dst[i] >= be->n_blocks) return KV_EINVAL;
+    size_t bytes = c->block_floats * sizeof(float);
+    /* one batched launch unless a destination is also a source (then in order, one by one) */
+    bool dep = false;
+    for (int i = 0; i < n && !dep; i++)
+        for (int j = 0; j < n; j++)
+            if (i != j && dst[i] == src[j]) {
+                dep = true;
+                break;
+            }
+    kv_status st = KV_OK;
+    const int chunk = 256;
+    void *dp[256];
+    const void *sp[256];
+    for (int i = 0; i < n && !st;) {
+        int k = 0;
+        while (i < n && k < (dep ? 1 : chunk)) {
+            if (src[i] != dst[i]) {
+                dp[k] = c->pool + (size_t)dst[i] * c->block_floats;
+                sp[k] = c->pool + (size_t)src[i] * c->block_floats;
+                k++;
+            }
+            i++;
+        }
+        st = kv_cuda_copy_pages_async(KV_CUDA_D2D, dp, sp, k, bytes, c->st, err, errlen);
+    }
+    cudaError_t e = cudaStreamSynchronize(c->st);
+    if (!st && e != cudaSuccess) snprintf(err, sizeof err, "%s", cudaGetErrorString(e)), st = KV_EIO;
+    if (st) KV_ERROR("cuda backend: copy_blocks: %s", err);
+    return st;
+}
+
+static bool is_pinned(const void *p) {
+    cudaPointerAttributes a;
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+        cudaGetLastError(); /* clear */
+        return false;
+    }
+    return a.type == cudaMemoryTypeHost;
+}
+
+/* to_host: device blocks -> host[i]; else host[i] -> device blocks. */
+static kv_status host_copy(backend_t *be, const int32_t *blocks, void *const *host_dst, const void *const *host_src,
+                           int n, bool to_host) {
+    struct cuda_ctx *c = (struct cuda_ctx *)be->ctx;
+    char err[256] = "";
+    size_t errlen = sizeof err;
+    if (n == 0) return KV_OK;
+    if (n < 0 || !blocks) return KV_EINVAL;
+    for (int i = 0; i < n; i++)
+        if (blocks[i] < 0 || blocks[i] >= be->n_blocks || !(to_host ? host_dst[i] : host_src[i])) return KV_EINVAL;
+    size_t bytes = c->block_floats * sizeof(float);
+    bool pinned = true;
+    for (int i = 0; i < n && pinned; i++) pinned = is_pinned(to_host ? host_dst[i] : host_src[i]);
+    kv_status st = KV_OK;
+    void *dp[256];
+    const void *sp[256];
+    if (pinned) {
+        for (int i = 0; i < n && !st; i += 256) {
+            int k = n - i < 256 ? n - i : 256;
+            for (int j = 0; j < k; j++) {
+                float *d = c->pool + (size_t)blocks[i + j] * c->block_floats;
+                dp[j] = to_host ? host_dst[i + j] : d;
+                sp[j] = to_host ? (const void *)d : host_src[i + j];
+            }
+            st = kv_cuda_copy_pages_async(to_host ? KV_CUDA_D2H : KV_CUDA_H2D, dp, sp, k, bytes, c->st, err, errlen);
+        }
+        cudaError_t e = cudaStreamSynchronize(c->st);
+        if (!st && e != cudaSuccess) snprintf(err, sizeof err, "%s", cudaGetErrorString(e)), st = KV_EIO;
+    } else {
+        /* bounce through pinned staging of up to 64 MiB (at least one block) */
+        size_t per = bytes ? ((size_t)64 << 20) / bytes : 1;
+        if (per < 1) per = 1;
+        if (per > 256) per = 256;
+        size_t need = per * bytes;
+        if (c->bounce_bytes < need) {
+            if (c->bounce) cudaFreeHost(c->bounce);
+            c->bounce = NULL, c->bounce_bytes = 0;
+            if (cudaHostAlloc(&c->bounce, need, cudaHostAllocMapped) != cudaSuccess) {
+                cudaGetLastError();
+                c->bounce = NULL;
+                KV_ERROR("cuda backend: host copy: cannot allocate %zu bytes of pinned memory", need);
+                return KV_ENOMEM;
+            }
+            c->bounce_bytes = need;
+        }
+        for (int i = 0; i < n && !st; i += (int)per) {
+            int k = n - i < (int)per ? n - i : (int)per;
+            for (int j = 0; j < k; j++) {
+                float *d = c->pool + (size_t)blocks[i + j] * c->block_floats;
+                char *h = (char *)c->bounce + (size_t)j * bytes;
+                if (!to_host) memcpy(h, host_src[i + j], bytes);
+                dp[j] = to_host ? (void *)h : (void *)d;
+                sp[j] = to_host ? (const void *)d : (const void *)h;
+            }
+            st = kv_cuda_copy_pages_async(to_host ? KV_CUDA_D2H : KV_CUDA_H2D, dp, sp, k, bytes, c->st, err, errlen);
+            cudaError_t e = cudaStreamSynchronize(c->st);
+            if (!st && e != cudaSuccess) snprintf(err, sizeof err, "%s", cudaGetErrorString(e)), st = KV_EIO;
+            if (!st && to_host)
+                for (int j = 0; j < k; j++) memcpy(host_dst[i + j], (char *)c->bounce + (size_t)j * bytes, bytes);
+        }
+    }
+    if (st) KV_ERROR("cuda backend: %s: %s", to_host ? "copy_to_host" : "copy_from_host", err);
+    return st;
+}
+
+static kv_status cuda_copy_to_host(backend_t *be, const int32_t *blocks, void *const *host, int n) {
+    return host_copy(be, blocks, host, NULL, n, true);
+}
+static kv_status cuda_copy_from_host(backend_t *be, const void *const *host, const int32_t *blocks, int n) {
+    return host_copy(be, blocks, NULL, host, n, false);
+}
+
+static void cuda_free(backend_t *be) {
+    if (!be) return;
+    struct cuda_ctx *c = (struct cuda_ctx *)be->ctx;
+    if (c) {
+        cudaSetDevice(c->dev);
+        if (c->st) cudaStreamSynchronize(c->st);
+        if (c->L) {
+            for (int l = 0; l < c->m->cfg.n_layers; l++) {
+                struct cuda_layer *L = &c->L[l];
+                void *ps[] = {L->wqkv, L->wo, L->wgu, L->wdown, L->attn_norm, L->ffn_norm, L->bqkv, L->q_norm, L->k_norm};
+                for (size_t i = 0; i < sizeof ps / sizeof ps[0]; i++)
+                    if (ps[i]) cudaFree(ps[i]);
+            }
+            free(c->L);
+        }
+        if (c->output && c->output != c->tok_embd) cudaFree(c->output);
+        void *ps[] = {c->tok_embd, c->out_norm, c->inv_freq, c->pool, c->x, c->h, c->a, c->logits, c->part, c->part_ml,
+                      c->d_meta};
+        for (size_t i = 0; i < sizeof ps / sizeof ps[0]; i++)
+            if (ps[i]) cudaFree(ps[i]);
+        if (c->h_meta) cudaFreeHost(c->h_meta);
+        if (c->bounce) cudaFreeHost(c->bounce);
+        if (c->blas) cublasDestroy(c->blas);
+        if (c->st) cudaStreamDestroy(c->st);
+        free(c);
+    }
+    free(be);
+}
+
+static const struct backend_ops cuda_ops = {
+    /* .name = */ "cuda",
+    /* .kv_alloc = */ cuda_kv_alloc,
+    /* .forward = */ cuda_forward,
+    /* .copy_blocks = */ cuda_copy_blocks,
+    /* .block_ptr = */ NULL, /* device memory: the engine uses copy_to_host / copy_from_host */
+    /* .free = */ cuda_free,
+    /* .copy_to_host = */ cuda_copy_to_host,
+    /* .copy_from_host = */ cuda_copy_from_host,
+};
+
+static kv_status cuda_init(backend_t *be, struct cuda_ctx *c, const struct backend_cuda_options *opt, char *err,
+                           size_t errlen) {
+    const struct model_config *cfg = &c->m->cfg;
+    CU_TRY(cudaSetDevice(opt->device), "cudaSetDevice");
+    CU_TRY(cudaStreamCreateWithFlags(&c->st, cudaStreamNonBlocking), "stream create");
+    BLAS_TRY(cublasCreate(&c->blas), "create");
+    BLAS_TRY(cublasSetStream(c->blas, c->st), "set stream");
+    c->L = (struct cuda_layer *)calloc((size_t)cfg->n_layers, sizeof *c->L);
+    if (!c->L) return kv_errf(KV_ENOMEM, err, errlen, "cuda backend: out of host memory");
+    size_t qw = (size_t)cfg->n_heads * cfg->head_dim, kw = (size_t)cfg->n_kv_heads * cfg->head_dim;
+    size_t hw = qw + 2 * kw, aw = (size_t)cfg->dim;
+    if (2 * (size_t)cfg->ffn_dim > hw) hw = 2 * (size_t)cfg->ffn_dim;
+    if ((size_t)cfg->dim > hw) hw = cfg->dim;
+    if (qw > aw) aw = qw;
+    if ((size_t)cfg->ffn_dim > aw) aw = cfg->ffn_dim;
+    c->hw = hw, c->aw = aw;
+    (void)be;
+    return upload_model(c, opt->random_weights_seed, err, errlen);
+}
+
+extern "C" kv_status backend_cuda_new(const model_t *m, const struct backend_cuda_options *opt, backend_t **out,
+                                      char *err, size_t errlen) {
+    if (!m || !opt || !out) return kv_errf(KV_EINVAL, err, errlen, "backend_cuda_new: NULL argument");
+    const struct model_config *cfg = &m->cfg;
+    if (cfg->n_heads < 1 || cfg->n_kv_heads < 1 || cfg->n_heads % cfg->n_kv_heads || cfg->head_dim < 2 ||
+        cfg->head_dim % 2 || cfg->head_dim > 256 || cfg->dim < 1 || cfg->n_vocab < 1 || cfg->ffn_dim < 1 ||
+        cfg->n_layers < 1)
+        return kv_errf(KV_EINVAL, err, errlen,
+                       "backend_cuda_new: unsupported shape (heads %d, kv heads %d, head_dim %d; head_dim must be "
+                       "even and <= 256)",
+                       cfg->n_heads, cfg->n_kv_heads, cfg->head_dim);
+    if (!opt->random_weights_seed &&
+        (!m->w.tok_embd || !m->w.layers ||
+         (cfg->attn_bias && (!m->w.layers[0].bq || !m->w.layers[0].bk || !m->w.layers[0].bv)) ||
+         (cfg->qk_norm && (!m->w.layers[0].q_norm || !m->w.layers[0].k_norm))))
+        return kv_errf(KV_EINVAL, err, errlen,
+                       "backend_cuda_new: model lacks weights (or bias / q-k norm weights its config enables)");
+    kv_status st = kv_cuda_device_check(err, errlen);
+    if (st) return st;
+    int ndev = 0;
+    cudaGetDeviceCount(&ndev);
+    if (opt->device < 0 || opt->device >= ndev)
+        return kv_errf(KV_EINVAL, err, errlen, "backend_cuda_new: device %d outside 0..%d", opt->device, ndev - 1);
+    backend_t *be = (backend_t *)calloc(1, sizeof *be);
+    struct cuda_ctx *c = (struct cuda_ctx *)calloc(1, sizeof *c);
+    if (!be || !c) {
+        free(be), free(c);
+        return kv_errf(KV_ENOMEM, err, errlen, "backend_cuda_new: out of memory");
+    }
+    be->ops = &cuda_ops;
+    be->ctx = c;
+    be->model = m;
+    c->m = m;
+    c->dev = opt->device;
+    c->f32w = opt->f32_weights;
+    c->wsz = c->f32w ? sizeof(float) : sizeof(__nv_bfloat16);
+    const char *gm = getenv("KVSERVE_CUDA_GEMV_MAX");
+    c->gemv_max = gm && *gm ? atoi(gm) : 1;
+    if (c->gemv_max > GEMV_MAXM) c->gemv_max = GEMV_MAXM;
+    if ((st = cuda_init(be, c, opt, err, errlen))) {
+        cuda_free(be);
+        return st;
+    }
+    char name[256];
+    kv_cuda_device_name(c->dev, name, sizeof name);
+    KV_INFO("cuda backend: %s; weights %s on the device (%.2f GiB), KV f32, cuBLAS GEMMs with f32 accumulation", name,
+            c->f32w ? "f32" : "bf16", (double)c->weight_bytes / (1024.0 * 1024.0 * 1024.0));
+    *out = be;
+    return KV_OK;
+}

@@ -1,0 +1,92 @@
+/*
+ * CUDA backend (issue 10): the backend interface of ../backend.h on one NVIDIA GPU.
+ *
+ * Built only with -DKVSERVE_CUDA=ON (default when nvcc is found); the code lives in the CMake
+ * target kv_backend_cuda, and kv_backend gets KVSERVE_HAVE_CUDA=1 when it is linked. Every
+ * function here exists only in such a build; callers outside the backend go through
+ * backend_create (../backend.h), which reports a build without CUDA.
+ *
+ * Storage on the device:
+ *   - weights: bf16 (default) or f32 (backend_cuda_options.f32_weights), converted on the
+ *     device from the f32 host copy model_t holds; q/k/v are one (qw + 2 kw, dim) matrix,
+ *     gate/up one (2 ffn, dim) matrix, so each layer runs 4 GEMMs. GEMMs: cuBLAS
+ *     (cublasGemmEx) with f32 accumulation and f32 outputs; activations into a GEMM are in
+ *     the weight dtype; the residual stream, norms, RoPE and softmax are f32.
+ *   - KV pool: f32 in HBM, laid out exactly as ../backend.h says (so kv_block_bytes holds
+ *     and host copies are byte-compatible with the CPU backend's blocks).
+ * Per forward: one host->device copy of the step's metadata (tokens, positions, block
+ * tables), the kernels and GEMMs on the backend's stream, and one device->host copy of the
+ * logits rows asked for (batch_n_logits rows) followed by one stream synchronisation.
+ * Attention: split over the positions (64 per part, more when the batch has many rows) and
+ * combined (flash-decoding style), one CTA per (row, group of query heads sharing a KV
+ * head, part).
+ * block_ptr is NULL (device memory): host offload goes through copy_to_host /
+ * copy_from_host, which use the page-copy kernel below (pinned host buffers are read and
+ * written directly; other host memory is bounced through a pinned staging buffer).
+ * Not batch-invariant: cuBLAS may pick a different kernel for a different row count.
+ * One forward at a time per backend (not thread-safe). A failed CUDA call makes the call
+ * return KV_EIO with the CUDA error string in err; a sticky device error leaves the
+ * backend unusable (every later call fails the same way), never crashes the process.
+ */
+#ifndef KV_BACKEND_CUDA_H
+#define KV_BACKEND_CUDA_H
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#include "../backend.h"
+
+struct backend_cuda_options {
+    int device;       /* CUDA device ordinal */
+    bool f32_weights; /* keep weights f32 (exact-ish reference mode); default bf16 */
+    /* For benchmarks: when nonzero the weights are NOT read from the model (its weight
+     * pointers may be NULL); they are filled on the device with deterministic pseudo-random
+     * values from this seed (uniform, std ~0.02; norms ~1). */
+    uint64_t random_weights_seed;
+};
+
+/* Creates the CUDA backend for m (cfg and, unless random_weights_seed, weights). m must
+ * outlive the backend; the host weights are not used after this returns.
+ * Errors: KV_EINVAL (NULL argument, unsupported shape: odd head_dim or head_dim > 256,
+ * n_heads % n_kv_heads), KV_EUNSUPPORTED (no usable CUDA device: the CUDA message is in
+ * err), KV_ENOMEM (device memory), KV_EIO (another CUDA / cuBLAS failure). *out untouched
+ * on failure; nothing leaks. */
+kv_status backend_cuda_new(const model_t *m, const struct backend_cuda_options *opt, backend_t **out, char *err,
+                           size_t errlen);
+
+/* KV_OK when at least one CUDA device can be used; else KV_EUNSUPPORTED with the reason
+ * (no driver, no device) in err. Safe to call on machines without a GPU. */
+kv_status kv_cuda_device_check(char *err, size_t errlen);
+
+/* Device name and memory of device dev (for logs / benches); "" on error. */
+void kv_cuda_device_name(int dev, char *out, size_t outlen);
+
+/* ---- page copies (seed-features section 6, decision 6) ----
+ * Copies n pages of nbytes each, src[i] -> dst[i], with our kernel: 128 threads per CTA,
+ * 16-byte grains, at most 256 pages per launch (more are split into several launches),
+ * grid.x = splits: host<->device copies min(16, max(1, ceil(nbytes / 8 MiB))) CTAs per page
+ * (each CTA a contiguous ceil(ceil(nbytes/2048)/splits)*2048-byte range), device-to-device
+ * ceil(nbytes / 4096). Host pointers must be pinned (kv_cuda_host_alloc or
+ * cudaHostRegister'ed) so the GPU can reach them; device pointers from kv_cuda_malloc.
+ * nbytes == 0 or n == 0: KV_OK without any launch. nbytes not a multiple of 16, or
+ * pointers not 16-byte aligned: KV_EUNSUPPORTED. The call returns when the copy is done
+ * (stream synchronised); KV_EIO with the CUDA message on a failed launch. Ranges must
+ * not overlap. Thread-safe (each call uses its own stream). */
+enum kv_cuda_copy_dir { KV_CUDA_H2D = 0, KV_CUDA_D2H = 1, KV_CUDA_D2D = 2 };
+kv_status kv_cuda_copy_pages(enum kv_cuda_copy_dir dir, void *const *dst, const void *const *src, int n,
+                             size_t nbytes, char *err, size_t errlen);
+/* Splits (CTAs per page) the kernel uses for one page of nbytes in direction dir. */
+int kv_cuda_copy_splits(enum kv_cuda_copy_dir dir, size_t nbytes);
+
+/* Thin helpers for tests and benches (NULL / KV_EIO on failure; the error is logged). */
+void *kv_cuda_malloc(size_t n);           /* device memory */
+void kv_cuda_free(void *p);
+void *kv_cuda_host_alloc(size_t n);       /* pinned, mapped host memory */
+void kv_cuda_host_free(void *p);
+kv_status kv_cuda_memcpy(void *dst, const void *src, size_t n); /* cudaMemcpy(Default), synchronous */
+
+#ifdef __cplusplus
+}
+#endif
+#endif
