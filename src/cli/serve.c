@@ -53,6 +53,7 @@ static void serve_usage(FILE *f) {
             "  --prefix-token-cache-bucket-chars N  prompts shorter than N bytes are never stored;\n"
             "                                   entries are keyed by their first N bytes (default 2048)\n"
             "                           (\"chars\" are bytes of UTF-8)\n"
+            "  --backend cpu|cuda       compute backend (default cpu; cuda: bf16 weights on GPU 0)\n"
             "  --threads N              compute threads (default 0 = all cores)\n"
             "  --gemm invariant|openblas  matrix kernel: 'invariant' (default) gives bitwise-identical\n"
             "                           results whatever the batch; 'openblas' is one sgemm per\n"
@@ -83,6 +84,7 @@ int cmd_serve(int argc, char **argv) {
     int port = 8000, tpb = 16, kv_blocks = 0, max_num_tokens = 512, max_batch = 64;
     int max_model_len = 0, max_queue = 1024, threads = 0;
     enum backend_cpu_gemm gemm = BACKEND_CPU_GEMM_INVARIANT;
+    enum backend_kind be_kind = BACKEND_KIND_CPU;
     uint64_t kv_mem = 0, max_body = 16ull << 20, host_mem = 0;
     bool kv_mem_set = false, no_prefix_cache = false;
     int prefix_wait = 64;
@@ -131,6 +133,9 @@ int cmd_serve(int argc, char **argv) {
         else if (!strcmp(a, "--max-model-len")) rc = parse_int_opt(a, v, 2, 1 << 24, &max_model_len);
         else if (!strcmp(a, "--max-queue")) rc = parse_int_opt(a, v, 1, 1 << 24, &max_queue);
         else if (!strcmp(a, "--threads")) rc = parse_int_opt(a, v, 0, 4096, &threads);
+        else if (!strcmp(a, "--backend")) {
+            if (backend_kind_parse(v, &be_kind) != KV_OK) rc = bad_opt(a, v, "expected cpu or cuda");
+        }
         else if (!strcmp(a, "--gemm")) {
             if (backend_cpu_gemm_parse(v, &gemm) != KV_OK) rc = bad_opt(a, v, "expected invariant or openblas");
         }
@@ -242,9 +247,9 @@ int cmd_serve(int argc, char **argv) {
             m->cfg.name, model_arch_name(m->cfg.arch), m->cfg.n_layers, m->cfg.dim, m->cfg.n_vocab,
             kv_blocks, tpb, block_bytes, (double)kv_blocks * (double)block_bytes / (1024.0 * 1024.0),
             (long long)kv_blocks * tpb, max_model_len);
-    struct backend_cpu_options bopt = {.n_threads = threads, .gemm = gemm};
-    if (backend_cpu_new_ex(m, &bopt, &be, err, sizeof err) != KV_OK) {
-        fprintf(stderr, "kvserve serve: cannot create the CPU backend: %s\n", err);
+    struct backend_options bopt = {.kind = be_kind, .n_threads = threads, .gemm = gemm};
+    if (backend_create(m, &bopt, &be, err, sizeof err) != KV_OK) {
+        fprintf(stderr, "kvserve serve: cannot create the %s backend: %s\n", backend_kind_name(be_kind), err);
         goto out;
     }
     kv_hash_key hkey;
