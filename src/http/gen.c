@@ -289,8 +289,10 @@ static void handle_event(struct gen *g, const struct engine_event *ev) {
     char *body;
     if (g->probe) {
         json_decref(lp);
-        body = json_dumps(json_pack("{s:i, s:i}", "prompt_tokens", ev->prompt_tokens,
-                                    "cached_tokens", ev->cached_tokens), JSON_COMPACT);
+        json_t *po = json_pack("{s:i, s:i}", "prompt_tokens", ev->prompt_tokens, "cached_tokens",
+                               ev->cached_tokens);
+        body = po ? json_dumps(po, JSON_COMPACT) : NULL;
+        json_decref(po);
     } else {
         body = resp_full_json(&m, g->text.data, g->text.len, lp, finish_reason_str(ev->finish), &u);
         if (body && g->dtype == OAI_DISAGG_CONTEXT_ONLY) {

@@ -119,10 +119,13 @@ class Proc:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(30)
+                rc = self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+                rc = "killed"
+            # a clean stop (and, under ASan, no leak or error report) exits 0
+            check(rc == 0, "%s exits 0 on SIGTERM (rc=%s)%s" % (self.name, rc, "" if rc == 0 else ":\n" + self.logtext()))
         self.log.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
