@@ -60,7 +60,32 @@ struct cuda_ctx {
     float *part, *part_ml;
     size_t cap_meta; /* int32 entries */
     int32_t *d_meta, *h_meta;
+    void *blas_ws; /* cuBLAS workspace (set explicitly so GEMMs can be graph-captured) */
+    /* CUDA graphs of whole forward steps (steps of <= GRAPH_MAX_ROWS rows; KVSERVE_CUDA_GRAPHS=0
+     * turns them off). A graph is reused only when every launch parameter it captured is the
+     * same (rows, logit rows, attention grid, every buffer pointer); see graph_key. */
+    bool graphs;
+    struct graph_entry *gcache;
+    int gcache_next;
 };
+
+#define GRAPH_MAX_ROWS 64
+#define GRAPH_CACHE 32
+struct graph_key {
+    int T, L, parts, split_len, tpb;
+    size_t cap_meta, block_floats;
+    const void *ptr[9];
+};
+struct graph_entry {
+    struct graph_key k;
+    cudaGraphExec_t exec; /* NULL: empty slot */
+};
+
+static void graphs_clear(struct cuda_ctx *c) {
+    if (!c->gcache) return;
+    for (int i = 0; i < GRAPH_CACHE; i++)
+        if (c->gcache[i].exec) cudaGraphExecDestroy(c->gcache[i].exec), c->gcache[i].exec = NULL;
+}
 
 /* ---- helpers ---- */
 
@@ -265,6 +290,7 @@ static kv_status cuda_kv_alloc(backend_t *be, int n_blocks, const struct kv_geom
     struct cuda_ctx *c = (struct cuda_ctx *)be->ctx;
     const struct model_config *cfg = &c->m->cfg;
     cudaStreamSynchronize(c->st);
+    graphs_clear(c);
     free_pool(c);
     be->n_blocks = 0;
     memset(&be->geom, 0, sizeof be->geom);
@@ -367,6 +393,12 @@ static kv_status launch_norm(struct cuda_ctx *c, float *x, const float *add, con
     return KV_OK;
 }
 
+struct enq_args {
+    int T, L, max_parts, split_len;
+    size_t meta_n; /* int32 entries of metadata to upload */
+};
+template <typename TA> static kv_status enqueue_step(struct cuda_ctx *c, const struct enq_args *ea, char *err, size_t errlen);
+
 template <typename TA>
 static kv_status forward_t(backend_t *be, const struct batch *b, float *logits, char *err, size_t errlen) {
     struct cuda_ctx *c = (struct cuda_ctx *)be->ctx;
@@ -383,8 +415,7 @@ static kv_status forward_t(backend_t *be, const struct batch *b, float *logits, 
         L += s->logits == BATCH_LOGITS_ALL ? s->n_tokens : s->logits == BATCH_LOGITS_LAST ? 1 : 0;
     }
     if (T == 0) return KV_OK;
-    int dim = cfg->dim, hd = cfg->head_dim, nh = cfg->n_heads, nkv = cfg->n_kv_heads, ffn = cfg->ffn_dim;
-    int qw = nh * hd, kw = nkv * hd, qkvw = qw + 2 * kw;
+    int dim = cfg->dim, hd = cfg->head_dim, nh = cfg->n_heads;
     kv_status st;
 
     /* scratch */
@@ -404,6 +435,12 @@ static kv_status forward_t(backend_t *be, const struct batch *b, float *logits, 
     int split_len = 32;
     while ((long)T * ((max_pos + split_len - 1) / split_len) > 8192 && split_len < (1 << 24)) split_len *= 2;
     int max_parts = (max_pos + split_len - 1) / split_len;
+    bool use_graph = c->graphs && T <= GRAPH_MAX_ROWS;
+    if (use_graph) { /* round the attention grid up so one graph serves many steps */
+        int p2 = 1;
+        while (p2 < max_parts) p2 *= 2;
+        max_parts = p2;
+    }
     size_t slots = (size_t)T * nh * max_parts;
     size_t part_bytes = slots * hd * sizeof(float), ml_bytes = slots * 2 * sizeof(float);
     if ((st = grow((void **)&c->part, &c->cap_part, part_bytes, err, errlen))) return st;
@@ -435,7 +472,60 @@ static kv_status forward_t(backend_t *be, const struct batch *b, float *logits, 
         }
         bo += (size_t)need;
     }
-    CU_TRY(cudaMemcpyAsync(c->d_meta, c->h_meta, meta_n * sizeof(int32_t), cudaMemcpyHostToDevice, c->st),
+    struct enq_args ea = {T, L, max_parts, split_len, use_graph ? c->cap_meta : meta_n};
+    if (!use_graph) {
+        if ((st = enqueue_step<TA>(c, &ea, err, errlen))) return st;
+    } else {
+        struct graph_key k;
+        memset(&k, 0, sizeof k);
+        k.T = T, k.L = L, k.parts = max_parts, k.split_len = split_len, k.tpb = c->tpb;
+        k.cap_meta = c->cap_meta, k.block_floats = c->block_floats;
+        const void *ps[9] = {c->x, c->h, c->a, c->logits, c->part, c->part_ml, c->d_meta, c->h_meta, c->pool};
+        memcpy(k.ptr, ps, sizeof ps);
+        struct graph_entry *g = NULL;
+        for (int i = 0; i < GRAPH_CACHE && !g; i++)
+            if (c->gcache[i].exec && !memcmp(&c->gcache[i].k, &k, sizeof k)) g = &c->gcache[i];
+        if (!g) {
+            g = &c->gcache[c->gcache_next];
+            c->gcache_next = (c->gcache_next + 1) % GRAPH_CACHE;
+            if (g->exec) cudaGraphExecDestroy(g->exec), g->exec = NULL;
+            CU_TRY(cudaStreamBeginCapture(c->st, cudaStreamCaptureModeThreadLocal), "begin capture");
+            st = enqueue_step<TA>(c, &ea, err, errlen);
+            cudaGraph_t graph = NULL;
+            cudaError_t e = cudaStreamEndCapture(c->st, &graph);
+            if (!st && e != cudaSuccess)
+                st = kv_errf(KV_EIO, err, errlen, "cuda: end capture: %s", cudaGetErrorString(e));
+            if (!st) {
+                e = cudaGraphInstantiate(&g->exec, graph, 0);
+                if (e != cudaSuccess) {
+                    g->exec = NULL;
+                    st = kv_errf(KV_EIO, err, errlen, "cuda: graph instantiate: %s", cudaGetErrorString(e));
+                }
+            }
+            if (graph) cudaGraphDestroy(graph);
+            cudaGetLastError();
+            if (st) return st;
+            g->k = k;
+        }
+        CU_TRY(cudaGraphLaunch(g->exec, c->st), "graph launch");
+    }
+    if (L > 0)
+        CU_TRY(cudaMemcpyAsync(logits, c->logits, (size_t)L * cfg->n_vocab * sizeof(float), cudaMemcpyDeviceToHost,
+                               c->st),
+               "logits download");
+    CU_TRY(cudaStreamSynchronize(c->st), "forward");
+    return KV_OK;
+}
+
+/* Everything of one step on the stream after the host metadata is ready: metadata upload,
+ * embedding, layers, output head into c->logits. Capturable into a graph. */
+template <typename TA> static kv_status enqueue_step(struct cuda_ctx *c, const struct enq_args *ea, char *err, size_t errlen) {
+    const struct model_config *cfg = &c->m->cfg;
+    int T = ea->T, L = ea->L, max_parts = ea->max_parts, split_len = ea->split_len;
+    int dim = cfg->dim, hd = cfg->head_dim, nh = cfg->n_heads, nkv = cfg->n_kv_heads, ffn = cfg->ffn_dim;
+    int qw = nh * hd, kw = nkv * hd, qkvw = qw + 2 * kw;
+    kv_status st;
+    CU_TRY(cudaMemcpyAsync(c->d_meta, c->h_meta, ea->meta_n * sizeof(int32_t), cudaMemcpyHostToDevice, c->st),
            "metadata upload");
     const int32_t *d_tok = c->d_meta, *d_pos = d_tok + T, *d_bto = d_pos + T, *d_lr = d_bto + T, *d_bt = d_lr + L;
 
@@ -485,11 +575,7 @@ static kv_status forward_t(backend_t *be, const struct batch *b, float *logits, 
         /* last residual add fused into the output norm, on the logit rows only */
         if ((st = launch_norm<TA>(c, c->x, c->h, c->out_norm, L, d_lr, 0, err, errlen))) return st;
         if ((st = gemm(c, c->a, L, dim, c->output, cfg->n_vocab, c->logits, err, errlen))) return st;
-        CU_TRY(cudaMemcpyAsync(logits, c->logits, (size_t)L * cfg->n_vocab * sizeof(float), cudaMemcpyDeviceToHost,
-                               c->st),
-               "logits download");
     }
-    CU_TRY(cudaStreamSynchronize(c->st), "forward");
     return KV_OK;
 }
 
@@ -646,7 +732,10 @@ static void cuda_free(backend_t *be) {
             if (ps[i]) cudaFree(ps[i]);
         if (c->h_meta) cudaFreeHost(c->h_meta);
         if (c->bounce) cudaFreeHost(c->bounce);
+        graphs_clear(c);
+        free(c->gcache);
         if (c->blas) cublasDestroy(c->blas);
+        if (c->blas_ws) cudaFree(c->blas_ws);
         if (c->st) cudaStreamDestroy(c->st);
         free(c);
     }
@@ -671,6 +760,13 @@ static kv_status cuda_init(backend_t *be, struct cuda_ctx *c, const struct backe
     CU_TRY(cudaStreamCreateWithFlags(&c->st, cudaStreamNonBlocking), "stream create");
     BLAS_TRY(cublasCreate(&c->blas), "create");
     BLAS_TRY(cublasSetStream(c->blas, c->st), "set stream");
+    size_t ws = (size_t)32 << 20;
+    CU_TRY(cudaMalloc(&c->blas_ws, ws), "cudaMalloc (cublas workspace)");
+    BLAS_TRY(cublasSetWorkspace(c->blas, c->blas_ws, ws), "set workspace");
+    const char *gr = getenv("KVSERVE_CUDA_GRAPHS");
+    c->graphs = !(gr && *gr == '0');
+    c->gcache = (struct graph_entry *)calloc(GRAPH_CACHE, sizeof *c->gcache);
+    if (!c->gcache) return kv_errf(KV_ENOMEM, err, errlen, "cuda backend: out of host memory");
     c->L = (struct cuda_layer *)calloc((size_t)cfg->n_layers, sizeof *c->L);
     if (!c->L) return kv_errf(KV_ENOMEM, err, errlen, "cuda backend: out of host memory");
     size_t qw = (size_t)cfg->n_heads * cfg->head_dim, kw = (size_t)cfg->n_kv_heads * cfg->head_dim;
