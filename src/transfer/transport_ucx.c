@@ -16,7 +16,11 @@
  * "lo", an address of a local interface -> that interface; otherwise UCX's default (all).
  *
  * RMA over TCP (UCX_TLS=tcp) is emulated by UCX: the exposing side's worker must progress
- * for reads to complete. The agent calls progress() on both sides; so do the tests.
+ * for reads to complete. The agent calls progress() on both sides; so do the tests. With UCX
+ * 1.13 this holds on one host too: ucp_get of malloc'd memory is "software emulation" over the
+ * sysv/posix shared-memory lanes (UCX_PROTO_ENABLE=y UCX_PROTO_INFO=y shows it; CMA is used
+ * only by tag/AM rendezvous), so a read never completes while the exposing worker sleeps: it
+ * wakes on the event fd (below), and its scheduling bounds the throughput on a busy host.
  *
  * Peer failure: endpoints use UCP_ERR_HANDLING_MODE_NONE by default, because UCX 1.13 keeps
  * shared memory and CMA off endpoints in PEER mode (keepalive): in PEER mode a same-host read
