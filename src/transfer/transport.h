@@ -4,13 +4,12 @@
  * control plane (REQUEST_DATA, READY, DONE, CANCEL) is the agent's own TCP socket protocol and
  * is not part of this interface.
  *
- * Two implementations:
- *   tcp (transport_tcp.c): the exposing side runs a data listener; a read is a request
- *       {offset, len}... on a socket, answered by the bytes. Works everywhere.
- *   ucx (transport_ucx.c, built when libucx-dev is found): the region is registered with
- *       ucp_mem_map, its packed rkey + the worker address form the descriptor, a read is
- *       ucp_get_nbx per fragment and one flush. Shared memory / CMA on one host, TCP or RDMA
- *       between hosts (UCX picks; UCX_TLS / UCX_NET_DEVICES are honoured).
+ * Implementation: ucx (transport_ucx.c, built when libucx-dev is found): the region is
+ * registered with ucp_mem_map, its packed rkey + the worker address form the descriptor, a read
+ * is ucp_get_nbx per fragment. UCX picks the lanes (UCX_TLS / UCX_NET_DEVICES are honoured);
+ * with UCX 1.13 a same-host get is emulated over shared memory, so the exposing side must keep
+ * calling progress() too (the agent does). Without UCX the agent streams the bytes over its own
+ * TCP control connection instead (agent_conn.c), so there is no separate tcp transport.
  *
  * Threading: a transport instance is driven by ONE thread (the agent's transfer thread): every
  * call below, including progress, comes from that thread. The tcp exposing side may run its
@@ -75,9 +74,8 @@ struct kvx_transport {
     void *ctx;
 };
 
-/* Creates a transport. host: the address data listeners bind to / advertise ("127.0.0.1").
- * KV_EUNSUPPORTED for ucx in a build without UCX. */
-kv_status kvx_transport_tcp_new(const char *host, kvx_transport_t **out, char *err, size_t errlen);
+/* Creates the UCX transport. host: the address whose interface UCX should use ("127.0.0.1" ->
+ * lo). KV_EUNSUPPORTED in a build without UCX. */
 kv_status kvx_transport_ucx_new(const char *host, kvx_transport_t **out, char *err, size_t errlen);
 /* True if this build has the UCX transport. */
 bool kvx_transport_ucx_available(void);
