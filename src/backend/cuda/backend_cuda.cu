@@ -31,6 +31,8 @@ struct cuda_ctx {
     const model_t *m;
     int dev;
     bool f32w;
+    int n_sm;
+    bool attn2;   /* k_attn_part2 (lane per position; hd % 4 == 0): KVSERVE_CUDA_ATTN=1 selects k_attn_part */
     int gemv_max; /* products with M <= gemv_max rows use k_gemv_bf16 (KVSERVE_CUDA_GEMV_MAX, default 1) */
     size_t wsz; /* bytes per weight element */
     cudaStream_t st;
@@ -72,7 +74,7 @@ struct cuda_ctx {
 #define GRAPH_MAX_ROWS 64
 #define GRAPH_CACHE 32
 struct graph_key {
-    int T, L, parts, split_len, tpb;
+    int T, L, parts, split_len, tpb, attn2;
     size_t cap_meta, block_floats;
     const void *ptr[9];
 };
@@ -388,13 +390,21 @@ template <typename TA>
 static kv_status launch_norm(struct cuda_ctx *c, float *x, const float *add, const float *w, int n_out,
                              const int32_t *rows, int write_back, char *err, size_t errlen) {
     const struct model_config *cfg = &c->m->cfg;
-    k_add_rmsnorm<TA><<<n_out, 256, 0, c->st>>>(x, add, w, (TA *)c->a, cfg->dim, cfg->rms_eps, rows, write_back);
+    k_add_rmsnorm<TA><<<n_out, RMS_THREADS, 0, c->st>>>(x, add, w, (TA *)c->a, cfg->dim, cfg->rms_eps, rows, write_back);
     LAUNCHED("rmsnorm");
     return KV_OK;
 }
 
+/* Query heads per attention CTA: the largest divisor of the GQA group <= ATT_HC. */
+static int att_hc(const struct model_config *cfg) {
+    int group = cfg->n_heads / cfg->n_kv_heads, d = group < ATT_HC ? group : ATT_HC;
+    while (group % d) d--;
+    return d;
+}
+
 struct enq_args {
     int T, L, max_parts, split_len;
+    bool attn2; /* k_attn_part2 for this step */
     size_t meta_n; /* int32 entries of metadata to upload */
 };
 template <typename TA> static kv_status enqueue_step(struct cuda_ctx *c, const struct enq_args *ea, char *err, size_t errlen);
@@ -431,8 +441,11 @@ static kv_status forward_t(backend_t *be, const struct batch *b, float *logits, 
     if ((st = grow((void **)&c->logits, &c->cap_logits, (size_t)(L ? L : 1) * cfg->n_vocab * sizeof(float), err,
                    errlen)))
         return st;
-    /* attention parts: 32 positions each, larger while rows * parts > 8192 */
-    int split_len = 32;
+    /* attention parts: 128 positions each (k_attn_part2: 32 per warp) or 32 (k_attn_part),
+     * larger while rows * parts > 8192 */
+    int n_groups = nh / att_hc(cfg);
+    bool attn2 = c->attn2 && (long)T * n_groups * ((max_pos + 127) / 128) >= 2 * c->n_sm; /* enough CTAs */
+    int split_len = attn2 ? 128 : 32;
     while ((long)T * ((max_pos + split_len - 1) / split_len) > 8192 && split_len < (1 << 24)) split_len *= 2;
     int max_parts = (max_pos + split_len - 1) / split_len;
     bool use_graph = c->graphs && T <= GRAPH_MAX_ROWS;
@@ -472,13 +485,13 @@ static kv_status forward_t(backend_t *be, const struct batch *b, float *logits, 
         }
         bo += (size_t)need;
     }
-    struct enq_args ea = {T, L, max_parts, split_len, use_graph ? c->cap_meta : meta_n};
+    struct enq_args ea = {T, L, max_parts, split_len, attn2, use_graph ? c->cap_meta : meta_n};
     if (!use_graph) {
         if ((st = enqueue_step<TA>(c, &ea, err, errlen))) return st;
     } else {
         struct graph_key k;
         memset(&k, 0, sizeof k);
-        k.T = T, k.L = L, k.parts = max_parts, k.split_len = split_len, k.tpb = c->tpb;
+        k.T = T, k.L = L, k.parts = max_parts, k.split_len = split_len, k.tpb = c->tpb, k.attn2 = attn2;
         k.cap_meta = c->cap_meta, k.block_floats = c->block_floats;
         const void *ps[9] = {c->x, c->h, c->a, c->logits, c->part, c->part_ml, c->d_meta, c->h_meta, c->pool};
         memcpy(k.ptr, ps, sizeof ps);
@@ -529,16 +542,12 @@ template <typename TA> static kv_status enqueue_step(struct cuda_ctx *c, const s
            "metadata upload");
     const int32_t *d_tok = c->d_meta, *d_pos = d_tok + T, *d_bto = d_pos + T, *d_lr = d_bto + T, *d_bt = d_lr + L;
 
-    k_embed<TA><<<T, 256, 0, c->st>>>((const TA *)c->tok_embd, d_tok, c->x, dim);
+    k_embed<TA><<<T, 1024, 0, c->st>>>((const TA *)c->tok_embd, d_tok, c->x, dim);
     LAUNCHED("embed");
-    int group = nh / nkv, hc = group;
-    while (hc > ATT_HC) { /* largest divisor of group <= ATT_HC */
-        int d = ATT_HC;
-        while (group % d) d--;
-        hc = d;
-    }
+    int group = nh / nkv, hc = att_hc(cfg);
     float scale = 1.0f / sqrtf((float)hd);
     size_t att_smem = (size_t)ATT_WARPS * hc * (hd + 2) * sizeof(float);
+    size_t att2_smem = ((size_t)hc * hd + ATT_WARPS * ATT_HC * 32 + (size_t)ATT_WARPS * hc * (hd + 2)) * sizeof(float);
     for (int l = 0; l < cfg->n_layers; l++) {
         const struct cuda_layer *Ly = &c->L[l];
         /* attention block: x += h (previous FFN output) then norm */
@@ -550,15 +559,22 @@ template <typename TA> static kv_status enqueue_step(struct cuda_ctx *c, const s
                                                     cfg->rms_eps, cfg->rope_neox ? 1 : 0);
         LAUNCHED("qkv_post");
         dim3 ag((unsigned)T, (unsigned)(nh / hc), (unsigned)max_parts);
+#define ATT2(CH)                                                                                           \
+    k_attn_part2<CH><<<ag, 32 * ATT_WARPS, att2_smem, c->st>>>(c->h, qkvw, c->pool, c->block_floats, l, nkv, hd, \
+                                                               c->tpb, group, hc, d_pos, d_bto, d_bt, split_len,  \
+                                                               max_parts, scale, c->part, c->part_ml)
 #define ATT(D)                                                                                                   \
     k_attn_part<D><<<ag, 32 * ATT_WARPS, att_smem, c->st>>>(c->h, qkvw, c->pool, c->block_floats, l, nkv, hd,   \
                                                              c->tpb, group, hc, d_pos, d_bto, d_bt, split_len,  \
                                                              max_parts, scale, c->part, c->part_ml)
-        if (hd <= 32) ATT(1);
+        if (ea->attn2 && hd <= 128) ATT2(1);
+        else if (ea->attn2) ATT2(2);
+        else if (hd <= 32) ATT(1);
         else if (hd <= 64) ATT(2);
         else if (hd <= 128) ATT(4);
         else ATT(8);
 #undef ATT
+#undef ATT2
         LAUNCHED("attention");
         k_attn_combine<TA><<<dim3((unsigned)T, (unsigned)nh), (unsigned)((hd + 31) / 32 * 32), 0, c->st>>>(
             c->part, c->part_ml, d_pos, split_len, max_parts, nh, hd, (TA *)c->a);
@@ -816,6 +832,10 @@ extern "C" kv_status backend_cuda_new(const model_t *m, const struct backend_cud
     c->dev = opt->device;
     c->f32w = opt->f32_weights;
     c->wsz = c->f32w ? sizeof(float) : sizeof(__nv_bfloat16);
+    const char *at = getenv("KVSERVE_CUDA_ATTN");
+    c->attn2 = m->cfg.head_dim % 4 == 0 && !(at && *at == '1');
+    cudaDeviceProp prop;
+    c->n_sm = cudaGetDeviceProperties(&prop, opt->device) == cudaSuccess ? prop.multiProcessorCount : 132;
     const char *gm = getenv("KVSERVE_CUDA_GEMV_MAX");
     c->gemv_max = gm && *gm ? atoi(gm) : 1;
     if (c->gemv_max > GEMV_MAXM) c->gemv_max = GEMV_MAXM;

@@ -59,28 +59,54 @@ template <typename TW> __global__ void k_embed(const TW *emb, const int32_t *tok
 
 /* Output row i, input row r = rows ? rows[i] : i: v = x[r] + add[r] (add optional; written
  * back into x[r] when write_back), out[i] = w * (v * 1/sqrt(mean(v^2) + eps)).
- * grid n_out, block 256. */
+ * grid n_out, block RMS_THREADS; one pass over x (values kept in registers) when
+ * dim <= RMS_THREADS * RMS_MAXV, else a second read. */
+#define RMS_THREADS 1024
+#define RMS_MAXV 8
 template <typename TA>
-__global__ void k_add_rmsnorm(float *x, const float *add, const float *w, TA *out, int dim, float eps,
-                              const int32_t *rows, int write_back) {
+__global__ void __launch_bounds__(RMS_THREADS)
+    k_add_rmsnorm(float *x, const float *add, const float *w, TA *out, int dim, float eps, const int32_t *rows,
+                  int write_back) {
     __shared__ double sh[32];
     int r = rows ? rows[blockIdx.x] : (int)blockIdx.x;
     float *xr = x + (size_t)r * dim;
     const float *ar = add ? add + (size_t)r * dim : nullptr;
+    TA *o = out + (size_t)blockIdx.x * dim;
+    bool cached = dim <= RMS_THREADS * RMS_MAXV;
+    float v[RMS_MAXV];
     double ss = 0;
-    for (int j = threadIdx.x; j < dim; j += blockDim.x) {
-        float v = xr[j];
-        if (ar) v += ar[j];
-        ss += (double)v * v;
+    if (cached) {
+#pragma unroll
+        for (int k = 0; k < RMS_MAXV; k++) {
+            int j = threadIdx.x + k * RMS_THREADS;
+            v[k] = 0.f;
+            if (j < dim) v[k] = ar ? xr[j] + ar[j] : xr[j];
+        }
+#pragma unroll
+        for (int k = 0; k < RMS_MAXV; k++) ss += (double)v[k] * v[k];
+    } else {
+        for (int j = threadIdx.x; j < dim; j += blockDim.x) {
+            float t = ar ? xr[j] + ar[j] : xr[j];
+            ss += (double)t * t;
+        }
     }
     ss = block_sum_double(ss, sh);
     float inv = (float)(1.0 / sqrt(ss / dim + (double)eps));
-    TA *o = out + (size_t)blockIdx.x * dim;
-    for (int j = threadIdx.x; j < dim; j += blockDim.x) {
-        float v = xr[j];
-        if (ar) v += ar[j];
-        if (write_back) xr[j] = v; /* same thread read it above: no race */
-        o[j] = from_f32<TA>(w[j] * (v * inv));
+    if (cached) {
+#pragma unroll
+        for (int k = 0; k < RMS_MAXV; k++) {
+            int j = threadIdx.x + k * RMS_THREADS;
+            if (j < dim) {
+                if (write_back) xr[j] = v[k];
+                o[j] = from_f32<TA>(w[j] * (v[k] * inv));
+            }
+        }
+    } else {
+        for (int j = threadIdx.x; j < dim; j += blockDim.x) {
+            float t = ar ? xr[j] + ar[j] : xr[j];
+            if (write_back) xr[j] = t; /* same thread read it above: no race */
+            o[j] = from_f32<TA>(w[j] * (t * inv));
+        }
     }
 }
 
@@ -229,6 +255,138 @@ __global__ void __launch_bounds__(32 * ATT_WARPS)
                 const float *s = smem + ((size_t)ww * hc + g) * W;
                 float f = s[hd + 1] > 0.f ? expf(s[hd] - M) : 0.f;
                 val += (e == hd + 1 ? s[hd + 1] : s[e]) * f;
+            }
+        }
+        size_t slot = ((size_t)r * (gridDim.y * hc) + h0 + g) * max_parts + z;
+        if (e < hd) part[slot * hd + e] = val;
+        else part_ml[slot * 2 + (e - hd)] = val;
+    }
+}
+
+/* Partial attention, "a lane per position" variant (hd % 4 == 0, hd <= 128 * CH): for each
+ * 32-position slice a warp computes all 32 scores at once (each lane its own position's q.k
+ * over 16-byte K loads, q broadcast from shared memory), one max/sum reduction per slice,
+ * then accumulates V with lanes owning 4 dims each (coalesced 16-byte loads). Same
+ * part/combine format as k_attn_part; split_len a multiple of 32. */
+template <int CH>
+__global__ void __launch_bounds__(32 * ATT_WARPS)
+    k_attn_part2(const float *qkv, int stride, const float *pool, size_t block_floats, int layer, int n_kv, int hd,
+                 int tpb, int group, int hc, const int32_t *row_pos, const int32_t *row_bt, const int32_t *bt,
+                 int split_len, int max_parts, float scale, float *part, float *part_ml) {
+    extern __shared__ float smem[]; /* q: hc*hd | weights: ATT_WARPS*ATT_HC*32 | per warp: ATT_WARPS*hc*(hd+2) */
+    int r = blockIdx.x, h0 = blockIdx.y * hc, z = blockIdx.z;
+    int pos = row_pos[r];
+    int p_begin = z * split_len;
+    if (p_begin > pos) return;
+    int p_end = min(pos + 1, p_begin + split_len);
+    int kvh = h0 / group;
+    int w = threadIdx.x / 32, lane = threadIdx.x % 32;
+    float *qs = smem, *ws = smem + hc * hd, *red = ws + ATT_WARPS * ATT_HC * 32;
+    const float *qr = qkv + (size_t)r * stride + (size_t)h0 * hd;
+    for (int i = threadIdx.x; i < hc * hd; i += blockDim.x) qs[i] = qr[i];
+    __syncthreads();
+    const int32_t *rbt = bt + row_bt[r];
+    size_t koff = (((size_t)layer * 2 + 0) * n_kv + kvh) * tpb * hd;
+    size_t voff = (((size_t)layer * 2 + 1) * n_kv + kvh) * tpb * hd;
+    float m[ATT_HC], l[ATT_HC], acc[ATT_HC][CH][4];
+#pragma unroll
+    for (int g = 0; g < ATT_HC; g++) {
+        m[g] = -INFINITY, l[g] = 0.f;
+#pragma unroll
+        for (int c = 0; c < CH; c++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[g][c][e] = 0.f;
+    }
+    float *wsw = ws + w * ATT_HC * 32;
+    for (int base = p_begin + w * 32; base < p_end; base += 32 * ATT_WARPS) {
+        int p = base + lane;
+        bool valid = p < p_end;
+        float sc[ATT_HC];
+#pragma unroll
+        for (int g = 0; g < ATT_HC; g++) sc[g] = 0.f;
+        if (valid) {
+            const float4 *kr = (const float4 *)(pool + (size_t)rbt[p / tpb] * block_floats + koff + (size_t)(p % tpb) * hd);
+            for (int d4 = 0; d4 < hd / 4; d4++) {
+                float4 kv = kr[d4];
+#pragma unroll
+                for (int g = 0; g < ATT_HC; g++) {
+                    if (g < hc) {
+                        float4 q = ((const float4 *)(qs + g * hd))[d4];
+                        sc[g] += q.x * kv.x + q.y * kv.y + q.z * kv.z + q.w * kv.w;
+                    }
+                }
+            }
+        }
+        int nvalid = min(32, p_end - base);
+#pragma unroll
+        for (int g = 0; g < ATT_HC; g++) {
+            if (g >= hc) break;
+            float s = valid ? sc[g] * scale : -INFINITY;
+            float mx = s;
+            for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+            float mn = fmaxf(m[g], mx);
+            float pw = valid ? expf(s - mn) : 0.f;
+            float sum = pw;
+            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            float corr = expf(m[g] - mn);
+            l[g] = l[g] * corr + sum;
+            m[g] = mn;
+#pragma unroll
+            for (int c = 0; c < CH; c++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) acc[g][c][e] *= corr;
+            wsw[g * 32 + lane] = pw;
+        }
+        __syncwarp();
+        for (int j = 0; j < nvalid; j++) {
+            int pj = base + j;
+            const float *vr = pool + (size_t)rbt[pj / tpb] * block_floats + voff + (size_t)(pj % tpb) * hd;
+#pragma unroll
+            for (int c = 0; c < CH; c++) {
+                int d = c * 128 + lane * 4;
+                if (d < hd) {
+                    float4 vv = *(const float4 *)(vr + d);
+#pragma unroll
+                    for (int g = 0; g < ATT_HC; g++) {
+                        if (g < hc) {
+                            float pj_w = wsw[g * 32 + j];
+                            acc[g][c][0] += pj_w * vv.x, acc[g][c][1] += pj_w * vv.y;
+                            acc[g][c][2] += pj_w * vv.z, acc[g][c][3] += pj_w * vv.w;
+                        }
+                    }
+                }
+            }
+        }
+        __syncwarp();
+    }
+    /* combine the warps (same as k_attn_part) */
+    int W = hd + 2;
+    for (int g = 0; g < hc && g < ATT_HC; g++) {
+        float *sp = red + ((size_t)w * hc + g) * W;
+#pragma unroll
+        for (int c = 0; c < CH; c++) {
+            int d = c * 128 + lane * 4;
+            if (d < hd) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) sp[d + e] = acc[g][c][e];
+            }
+        }
+        if (lane == 0) sp[hd] = m[g], sp[hd + 1] = l[g];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < hc * (hd + 2); i += blockDim.x) {
+        int g = i / (hd + 2), e = i % (hd + 2);
+        float M = -INFINITY;
+        for (int ww = 0; ww < ATT_WARPS; ww++) M = fmaxf(M, red[((size_t)ww * hc + g) * W + hd]);
+        float val;
+        if (e == hd) {
+            val = M;
+        } else {
+            val = 0.f;
+            for (int ww = 0; ww < ATT_WARPS; ww++) {
+                const float *sp = red + ((size_t)ww * hc + g) * W;
+                float f = sp[hd + 1] > 0.f ? expf(sp[hd] - M) : 0.f;
+                val += (e == hd + 1 ? sp[hd + 1] : sp[e]) * f;
             }
         }
         size_t slot = ((size_t)r * (gridDim.y * hc) + h0 + g) * max_parts + z;
