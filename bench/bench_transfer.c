@@ -533,7 +533,7 @@ static struct result parent_ours(int kind, uint64_t size, uint64_t block, bool f
         if (st == KV_OK && it >= g_warmup) g[ng++] = (double)size / s / 1e9;
     }
     if (st == KV_OK) res = summarize(g, ng, check(dst, size, block, perm));
-    else snprintf(res.note, sizeof res.note, "%s", err);
+    else snprintf(res.note, sizeof res.note, "%.90s", err);
     if (peer) t->ops->disconnect(t, peer);
     wr(g_ctl, "x", 1);
     char k;
@@ -691,7 +691,7 @@ static struct result parent_agent(int kind, uint64_t size, bool frag, const char
     char k;
     rd(g_ctl, &k, 1);
     if (st == KV_OK) res = summarize(g, ng, check(pool, size, c.block, inv));
-    else snprintf(res.note, sizeof res.note, "%s", err);
+    else snprintf(res.note, sizeof res.note, "%.90s", err);
     kvx_agent_stop(a);
     kvx_page_table_free(&pt);
     free(ep);
