@@ -188,8 +188,8 @@ kv_status kvx_page_table_from_json(const json_t *j, struct kvx_page_table *pt, c
             if (!json_is_array(e) || json_array_size(e) != 3 || !json_is_integer(a) ||
                 !json_is_integer(b) || !json_is_integer(c) || json_integer_value(a) < 0 ||
                 json_integer_value(a) > (1 << 24) || json_integer_value(b) < (json_int_t)end ||
-                json_integer_value(c) < 1 ||
-                json_integer_value(b) + json_integer_value(c) > (json_int_t)v->block_bytes) {
+                json_integer_value(b) > (json_int_t)v->block_bytes || json_integer_value(c) < 1 ||
+                json_integer_value(c) > (json_int_t)v->block_bytes - json_integer_value(b)) {
                 kvx_page_table_free(pt);
                 return kv_errf(KV_EFORMAT, err, errlen, "page table: view %zu entry %zu is not "
                                "[layer, offset, bytes] inside the block, in ascending order", i, k);

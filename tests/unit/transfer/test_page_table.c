@@ -178,6 +178,9 @@ static void test_json(void **st) {
         "{\"views\":[{\"role\":\"kv\",\"dtype\":\"f32\",\"tokens_per_block\":16,\"n_kv_heads\":1,\"head_dim\":8,\"kv_factor\":2,\"pool_offset\":0,\"block_bytes\":1024,\"entries\":[[0,0,2048]]}]}",
         "{\"views\":[{\"role\":\"kv\",\"dtype\":\"f32\",\"tokens_per_block\":16,\"n_kv_heads\":1,\"head_dim\":8,\"kv_factor\":2,\"pool_offset\":0,\"block_bytes\":1024,\"entries\":[[0,512,512],[1,0,512]]}]}",
         "{\"views\":[{\"role\":\"kv\",\"dtype\":\"f32\",\"tokens_per_block\":16,\"n_kv_heads\":1,\"head_dim\":8,\"kv_factor\":2,\"pool_offset\":0,\"block_bytes\":1024,\"entries\":[]}]}",
+        /* offset + bytes would overflow int64 (must be refused, not undefined behaviour) */
+        "{\"views\":[{\"role\":\"kv\",\"dtype\":\"f32\",\"tokens_per_block\":16,\"n_kv_heads\":1,\"head_dim\":8,\"kv_factor\":2,\"pool_offset\":0,\"block_bytes\":1024,\"entries\":[[0,9223372036854775807,9223372036854775807]]}]}",
+        "{\"views\":[{\"role\":\"kv\",\"dtype\":\"f32\",\"tokens_per_block\":16,\"n_kv_heads\":1,\"head_dim\":8,\"kv_factor\":2,\"pool_offset\":0,\"block_bytes\":1024,\"entries\":[[0,512,9223372036854775807]]}]}",
         "{\"views\":[{\"role\":\"kv\",\"dtype\":\"f32\",\"tokens_per_block\":-1,\"n_kv_heads\":1,\"head_dim\":8,\"kv_factor\":2,\"pool_offset\":0,\"block_bytes\":1024,\"entries\":[[0,0,1]]}]}",
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
