@@ -225,19 +225,26 @@ static void do_offer(struct kvx_agent *a, struct cmd *c) {
 }
 
 static void do_cancel(struct kvx_agent *a, uint64_t id) {
-    bool found = false;
-    for (struct conn *k = a->conns; k; k = k->next)
-        if (k->st != CS_CLOSED && k->id == id && (k->is_recv || k->offer)) {
+    bool found = false, stored = false;
+    for (struct conn *k = a->conns; k; k = k->next) {
+        if (k->st == CS_CLOSED || k->id != id) continue;
+        if (k->is_recv || k->offer) {
             conn_cancel(a, k);
             found = true;
+        } else if (k->st == CS_WAIT_OFFER) {
+            /* a stored REQ (no offer yet): tell its receiver now instead of letting it wait for
+             * its deadline; the id stays remembered below for an offer that may still come */
+            conn_cancel(a, k);
+            stored = true;
         }
+    }
     struct offer *o = agent_find_offer(a, id);
     if (o) { /* offered, not (or no longer) being served */
         agent_drop_offer(a, o);
         agent_complete(a, id, true, KV_ECANCELLED, NULL, 0, "cancelled");
         found = true;
     }
-    if (!found) memo_add(a, id);
+    if (!found || stored) memo_add(a, id);
 }
 
 static void run_cmds(struct kvx_agent *a) {
@@ -319,7 +326,7 @@ static void check_deadlines(struct kvx_agent *a, uint64_t now) {
 
 /* Spec §4 / decision 4: REQs no offer claimed within stale_ttl: FAILED if context first,
  * dropped silently otherwise. */
-static void stale_sweep(struct kvx_agent *a, uint64_t now) {
+void agent_stale_sweep(struct kvx_agent *a, uint64_t now) {
     uint64_t ttl = (uint64_t)(a->cfg.stale_ttl_s * 1e9);
     for (struct conn *c = a->conns; c; c = c->next) {
         if (c->is_recv || c->st != CS_WAIT_OFFER || c->ignored || now < c->t_start_ns + ttl) continue;
@@ -366,7 +373,7 @@ static void *agent_main(void *arg) {
         uint64_t now = kv_now_ns();
         check_deadlines(a, now);
         if (now - a->last_sweep_ns >= 1000000000ull) {
-            stale_sweep(a, now);
+            agent_stale_sweep(a, now);
             a->last_sweep_ns = now;
         }
         /* delayed REQs (fault injection) */

@@ -496,6 +496,7 @@ static void on_req(struct kvx_agent *a, struct conn *c, json_t *o) {
     }
     kvx_map_free(&m);
     c->t_start_ns = kv_now_ns(); /* the stale timer starts at the first REQ */
+    agent_stale_sweep(a, c->t_start_ns); /* (before this one is stored: it is fresh anyway) */
     c->st = CS_WAIT_OFFER;
     if (a->cfg.faults.drop_ready) {
         c->ignored = true;
@@ -622,8 +623,8 @@ static void do_read(struct kvx_agent *a, struct conn *c) {
             c->hdr_got += (size_t)r;
             if (c->hdr_got < 4) continue;
             c->msg_len = (size_t)c->hdr[0] << 24 | (size_t)c->hdr[1] << 16 | (size_t)c->hdr[2] << 8 | c->hdr[3];
-            if (c->msg_len == 0 || c->msg_len > KVX_MAX_FRAME || c->st == CS_DONE_SENT ||
-                c->st == CS_SEND_DATA) {
+            /* (a sender still streaming may get the receiver's cancel / failed: handled) */
+            if (c->msg_len == 0 || c->msg_len > KVX_MAX_FRAME || c->st == CS_DONE_SENT) {
                 if (c->st == CS_DONE_SENT) return on_eof(a, c, "data after the end");
                 if (c->is_recv) recv_done(a, c, KV_EIO, "KV transfer: bad frame from %s", c->peer);
                 else send_done(a, c, KV_EIO, "bad frame from the receiver");
@@ -671,7 +672,12 @@ static void do_write(struct kvx_agent *a, struct conn *c) {
         ssize_t w = sendmsg(c->fd, &mh, MSG_NOSIGNAL);
         if (w < 0) {
             if (errno == EAGAIN || errno == EINTR) return;
-            return on_eof(a, c, strerror(errno));
+            int e = errno;
+            /* the receiver may have said why before it closed (failed / cancel): read that
+             * first so the completion carries its reason, not just "closed" */
+            do_read(a, c);
+            if (c->st == CS_CLOSED) return;
+            return on_eof(a, c, strerror(e));
         }
         c->moved += (uint64_t)w;
         size_t left = (size_t)w;

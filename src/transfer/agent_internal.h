@@ -149,6 +149,8 @@ void agent_drop_offer(struct kvx_agent *a, struct offer *o);
 bool agent_was_finished(const struct kvx_agent *a, uint64_t id);
 void agent_mark_finished(struct kvx_agent *a, uint64_t id);
 void agent_stat(struct kvx_agent *a, uint64_t *field, uint64_t add);
+/* Stale sweep (spec §4, decision 4): every second from the loop and on each REQ. */
+void agent_stale_sweep(struct kvx_agent *a, uint64_t now);
 
 /* ---- agent_conn.c ---- */
 /* Receiver: opens a connection for a recv command (completion on failure). */

@@ -283,6 +283,28 @@ static void test_drop_ready_and_fail_read(void **st) {
     side_stop(&r);
 }
 
+/* The receiver fails while the sender is still streaming a transfer larger than the socket
+ * buffers (~19 MB): the sender's completion carries the receiver's reason (its FAILED frame is
+ * read even mid-stream or after a write error), not a protocol error. */
+static void test_fail_read_while_streaming(void **st) {
+    (void)st;
+    reset();
+    struct side s, r;
+    side_start(&s, 128, 5, 60, NULL, SIZE_MAX);
+    side_start(&r, 128, 5, 60, "fail_read", SIZE_MAX);
+    int32_t b[48];
+    for (int i = 0; i < 48; i++) b[i] = i;
+    struct kvx_aux ax = aux_of(48 * T, 1);
+    assert_int_equal(kvx_send_offer(s.a, 40, b, 48, &ax), KV_OK);
+    assert_int_equal(kvx_recv_start(r.a, 40, kvx_agent_endpoint(s.a), true, b, 48, 48 * T), KV_OK);
+    struct kvx_result rr = wait_res(40, false, 5), rs = wait_res(40, true, 5);
+    assert_int_equal(rr.status, KV_EIO);
+    assert_int_equal(rs.status, KV_EIO);
+    if (!strstr(rs.message, "injected")) fail_msg("sender message: '%s'", rs.message);
+    side_stop(&s);
+    side_stop(&r);
+}
+
 /* A receiver that waits before it asks: the sender just holds the pinned blocks (no memory per
  * byte), then serves. */
 static void test_delayed_request(void **st) {
@@ -327,10 +349,11 @@ static void test_cancels(void **st) {
     kvx_cancel(r.a, 13);
     assert_int_equal(kvx_recv_start(r.a, 13, kvx_agent_endpoint(s.a), true, b, 1, T), KV_OK);
     assert_int_equal(wait_res(13, false, 5).status, KV_ECANCELLED);
-    /* sender cancels while the receiver's request is stored: the receiver hears it */
+    /* sender cancels while the receiver's request is stored: the receiver hears it at once
+     * (long before its 5 s deadline), and an offer that still comes is cancelled */
     side_stop(&r);
     side_start(&r, 2, 5, 60, NULL, 0);
-    assert_int_equal(kvx_recv_start(r.a, 14, kvx_agent_endpoint(s.a), false, b, 1, T), KV_OK);
+    assert_int_equal(kvx_recv_start(r.a, 16, kvx_agent_endpoint(s.a), false, b, 1, T), KV_OK);
     struct kvx_stats stt;
     for (int i = 0; i < 2000; i++) {
         kvx_get_stats(s.a, &stt);
@@ -338,6 +361,24 @@ static void test_cancels(void **st) {
         struct timespec d = {0, 1000000};
         nanosleep(&d, NULL);
     }
+    assert_int_equal(stt.stored_requests, 1);
+    uint64_t t0 = kv_now_ns();
+    kvx_cancel(s.a, 16);
+    struct kvx_result rc = wait_res(16, false, 5);
+    assert_int_equal(rc.status, KV_ECANCELLED);
+    assert_non_null(strstr(rc.message, "context worker"));
+    assert_true(kv_now_ns() - t0 < 2000000000ull);
+    assert_int_equal(kvx_send_offer(s.a, 16, b, 1, &ax), KV_OK);
+    assert_int_equal(wait_res(16, true, 5).status, KV_ECANCELLED);
+    /* the receiver's request for 14 is stored, an unrelated offer is cancelled meanwhile */
+    assert_int_equal(kvx_recv_start(r.a, 14, kvx_agent_endpoint(s.a), false, b, 1, T), KV_OK);
+    for (int i = 0; i < 2000; i++) {
+        kvx_get_stats(s.a, &stt);
+        if (stt.stored_requests == 1) break;
+        struct timespec d = {0, 1000000};
+        nanosleep(&d, NULL);
+    }
+    assert_int_equal(stt.stored_requests, 1);
     assert_int_equal(kvx_send_offer(s.a, 15, b, 1, &ax), KV_OK); /* unrelated offer */
     kvx_cancel(s.a, 15);
     assert_int_equal(wait_res(15, true, 5).status, KV_ECANCELLED);
@@ -433,6 +474,7 @@ int main(void) {
         cmocka_unit_test(test_page_table_mismatch_refused),
         cmocka_unit_test(test_drop_done),
         cmocka_unit_test(test_drop_ready_and_fail_read),
+        cmocka_unit_test(test_fail_read_while_streaming),
         cmocka_unit_test(test_delayed_request),
         cmocka_unit_test(test_cancels),
         cmocka_unit_test(test_stale_sweep),
