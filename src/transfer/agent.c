@@ -521,6 +521,23 @@ static kv_status push(struct kvx_agent *a, struct cmd *c) {
     return KV_OK;
 }
 
+/* A command with its own copy of blocks[0..n) (NULL on ENOMEM). */
+static struct cmd *cmd_new(int type, uint64_t id, const int32_t *blocks, int n) {
+    struct cmd *c = kv_calloc(1, sizeof *c);
+    int32_t *b = kv_malloc((size_t)(n ? n : 1) * sizeof *b);
+    if (!c || !b) {
+        free(c);
+        free(b);
+        return NULL;
+    }
+    if (n) memcpy(b, blocks, (size_t)n * sizeof *b);
+    c->type = type;
+    c->id = id;
+    c->blocks = b;
+    c->n = n;
+    return c;
+}
+
 kv_status kvx_send_offer(kvx_agent_t *a, uint64_t id, const int32_t *blocks, int n_blocks,
                          const struct kvx_aux *aux) {
     if (!a || !aux || n_blocks < 0 || (n_blocks && !blocks) || aux->n_tokens < 1 ||
@@ -530,18 +547,8 @@ kv_status kvx_send_offer(kvx_agent_t *a, uint64_t id, const int32_t *blocks, int
     if (n_blocks != (aux->n_tokens + T - 1) / T) return KV_EINVAL;
     for (int i = 0; i < n_blocks; i++)
         if (blocks[i] < 0 || blocks[i] >= a->cfg.n_blocks) return KV_EINVAL;
-    struct cmd *c = kv_calloc(1, sizeof *c);
-    int32_t *b = kv_malloc((size_t)(n_blocks ? n_blocks : 1) * sizeof *b);
-    if (!c || !b) {
-        free(c);
-        free(b);
-        return KV_ENOMEM;
-    }
-    if (n_blocks) memcpy(b, blocks, (size_t)n_blocks * sizeof *b);
-    c->type = CMD_OFFER;
-    c->id = id;
-    c->blocks = b;
-    c->n = n_blocks;
+    struct cmd *c = cmd_new(CMD_OFFER, id, blocks, n_blocks);
+    if (!c) return KV_ENOMEM;
     c->aux = *aux;
     return push(a, c);
 }
@@ -556,18 +563,8 @@ kv_status kvx_recv_start(kvx_agent_t *a, uint64_t id, const char *peer, bool con
         if (dst[i] < 0 || dst[i] >= a->cfg.n_blocks) return KV_EINVAL;
     const char *colon = strrchr(peer, ':');
     if (!colon || colon == peer || !colon[1]) return KV_EINVAL;
-    struct cmd *c = kv_calloc(1, sizeof *c);
-    int32_t *b = kv_malloc((size_t)(n_dst ? n_dst : 1) * sizeof *b);
-    if (!c || !b) {
-        free(c);
-        free(b);
-        return KV_ENOMEM;
-    }
-    if (n_dst) memcpy(b, dst, (size_t)n_dst * sizeof *b);
-    c->type = CMD_RECV;
-    c->id = id;
-    c->blocks = b;
-    c->n = n_dst;
+    struct cmd *c = cmd_new(CMD_RECV, id, dst, n_dst);
+    if (!c) return KV_ENOMEM;
     c->context_first = context_first;
     c->n_tokens = n_tokens;
     snprintf(c->peer, sizeof c->peer, "%s", peer);

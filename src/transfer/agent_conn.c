@@ -582,30 +582,40 @@ static void on_eof(struct kvx_agent *a, struct conn *c, const char *what) {
     conn_close(c);
 }
 
+/* The next pieces of the byte stream (from the current position) as an iovec. */
+static int runs_iov(const struct conn *c, struct iovec *iov) {
+    int n = 0;
+    for (int i = c->run_i; i < c->n_runs && n < IOV_MAX_BATCH; i++) {
+        size_t off = i == c->run_i ? c->run_off : 0;
+        iov[n++] = (struct iovec){c->runs[i].p + off, c->runs[i].len - off};
+    }
+    return n;
+}
+
+/* n more bytes of the stream moved. */
+static void runs_advance(struct conn *c, size_t n) {
+    c->moved += (uint64_t)n;
+    while (n) {
+        size_t room = c->runs[c->run_i].len - c->run_off;
+        size_t k = n < room ? n : room;
+        c->run_off += k;
+        n -= k;
+        if (c->run_off == c->runs[c->run_i].len) c->run_i++, c->run_off = 0;
+    }
+}
+
 static void do_read(struct kvx_agent *a, struct conn *c) {
     for (int guard = 0; guard < 256 && c->st != CS_CLOSED; guard++) {
         if (c->st == CS_RECV_DATA && !c->ucx) {
             struct iovec iov[IOV_MAX_BATCH];
-            int n = 0;
-            for (int i = c->run_i; i < c->n_runs && n < IOV_MAX_BATCH; i++) {
-                size_t off = i == c->run_i ? c->run_off : 0;
-                iov[n++] = (struct iovec){c->runs[i].p + off, c->runs[i].len - off};
-            }
+            int n = runs_iov(c, iov);
             ssize_t r = readv(c->fd, iov, n);
             if (r == 0) return on_eof(a, c, "EOF while reading KV bytes");
             if (r < 0) {
                 if (errno == EAGAIN || errno == EINTR) return;
                 return on_eof(a, c, strerror(errno));
             }
-            c->moved += (uint64_t)r;
-            size_t left = (size_t)r;
-            while (left) {
-                size_t room = c->runs[c->run_i].len - c->run_off;
-                size_t k = left < room ? left : room;
-                c->run_off += k;
-                left -= k;
-                if (c->run_off == c->runs[c->run_i].len) c->run_i++, c->run_off = 0;
-            }
+            runs_advance(c, (size_t)r);
             if (c->moved == c->total) {
                 recv_finish(a, c);
                 return;
@@ -663,11 +673,7 @@ static void do_write(struct kvx_agent *a, struct conn *c) {
     if (c->st != CS_SEND_DATA) return;
     for (int guard = 0; guard < 1024 && c->moved < c->total; guard++) {
         struct iovec iov[IOV_MAX_BATCH];
-        int n = 0;
-        for (int i = c->run_i; i < c->n_runs && n < IOV_MAX_BATCH; i++) {
-            size_t off = i == c->run_i ? c->run_off : 0;
-            iov[n++] = (struct iovec){c->runs[i].p + off, c->runs[i].len - off};
-        }
+        int n = runs_iov(c, iov);
         struct msghdr mh = {.msg_iov = iov, .msg_iovlen = (size_t)n};
         ssize_t w = sendmsg(c->fd, &mh, MSG_NOSIGNAL);
         if (w < 0) {
@@ -679,15 +685,7 @@ static void do_write(struct kvx_agent *a, struct conn *c) {
             if (c->st == CS_CLOSED) return;
             return on_eof(a, c, strerror(e));
         }
-        c->moved += (uint64_t)w;
-        size_t left = (size_t)w;
-        while (left) {
-            size_t room = c->runs[c->run_i].len - c->run_off;
-            size_t k = left < room ? left : room;
-            c->run_off += k;
-            left -= k;
-            if (c->run_off == c->runs[c->run_i].len) c->run_i++, c->run_off = 0;
-        }
+        runs_advance(c, (size_t)w);
     }
     if (c->moved == c->total) c->st = CS_WAIT_DONE;
 }
