@@ -2,6 +2,8 @@
 # GPU tests of the CUDA backend (issue 10) in one call, for a machine with an NVIDIA GPU.
 #
 #   scripts/gpu-test.sh [--bench] [--bench-args "ARGS"]       build build-gpu here, run test_cuda
+#   (environment: SERVE_SMOKE=1 one completion through serve --backend cuda; E2E=1 the HTTP API
+#   e2e suite, tests/e2e/http_api.py, against serve --backend cuda)
 #   scripts/gpu-test.sh --prebuilt DIR [--bench] ...          run binaries from DIR (no build)
 #   scripts/gpu-test.sh --bundle DIR [--build BUILD]          (on the build machine) put test_cuda,
 #        bench_cuda, their non-system shared libraries and the test data they read into DIR,
@@ -33,7 +35,10 @@ if [ -n "$bundle" ]; then
         grep -vE '/(libc|libm|libdl|librt|libpthread|libstdc\+\+|libgcc_s|libcublas|libcublasLt|libcudart|libopenblas|libgfortran|libquadmath)\.so' |
         while read -r l; do cp -L "$l" "$bundle/lib/"; done
     cp "$data/models/stories260K/stories260K.gguf" "$bundle/data/models/stories260K/"
-    cp "$data/references/stories260K/llamacpp_greedy.public.jsonl" "$bundle/data/references/stories260K/"
+    cp "$data/references/stories260K/"* "$bundle/data/references/stories260K/"
+    cp -r "$data/models/stories260K/hf" "$bundle/data/models/stories260K/"
+    printf '#!/bin/sh\n# kvserve with --backend cuda added to serve (for the e2e suites)\nd=$(dirname "$0")\nif [ "$1" = serve ]; then shift; exec "$d/kvserve" serve --backend cuda "$@"; fi\nexec "$d/kvserve" "$@"\n' > "$bundle/kvserve-cuda"
+    chmod +x "$bundle/kvserve-cuda"
     du -sh "$bundle"
     exit 0
 fi
@@ -68,6 +73,17 @@ if [ "${SERVE_SMOKE:-0}" = 1 ]; then # kvserve serve --backend cuda answers a co
     echo
     kill "$spid"; wait "$spid" 2>/dev/null
     tail -5 /tmp/serve.log
+fi
+if [ "${E2E:-0}" = 1 ]; then # the HTTP API e2e suite against serve --backend cuda
+    echo "== e2e http_api against --backend cuda (weights ${KVSERVE_CUDA_WEIGHTS:-bf16})"
+    if [ -n "$prebuilt" ]; then cuda_bin="$PWD/$prebuilt/kvserve-cuda"; else
+        cuda_bin="$PWD/build-gpu/kvserve-cuda"
+        printf '#!/bin/sh\nd=$(dirname "$0")\nif [ "$1" = serve ]; then shift; exec "$d/kvserve" serve --backend cuda "$@"; fi\nexec "$d/kvserve" "$@"\n' > "$cuda_bin"
+        chmod +x "$cuda_bin"
+        cmake --build build-gpu -j"$(nproc)" --target kvserve || exit 1
+    fi
+    KVSERVE_BIN="$cuda_bin" python3 tests/e2e/http_api.py
+    echo "== e2e http_api exit $?"
 fi
 echo "== test_cuda"
 "$bin/test_cuda"

@@ -831,6 +831,9 @@ extern "C" kv_status backend_cuda_new(const model_t *m, const struct backend_cud
     c->m = m;
     c->dev = opt->device;
     c->f32w = opt->f32_weights;
+    const char *wd = getenv("KVSERVE_CUDA_WEIGHTS"); /* f32 | bf16: overrides opt (tests, comparisons) */
+    if (wd && !strcmp(wd, "f32")) c->f32w = true;
+    else if (wd && !strcmp(wd, "bf16")) c->f32w = false;
     c->wsz = c->f32w ? sizeof(float) : sizeof(__nv_bfloat16);
     const char *at = getenv("KVSERVE_CUDA_ATTN");
     c->attn2 = m->cfg.head_dim % 4 == 0 && !(at && *at == '1');

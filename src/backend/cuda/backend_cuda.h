@@ -37,6 +37,10 @@ extern "C" {
 
 #include "../backend.h"
 
+/* Environment (read by backend_cuda_new, for tests and comparisons): KVSERVE_CUDA_WEIGHTS=f32|bf16
+ * overrides f32_weights; KVSERVE_CUDA_GRAPHS=0 turns CUDA graphs off; KVSERVE_CUDA_ATTN=1 keeps
+ * the first attention kernel for every step; KVSERVE_CUDA_GEMV_MAX=N uses our GEMV for
+ * products of <= N rows (default 1, 0 = cuBLAS always). */
 struct backend_cuda_options {
     int device;       /* CUDA device ordinal */
     bool f32_weights; /* keep weights f32 (exact-ish reference mode); default bf16 */
