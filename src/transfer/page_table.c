@@ -25,6 +25,23 @@ static int lookup(const char *s, const char *const *names, int n) {
     return -1;
 }
 
+static int cmp_int(const void *x, const void *y) {
+    int a = *(const int *)x, b = *(const int *)y;
+    return (a > b) - (a < b);
+}
+
+/* True if a layer id appears twice in v (O(n log n); n <= 65536). */
+static bool has_duplicate_layer(const struct kvx_pool_view *v) {
+    int *ids = kv_malloc((size_t)v->n_entries * sizeof *ids);
+    if (!ids) return true; /* refused (the caller reports it as malformed) */
+    for (int i = 0; i < v->n_entries; i++) ids[i] = v->entries[i].layer;
+    qsort(ids, (size_t)v->n_entries, sizeof *ids, cmp_int);
+    bool dup = false;
+    for (int i = 1; i < v->n_entries && !dup; i++) dup = ids[i] == ids[i - 1];
+    free(ids);
+    return dup;
+}
+
 kv_status kvx_page_table_add_view(struct kvx_page_table *pt, int role, int dtype, int tpb,
                                   int heads, int head_dim, int kv_factor, const int *layers,
                                   int n_layers, const bool *mask, int pool_rows, size_t pool_offset,
@@ -62,6 +79,10 @@ kv_status kvx_page_table_add_view(struct kvx_page_table *pt, int role, int dtype
         r++;
     }
     v.n_entries = owning;
+    if (has_duplicate_layer(&v)) {
+        free(v.entries);
+        return kv_errf(KV_EINVAL, err, errlen, "page table: a layer id appears twice in the view");
+    }
     pt->views[pt->n_views++] = v;
     return KV_OK;
 }
@@ -200,6 +221,10 @@ kv_status kvx_page_table_from_json(const json_t *j, struct kvx_page_table *pt, c
             end = v->entries[k].offset + v->entries[k].bytes;
         }
         v->n_entries = (int)n;
+        if (has_duplicate_layer(v)) {
+            kvx_page_table_free(pt);
+            return kv_errf(KV_EFORMAT, err, errlen, "page table: view %zu lists a layer twice", i);
+        }
     }
     return KV_OK;
 }

@@ -74,8 +74,8 @@ kv_status kvx_page_table_dense_kv(struct kvx_page_table *pt, int first_layer, in
  * (every layer owns a row) or (n_layers) flags; owning layers get consecutive rows. pool_rows: the
  * pool's row count (rows per block), which must equal the number of owning layers (spec §8: a
  * mismatch is an error); -1 = that number. bytes_per_row = kv_factor * heads * T * head_dim *
- * dtype size. No owning layer -> no view appended, KV_OK. KV_EINVAL (message) / KV_ENOMEM; pt is
- * unchanged on error. */
+ * dtype size. No owning layer -> no view appended, KV_OK. KV_EINVAL (message; also for an owning
+ * layer id listed twice) / KV_ENOMEM; pt is unchanged on error. */
 kv_status kvx_page_table_add_view(struct kvx_page_table *pt, int role, int dtype, int tokens_per_block,
                                   int n_kv_heads, int head_dim, int kv_factor, const int *layers,
                                   int n_layers, const bool *mask, int pool_rows, size_t pool_offset,
@@ -89,7 +89,7 @@ kv_status kvx_page_table_copy(struct kvx_page_table *dst, const struct kvx_page_
  * on ENOMEM. */
 json_t *kvx_page_table_to_json(const struct kvx_page_table *pt);
 /* Strict parse of untrusted JSON: every field present and in range, entries inside the block and
- * not overlapping, at most KVX_MAX_VIEWS views and 65536 entries each. KV_EFORMAT (message);
+ * not overlapping, no layer id twice in a view, at most KVX_MAX_VIEWS views and 65536 entries each. KV_EFORMAT (message);
  * *pt zeroed on error. */
 kv_status kvx_page_table_from_json(const json_t *j, struct kvx_page_table *pt, char *err,
                                    size_t errlen);

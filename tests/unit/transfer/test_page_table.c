@@ -63,6 +63,11 @@ static void test_masked_pool(void **st) {
     assert_int_equal(kvx_page_table_add_view(&pt, KVX_ROLE_INDEXER_K, KVX_DTYPE_U8, 64, 1, 128, 1,
                                              layers, 4, none, -1, 0, err, sizeof err), KV_OK);
     assert_int_equal(pt.n_views, 1); /* no view for a group without owners */
+    int twice[2] = {5, 5};
+    assert_int_equal(kvx_page_table_add_view(&pt, KVX_ROLE_KV, KVX_DTYPE_U8, 64, 1, 128, 1, twice, 2,
+                                             NULL, -1, 0, err, sizeof err), KV_EINVAL);
+    assert_non_null(strstr(err, "twice"));
+    assert_int_equal(pt.n_views, 1);
     kvx_page_table_free(&pt);
 
     struct kvx_page_table a = {0}, b;
@@ -178,6 +183,8 @@ static void test_json(void **st) {
         "{\"views\":[{\"role\":\"kv\",\"dtype\":\"f32\",\"tokens_per_block\":16,\"n_kv_heads\":1,\"head_dim\":8,\"kv_factor\":2,\"pool_offset\":0,\"block_bytes\":1024,\"entries\":[[0,0,2048]]}]}",
         "{\"views\":[{\"role\":\"kv\",\"dtype\":\"f32\",\"tokens_per_block\":16,\"n_kv_heads\":1,\"head_dim\":8,\"kv_factor\":2,\"pool_offset\":0,\"block_bytes\":1024,\"entries\":[[0,512,512],[1,0,512]]}]}",
         "{\"views\":[{\"role\":\"kv\",\"dtype\":\"f32\",\"tokens_per_block\":16,\"n_kv_heads\":1,\"head_dim\":8,\"kv_factor\":2,\"pool_offset\":0,\"block_bytes\":1024,\"entries\":[]}]}",
+        /* layer 0 twice */
+        "{\"views\":[{\"role\":\"kv\",\"dtype\":\"f32\",\"tokens_per_block\":16,\"n_kv_heads\":1,\"head_dim\":8,\"kv_factor\":2,\"pool_offset\":0,\"block_bytes\":1024,\"entries\":[[0,0,512],[0,512,512]]}]}",
         /* offset + bytes would overflow int64 (must be refused, not undefined behaviour) */
         "{\"views\":[{\"role\":\"kv\",\"dtype\":\"f32\",\"tokens_per_block\":16,\"n_kv_heads\":1,\"head_dim\":8,\"kv_factor\":2,\"pool_offset\":0,\"block_bytes\":1024,\"entries\":[[0,9223372036854775807,9223372036854775807]]}]}",
         "{\"views\":[{\"role\":\"kv\",\"dtype\":\"f32\",\"tokens_per_block\":16,\"n_kv_heads\":1,\"head_dim\":8,\"kv_factor\":2,\"pool_offset\":0,\"block_bytes\":1024,\"entries\":[[0,512,9223372036854775807]]}]}",
