@@ -170,6 +170,12 @@ kv_status engine_submit(engine_t *e, const struct engine_request_params *p, engi
                                (int)p->first_tokens[i], e->n_vocab);
         if (p->n_first_top < 0 || p->n_first_top > ENGINE_MAX_TOP_LOGPROBS)
             return kv_errf(KV_EINVAL, err, errlen, "bad first-token top logprobs count");
+        if (p->first_logprob && (p->first_logprob->id < 0 || p->first_logprob->id >= e->n_vocab))
+            return kv_errf(KV_EINVAL, err, errlen, "first-token logprob id outside the vocabulary");
+        for (int i = 0; p->first_top && i < p->n_first_top; i++)
+            if (p->first_top[i].id < 0 || p->first_top[i].id >= e->n_vocab)
+                return kv_errf(KV_EINVAL, err, errlen, "first-token top logprob id %d outside the "
+                               "vocabulary", (int)p->first_top[i].id);
     } else if (p->disagg != ENGINE_DISAGG_NONE && p->disagg != ENGINE_DISAGG_PROBE) {
         return kv_errf(KV_EINVAL, err, errlen, "unknown disaggregation mode %d", (int)p->disagg);
     }

@@ -573,6 +573,10 @@ static kv_status parse_disagg(json_t *o, const struct oai_limits *lim, struct oa
             return BAD("disaggregated_params.first_gen_logprobs",
                        "'disaggregated_params.first_gen_logprobs' must be {\"id\", \"logprob\", "
                        "\"top\": [[id, logprob], ...]}");
+        int64_t nv = lim && lim->n_vocab > 0 ? lim->n_vocab : (int64_t)INT32_MAX + 1;
+        if (json_integer_value(id) < 0 || json_integer_value(id) >= nv)
+            return BAD("disaggregated_params.first_gen_logprobs",
+                       "'disaggregated_params.first_gen_logprobs.id' is outside the vocabulary");
         g->has_first_lp = true;
         g->first_lp.id = (int32_t)json_integer_value(id);
         g->first_lp.logprob = (float)json_number_value(l);
@@ -580,9 +584,11 @@ static kv_status parse_disagg(json_t *o, const struct oai_limits *lim, struct oa
         json_t *e2;
         json_array_foreach(top, i, e2) {
             json_t *a = json_array_get(e2, 0), *b = json_array_get(e2, 1);
-            if (!json_is_integer(a) || !json_is_number(b))
+            if (!json_is_integer(a) || !json_is_number(b) || json_integer_value(a) < 0 ||
+                json_integer_value(a) >= nv)
                 return BAD("disaggregated_params.first_gen_logprobs",
-                           "'disaggregated_params.first_gen_logprobs.top' entries are [id, logprob]");
+                           "'disaggregated_params.first_gen_logprobs.top' entries are [id, logprob] "
+                           "with ids in the vocabulary");
             g->first_top[i].id = (int32_t)json_integer_value(a);
             g->first_top[i].logprob = (float)json_number_value(b);
             g->n_first_top = (int)i + 1;

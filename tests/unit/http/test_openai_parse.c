@@ -62,6 +62,8 @@ static const struct bad_case bad[] = {
     {C, "{\"prompt\":\"a\",\"disaggregated_params\":{\"request_type\":\"generation_only\",\"disagg_request_id\":1,\"ctx_info_endpoint\":\"h:1\",\"first_gen_tokens\":[1],\"prompt_token_ids\":[]}}", 400, "disaggregated_params.prompt_token_ids", NULL},
     {C, "{\"prompt\":\"a\",\"disaggregated_params\":{\"request_type\":\"generation_only\",\"disagg_request_id\":1,\"ctx_info_endpoint\":7,\"first_gen_tokens\":[1]}}", 400, "disaggregated_params.ctx_info_endpoint", NULL},
     {C, "{\"prompt\":\"a\",\"disaggregated_params\":{\"request_type\":\"generation_only\",\"disagg_request_id\":1,\"ctx_info_endpoint\":\"h:1\",\"schedule_style\":\"x\"}}", 400, "disaggregated_params.schedule_style", NULL},
+    {C, "{\"prompt\":\"a\",\"disaggregated_params\":{\"request_type\":\"generation_only\",\"disagg_request_id\":1,\"ctx_info_endpoint\":\"h:1\",\"first_gen_tokens\":[1],\"first_gen_logprobs\":{\"id\":1,\"logprob\":-1,\"top\":[[999999,-0.1]]}}}", 400, "disaggregated_params.first_gen_logprobs", NULL},
+    {C, "{\"prompt\":\"a\",\"disaggregated_params\":{\"request_type\":\"generation_only\",\"disagg_request_id\":1,\"ctx_info_endpoint\":\"h:1\",\"first_gen_tokens\":[1],\"first_gen_logprobs\":{\"id\":-5,\"logprob\":-1}}}", 400, "disaggregated_params.first_gen_logprobs", NULL},
     /* model */
     {C, "{\"prompt\":\"a\",\"model\":\"gpt-4\"}", 404, "model", "model_not_found"},
     {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"model\":\"x\"}", 404, "model", "model_not_found"},
