@@ -103,6 +103,8 @@ static kv_status x_recv(void *ctx, uint64_t id, const char *peer, bool context_f
 
 static void x_cancel(void *ctx, uint64_t id) { kvx_cancel(ctx, id); }
 
+static void x_cancel_remote(void *ctx, uint64_t id, const char *peer) { kvx_cancel_remote(ctx, id, peer); }
+
 /* Agent thread -> engine inbox. */
 static void on_result(const struct kvx_result *r, void *user) {
     engine_kv_transfer_done(user, r->disagg_id, r->is_send, r->status, r->message,
@@ -162,7 +164,8 @@ kv_status serve_disagg_start(struct serve_disagg *d, engine_t *e, backend_t *be,
     d->agent = a;
     snprintf(d->endpoint, sizeof d->endpoint, "%s", kvx_agent_endpoint(a));
     struct engine_kv_transfer xt = {.ctx = a, .offer = x_offer, .recv = x_recv,
-                                    .cancel = x_cancel, .timeout_s = d->kv_timeout_s};
+                                    .cancel = x_cancel, .cancel_remote = x_cancel_remote,
+                                    .timeout_s = d->kv_timeout_s};
     engine_set_kv_transfer(e, &xt);
     hc->kv_endpoint = d->endpoint;
     hc->kv_transport = kvx_transport_name(kind);

@@ -239,6 +239,13 @@ void disagg_apply_done(struct engine *e, struct xfer_done *d, int n) {
 }
 
 bool disagg_cancel(struct engine *e, uint64_t req_id) {
+    /* a generation leg still waiting for blocks: its sender keeps the KV pinned for it */
+    for (int i = 0; i < e->n_waiting; i++) {
+        struct request *r = e->waiting[i];
+        if (r->id == req_id && r->disagg == ENGINE_DISAGG_GENERATION_ONLY && e->xt.cancel_remote)
+            e->xt.cancel_remote(e->xt.ctx, r->disagg_id, r->peer);
+        if (r->id == req_id) return false; /* the caller ends it as an ordinary request */
+    }
     for (int i = 0; i < e->n_xfer; i++) {
         struct request *r = e->xfer[i];
         if (r->id != req_id) continue;
@@ -289,6 +296,7 @@ uint64_t disagg_check_deadlines(struct engine *e) {
             sched_remove(e, r);
             e->xstats[4]++;
             e->xt.cancel(e->xt.ctx, r->disagg_id);
+            if (e->xt.cancel_remote) e->xt.cancel_remote(e->xt.ctx, r->disagg_id, r->peer);
             engine_fail_request(e, r, KV_EBUSY,
                                 "no KV blocks became free for the generation leg within the "
                                 "KV transfer timeout");

@@ -141,6 +141,9 @@ struct engine_config {
                                  owner that will cover >= this many more blocks than the
                                  cache offers. 0 = default 64; < 0 disables */
     const kv_hash_key *hash_key; /* per-worker secret (copied); NULL = random at start */
+    int kv_dtype;             /* enum kv_dtype of the KV pool (backend/backend.h); 0 = f32.
+                                 The backend's kv_alloc refuses a dtype it does not support
+                                 (CPU: f32 only) and engine_start fails with its status. */
 };
 
 struct engine_stats {
@@ -204,6 +207,10 @@ struct engine_kv_transfer {
     kv_status (*recv)(void *ctx, uint64_t disagg_id, const char *peer, bool context_first,
                       const int32_t *dst, int n_dst, int n_tokens);
     void (*cancel)(void *ctx, uint64_t disagg_id);
+    /* Optional: a generation leg that will never ask for its KV (cancelled or expired while
+     * waiting for blocks) tells the sender at peer, so its blocks go now, not at its deadline.
+     * No completion follows. */
+    void (*cancel_remote)(void *ctx, uint64_t disagg_id, const char *peer);
     double timeout_s;          /* the transfer deadline; the engine adds a 5 s grace, then
                                   cancels, then after another grace frees the blocks anyway */
 };

@@ -224,6 +224,8 @@ static void do_offer(struct kvx_agent *a, struct cmd *c) {
         }
 }
 
+void agent_cancel_local(struct kvx_agent *a, uint64_t id);
+
 static void do_cancel(struct kvx_agent *a, uint64_t id) {
     bool found = false, stored = false;
     for (struct conn *k = a->conns; k; k = k->next) {
@@ -256,6 +258,7 @@ static void run_cmds(struct kvx_agent *a) {
         struct cmd *next = c->next;
         if (c->type == CMD_OFFER) do_offer(a, c);
         else if (c->type == CMD_CANCEL) do_cancel(a, c->id);
+        else if (c->type == CMD_CANCEL_REMOTE) conn_open_notify(a, c);
         else if (memo_take(a, c->id))
             agent_complete(a, c->id, false, KV_ECANCELLED, NULL, 0, "cancelled before the receive");
         else conn_open_recv(a, c);
@@ -577,6 +580,16 @@ void kvx_cancel(kvx_agent_t *a, uint64_t id) {
     if (!c) return;
     c->type = CMD_CANCEL;
     c->id = id;
+    push(a, c);
+}
+
+void agent_cancel_local(struct kvx_agent *a, uint64_t id) { do_cancel(a, id); }
+
+void kvx_cancel_remote(kvx_agent_t *a, uint64_t id, const char *peer) {
+    if (!a || !peer || !*peer || strlen(peer) >= 160 || !strrchr(peer, ':')) return;
+    struct cmd *c = cmd_new(CMD_CANCEL_REMOTE, id, NULL, 0);
+    if (!c) return;
+    snprintf(c->peer, sizeof c->peer, "%s", peer);
     push(a, c);
 }
 

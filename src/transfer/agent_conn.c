@@ -204,6 +204,27 @@ static kv_status start_connect(struct kvx_agent *a, struct conn *c, char *why, s
     return KV_OK;
 }
 
+void conn_open_notify(struct kvx_agent *a, const struct cmd *cmd) {
+    struct conn *c = conn_new(a, -1, true);
+    if (!c) return;
+    c->id = cmd->id;
+    c->notify = true;
+    c->completed = true; /* no completion for a notification */
+    snprintf(c->peer, sizeof c->peer, "%s", cmd->peer);
+    char why[256];
+    if (start_connect(a, c, why, sizeof why) != KV_OK) {
+        conn_close(c);
+        return;
+    }
+    kv_buf_free(&c->out); /* start_connect queued a REQ: replace it */
+    kv_buf_init(&c->out);
+    c->out_off = 0;
+    char ids[24];
+    snprintf(ids, sizeof ids, "%llu", (unsigned long long)c->id);
+    queue_json(c, json_pack("{s:s, s:s}", "t", "cancel_id", "id", ids));
+    c->close_after_flush = true;
+}
+
 void conn_open_recv(struct kvx_agent *a, const struct cmd *cmd) {
     struct conn *c = conn_new(a, -1, true);
     if (!c) {
@@ -556,6 +577,15 @@ static void handle_frame(struct kvx_agent *a, struct conn *c) {
         }
     } else if (!c->is_recv && c->st == CS_ACCEPTED && !strcmp(t, "req")) {
         on_req(a, c, o);
+    } else if (!c->is_recv && c->st == CS_ACCEPTED && !strcmp(t, "cancel_id")) {
+        const char *ids = json_string_value(json_object_get(o, "id"));
+        char *end = NULL;
+        unsigned long long id = ids ? strtoull(ids, &end, 10) : 0;
+        if (ids && end && !*end) {
+            KV_DEBUG("kv transfer: the receiver of %llu gave up before asking", id);
+            agent_cancel_local(a, id);
+        }
+        conn_close(c);
     } else if (!c->is_recv && c->st == CS_WAIT_DONE && !strcmp(t, "done")) {
         send_done(a, c, KV_OK, NULL);
         conn_close(c);

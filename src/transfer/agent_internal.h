@@ -81,6 +81,7 @@ struct conn {
     struct kvx_aux aux;        /* receiver: from READY */
     struct kvx_page_table peer_pt; /* sender: the receiver's page table (from REQ) */
     bool close_after_flush;
+    bool notify;               /* receiver: only carries a cancel_id frame, then closes */
     /* UCX data path (both sides use UCX): the receiver reads with the transport, the sender
      * only waits for DONE */
     bool ucx;
@@ -93,7 +94,7 @@ struct conn {
 
 struct cmd {
     struct cmd *next;
-    enum { CMD_OFFER, CMD_RECV, CMD_CANCEL } type;
+    enum { CMD_OFFER, CMD_RECV, CMD_CANCEL, CMD_CANCEL_REMOTE } type;
     uint64_t id;
     int32_t *blocks;           /* owned */
     int n;
@@ -152,7 +153,11 @@ void agent_stat(struct kvx_agent *a, uint64_t *field, uint64_t add);
 /* Stale sweep (spec §4, decision 4): every second from the loop and on each REQ. */
 void agent_stale_sweep(struct kvx_agent *a, uint64_t now);
 
+void agent_cancel_local(struct kvx_agent *a, uint64_t id);
+
 /* ---- agent_conn.c ---- */
+/* Receiver: a one-frame connection telling the sender that id is cancelled. */
+void conn_open_notify(struct kvx_agent *a, const struct cmd *c);
 /* Receiver: opens a connection for a recv command (completion on failure). */
 void conn_open_recv(struct kvx_agent *a, const struct cmd *c);
 /* Sender: a new accepted socket. */

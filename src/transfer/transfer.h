@@ -137,6 +137,12 @@ kv_status kvx_recv_start(kvx_agent_t *a, uint64_t disagg_id, const char *peer_en
  * is remembered. Completion: KV_ECANCELLED (unless the transfer already ended). */
 void kvx_cancel(kvx_agent_t *a, uint64_t disagg_id);
 
+/* Receiver: tells the sender at peer_endpoint that disagg_id will never be asked for (the
+ * generation leg was cancelled before its transfer started), so the sender drops the offer now
+ * (or remembers the cancel if the offer has not come yet). Best effort, asynchronous, no
+ * completion; a bad endpoint is ignored. */
+void kvx_cancel_remote(kvx_agent_t *a, uint64_t disagg_id, const char *peer_endpoint);
+
 struct kvx_stats {
     uint64_t sends_ok, sends_failed, recvs_ok, recvs_failed, stale_failed, stale_dropped;
     uint64_t bytes_sent, bytes_received, bounce_transfers;

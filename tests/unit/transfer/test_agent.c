@@ -466,6 +466,32 @@ static void test_stop_and_bad_args(void **st) {
     assert_int_equal(kvx_transport_parse("carrier-pigeon", &k), KV_EINVAL);
 }
 
+/* A receiver that gives up before it asks tells the sender: the offer ends now (not at its
+ * deadline), and an offer that has not come yet is cancelled when it comes. */
+static void test_cancel_remote(void **st) {
+    (void)st;
+    reset();
+    struct side s, r;
+    side_start(&s, 2, 30, 60, NULL, 0);
+    side_start(&r, 2, 30, 60, NULL, 0);
+    int32_t b[1] = {2};
+    struct kvx_aux ax = aux_of(T, 1);
+    assert_int_equal(kvx_send_offer(s.a, 40, b, 1, &ax), KV_OK);
+    uint64_t t0 = kv_now_ns();
+    kvx_cancel_remote(r.a, 40, kvx_agent_endpoint(s.a));
+    assert_int_equal(wait_res(40, true, 10).status, KV_ECANCELLED);
+    assert_true(kv_now_ns() - t0 < 10000000000ull); /* well before the 30 s deadline */
+    /* generation first: the offer may come before or after the notification; either way it
+     * ends cancelled (dropped if it was there, remembered if not) */
+    kvx_cancel_remote(r.a, 41, kvx_agent_endpoint(s.a));
+    assert_int_equal(kvx_send_offer(s.a, 41, b, 1, &ax), KV_OK);
+    assert_int_equal(wait_res(41, true, 10).status, KV_ECANCELLED);
+    assert_int_equal(count_res(40, false) + count_res(41, false), 0); /* no receiver completion */
+    kvx_cancel_remote(r.a, 42, "nohostport"); /* ignored */
+    side_stop(&s);
+    side_stop(&r);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_full_transfer),
@@ -479,6 +505,7 @@ int main(void) {
         cmocka_unit_test(test_cancels),
         cmocka_unit_test(test_stale_sweep),
         cmocka_unit_test(test_stop_and_bad_args),
+        cmocka_unit_test(test_cancel_remote),
     };
     int failed = cmocka_run_group_tests_name("transport tcp", tests, NULL, NULL);
     if (!kvx_transport_ucx_available()) {
