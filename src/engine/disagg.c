@@ -92,8 +92,13 @@ static int xfer_find(struct engine *e, uint64_t disagg_id, bool is_send) {
 
 /* ---------------------------------------------------------------- context leg */
 
-bool disagg_begin_send(struct engine *e, struct request *r) {
+bool disagg_begin_send(struct engine *e, struct request *r, enum finish_reason fin) {
     sched_remove(e, r);
+    if (xfer_find(e, r->disagg_id, true) >= 0) { /* one offer per id (the transfer key) */
+        engine_fail_request(e, r, KV_EINVAL, "disagg_request_id is already offered by another "
+                            "context leg on this worker");
+        return false;
+    }
     int T = e->cfg.tokens_per_block;
     int nb = kv_blocks_for_tokens(r->n_prompt, T);
     /* blocks past the prompt (none today: the first token's K/V is not computed) go back */
@@ -116,7 +121,7 @@ bool disagg_begin_send(struct engine *e, struct request *r) {
         return false;
     }
     /* the client's answer: the first token went out as a DELTA; this ends the leg */
-    engine_post_terminal(e, r, ENGINE_EV_FINISH, FINISH_NOT_FINISHED, KV_OK, NULL);
+    engine_post_terminal(e, r, ENGINE_EV_FINISH, fin, KV_OK, NULL);
     return true;
 }
 
@@ -124,6 +129,11 @@ bool disagg_begin_send(struct engine *e, struct request *r) {
 
 bool disagg_admit_recv(struct engine *e, struct request *r) {
     int T = e->cfg.tokens_per_block;
+    if (xfer_find(e, r->disagg_id, false) >= 0) { /* one receive per id */
+        sched_remove(e, r);
+        engine_fail_request(e, r, KV_EINVAL, "disagg_request_id is already being received here");
+        return true;
+    }
     int nb = kv_blocks_for_tokens(r->n_prompt, T);
     reuse_match(e, r); /* pins the cached prefix: n_blocks full blocks, n_computed */
     int need = nb - r->n_blocks;

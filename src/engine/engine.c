@@ -372,12 +372,19 @@ bool engine_on_token(struct engine *e, struct request *r, int32_t id,
     r->cb(&ev, r->user);
 
     if (stopped || eog || length) {
+        enum finish_reason fin = (stopped || eog) ? FINISH_STOP : FINISH_LENGTH;
+        if (r->disagg == ENGINE_DISAGG_CONTEXT_ONLY && !r->context_first) {
+            /* generation first: the generation leg already waits for this KV and its first
+             * token, so it is offered even though the request ends here */
+            disagg_begin_send(e, r, fin);
+            return true;
+        }
         sched_remove(e, r);
-        finish_request(e, r, (stopped || eog) ? FINISH_STOP : FINISH_LENGTH);
+        finish_request(e, r, fin);
         return true;
     }
     if (r->disagg == ENGINE_DISAGG_CONTEXT_ONLY) {
-        disagg_begin_send(e, r);
+        disagg_begin_send(e, r, FINISH_NOT_FINISHED);
         return true;
     }
     return false;

@@ -193,9 +193,11 @@ struct xfer_done {
     int32_t first[4];
     int n_first;
 };
-/* Context leg after its first token (not finished): moves r from running to TRANSFER_OUT and
- * offers its blocks. Returns false if the offer failed (r was failed and freed). */
-bool disagg_begin_send(struct engine *e, struct request *r);
+/* Context leg after its first token: moves r from running to TRANSFER_OUT, offers its blocks and
+ * posts the terminal event with fin (FINISH_NOT_FINISHED, or stop/length for a generation-first
+ * leg that ended at its first token: its generation leg still needs the token). Returns false if
+ * the offer failed (r was failed and freed). */
+bool disagg_begin_send(struct engine *e, struct request *r, enum finish_reason fin);
 /* Admission of a waiting generation leg: true if r left waiting (now TRANSFER_IN, or failed);
  * false if it must keep waiting for blocks (nothing pinned). */
 bool disagg_admit_recv(struct engine *e, struct request *r);

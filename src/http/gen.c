@@ -198,7 +198,7 @@ static int engine_err_status(kv_status st) {
     }
 }
 
-static char *ctx_response_add_params(const struct gen *g, const char *body);
+static char *ctx_response_add_params(const struct gen *g, const char *body, bool offered);
 
 static void handle_event(struct gen *g, const struct engine_event *ev) {
     bool terminal = ev->type != ENGINE_EV_DELTA;
@@ -296,7 +296,9 @@ static void handle_event(struct gen *g, const struct engine_event *ev) {
     } else {
         body = resp_full_json(&m, g->text.data, g->text.len, lp, finish_reason_str(ev->finish), &u);
         if (body && g->dtype == OAI_DISAGG_CONTEXT_ONLY) {
-            char *b2 = ctx_response_add_params(g, body);
+            /* the KV stays offered unless the request ended here in context first */
+            bool offered = ev->finish == FINISH_NOT_FINISHED || !g->context_first;
+            char *b2 = ctx_response_add_params(g, body, offered);
             free(body);
             body = b2;
         }
@@ -312,7 +314,7 @@ static void handle_event(struct gen *g, const struct engine_event *ev) {
 
 /* Context leg: adds choices[0].disaggregated_params (docs/disaggregation.md) to the body.
  * Returns a new heap string, or NULL on ENOMEM. */
-static char *ctx_response_add_params(const struct gen *g, const char *body) {
+static char *ctx_response_add_params(const struct gen *g, const char *body, bool offered) {
     json_t *o = json_loads(body, 0, NULL);
     json_t *ch = o ? json_array_get(json_object_get(o, "choices"), 0) : NULL;
     json_t *d = json_object();
@@ -328,6 +330,7 @@ static char *ctx_response_add_params(const struct gen *g, const char *body) {
     json_object_set_new(d, "first_gen_tokens",
                         g->has_first ? json_pack("[i]", g->first_id) : json_array());
     json_object_set_new(d, "prompt_token_ids", ids);
+    json_object_set_new(d, "kv_offered", json_boolean(offered));
     ids = NULL;
     if (c && c->kv_endpoint) json_object_set_new(d, "ctx_info_endpoint", json_string(c->kv_endpoint));
     if (c && c->kv_transport) json_object_set_new(d, "kv_transport", json_string(c->kv_transport));

@@ -122,6 +122,16 @@ static void generate(struct evhttp_request *req, enum oai_kind kind, bool probe)
     }
     struct oai_request r;
     if (parse_body(req, kind, &r)) return;
+    const char *role = srv.cfg && srv.cfg->role ? srv.cfg->role : "aggregated";
+    if ((r.disagg.type == OAI_DISAGG_CONTEXT_ONLY && strcmp(role, "context")) ||
+        (r.disagg.type == OAI_DISAGG_GENERATION_ONLY && strcmp(role, "generation"))) {
+        char msg[200];
+        snprintf(msg, sizeof msg, "this worker runs --role %s and does not serve %s legs", role,
+                 r.disagg.type == OAI_DISAGG_CONTEXT_ONLY ? "context_only" : "generation_only");
+        http_send_errf(req, 400, "invalid_request_error", "disaggregated_params.request_type", NULL, msg);
+        oai_request_free(&r);
+        return;
+    }
     if (probe) {
         r.probe = true;
         r.stream = false;

@@ -497,7 +497,7 @@ static kv_status parse_disagg(json_t *o, const struct oai_limits *lim, struct oa
     static const char *const known[] = {"request_type", "disagg_request_id", "ctx_request_id",
                                         "schedule_style", "first_gen_tokens", "ctx_info_endpoint",
                                         "prompt_token_ids", "first_gen_logprobs", "conversation_id",
-                                        "pool", "kv_transport", "ctx_usage"};
+                                        "pool", "kv_transport", "ctx_usage", "kv_offered"};
     const char *k;
     json_t *v;
     json_object_foreach(d, k, v) {

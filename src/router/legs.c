@@ -84,6 +84,10 @@ bool rt_context_finished(const json_t *resp, const json_t *client) {
     const json_t *c = only_choice(resp);
     const char *fr = json_string_value(json_object_get(c, "finish_reason"));
     if (!fr || !strcmp(fr, "not_finished")) return false;
+    /* kvserve's context worker says whether it kept the KV for a generation leg; without the
+     * field (another peer) a "length" ends the request only when max_tokens was reached */
+    const json_t *off = json_object_get(json_object_get(c, "disaggregated_params"), "kv_offered");
+    if (json_is_boolean(off)) return !json_is_true(off);
     if (strcmp(fr, "length") != 0) return true;
     const json_t *mt = json_object_get(client, "max_completion_tokens");
     if (!json_is_integer(mt)) mt = json_object_get(client, "max_tokens");

@@ -15,6 +15,8 @@ Groups (run all, or name some on the command line):
               request succeeds
   stale       --kv-stale-ttl 2: a context-first receive with no offer fails; a generation-first
               one is dropped silently (the receiver times out); a normal transfer still works
+  edges       requests that end at their first token (both styles), a prompt with room for one
+              token, a leg for the other role, a disagg_request_id offered twice
   conditional --max-local-prefill-tokens: a second turn with a short uncached tail sends no
               context leg and gives the same output
   netns       the same flow between two network namespaces joined by a veth pair (root only)
@@ -503,6 +505,46 @@ def test_stale(refs, recs):
         gen.stop()
 
 
+def test_edges(agg, recs):
+    """Requests that end at their first token, prompts that leave room for one token, legs sent
+    to the wrong role, a disagg_request_id offered twice: answered at once and correctly."""
+    ctx, gen = worker("context"), worker("generation")
+    try:
+        long_ids = (recs[-1]["prompt_ids"] * 4)[:511]
+        cases = [("max_tokens 1", dict(prompt="Once upon a time", max_tokens=1, temperature=0)),
+                 ("stop at the first token", dict(prompt="Once upon a time", max_tokens=8, temperature=0, stop=[","])),
+                 ("room for one token", dict(prompt=long_ids, max_tokens=5, temperature=0))]
+        for style in ("context_first", "generation_first"):
+            rt = router([ctx], [gen], ["--schedule-style", style])
+            try:
+                for label, body in cases:
+                    t0 = time.time()
+                    st1, a = agg.post("/v1/completions", body)
+                    st2, b = rt.post("/v1/completions", body, timeout=30)
+                    dt = time.time() - t0
+                    check(st1 == 200 and st2 == 200 and dt < 10 and
+                          a["choices"][0]["text"] == b["choices"][0]["text"] and
+                          a["choices"][0]["finish_reason"] == b["choices"][0]["finish_reason"],
+                          "%s, %s: same answer as aggregated, at once (%s %.1fs %s / %s)" %
+                          (style, label, st2, dt, str(a)[:120], str(b)[:120]))
+            finally:
+                rt.stop()
+        wait_idle([ctx, gen], "edges")
+        # a leg for the other role is refused
+        leg = dict(prompt="Once upon a time", max_tokens=4,
+                   disaggregated_params={"request_type": "context_only", "disagg_request_id": 5})
+        st, resp = gen.post("/v1/completions", leg)
+        check(st == 400 and "role" in resp["error"]["message"], "context_only leg on a generation worker: 400")
+        # the same disagg_request_id offered twice: the second context leg is refused
+        leg["disaggregated_params"]["disagg_request_id"] = 77
+        st1, r1 = ctx.post("/v1/completions", leg)
+        st2, r2 = ctx.post("/v1/completions", leg)
+        check(st1 == 200 and st2 == 400, "duplicate disagg_request_id: second context leg refused (%s %s)" % (st1, st2))
+    finally:
+        ctx.stop()
+        gen.stop()
+
+
 def test_conditional(agg):
     ctx, gen = worker("context"), worker("generation")
     rt = router([ctx], [gen], ["--max-local-prefill-tokens", "64"])
@@ -627,6 +669,7 @@ def main():
                   ("scale", lambda: test_scale(refs, recs)),
                   ("faults", lambda: test_faults(refs, recs)),
                   ("stale", lambda: test_stale(refs, recs)),
+                  ("edges", lambda: test_edges(agg, recs)),
                   ("conditional", lambda: test_conditional(agg)),
                   ("netns", lambda: test_netns(refs, recs))]
         for name, fn in groups:
