@@ -152,11 +152,23 @@ static struct evhttp_request *take_req(struct rreq *q) {
 
 /* Answers the client with an OpenAI error (HTTP status, or an SSE error event + [DONE] once
  * the stream has started), aborts the legs and frees q when possible. */
+/* Generation first: after an upstream failure the cached ctx_info_endpoint may be stale (a
+ * restarted context worker listens on a new transfer port): ask /server_info again next time. */
+static void forget_ctx_endpoint(struct rreq *q) {
+    struct router *r = q->r;
+    if (r->cfg.style != ROUTER_GENERATION_FIRST || r->ctx.n == 0 || q->ctx_idx < 0 ||
+        q->ctx_idx >= r->ctx.n || !r->ctx_endpoint[q->ctx_idx])
+        return;
+    free(r->ctx_endpoint[q->ctx_idx]);
+    r->ctx_endpoint[q->ctx_idx] = NULL;
+}
+
 static void fail_client(struct rreq *q, int status, const char *type, const char *code,
                         const char *msg, enum outcome oc) {
     struct router *r = q->r;
     count_outcome(q, oc);
     abort_legs(q);
+    if (oc == OUT_UPSTREAM_ERROR) forget_ctx_endpoint(q);
     if (q->req && !q->client_gone) {
         struct evhttp_request *req = take_req(q);
         if (q->headers_sent) {
@@ -194,6 +206,7 @@ static void relay_upstream_error(struct rreq *q, struct upx *u, long status) {
         return;
     }
     count_outcome(q, oc);
+    if (oc == OUT_UPSTREAM_ERROR) forget_ctx_endpoint(q);
     abort_legs(q);
     struct evhttp_request *req = take_req(q);
     if (req && !q->client_gone)

@@ -46,7 +46,7 @@ GGUF = H.GGUF
 class Proc:
     """A kvserve process (serve or router) with --port 0 --port-file."""
 
-    def __init__(self, args, env=None, netns=None, name="kvserve"):
+    def __init__(self, args, env=None, netns=None, name="kvserve", port=0):
         self.tmp = tempfile.mkdtemp(prefix="kvserve-disagg-")
         self.port_file = os.path.join(self.tmp, "port")
         self.log = open(os.path.join(self.tmp, "log"), "w+")
@@ -55,7 +55,7 @@ class Proc:
         e.update(env or {})
         pre = ["ip", "netns", "exec", netns] if netns else []
         self.host = "127.0.0.1"
-        self.proc = subprocess.Popen(pre + [BIN] + args + ["--port", "0", "--port-file", self.port_file],
+        self.proc = subprocess.Popen(pre + [BIN] + args + ["--port", str(port), "--port-file", self.port_file],
                                      stdout=self.log, stderr=subprocess.STDOUT, env=e)
         deadline = time.time() + 60
         while not os.path.exists(self.port_file) or not open(self.port_file).read().strip():
@@ -135,13 +135,13 @@ class Proc:
 WORKER_ARGS = ["--max-model-len", "512", "--threads", "1"]
 
 
-def worker(role, transport="tcp", extra=(), env=None, netns=None, host=None):
+def worker(role, transport="tcp", extra=(), env=None, netns=None, host=None, port=0):
     args = ["serve", "--model", GGUF, "--role", role] + WORKER_ARGS
     if role != "aggregated":
         args += ["--kv-transport", transport]
     if host:
         args += ["--host", host]
-    p = Proc(args + list(extra), env=env, netns=netns, name=role)
+    p = Proc(args + list(extra), env=env, netns=netns, name=role, port=port)
     if host:
         p.host = host
     return p
@@ -530,6 +530,23 @@ def test_edges(agg, recs):
             finally:
                 rt.stop()
         wait_idle([ctx, gen], "edges")
+        # generation first: a context worker restarted on the same HTTP port (its KV-transfer
+        # port changes) is picked up again after at most one failed request
+        hp = free_port()
+        c2 = worker("context", port=hp)
+        rt = router(["http://127.0.0.1:%d" % hp], [gen], ["--schedule-style", "generation_first"])
+        try:
+            body = completion_body(recs[0], 8)
+            st, _ = rt.post("/v1/completions", body)
+            check(st == 200, "restart: first request")
+            c2.kill()
+            c2.stop()
+            c2 = worker("context", port=hp)
+            sts = [rt.post("/v1/completions", body, timeout=30)[0] for _ in range(3)]
+            check(sts[-1] == 200 and sts[1] == 200, "restarted context worker is found again (%s)" % sts)
+        finally:
+            rt.stop()
+            c2.stop()
         # a leg for the other role is refused
         leg = dict(prompt="Once upon a time", max_tokens=4,
                    disaggregated_params={"request_type": "context_only", "disagg_request_id": 5})
