@@ -86,13 +86,14 @@ int serve_disagg_option(struct serve_disagg *d, const char *a, const char *v) {
 /* ---------------------------------------------------------------- engine seam -> agent */
 
 static kv_status x_offer(void *ctx, uint64_t id, const int32_t *blocks, int n_blocks, int n_tokens,
-                         const int32_t *first, int n_first, int cached_tokens) {
+                         const int32_t *first, int n_first, int cached_tokens, uint64_t tokens_hash) {
     struct kvx_aux aux;
     memset(&aux, 0, sizeof aux);
     aux.n_tokens = n_tokens;
     aux.n_first = n_first > KVX_MAX_FIRST_TOKENS ? KVX_MAX_FIRST_TOKENS : n_first;
     for (int i = 0; i < aux.n_first; i++) aux.first[i] = first[i];
     aux.cached_tokens = cached_tokens;
+    aux.tokens_hash = tokens_hash;
     return kvx_send_offer(ctx, id, blocks, n_blocks, &aux);
 }
 
@@ -107,8 +108,9 @@ static void x_cancel_remote(void *ctx, uint64_t id, const char *peer) { kvx_canc
 
 /* Agent thread -> engine inbox. */
 static void on_result(const struct kvx_result *r, void *user) {
-    engine_kv_transfer_done(user, r->disagg_id, r->is_send, r->status, r->message,
-                            r->aux.first, r->status == KV_OK && !r->is_send ? r->aux.n_first : 0);
+    engine_kv_transfer_done_ex(user, r->disagg_id, r->is_send, r->status, r->message, r->aux.first,
+                               r->status == KV_OK && !r->is_send ? r->aux.n_first : 0,
+                               r->status == KV_OK && !r->is_send ? r->aux.tokens_hash : 0);
 }
 
 kv_status serve_disagg_start(struct serve_disagg *d, engine_t *e, backend_t *be,

@@ -47,8 +47,23 @@ void engine_set_kv_transfer(engine_t *e, const struct engine_kv_transfer *xt) {
     }
 }
 
+uint64_t engine_tokens_hash(const int32_t *ids, int n) {
+    uint64_t h = 1469598103934665603ull;
+    for (int i = 0; i < n; i++) {
+        uint32_t v = (uint32_t)ids[i];
+        for (int k = 0; k < 4; k++) h = (h ^ ((v >> (8 * k)) & 0xff)) * 1099511628211ull;
+    }
+    return h ? h : 1;
+}
+
 void engine_kv_transfer_done(engine_t *e, uint64_t disagg_id, bool is_send, kv_status status,
                              const char *message, const int32_t *first, int n_first) {
+    engine_kv_transfer_done_ex(e, disagg_id, is_send, status, message, first, n_first, 0);
+}
+
+void engine_kv_transfer_done_ex(engine_t *e, uint64_t disagg_id, bool is_send, kv_status status,
+                                const char *message, const int32_t *first, int n_first,
+                                uint64_t tokens_hash) {
     if (!e) return;
     pthread_mutex_lock(&e->mu);
     if (engine_vec_grow((void **)&e->xdone, &e->cap_xdone, e->n_xdone + 1, sizeof *e->xdone)) {
@@ -67,6 +82,7 @@ void engine_kv_transfer_done(engine_t *e, uint64_t disagg_id, bool is_send, kv_s
     if (n_first > 4) n_first = 4;
     for (int i = 0; i < n_first && first; i++) d->first[i] = first[i];
     d->n_first = first ? (n_first > 0 ? n_first : 0) : 0;
+    d->tokens_hash = tokens_hash;
     pthread_cond_signal(&e->cv);
     pthread_mutex_unlock(&e->mu);
 }
@@ -111,7 +127,8 @@ bool disagg_begin_send(struct engine *e, struct request *r, enum finish_reason f
     r->deadline_ns = kv_now_ns() + xfer_timeout_ns(e) + xfer_grace_ns(e);
     int32_t first = r->tokens[r->n_prompt];
     kv_status st = e->xt.offer(e->xt.ctx, r->disagg_id, r->blocks, r->n_blocks, r->n_prompt,
-                               &first, 1, r->cached_tokens > 0 ? r->cached_tokens : 0);
+                               &first, 1, r->cached_tokens > 0 ? r->cached_tokens : 0,
+                               engine_tokens_hash(r->tokens, r->n_prompt));
     if (st != KV_OK) {
         xfer_remove_at(e, e->n_xfer - 1);
         char msg[200];
@@ -171,6 +188,12 @@ bool disagg_admit_recv(struct engine *e, struct request *r) {
 /* The transfer of generation leg r checked out: register its blocks, emit the first token,
  * decode on. */
 static void recv_ok(struct engine *e, struct request *r, const struct xfer_done *d) {
+    if (d->tokens_hash && d->tokens_hash != engine_tokens_hash(r->tokens, r->n_prompt)) {
+        /* the blocks hold another prompt's K/V: never decode from or index them */
+        engine_fail_request(e, r, KV_EINVAL, "the prompt differs from the one the context worker "
+                            "computed (prompt_token_ids do not match its KV cache)");
+        return;
+    }
     int32_t first;
     if (r->n_first > 0) first = r->first[0];
     else if (d->n_first > 0) first = d->first[0];

@@ -202,7 +202,8 @@ struct engine_kv_transfer {
     void *ctx;
     /* Sender: blocks[0..n_blocks) hold the K/V of tokens [0, n_tokens). */
     kv_status (*offer)(void *ctx, uint64_t disagg_id, const int32_t *blocks, int n_blocks,
-                       int n_tokens, const int32_t *first, int n_first, int cached_tokens);
+                       int n_tokens, const int32_t *first, int n_first, int cached_tokens,
+                       uint64_t tokens_hash);
     /* Receiver: fill dst[0..n_dst), the LAST n_dst blocks of the prompt's ceil(n_tokens/T). */
     kv_status (*recv)(void *ctx, uint64_t disagg_id, const char *peer, bool context_first,
                       const int32_t *dst, int n_dst, int n_tokens);
@@ -221,6 +222,15 @@ void engine_set_kv_transfer(engine_t *e, const struct engine_kv_transfer *xt);
  * first/n_first: generation-first receive: the tokens the context worker sampled. */
 void engine_kv_transfer_done(engine_t *e, uint64_t disagg_id, bool is_send, kv_status status,
                              const char *message, const int32_t *first, int n_first);
+/* Same, with the sender's engine_tokens_hash of the prompt (receive, KV_OK): a generation leg
+ * whose own prompt hashes differently fails instead of decoding (or caching) someone else's KV.
+ * tokens_hash 0 = not known (no check). */
+void engine_kv_transfer_done_ex(engine_t *e, uint64_t disagg_id, bool is_send, kv_status status,
+                                const char *message, const int32_t *first, int n_first,
+                                uint64_t tokens_hash);
+/* FNV-1a 64 of the token ids (little-endian int32), never 0: what offer passes and the
+ * receive checks. */
+uint64_t engine_tokens_hash(const int32_t *ids, int n);
 
 /* ---- KV events (for routers that mirror what this worker holds) ---- */
 enum engine_kv_event_type { ENGINE_KV_STORED = 0, ENGINE_KV_REMOVED, ENGINE_KV_CLEARED };

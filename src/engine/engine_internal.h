@@ -192,6 +192,7 @@ struct xfer_done {
     char message[160];
     int32_t first[4];
     int n_first;
+    uint64_t tokens_hash;
 };
 /* Context leg after its first token: moves r from running to TRANSFER_OUT, offers its blocks and
  * posts the terminal event with fin (FINISH_NOT_FINISHED, or stop/length for a generation-first

@@ -356,6 +356,8 @@ static kv_status on_ready(struct kvx_agent *a, struct conn *c, json_t *o, char *
     memset(&c->aux, 0, sizeof c->aux);
     c->aux.n_tokens = (int)json_integer_value(json_object_get(aux, "n_tokens"));
     c->aux.cached_tokens = (int)json_integer_value(json_object_get(aux, "cached_tokens"));
+    const char *th = json_string_value(json_object_get(aux, "tokens_hash"));
+    c->aux.tokens_hash = th ? strtoull(th, NULL, 16) : 0;
     size_t i;
     json_t *v;
     json_array_foreach(first, i, v) if (i < KVX_MAX_FIRST_TOKENS) c->aux.first[c->aux.n_first++] =
@@ -466,10 +468,13 @@ void conn_serve(struct kvx_agent *a, struct conn *c, struct offer *o) {
     json_t *first = json_array();
     for (int i = 0; i < o->aux.n_first; i++) json_array_append_new(first, json_integer(o->aux.first[i]));
     json_t *pt = kvx_page_table_to_json(&a->pt);
-    json_t *msg = first && pt ? json_pack("{s:s, s:I, s:b, s:{s:i, s:i, s:o}, s:o}", "t", "ready", "bytes",
-                                          (json_int_t)c->total, "staged", staged, "aux", "n_tokens",
-                                          o->aux.n_tokens, "cached_tokens", o->aux.cached_tokens, "first",
-                                          first, "pt", pt)
+    char th[24];
+    snprintf(th, sizeof th, "%016llx", (unsigned long long)o->aux.tokens_hash);
+    json_t *msg = first && pt ? json_pack("{s:s, s:I, s:b, s:{s:i, s:i, s:o, s:s}, s:o}", "t", "ready",
+                                          "bytes", (json_int_t)c->total, "staged", staged, "aux",
+                                          "n_tokens", o->aux.n_tokens, "cached_tokens",
+                                          o->aux.cached_tokens, "first", first, "tokens_hash", th,
+                                          "pt", pt)
                               : NULL;
     if (msg && c->ucx) { /* the receiver reads; we only tell it where */
         json_t *ids = json_array();

@@ -63,6 +63,8 @@ struct kvx_aux {
     int n_first;              /* first generated tokens sampled by the context worker (1) */
     int32_t first[KVX_MAX_FIRST_TOKENS];
     int cached_tokens;        /* prompt tokens the context worker took from its own cache */
+    uint64_t tokens_hash;     /* the sender's hash of the prompt ids (0 = none), for the
+                                 receiver to check against its own prompt */
 };
 
 /* One outcome. is_send: the sender side of disagg_id (blocks may now be unpinned); else the

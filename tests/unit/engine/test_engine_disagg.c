@@ -104,6 +104,7 @@ struct offer {
     int32_t blocks[64];
     int n_blocks, n_tokens;
     int32_t first;
+    uint64_t tokens_hash;
     bool used;
 };
 struct pending {
@@ -137,7 +138,7 @@ static void mock_serve(struct offer *o, struct pending *p) {
     if (g_mock.mode == M_FAIL_RECV)
         engine_kv_transfer_done(g_mock.gen, p->id, false, KV_EIO, "mock: read failed", NULL, 0);
     else
-        engine_kv_transfer_done(g_mock.gen, p->id, false, KV_OK, NULL, &o->first, 1);
+        engine_kv_transfer_done_ex(g_mock.gen, p->id, false, KV_OK, NULL, &o->first, 1, o->tokens_hash);
     if (g_mock.mode != M_DROP_SEND_DONE)
         engine_kv_transfer_done(g_mock.ctx, o->id, true,
                                 g_mock.mode == M_FAIL_RECV ? KV_EIO : KV_OK, NULL, NULL, 0);
@@ -152,9 +153,11 @@ static void mock_try(void) {
 }
 
 static kv_status mock_offer(void *ctx, uint64_t id, const int32_t *blocks, int n_blocks,
-                            int n_tokens, const int32_t *first, int n_first, int cached) {
+                            int n_tokens, const int32_t *first, int n_first, int cached,
+                            uint64_t tokens_hash) {
     (void)ctx;
     (void)cached;
+    assert_true(tokens_hash != 0);
     assert_int_equal(n_first, 1);
     assert_int_equal(n_blocks, (n_tokens + T - 1) / T);
     pthread_mutex_lock(&g_mock.mu);
@@ -165,6 +168,7 @@ static kv_status mock_offer(void *ctx, uint64_t id, const int32_t *blocks, int n
     o->n_blocks = n_blocks;
     o->n_tokens = n_tokens;
     o->first = first[0];
+    o->tokens_hash = tokens_hash;
     if (g_mock.mode != M_IGNORE_ALL) mock_try();
     pthread_mutex_unlock(&g_mock.mu);
     return KV_OK;
@@ -522,6 +526,51 @@ static void test_probe_reports_cached_prefix(void **st) {
     stop_pair();
 }
 
+/* A generation leg whose prompt is not the one the context worker computed (forged or stale
+ * prompt_token_ids of the same length) fails: it never decodes from, nor caches, that KV. */
+static void test_prompt_mismatch_fails(void **st) {
+    (void)st;
+    require_data();
+    start_pair(10.0, M_NORMAL);
+    const struct rec *r = &g_ref[0];
+    char err[256];
+    struct engine_request_params pc, pg;
+    struct out c, g;
+    memset(&c, 0, sizeof c);
+    memset(&g, 0, sizeof g);
+    params(&pc, r, 8);
+    pc.disagg = ENGINE_DISAGG_CONTEXT_ONLY;
+    pc.disagg_id = 21;
+    pc.context_first = true;
+    assert_int_equal(engine_submit(g_mock.ctx, &pc, on_event, &c, &c.req_id, err, sizeof err), KV_OK);
+    wait_term(&c);
+    struct rec forged = *r;
+    forged.prompt[forged.n_prompt - 1] = forged.prompt[forged.n_prompt - 1] == 5 ? 6 : 5;
+    params(&pg, &forged, 8);
+    pg.disagg = ENGINE_DISAGG_GENERATION_ONLY;
+    pg.disagg_id = 21;
+    pg.context_first = true;
+    pg.peer_endpoint = "mock:1";
+    pg.first_tokens = c.ids;
+    pg.n_first = 1;
+    assert_int_equal(engine_submit(g_mock.gen, &pg, on_event, &g, &g.req_id, err, sizeof err), KV_OK);
+    wait_term(&g);
+    assert_int_equal(g.term, ENGINE_EV_ERROR);
+    assert_int_equal(g.n_ids, 0);
+    wait_used(g_mock.gen, 0, 10);
+    wait_used(g_mock.ctx, 0, 10);
+    /* nothing of it was indexed: the forged prompt finds no cached block */
+    struct engine_request_params pp;
+    struct out o;
+    params(&pp, &forged, 1);
+    pp.disagg = ENGINE_DISAGG_PROBE;
+    memset(&o, 0, sizeof o);
+    assert_int_equal(engine_submit(g_mock.gen, &pp, on_event, &o, NULL, err, sizeof err), KV_OK);
+    wait_term(&o);
+    assert_int_equal(o.cached, 0);
+    stop_pair();
+}
+
 static void test_disagg_without_transfer_is_refused(void **st) {
     (void)st;
     require_data();
@@ -548,6 +597,7 @@ int main(void) {
         cmocka_unit_test(test_cancel_during_transfer_keeps_blocks_pinned),
         cmocka_unit_test(test_transfer_that_never_completes),
         cmocka_unit_test(test_probe_reports_cached_prefix),
+        cmocka_unit_test(test_prompt_mismatch_fails),
         cmocka_unit_test(test_disagg_without_transfer_is_refused),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
