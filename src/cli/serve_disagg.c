@@ -86,7 +86,9 @@ int serve_disagg_option(struct serve_disagg *d, const char *a, const char *v) {
 /* ---------------------------------------------------------------- engine seam -> agent */
 
 static kv_status x_offer(void *ctx, uint64_t id, const int32_t *blocks, int n_blocks, int n_tokens,
-                         const int32_t *first, int n_first, int cached_tokens, uint64_t tokens_hash) {
+                         const int32_t *first, int n_first, int cached_tokens, uint64_t tokens_hash,
+                         const struct token_logprob *first_lp, const struct token_logprob *first_top,
+                         int n_first_top) {
     struct kvx_aux aux;
     memset(&aux, 0, sizeof aux);
     aux.n_tokens = n_tokens;
@@ -94,6 +96,16 @@ static kv_status x_offer(void *ctx, uint64_t id, const int32_t *blocks, int n_bl
     for (int i = 0; i < aux.n_first; i++) aux.first[i] = first[i];
     aux.cached_tokens = cached_tokens;
     aux.tokens_hash = tokens_hash;
+    if (first_lp) {
+        aux.has_lp = true;
+        aux.lp.id = first_lp->id;
+        aux.lp.logprob = first_lp->logprob;
+        aux.n_top = n_first_top < 20 ? n_first_top : 20;
+        for (int i = 0; i < aux.n_top; i++) {
+            aux.top[i].id = first_top[i].id;
+            aux.top[i].logprob = first_top[i].logprob;
+        }
+    }
     return kvx_send_offer(ctx, id, blocks, n_blocks, &aux);
 }
 
@@ -108,9 +120,13 @@ static void x_cancel_remote(void *ctx, uint64_t id, const char *peer) { kvx_canc
 
 /* Agent thread -> engine inbox. */
 static void on_result(const struct kvx_result *r, void *user) {
+    bool got = r->status == KV_OK && !r->is_send;
+    struct token_logprob lp = {r->aux.lp.id, r->aux.lp.logprob}, top[20];
+    for (int i = 0; i < r->aux.n_top && i < 20; i++) top[i] = (struct token_logprob){r->aux.top[i].id,
+                                                                                    r->aux.top[i].logprob};
     engine_kv_transfer_done_ex(user, r->disagg_id, r->is_send, r->status, r->message, r->aux.first,
-                               r->status == KV_OK && !r->is_send ? r->aux.n_first : 0,
-                               r->status == KV_OK && !r->is_send ? r->aux.tokens_hash : 0);
+                               got ? r->aux.n_first : 0, got ? r->aux.tokens_hash : 0,
+                               got && r->aux.has_lp ? &lp : NULL, top, got ? r->aux.n_top : 0);
 }
 
 kv_status serve_disagg_start(struct serve_disagg *d, engine_t *e, backend_t *be,

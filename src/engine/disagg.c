@@ -58,12 +58,14 @@ uint64_t engine_tokens_hash(const int32_t *ids, int n) {
 
 void engine_kv_transfer_done(engine_t *e, uint64_t disagg_id, bool is_send, kv_status status,
                              const char *message, const int32_t *first, int n_first) {
-    engine_kv_transfer_done_ex(e, disagg_id, is_send, status, message, first, n_first, 0);
+    engine_kv_transfer_done_ex(e, disagg_id, is_send, status, message, first, n_first, 0, NULL,
+                               NULL, 0);
 }
 
 void engine_kv_transfer_done_ex(engine_t *e, uint64_t disagg_id, bool is_send, kv_status status,
                                 const char *message, const int32_t *first, int n_first,
-                                uint64_t tokens_hash) {
+                                uint64_t tokens_hash, const struct token_logprob *first_lp,
+                                const struct token_logprob *first_top, int n_first_top) {
     if (!e) return;
     pthread_mutex_lock(&e->mu);
     if (engine_vec_grow((void **)&e->xdone, &e->cap_xdone, e->n_xdone + 1, sizeof *e->xdone)) {
@@ -83,6 +85,12 @@ void engine_kv_transfer_done_ex(engine_t *e, uint64_t disagg_id, bool is_send, k
     for (int i = 0; i < n_first && first; i++) d->first[i] = first[i];
     d->n_first = first ? (n_first > 0 ? n_first : 0) : 0;
     d->tokens_hash = tokens_hash;
+    if (first_lp) {
+        d->has_lp = true;
+        d->lp = *first_lp;
+        d->n_top = first_top ? (n_first_top < 20 ? n_first_top : 20) : 0;
+        for (int i = 0; i < d->n_top; i++) d->top[i] = first_top[i];
+    }
     pthread_cond_signal(&e->cv);
     pthread_mutex_unlock(&e->mu);
 }
@@ -128,7 +136,8 @@ bool disagg_begin_send(struct engine *e, struct request *r, enum finish_reason f
     int32_t first = r->tokens[r->n_prompt];
     kv_status st = e->xt.offer(e->xt.ctx, r->disagg_id, r->blocks, r->n_blocks, r->n_prompt,
                                &first, 1, r->cached_tokens > 0 ? r->cached_tokens : 0,
-                               engine_tokens_hash(r->tokens, r->n_prompt));
+                               engine_tokens_hash(r->tokens, r->n_prompt),
+                               r->has_first_lp ? &r->first_lp : NULL, r->first_top, r->n_first_top);
     if (st != KV_OK) {
         xfer_remove_at(e, e->n_xfer - 1);
         char msg[200];
@@ -196,7 +205,19 @@ static void recv_ok(struct engine *e, struct request *r, const struct xfer_done 
     }
     int32_t first;
     if (r->n_first > 0) first = r->first[0];
-    else if (d->n_first > 0) first = d->first[0];
+    else if (d->n_first > 0) {
+        first = d->first[0];
+        if (!r->has_first_lp && d->has_lp && d->lp.id == first) { /* generation first */
+            bool ids_ok = true;
+            for (int i = 0; i < d->n_top; i++) ids_ok &= d->top[i].id >= 0 && d->top[i].id < e->n_vocab;
+            if (ids_ok) {
+                r->has_first_lp = true;
+                r->first_lp = d->lp;
+                r->n_first_top = d->n_top;
+                for (int i = 0; i < d->n_top; i++) r->first_top[i] = d->top[i];
+            }
+        }
+    }
     else {
         engine_fail_request(e, r, KV_EIO, "KV transfer brought no first token");
         return;

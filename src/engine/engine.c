@@ -371,6 +371,12 @@ bool engine_on_token(struct engine *e, struct request *r, int32_t id,
     ev.t_first_token_ns = r->t_first_ns;
     r->cb(&ev, r->user);
 
+    if (r->disagg == ENGINE_DISAGG_CONTEXT_ONLY && chosen) { /* travels with the KV */
+        r->has_first_lp = true;
+        r->first_lp = *chosen;
+        r->n_first_top = top ? (n_top < 20 ? n_top : 20) : 0;
+        for (int i = 0; i < r->n_first_top; i++) r->first_top[i] = top[i];
+    }
     if (stopped || eog || length) {
         enum finish_reason fin = (stopped || eog) ? FINISH_STOP : FINISH_LENGTH;
         if (r->disagg == ENGINE_DISAGG_CONTEXT_ONLY && !r->context_first) {

@@ -203,7 +203,8 @@ struct engine_kv_transfer {
     /* Sender: blocks[0..n_blocks) hold the K/V of tokens [0, n_tokens). */
     kv_status (*offer)(void *ctx, uint64_t disagg_id, const int32_t *blocks, int n_blocks,
                        int n_tokens, const int32_t *first, int n_first, int cached_tokens,
-                       uint64_t tokens_hash);
+                       uint64_t tokens_hash, const struct token_logprob *first_lp,
+                       const struct token_logprob *first_top, int n_first_top);
     /* Receiver: fill dst[0..n_dst), the LAST n_dst blocks of the prompt's ceil(n_tokens/T). */
     kv_status (*recv)(void *ctx, uint64_t disagg_id, const char *peer, bool context_first,
                       const int32_t *dst, int n_dst, int n_tokens);
@@ -224,10 +225,12 @@ void engine_kv_transfer_done(engine_t *e, uint64_t disagg_id, bool is_send, kv_s
                              const char *message, const int32_t *first, int n_first);
 /* Same, with the sender's engine_tokens_hash of the prompt (receive, KV_OK): a generation leg
  * whose own prompt hashes differently fails instead of decoding (or caching) someone else's KV.
- * tokens_hash 0 = not known (no check). */
+ * tokens_hash 0 = not known (no check). first_lp / first_top (may be NULL / 0): the first
+ * token's logprob and alternatives as the context worker computed them (generation first). */
 void engine_kv_transfer_done_ex(engine_t *e, uint64_t disagg_id, bool is_send, kv_status status,
                                 const char *message, const int32_t *first, int n_first,
-                                uint64_t tokens_hash);
+                                uint64_t tokens_hash, const struct token_logprob *first_lp,
+                                const struct token_logprob *first_top, int n_first_top);
 /* FNV-1a 64 of the token ids (little-endian int32), never 0: what offer passes and the
  * receive checks. */
 uint64_t engine_tokens_hash(const int32_t *ids, int n);

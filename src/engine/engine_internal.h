@@ -193,6 +193,9 @@ struct xfer_done {
     int32_t first[4];
     int n_first;
     uint64_t tokens_hash;
+    bool has_lp;
+    struct token_logprob lp, top[20];
+    int n_top;
 };
 /* Context leg after its first token: moves r from running to TRANSFER_OUT, offers its blocks and
  * posts the terminal event with fin (FINISH_NOT_FINISHED, or stop/length for a generation-first

@@ -358,6 +358,20 @@ static kv_status on_ready(struct kvx_agent *a, struct conn *c, json_t *o, char *
     c->aux.cached_tokens = (int)json_integer_value(json_object_get(aux, "cached_tokens"));
     const char *th = json_string_value(json_object_get(aux, "tokens_hash"));
     c->aux.tokens_hash = th ? strtoull(th, NULL, 16) : 0;
+    json_t *lp = json_object_get(aux, "lp"), *lpt = json_object_get(lp, "top");
+    if (json_is_object(lp) && json_is_integer(json_object_get(lp, "id"))) {
+        c->aux.has_lp = true;
+        c->aux.lp.id = (int32_t)json_integer_value(json_object_get(lp, "id"));
+        c->aux.lp.logprob = (float)json_number_value(json_object_get(lp, "logprob"));
+        size_t i;
+        json_t *v;
+        json_array_foreach(lpt, i, v) {
+            if (i >= 20) break;
+            c->aux.top[i].id = (int32_t)json_integer_value(json_array_get(v, 0));
+            c->aux.top[i].logprob = (float)json_number_value(json_array_get(v, 1));
+            c->aux.n_top = (int)i + 1;
+        }
+    }
     size_t i;
     json_t *v;
     json_array_foreach(first, i, v) if (i < KVX_MAX_FIRST_TOKENS) c->aux.first[c->aux.n_first++] =
@@ -476,6 +490,14 @@ void conn_serve(struct kvx_agent *a, struct conn *c, struct offer *o) {
                                           o->aux.cached_tokens, "first", first, "tokens_hash", th,
                                           "pt", pt)
                               : NULL;
+    if (msg && o->aux.has_lp) {
+        json_t *top = json_array();
+        for (int i = 0; top && i < o->aux.n_top && i < 20; i++)
+            json_array_append_new(top, json_pack("[i, f]", o->aux.top[i].id, (double)o->aux.top[i].logprob));
+        json_object_set_new(json_object_get(msg, "aux"), "lp",
+                            json_pack("{s:i, s:f, s:o}", "id", o->aux.lp.id, "logprob",
+                                      (double)o->aux.lp.logprob, "top", top ? top : json_array()));
+    }
     if (msg && c->ucx) { /* the receiver reads; we only tell it where */
         json_t *ids = json_array();
         for (int i = 0; i < c->n_dst && ids; i++) json_array_append_new(ids, json_integer(src[i]));

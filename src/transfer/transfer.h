@@ -65,6 +65,9 @@ struct kvx_aux {
     int cached_tokens;        /* prompt tokens the context worker took from its own cache */
     uint64_t tokens_hash;     /* the sender's hash of the prompt ids (0 = none), for the
                                  receiver to check against its own prompt */
+    bool has_lp;              /* the first token's logprob and alternatives, when asked for */
+    struct kvx_token_lp { int32_t id; float logprob; } lp, top[20];
+    int n_top;
 };
 
 /* One outcome. is_send: the sender side of disagg_id (blocks may now be unpinned); else the

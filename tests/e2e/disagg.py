@@ -517,6 +517,15 @@ def test_edges(agg, recs):
         for style in ("context_first", "generation_first"):
             rt = router([ctx], [gen], ["--schedule-style", style])
             try:
+                lpb = dict(prompt="Once upon a time", max_tokens=6, temperature=0, logprobs=2)
+                st1, a = agg.post("/v1/completions", lpb)
+                st2, b = rt.post("/v1/completions", lpb)
+                la, lb = a["choices"][0]["logprobs"], b["choices"][0]["logprobs"]
+                same = st2 == 200 and la["tokens"] == lb["tokens"] and all(
+                    abs(x - y) < 1e-5 for x, y in zip(la["token_logprobs"], lb["token_logprobs"])) and [
+                    sorted(t) for t in la["top_logprobs"]] == [sorted(t) for t in lb["top_logprobs"]]
+                check(same, "%s: logprobs (first token included) equal the aggregated worker's (%s / %s)" %
+                      (style, str(la)[:200], str(lb)[:200]))
                 for label, body in cases:
                     t0 = time.time()
                     st1, a = agg.post("/v1/completions", body)

@@ -138,7 +138,8 @@ static void mock_serve(struct offer *o, struct pending *p) {
     if (g_mock.mode == M_FAIL_RECV)
         engine_kv_transfer_done(g_mock.gen, p->id, false, KV_EIO, "mock: read failed", NULL, 0);
     else
-        engine_kv_transfer_done_ex(g_mock.gen, p->id, false, KV_OK, NULL, &o->first, 1, o->tokens_hash);
+        engine_kv_transfer_done_ex(g_mock.gen, p->id, false, KV_OK, NULL, &o->first, 1, o->tokens_hash,
+                                   NULL, NULL, 0);
     if (g_mock.mode != M_DROP_SEND_DONE)
         engine_kv_transfer_done(g_mock.ctx, o->id, true,
                                 g_mock.mode == M_FAIL_RECV ? KV_EIO : KV_OK, NULL, NULL, 0);
@@ -154,8 +155,12 @@ static void mock_try(void) {
 
 static kv_status mock_offer(void *ctx, uint64_t id, const int32_t *blocks, int n_blocks,
                             int n_tokens, const int32_t *first, int n_first, int cached,
-                            uint64_t tokens_hash) {
+                            uint64_t tokens_hash, const struct token_logprob *lp,
+                            const struct token_logprob *top, int n_top) {
     (void)ctx;
+    (void)lp;
+    (void)top;
+    (void)n_top;
     (void)cached;
     assert_true(tokens_hash != 0);
     assert_int_equal(n_first, 1);
