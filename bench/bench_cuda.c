@@ -2,12 +2,14 @@
  * bench_cuda: the CUDA backend on a random-weight Llama-3-8B shape (generated on the device,
  * nothing shipped), and the page-copy kernel against cudaMemcpyAsync. GPU only.
  *
- *   bench_cuda [--layers 32] [--batches 1,8,32] [--ctxs 512,4096] [--steps 20] [--no-copy] [--no-decode]
+ *   bench_cuda [--layers 32] [--batches 1,8,32] [--ctxs 512,4096] [--steps 20] [--kv-dtype bf16|f32]
+ *              [--no-copy] [--no-decode]
  *
  * Prints: measured device-to-device copy bandwidth (bytes read + written), then per (batch,
  * context) the median decode-step time (one forward of `batch` sequences, one new token
- * each, logits of every sequence copied back), the HBM floor (bf16 weight bytes + f32 KV
- * bytes read) / copy bandwidth, and tokens/s; then page-copy GB/s per direction.
+ * each, logits of every sequence copied back), the HBM floor (bf16 weight bytes + KV bytes
+ * read, of --kv-dtype: default bf16 like serve --backend cuda) / copy bandwidth, and
+ * tokens/s; then page-copy GB/s per direction.
  */
 #include <cuda_runtime_api.h>
 #include <stdio.h>
@@ -68,7 +70,8 @@ static double copy_bw(void) {
     return 2.0 * (double)n / ts[5];
 }
 
-static void bench_decode(int layers, const int *batches, int nb, const int *ctxs, int nc, int steps, double bw) {
+static void bench_decode(int layers, const int *batches, int nb, const int *ctxs, int nc, int steps, double bw,
+                         int kv_dtype) {
     struct model_config cfg = {0};
     cfg.arch = MODEL_ARCH_LLAMA;
     cfg.n_vocab = 128256, cfg.dim = 4096, cfg.n_layers = layers, cfg.n_heads = 32, cfg.n_kv_heads = 8;
@@ -90,16 +93,19 @@ static void bench_decode(int layers, const int *batches, int nb, const int *ctxs
     double dim = 4096, qw = 4096, kw = 1024, ffn = 14336, V = 128256;
     double wbytes = 2.0 * (layers * (dim * (qw + 2 * kw) + qw * dim + 2 * ffn * dim + ffn * dim) + 2 * V * dim);
     fprintf(stderr, "model: %d layers, weights %.2f GB bf16 (made in %.1f s)\n", layers, wbytes / 1e9, now_s() - t0);
+    printf("\nKV cache: %s\n", kv_dtype_name(kv_dtype));
     printf("\n| batch | context | step ms (median) | HBM floor ms | step / floor | tokens/s |\n|---|---|---|---|---|---|\n");
     int tpb = 16;
     for (int ci = 0; ci < nc; ci++)
         for (int bi = 0; bi < nb; bi++) {
             int B = batches[bi], ctx = ctxs[ci];
             int per = (ctx + steps + 8 + tpb - 1) / tpb;
-            struct kv_geometry g = {layers, 8, 128, tpb};
+            struct kv_geometry g = {.n_layers = layers, .n_kv_heads = 8, .head_dim = 128, .tokens_per_block = tpb,
+                                    .kv_dtype = kv_dtype};
             size_t blk = kv_block_bytes(&g);
             if ((double)per * B * blk > 90e9) {
-                printf("| %d | %d | skipped (f32 KV %.0f GB) | | | |\n", B, ctx, (double)per * B * blk / 1e9);
+                printf("| %d | %d | skipped (%s KV %.0f GB) | | | |\n", B, ctx, kv_dtype_name(kv_dtype),
+                       (double)per * B * blk / 1e9);
                 continue;
             }
             if (be->ops->kv_alloc(be, per * B, &g)) {
@@ -107,8 +113,15 @@ static void bench_decode(int layers, const int *batches, int nb, const int *ctxs
                 continue;
             }
             /* random KV content (no zeros): one pinned random block copied everywhere */
-            float *hb = kv_cuda_host_alloc(blk);
-            for (size_t i = 0; i < blk / 4; i++) hb[i] = (float)((i * 2654435761u) % 1000) / 1000.0f - 0.5f;
+            void *hb = kv_cuda_host_alloc(blk);
+            size_t es = kv_dtype_size(kv_dtype);
+            for (size_t i = 0; i < blk / es; i++) {
+                float v = (float)((i * 2654435761u) % 1000) / 1000.0f - 0.5f;
+                uint32_t u;
+                memcpy(&u, &v, 4);
+                if (es == 4) ((float *)hb)[i] = v;
+                else ((uint16_t *)hb)[i] = (uint16_t)(u >> 16); /* bf16 by truncation */
+            }
             int32_t *ids = malloc(sizeof(int32_t) * 256);
             const void *hs[256];
             for (int i = 0; i < 256; i++) hs[i] = hb;
@@ -145,7 +158,7 @@ static void bench_decode(int layers, const int *batches, int nb, const int *ctxs
             }
             qsort(ts, (size_t)steps, sizeof ts[0], cmp_d);
             double med = ts[steps / 2];
-            double kvb = (double)B * (ctx + steps / 2) * layers * 2 * kw * 4; /* f32 K+V read */
+            double kvb = (double)B * (ctx + steps / 2) * layers * 2 * kw * (double)es; /* K+V read */
             double floor_s = (wbytes + kvb) / bw;
             printf("| %d | %d | %.3f | %.3f | %.2fx | %.0f |\n", B, ctx, med * 1e3, floor_s * 1e3, med / floor_s,
                    B / med);
@@ -203,18 +216,21 @@ static void bench_copy(void) {
 }
 
 int main(int argc, char **argv) {
-    int layers = 32, steps = 20, do_copy = 1, do_decode = 1;
+    int layers = 32, steps = 20, do_copy = 1, do_decode = 1, kv_dtype = KV_DTYPE_BF16;
     int batches[8] = {1, 8, 32}, nb = 3, ctxs[8] = {512, 4096}, nc = 2;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--layers") && i + 1 < argc) layers = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--steps") && i + 1 < argc) steps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--batches") && i + 1 < argc) nb = parse_list(argv[++i], batches, 8);
         else if (!strcmp(argv[i], "--ctxs") && i + 1 < argc) nc = parse_list(argv[++i], ctxs, 8);
+        else if (!strcmp(argv[i], "--kv-dtype") && i + 1 < argc &&
+                 kv_dtype_parse(argv[i + 1], &kv_dtype) == KV_OK && kv_dtype != KV_DTYPE_F16)
+            i++;
         else if (!strcmp(argv[i], "--no-copy")) do_copy = 0;
         else if (!strcmp(argv[i], "--no-decode")) do_decode = 0;
         else {
             fprintf(stderr, "usage: bench_cuda [--layers N] [--batches 1,8,32] [--ctxs 512,4096] [--steps N] "
-                            "[--no-copy] [--no-decode]\n");
+                            "[--kv-dtype bf16|f32] [--no-copy] [--no-decode]\n");
             return 2;
         }
     }
@@ -228,7 +244,7 @@ int main(int argc, char **argv) {
     kv_cuda_device_name(0, name, sizeof name);
     double bw = copy_bw();
     printf("device: %s\ndevice-to-device copy: %.0f GB/s (read + write)\n", name, bw / 1e9);
-    if (do_decode) bench_decode(layers, batches, nb, ctxs, nc, steps, bw);
+    if (do_decode) bench_decode(layers, batches, nb, ctxs, nc, steps, bw, kv_dtype);
     if (do_copy) bench_copy();
     return 0;
 }

@@ -7,9 +7,36 @@
 #include "cuda/backend_cuda.h"
 #endif
 
+size_t kv_dtype_size(int d) {
+    switch (d) {
+    case KV_DTYPE_F32: return 4;
+    case KV_DTYPE_BF16: return 2;
+    case KV_DTYPE_F16: return 2;
+    default: return 0;
+    }
+}
+
+const char *kv_dtype_name(int d) {
+    switch (d) {
+    case KV_DTYPE_F32: return "f32";
+    case KV_DTYPE_BF16: return "bf16";
+    case KV_DTYPE_F16: return "f16";
+    default: return "?";
+    }
+}
+
+kv_status kv_dtype_parse(const char *s, int *out) {
+    if (!s) return KV_EINVAL;
+    if (!strcmp(s, "f32")) *out = KV_DTYPE_F32;
+    else if (!strcmp(s, "bf16")) *out = KV_DTYPE_BF16;
+    else if (!strcmp(s, "f16")) *out = KV_DTYPE_F16;
+    else return KV_EINVAL;
+    return KV_OK;
+}
+
 size_t kv_block_bytes(const struct kv_geometry *g) {
     return (size_t)g->n_layers * 2 * (size_t)g->n_kv_heads * (size_t)g->tokens_per_block *
-           (size_t)g->head_dim * sizeof(float);
+           (size_t)g->head_dim * kv_dtype_size(g->kv_dtype);
 }
 
 int batch_n_logits(const struct batch *b) {

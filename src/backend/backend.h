@@ -4,7 +4,7 @@
  * (Modelled on ggml-backend: a struct of function pointers plus a context pointer.)
  *
  * KV pool storage: n_blocks blocks, each one contiguous region of
- *   block_bytes = n_layers * 2 * n_kv_heads * tokens_per_block * head_dim * sizeof(float)
+ *   block_bytes = n_layers * 2 * n_kv_heads * tokens_per_block * head_dim * kv_dtype_size(kv_dtype)
  * laid out as
  *
  *   block b: [layer 0: K [kv_head 0: tok 0..T-1 x head_dim] [kv_head 1] ... | V [kv_head 0] ...]
@@ -39,13 +39,28 @@
 #include "../base/base.h"
 #include "../model/model.h"
 
+/* Element type of the KV pool's K and V. 0 (f32) is the default everywhere, so a
+ * zero-initialised geometry keeps the f32 pool. The CPU backend supports only
+ * KV_DTYPE_F32 (kv_alloc refuses the others with KV_EINVAL); the CUDA backend supports
+ * F32 and BF16 (F16 is reserved: refused with KV_EINVAL). */
+enum kv_dtype { KV_DTYPE_F32 = 0, KV_DTYPE_BF16 = 1, KV_DTYPE_F16 = 2 };
+
+/* Bytes of one K/V element of dtype d (4, 2, 2); 0 for a value outside enum kv_dtype. */
+size_t kv_dtype_size(int d);
+/* "f32", "bf16", "f16", or "?" for an unknown value. Static string. */
+const char *kv_dtype_name(int d);
+/* Parses "f32" / "bf16" / "f16" into *out. KV_EINVAL (out untouched) otherwise. */
+kv_status kv_dtype_parse(const char *s, int *out);
+
+/* Initialise with designated initializers (.n_layers = ...): fields may be appended. */
 struct kv_geometry {
     int n_layers;
     int n_kv_heads;
     int head_dim;
     int tokens_per_block;
+    int kv_dtype; /* enum kv_dtype; 0 = KV_DTYPE_F32 */
 };
-/* Bytes of one block for geometry g (f32 K and V). */
+/* Bytes of one block for geometry g (K and V of g->kv_dtype; 0 for an unknown dtype). */
 size_t kv_block_bytes(const struct kv_geometry *g);
 
 enum batch_logits { BATCH_LOGITS_NONE = 0, BATCH_LOGITS_LAST = 1, BATCH_LOGITS_ALL = 2 };

@@ -712,6 +712,7 @@ kv_status engine_start(const struct engine_config *cfg_in, const model_t *m, con
         .n_kv_heads = m->cfg.n_kv_heads,
         .head_dim = m->cfg.head_dim,
         .tokens_per_block = c.tokens_per_block,
+        .kv_dtype = c.kv_dtype,
     };
     kv_status st = be->ops->kv_alloc(be, c.n_blocks, &g);
     if (st != KV_OK) {

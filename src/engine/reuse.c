@@ -81,8 +81,9 @@ kv_status reuse_init(struct engine *e, char *err, size_t errlen) {
     int nh = c->host_cache_blocks > 0 ? c->host_cache_blocks : 0;
     if (kv_pool_enable_reuse(e->pool, nh) != KV_OK)
         return kv_errf(KV_ENOMEM, err, errlen, "engine: out of memory for the reuse index");
-    struct kv_geometry g = {e->m->cfg.n_layers, e->m->cfg.n_kv_heads, e->m->cfg.head_dim,
-                            c->tokens_per_block};
+    struct kv_geometry g = {.n_layers = e->m->cfg.n_layers, .n_kv_heads = e->m->cfg.n_kv_heads,
+                            .head_dim = e->m->cfg.head_dim, .tokens_per_block = c->tokens_per_block,
+                            .kv_dtype = c->kv_dtype};
     e->block_bytes = kv_block_bytes(&g);
     if (nh > 0) {
         e->host_mem = kv_malloc((size_t)nh * e->block_bytes);

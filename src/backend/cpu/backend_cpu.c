@@ -295,6 +295,12 @@ static kv_status cpu_kv_alloc(backend_t *be, int n_blocks, const struct kv_geome
         KV_ERROR("cpu backend: kv_alloc: geometry does not match the model or n_blocks < 1");
         return KV_EINVAL;
     }
+    if (g->kv_dtype != KV_DTYPE_F32) {
+        KV_ERROR("cpu backend: kv_alloc: KV cache dtype %s (%d) is not supported; the CPU backend "
+                 "stores K/V as f32 only",
+                 kv_dtype_name(g->kv_dtype), g->kv_dtype);
+        return KV_EINVAL;
+    }
     size_t bf = kv_block_bytes(g) / sizeof(float);
     c->pool = kv_calloc((size_t)n_blocks, bf * sizeof(float));
     if (!c->pool) return KV_ENOMEM;

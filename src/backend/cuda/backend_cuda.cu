@@ -44,8 +44,10 @@ struct cuda_ctx {
     float *inv_freq;
     size_t weight_bytes;
     /* KV pool */
-    float *pool;
-    size_t block_floats;
+    char *pool;          /* n_blocks * block_bytes bytes; elements of kv_dtype */
+    size_t block_floats; /* elements (of kv_dtype) per block, despite the name */
+    size_t block_bytes;  /* kv_block_bytes(&geom) */
+    int kv_dtype;        /* KV_DTYPE_F32 or KV_DTYPE_BF16 */
     int tpb;
     float **bounce_src; /* scratch pointer tables for host copies (n entries) */
     void *bounce;       /* pinned staging for host copies from/to pageable memory */
@@ -76,6 +78,7 @@ struct cuda_ctx {
 struct graph_key {
     int T, L, parts, split_len, tpb, attn2;
     size_t cap_meta, block_floats;
+    int kv_dtype;
     const void *ptr[9];
 };
 struct graph_entry {
@@ -301,23 +304,36 @@ static kv_status cuda_kv_alloc(backend_t *be, int n_blocks, const struct kv_geom
         KV_ERROR("cuda backend: kv_alloc: geometry does not match the model or n_blocks < 1");
         return KV_EINVAL;
     }
-    /* kv_block_bytes(g) / sizeof(float), computed here (kv_backend links this target) */
+    if (g->kv_dtype != KV_DTYPE_F32 && g->kv_dtype != KV_DTYPE_BF16) {
+        KV_ERROR("cuda backend: kv_alloc: KV cache dtype %s (%d) is not supported (f32 or bf16)",
+                 kv_dtype_name(g->kv_dtype), g->kv_dtype);
+        return KV_EINVAL;
+    }
+    if (g->kv_dtype == KV_DTYPE_BF16 && g->head_dim % 4) {
+        KV_ERROR("cuda backend: kv_alloc: a bf16 KV cache needs head_dim %% 4 == 0 (head_dim %d)", g->head_dim);
+        return KV_EINVAL;
+    }
+    /* elements per block; bytes = kv_block_bytes(g) */
     size_t bf = (size_t)g->n_layers * 2 * (size_t)g->n_kv_heads * (size_t)g->tokens_per_block * (size_t)g->head_dim;
-    cudaError_t e = cudaMalloc((void **)&c->pool, (size_t)n_blocks * bf * sizeof(float));
+    size_t bb = bf * kv_dtype_size(g->kv_dtype);
+    cudaError_t e = cudaMalloc((void **)&c->pool, (size_t)n_blocks * bb);
     if (e != cudaSuccess) {
         c->pool = NULL;
-        KV_ERROR("cuda backend: kv_alloc of %d blocks x %zu bytes: %s", n_blocks, bf * sizeof(float),
-                 cudaGetErrorString(e));
+        KV_ERROR("cuda backend: kv_alloc of %d blocks x %zu bytes: %s", n_blocks, bb, cudaGetErrorString(e));
         return e == cudaErrorMemoryAllocation ? KV_ENOMEM : KV_EIO;
     }
-    e = cudaMemsetAsync(c->pool, 0, (size_t)n_blocks * bf * sizeof(float), c->st);
+    e = cudaMemsetAsync(c->pool, 0, (size_t)n_blocks * bb, c->st);
     if (e == cudaSuccess) e = cudaStreamSynchronize(c->st);
     if (e != cudaSuccess) {
         free_pool(c);
         KV_ERROR("cuda backend: kv_alloc: %s", cudaGetErrorString(e));
         return KV_EIO;
     }
+    KV_INFO("cuda backend: KV pool %d blocks x %zu bytes, %s K/V (%.2f GiB)", n_blocks, bb, kv_dtype_name(g->kv_dtype),
+            (double)n_blocks * (double)bb / (1024.0 * 1024.0 * 1024.0));
     c->block_floats = bf;
+    c->block_bytes = bb;
+    c->kv_dtype = g->kv_dtype;
     c->tpb = g->tokens_per_block;
     be->geom = *g;
     be->n_blocks = n_blocks;
@@ -492,7 +508,7 @@ static kv_status forward_t(backend_t *be, const struct batch *b, float *logits, 
         struct graph_key k;
         memset(&k, 0, sizeof k);
         k.T = T, k.L = L, k.parts = max_parts, k.split_len = split_len, k.tpb = c->tpb, k.attn2 = attn2;
-        k.cap_meta = c->cap_meta, k.block_floats = c->block_floats;
+        k.cap_meta = c->cap_meta, k.block_floats = c->block_floats, k.kv_dtype = c->kv_dtype;
         const void *ps[9] = {c->x, c->h, c->a, c->logits, c->part, c->part_ml, c->d_meta, c->h_meta, c->pool};
         memcpy(k.ptr, ps, sizeof ps);
         struct graph_entry *g = NULL;
@@ -546,6 +562,7 @@ template <typename TA> static kv_status enqueue_step(struct cuda_ctx *c, const s
     LAUNCHED("embed");
     int group = nh / nkv, hc = att_hc(cfg);
     float scale = 1.0f / sqrtf((float)hd);
+    bool kvb = c->kv_dtype == KV_DTYPE_BF16;
     size_t att_smem = (size_t)ATT_WARPS * hc * (hd + 2) * sizeof(float);
     size_t att2_smem = ((size_t)hc * hd + ATT_WARPS * ATT_HC * 32 + (size_t)ATT_WARPS * hc * (hd + 2)) * sizeof(float);
     for (int l = 0; l < cfg->n_layers; l++) {
@@ -553,26 +570,36 @@ template <typename TA> static kv_status enqueue_step(struct cuda_ctx *c, const s
         /* attention block: x += h (previous FFN output) then norm */
         if ((st = launch_norm<TA>(c, c->x, l ? c->h : NULL, Ly->attn_norm, T, NULL, l ? 1 : 0, err, errlen))) return st;
         if ((st = gemm(c, c->a, T, dim, Ly->wqkv, qkvw, c->h, err, errlen))) return st;
-        k_qkv_post<<<dim3((unsigned)T, (unsigned)((nh + nkv + QKV_WARPS - 1) / QKV_WARPS)), 32 * QKV_WARPS, 0,
-                     c->st>>>(c->h, qkvw, Ly->bqkv, Ly->q_norm, Ly->k_norm, c->inv_freq, d_pos,
-                                                    d_bto, d_bt, c->pool, c->block_floats, l, nh, nkv, hd, c->tpb,
-                                                    cfg->rms_eps, cfg->rope_neox ? 1 : 0);
+#define QKV(TK)                                                                                            \
+    k_qkv_post<TK><<<dim3((unsigned)T, (unsigned)((nh + nkv + QKV_WARPS - 1) / QKV_WARPS)), 32 * QKV_WARPS, 0, \
+                     c->st>>>(c->h, qkvw, Ly->bqkv, Ly->q_norm, Ly->k_norm, c->inv_freq, d_pos, d_bto, d_bt, \
+                              (TK *)c->pool, c->block_floats, l, nh, nkv, hd, c->tpb, cfg->rms_eps,          \
+                              cfg->rope_neox ? 1 : 0)
+        if (kvb) QKV(__nv_bfloat16);
+        else QKV(float);
+#undef QKV
         LAUNCHED("qkv_post");
         dim3 ag((unsigned)T, (unsigned)(nh / hc), (unsigned)max_parts);
-#define ATT2(CH)                                                                                           \
-    k_attn_part2<CH><<<ag, 32 * ATT_WARPS, att2_smem, c->st>>>(c->h, qkvw, c->pool, c->block_floats, l, nkv, hd, \
+#define ATT2(CH, TK)                                                                                         \
+    k_attn_part2<CH, TK><<<ag, 32 * ATT_WARPS, att2_smem, c->st>>>(c->h, qkvw, (const TK *)c->pool, c->block_floats, l, nkv, hd, \
                                                                c->tpb, group, hc, d_pos, d_bto, d_bt, split_len,  \
                                                                max_parts, scale, c->part, c->part_ml)
-#define ATT(D)                                                                                                   \
-    k_attn_part<D><<<ag, 32 * ATT_WARPS, att_smem, c->st>>>(c->h, qkvw, c->pool, c->block_floats, l, nkv, hd,   \
+#define ATT(D, TK)                                                                                                \
+    k_attn_part<D, TK><<<ag, 32 * ATT_WARPS, att_smem, c->st>>>(c->h, qkvw, (const TK *)c->pool, c->block_floats, l, nkv, hd,   \
                                                              c->tpb, group, hc, d_pos, d_bto, d_bt, split_len,  \
                                                              max_parts, scale, c->part, c->part_ml)
-        if (ea->attn2 && hd <= 128) ATT2(1);
-        else if (ea->attn2) ATT2(2);
-        else if (hd <= 32) ATT(1);
-        else if (hd <= 64) ATT(2);
-        else if (hd <= 128) ATT(4);
-        else ATT(8);
+#define ATT_ALL(TK)                          \
+    do {                                     \
+        if (ea->attn2 && hd <= 128) ATT2(1, TK); \
+        else if (ea->attn2) ATT2(2, TK);         \
+        else if (hd <= 32) ATT(1, TK);           \
+        else if (hd <= 64) ATT(2, TK);           \
+        else if (hd <= 128) ATT(4, TK);          \
+        else ATT(8, TK);                         \
+    } while (0)
+        if (kvb) ATT_ALL(__nv_bfloat16);
+        else ATT_ALL(float);
+#undef ATT_ALL
 #undef ATT
 #undef ATT2
         LAUNCHED("attention");
@@ -614,7 +641,7 @@ static kv_status cuda_copy_blocks(backend_t *be, const int32_t *src, const int32
     if (n <= 0) return n < 0 ? KV_EINVAL : KV_OK;
     for (int i = 0; i < n; i++)
         if (src[i] < 0 || src[i] >= be->n_blocks || dst[i] < 0 || dst[i] >= be->n_blocks) return KV_EINVAL;
-    size_t bytes = c->block_floats * sizeof(float);
+    size_t bytes = c->block_bytes;
     /* one batched launch unless a destination is also a source (then in order, one by one) */
     bool dep = false;
     for (int i = 0; i < n && !dep; i++)
@@ -631,8 +658,8 @@ static kv_status cuda_copy_blocks(backend_t *be, const int32_t *src, const int32
         int k = 0;
         while (i < n && k < (dep ? 1 : chunk)) {
             if (src[i] != dst[i]) {
-                dp[k] = c->pool + (size_t)dst[i] * c->block_floats;
-                sp[k] = c->pool + (size_t)src[i] * c->block_floats;
+                dp[k] = c->pool + (size_t)dst[i] * c->block_bytes;
+                sp[k] = c->pool + (size_t)src[i] * c->block_bytes;
                 k++;
             }
             i++;
@@ -664,7 +691,7 @@ static kv_status host_copy(backend_t *be, const int32_t *blocks, void *const *ho
     if (n < 0 || !blocks) return KV_EINVAL;
     for (int i = 0; i < n; i++)
         if (blocks[i] < 0 || blocks[i] >= be->n_blocks || !(to_host ? host_dst[i] : host_src[i])) return KV_EINVAL;
-    size_t bytes = c->block_floats * sizeof(float);
+    size_t bytes = c->block_bytes;
     bool pinned = true;
     for (int i = 0; i < n && pinned; i++) pinned = is_pinned(to_host ? host_dst[i] : host_src[i]);
     kv_status st = KV_OK;
@@ -674,7 +701,7 @@ static kv_status host_copy(backend_t *be, const int32_t *blocks, void *const *ho
         for (int i = 0; i < n && !st; i += 256) {
             int k = n - i < 256 ? n - i : 256;
             for (int j = 0; j < k; j++) {
-                float *d = c->pool + (size_t)blocks[i + j] * c->block_floats;
+                char *d = c->pool + (size_t)blocks[i + j] * c->block_bytes;
                 dp[j] = to_host ? host_dst[i + j] : d;
                 sp[j] = to_host ? (const void *)d : host_src[i + j];
             }
@@ -702,7 +729,7 @@ static kv_status host_copy(backend_t *be, const int32_t *blocks, void *const *ho
         for (int i = 0; i < n && !st; i += (int)per) {
             int k = n - i < (int)per ? n - i : (int)per;
             for (int j = 0; j < k; j++) {
-                float *d = c->pool + (size_t)blocks[i + j] * c->block_floats;
+                char *d = c->pool + (size_t)blocks[i + j] * c->block_bytes;
                 char *h = (char *)c->bounce + (size_t)j * bytes;
                 if (!to_host) memcpy(h, host_src[i + j], bytes);
                 dp[j] = to_host ? (void *)h : (void *)d;
@@ -848,7 +875,7 @@ extern "C" kv_status backend_cuda_new(const model_t *m, const struct backend_cud
     }
     char name[256];
     kv_cuda_device_name(c->dev, name, sizeof name);
-    KV_INFO("cuda backend: %s; weights %s on the device (%.2f GiB), KV f32, cuBLAS GEMMs with f32 accumulation", name,
+    KV_INFO("cuda backend: %s; weights %s on the device (%.2f GiB), KV dtype per kv_alloc, cuBLAS GEMMs with f32 accumulation", name,
             c->f32w ? "f32" : "bf16", (double)c->weight_bytes / (1024.0 * 1024.0 * 1024.0));
     *out = be;
     return KV_OK;

@@ -12,8 +12,11 @@
  *     gate/up one (2 ffn, dim) matrix, so each layer runs 4 GEMMs. GEMMs: cuBLAS
  *     (cublasGemmEx) with f32 accumulation and f32 outputs; activations into a GEMM are in
  *     the weight dtype; the residual stream, norms, RoPE and softmax are f32.
- *   - KV pool: f32 in HBM, laid out exactly as ../backend.h says (so kv_block_bytes holds
- *     and host copies are byte-compatible with the CPU backend's blocks).
+ *   - KV pool: f32 or bf16 (geometry kv_dtype: KV_DTYPE_F32 / KV_DTYPE_BF16; F16 and others
+ *     KV_EINVAL; bf16 needs head_dim % 4 == 0) in HBM, laid out exactly as ../backend.h says
+ *     (so kv_block_bytes holds; f32 host copies are byte-compatible with the CPU backend's
+ *     blocks, bf16 ones are not). bf16: K (after RoPE) and V rounded to nearest-even on store;
+ *     attention converts them to f32 and accumulates in f32.
  * Per forward: one host->device copy of the step's metadata (tokens, positions, block
  * tables), the kernels and GEMMs on the backend's stream, and one device->host copy of the
  * logits rows asked for (batch_n_logits rows) followed by one stream synchronisation.

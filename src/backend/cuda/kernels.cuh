@@ -15,6 +15,20 @@ template <typename T> __device__ __forceinline__ T from_f32(float v);
 template <> __device__ __forceinline__ float from_f32<float>(float v) { return v; }
 template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
+/* KV pool element access (TK: float or __nv_bfloat16; f32 arithmetic either way). */
+__device__ __forceinline__ float kv_ld(const float *p) { return *p; }
+__device__ __forceinline__ float kv_ld(const __nv_bfloat16 *p) { return __bfloat162float(*p); }
+__device__ __forceinline__ void kv_st(float *p, float v) { *p = v; }
+__device__ __forceinline__ void kv_st(__nv_bfloat16 *p, float v) { *p = __float2bfloat16_rn(v); }
+/* 4 consecutive elements; p 16-byte (f32) / 8-byte (bf16) aligned */
+__device__ __forceinline__ float4 kv_ld4(const float *p) { return *(const float4 *)p; }
+__device__ __forceinline__ float4 kv_ld4(const __nv_bfloat16 *p) {
+    uint2 u = *(const uint2 *)p;
+    float2 a = __bfloat1622float2(*(const __nv_bfloat162 *)&u.x);
+    float2 b = __bfloat1622float2(*(const __nv_bfloat162 *)&u.y);
+    return make_float4(a.x, a.y, b.x, b.y);
+}
+
 __device__ __forceinline__ double block_sum_double(double v, double *sh /* >= 32 */) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     int w = threadIdx.x / 32, l = threadIdx.x % 32, nw = (blockDim.x + 31) / 32;
@@ -113,10 +127,12 @@ __global__ void __launch_bounds__(RMS_THREADS)
 #define QKV_WARPS 4
 /* Per row (grid T, block 32*QKV_WARPS): q/k bias, q/k RMSNorm (Qwen3), RoPE on q (in
  * place in qkv) and k; K and V stored into the row's block slot of the pool. One warp
- * per head; grid (T, ceil((n_heads + n_kv) / QKV_WARPS)). hd <= 256. */
+ * per head; grid (T, ceil((n_heads + n_kv) / QKV_WARPS)). hd <= 256. TK: the KV pool's element
+ * type (K/V rounded to it on store; block_floats counts elements). */
+template <typename TK>
 __global__ void __launch_bounds__(32 * QKV_WARPS)
     k_qkv_post(float *qkv, int stride, const float *bqkv, const float *qn, const float *kn, const float *inv_freq,
-               const int32_t *row_pos, const int32_t *row_bt, const int32_t *bt, float *pool, size_t block_floats,
+               const int32_t *row_pos, const int32_t *row_bt, const int32_t *bt, TK *pool, size_t block_floats,
                int layer, int n_heads, int n_kv, int hd, int tpb, float eps, int neox) {
     __shared__ float sh[QKV_WARPS][256];
     int r = blockIdx.x, w = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -141,16 +157,17 @@ __global__ void __launch_bounds__(32 * QKV_WARPS)
             for (int e = lane; e < hd; e += 32) sh[w][e] = nw[e] * (sh[w][e] * inv);
         }
         __syncwarp();
-        float *dst = isq ? row + off
-                         : pool + blk + ((((size_t)layer * 2 + 0) * n_kv + (hh - n_heads)) * tpb + pos % tpb) * hd;
+        float *qdst = row + off;
+        TK *kdst = pool + blk + ((((size_t)layer * 2 + 0) * n_kv + (isq ? 0 : hh - n_heads)) * tpb + pos % tpb) * hd;
         for (int i = lane; i < half; i += 32) {
             int i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
             float x0 = sh[w][i0], x1 = sh[w][i1];
             float ang = (float)pos * inv_freq[i];
             float s, c;
             sincosf(ang, &s, &c);
-            dst[i0] = x0 * c - x1 * s;
-            dst[i1] = x0 * s + x1 * c;
+            float y0 = x0 * c - x1 * s, y1 = x0 * s + x1 * c;
+            if (isq) qdst[i0] = y0, qdst[i1] = y1;
+            else kv_st(kdst + i0, y0), kv_st(kdst + i1, y1);
         }
         __syncwarp();
     }
@@ -159,7 +176,7 @@ __global__ void __launch_bounds__(32 * QKV_WARPS)
         float v = row[qw + kw + i];
         if (bqkv) v += bqkv[qw + kw + i];
         int h = i / hd, e = i % hd;
-        pool[blk + ((((size_t)layer * 2 + 1) * n_kv + h) * tpb + pos % tpb) * hd + e] = v;
+        kv_st(pool + blk + ((((size_t)layer * 2 + 1) * n_kv + h) * tpb + pos % tpb) * hd + e, v);
     }
 }
 
@@ -169,9 +186,9 @@ __global__ void __launch_bounds__(32 * QKV_WARPS)
  * (z+1)*split_len)) of the row's sequence, online softmax per warp, combined across warps.
  * Writes unnormalised acc (hd), max m and sum l per head into the part slot.
  * grid (T, n_heads / hc, max_parts), block 32*ATT_WARPS. DPL = ceil(hd / 32). */
-template <int DPL>
+template <int DPL, typename TK>
 __global__ void __launch_bounds__(32 * ATT_WARPS)
-    k_attn_part(const float *qkv, int stride, const float *pool, size_t block_floats, int layer, int n_kv, int hd,
+    k_attn_part(const float *qkv, int stride, const TK *pool, size_t block_floats, int layer, int n_kv, int hd,
                 int tpb, int group, int hc, const int32_t *row_pos, const int32_t *row_bt, const int32_t *bt,
                 int split_len, int max_parts, float scale, float *part, float *part_ml) {
     extern __shared__ float smem[]; /* ATT_WARPS * hc * (hd + 2) */
@@ -200,12 +217,12 @@ __global__ void __launch_bounds__(32 * ATT_WARPS)
     size_t voff = (((size_t)layer * 2 + 1) * n_kv + kvh) * tpb * hd;
     float k[DPL], v[DPL]; /* software pipelined: the next position's K/V load while this one computes */
     auto load_kv = [&](int p, float *kk, float *vv) {
-        const float *base = pool + (size_t)rbt[p / tpb] * block_floats + (size_t)(p % tpb) * hd;
+        const TK *base = pool + (size_t)rbt[p / tpb] * block_floats + (size_t)(p % tpb) * hd;
 #pragma unroll
         for (int j = 0; j < DPL; j++) {
             int e = lane + 32 * j;
-            kk[j] = e < hd ? base[koff + e] : 0.f;
-            vv[j] = e < hd ? base[voff + e] : 0.f;
+            kk[j] = e < hd ? kv_ld(base + koff + e) : 0.f;
+            vv[j] = e < hd ? kv_ld(base + voff + e) : 0.f;
         }
     };
     if (p_begin + w < p_end) load_kv(p_begin + w, k, v);
@@ -268,9 +285,9 @@ __global__ void __launch_bounds__(32 * ATT_WARPS)
  * over 16-byte K loads, q broadcast from shared memory), one max/sum reduction per slice,
  * then accumulates V with lanes owning 4 dims each (coalesced 16-byte loads). Same
  * part/combine format as k_attn_part; split_len a multiple of 32. */
-template <int CH>
+template <int CH, typename TK>
 __global__ void __launch_bounds__(32 * ATT_WARPS)
-    k_attn_part2(const float *qkv, int stride, const float *pool, size_t block_floats, int layer, int n_kv, int hd,
+    k_attn_part2(const float *qkv, int stride, const TK *pool, size_t block_floats, int layer, int n_kv, int hd,
                  int tpb, int group, int hc, const int32_t *row_pos, const int32_t *row_bt, const int32_t *bt,
                  int split_len, int max_parts, float scale, float *part, float *part_ml) {
     extern __shared__ float smem[]; /* q: hc*hd | weights: ATT_WARPS*ATT_HC*32 | per warp: ATT_WARPS*hc*(hd+2) */
@@ -305,9 +322,9 @@ __global__ void __launch_bounds__(32 * ATT_WARPS)
 #pragma unroll
         for (int g = 0; g < ATT_HC; g++) sc[g] = 0.f;
         if (valid) {
-            const float4 *kr = (const float4 *)(pool + (size_t)rbt[p / tpb] * block_floats + koff + (size_t)(p % tpb) * hd);
+            const TK *kr = pool + (size_t)rbt[p / tpb] * block_floats + koff + (size_t)(p % tpb) * hd;
             for (int d4 = 0; d4 < hd / 4; d4++) {
-                float4 kv = kr[d4];
+                float4 kv = kv_ld4(kr + 4 * d4);
 #pragma unroll
                 for (int g = 0; g < ATT_HC; g++) {
                     if (g < hc) {
@@ -340,12 +357,12 @@ __global__ void __launch_bounds__(32 * ATT_WARPS)
         __syncwarp();
         for (int j = 0; j < nvalid; j++) {
             int pj = base + j;
-            const float *vr = pool + (size_t)rbt[pj / tpb] * block_floats + voff + (size_t)(pj % tpb) * hd;
+            const TK *vr = pool + (size_t)rbt[pj / tpb] * block_floats + voff + (size_t)(pj % tpb) * hd;
 #pragma unroll
             for (int c = 0; c < CH; c++) {
                 int d = c * 128 + lane * 4;
                 if (d < hd) {
-                    float4 vv = *(const float4 *)(vr + d);
+                    float4 vv = kv_ld4(vr + d);
 #pragma unroll
                     for (int g = 0; g < ATT_HC; g++) {
                         if (g < hc) {

@@ -64,7 +64,7 @@ struct run {
 static void run_schedule(backend_t *be, const struct seqs *S, int mode, uint64_t seed, struct run *R) {
     const struct model_config *cfg = &be->model->cfg;
     int V = cfg->n_vocab;
-    struct kv_geometry g = {cfg->n_layers, cfg->n_kv_heads, cfg->head_dim, R->tpb};
+    struct kv_geometry g = {.n_layers = cfg->n_layers, .n_kv_heads = cfg->n_kv_heads, .head_dim = cfg->head_dim, .tokens_per_block = R->tpb};
     assert_int_equal(be->ops->kv_alloc(be, R->n_blocks, &g), KV_OK);
     /* disjoint, shuffled block ids per sequence */
     kv_rng rng;
@@ -237,9 +237,31 @@ static void test_validation(void **st) {
     err[0] = 0;
     assert_int_equal(be->ops->forward(be, &b, logits, err, sizeof err), KV_EINVAL);
     assert_true(strlen(err) > 0);
-    struct kv_geometry bad = {m->cfg.n_layers + 1, m->cfg.n_kv_heads, m->cfg.head_dim, 4};
+    struct kv_geometry bad = {.n_layers = m->cfg.n_layers + 1, .n_kv_heads = m->cfg.n_kv_heads, .head_dim = m->cfg.head_dim, .tokens_per_block = 4};
     assert_int_equal(be->ops->kv_alloc(be, 3, &bad), KV_EINVAL);
-    struct kv_geometry g = {m->cfg.n_layers, m->cfg.n_kv_heads, m->cfg.head_dim, 4};
+    struct kv_geometry g = {.n_layers = m->cfg.n_layers, .n_kv_heads = m->cfg.n_kv_heads, .head_dim = m->cfg.head_dim, .tokens_per_block = 4};
+    /* the CPU backend keeps f32 K/V only: bf16 / f16 / unknown dtypes are refused, no pool left */
+    int dts[3] = {KV_DTYPE_BF16, KV_DTYPE_F16, 9};
+    for (int i = 0; i < 3; i++) {
+        bad = g;
+        bad.kv_dtype = dts[i];
+        assert_int_equal(be->ops->kv_alloc(be, 3, &bad), KV_EINVAL);
+        assert_int_equal(be->n_blocks, 0);
+        assert_int_equal(be->ops->forward(be, &b, logits, err, sizeof err), KV_EINVAL);
+    }
+    bad = g;
+    bad.kv_dtype = KV_DTYPE_BF16;
+    assert_int_equal(kv_block_bytes(&bad) * 2, kv_block_bytes(&g));
+    bad.kv_dtype = 9;
+    assert_int_equal(kv_block_bytes(&bad), 0);
+    int dt = -1;
+    assert_int_equal(kv_dtype_parse("bf16", &dt), KV_OK);
+    assert_int_equal(dt, KV_DTYPE_BF16);
+    assert_int_equal(kv_dtype_parse("f32", &dt), KV_OK);
+    assert_int_equal(dt, KV_DTYPE_F32);
+    assert_int_equal(kv_dtype_parse("fp8", &dt), KV_EINVAL);
+    assert_int_equal(dt, KV_DTYPE_F32);
+    assert_string_equal(kv_dtype_name(KV_DTYPE_BF16), "bf16");
     assert_int_equal(be->ops->kv_alloc(be, 3, &g), KV_OK);
     assert_int_equal(kv_block_bytes(&g), (size_t)m->cfg.n_layers * 2 * m->cfg.n_kv_heads * 4 * m->cfg.head_dim * 4);
     assert_int_equal(batch_n_logits(&b), 1);
@@ -297,7 +319,7 @@ static void test_kv_layout(void **st) {
     backend_t *be = NULL;
     char err[256];
     assert_int_equal(backend_cpu_new(m, 1, &be, err, sizeof err), KV_OK);
-    struct kv_geometry g = {c->n_layers, c->n_kv_heads, c->head_dim, 4};
+    struct kv_geometry g = {.n_layers = c->n_layers, .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim, .tokens_per_block = 4};
     assert_int_equal(be->ops->kv_alloc(be, 4, &g), KV_OK);
     int32_t toks[6] = {3, 9, 27, 81, 50, 60}, bt[2] = {2, 0};
     struct batch_seq s = {.tokens = toks, .n_tokens = 6, .block_table = bt, .n_blocks = 2};
@@ -374,7 +396,7 @@ static void test_gemm_modes(void **st) {
     for (int i = 0; i < 40; i++) toks[i] = (int32_t)((i * 37 + 5) % c->n_vocab);
     float *lg[2];
     for (int i = 0; i < 2; i++) {
-        struct kv_geometry geo = {c->n_layers, c->n_kv_heads, c->head_dim, 16};
+        struct kv_geometry geo = {.n_layers = c->n_layers, .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim, .tokens_per_block = 16};
         assert_int_equal(be[i]->ops->kv_alloc(be[i], 3, &geo), KV_OK);
         struct batch_seq s = {.tokens = toks, .n_tokens = 40, .block_table = bt, .n_blocks = 3,
                               .logits = BATCH_LOGITS_ALL};

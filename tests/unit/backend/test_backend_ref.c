@@ -67,7 +67,7 @@ static float *backend_logits(const model_t *m, const int32_t *toks, int n) {
     char err[256];
     assert_int_equal(backend_cpu_new(m, 2, &be, err, sizeof err), KV_OK);
     int tpb = 16, nb = (n + tpb - 1) / tpb;
-    struct kv_geometry g = {m->cfg.n_layers, m->cfg.n_kv_heads, m->cfg.head_dim, tpb};
+    struct kv_geometry g = {.n_layers = m->cfg.n_layers, .n_kv_heads = m->cfg.n_kv_heads, .head_dim = m->cfg.head_dim, .tokens_per_block = tpb};
     assert_int_equal(be->ops->kv_alloc(be, nb + 3, &g), KV_OK);
     int32_t *bt = malloc((size_t)nb * sizeof *bt);
     for (int i = 0; i < nb; i++) bt[i] = (int32_t)((i * 5 + 2) % (nb + 3)); /* distinct when gcd(5, nb+3) = 1 */

@@ -167,9 +167,10 @@ static int load_refs(struct ref *R) {
 }
 
 /* All prompts batched: one prefill forward, then GEN-1 decode forwards; out[s][i]. */
-static void greedy(backend_t *be, const model_t *m, const struct ref *R, int32_t out[MAXP][GEN]) {
+static void greedy(backend_t *be, const model_t *m, const struct ref *R, int32_t out[MAXP][GEN], int kv_dtype) {
     int tpb = 16, per = (256 + GEN + tpb - 1) / tpb, nb = per * R->n + 5;
-    struct kv_geometry g = {m->cfg.n_layers, m->cfg.n_kv_heads, m->cfg.head_dim, tpb};
+    struct kv_geometry g = {.n_layers = m->cfg.n_layers, .n_kv_heads = m->cfg.n_kv_heads, .head_dim = m->cfg.head_dim,
+                            .tokens_per_block = tpb, .kv_dtype = kv_dtype};
     assert_int_equal(be->ops->kv_alloc(be, nb, &g), KV_OK);
     int32_t bt[MAXP][24];
     for (int s = 0; s < R->n; s++) /* interleaved and reversed: block i of seq s = nb-1 - (i*n + s) */
@@ -201,28 +202,35 @@ static void test_cuda_stories_greedy(void **st) {
     model_t *m = NULL;
     char err[256];
     if (model_load(path, &m, err, sizeof err)) fail_msg("model_load: %s", err);
-    static int32_t cpu[MAXP][GEN], cpu_r[MAXP][GEN], gf32[MAXP][GEN], gbf16[MAXP][GEN];
+    static int32_t cpu[MAXP][GEN], cpu_r[MAXP][GEN], gf32[MAXP][GEN], gbf16[MAXP][GEN], gkv[MAXP][GEN];
     backend_t *be = make_be(m, 0, false);
-    greedy(be, m, &R, cpu);
+    greedy(be, m, &R, cpu, KV_DTYPE_F32);
     backend_free(be);
     model_t *mr = NULL;
     if (model_load(path, &mr, err, sizeof err)) fail_msg("model_load: %s", err);
     model_round_bf16(mr);
     be = make_be(mr, 0, false);
-    greedy(be, mr, &R, cpu_r);
+    greedy(be, mr, &R, cpu_r, KV_DTYPE_F32);
     backend_free(be);
     model_free(mr);
     be = make_be(m, 1, true);
-    greedy(be, m, &R, gf32);
+    greedy(be, m, &R, gf32, KV_DTYPE_F32);
     backend_free(be);
     be = make_be(m, 1, false);
-    greedy(be, m, &R, gbf16);
+    greedy(be, m, &R, gbf16, KV_DTYPE_F32);
+    greedy(be, m, &R, gkv, KV_DTYPE_BF16); /* bf16 weights and bf16 KV (serve's cuda default) */
     backend_free(be);
     /* f32 weights: every token identical. bf16 weights: greedy decoding amplifies the last
      * bits (a near tie flips, then the texts part), so only the first 16 tokens are asserted
      * identical to the CPU on the same (bf16-rounded) weights; divergences are printed. */
-    int bad_ref = 0, bad_f32 = 0, bad_bf16 = 0, bad_bf16_r = 0, early = 0;
+    int bad_ref = 0, bad_f32 = 0, bad_bf16 = 0, bad_bf16_r = 0, early = 0, bad_kv = 0, kv_first = GEN;
     for (int s = 0; s < R.n; s++) {
+        for (int i = 0; i < GEN; i++)
+            if (cpu_r[s][i] != gkv[s][i]) {
+                bad_kv++;
+                if (i < kv_first) kv_first = i;
+                break;
+            }
         if (memcmp(cpu[s], R.want[s], sizeof cpu[s])) bad_ref++;
         if (memcmp(cpu[s], gf32[s], sizeof cpu[s])) bad_f32++;
         int first = -1, first_r = -1;
@@ -240,6 +248,10 @@ static void test_cuda_stories_greedy(void **st) {
     fprintf(stderr, "  stories260K, %d prompts x %d greedy tokens: cpu != llama.cpp %d, cuda f32 != cpu %d, "
                     "cuda bf16 != cpu %d, cuda bf16 != cpu on bf16 weights %d\n", R.n, GEN, bad_ref, bad_f32, bad_bf16,
             bad_bf16_r);
+    /* bf16 KV: reported, not asserted (greedy texts part at a near tie; the logits tests
+     * below bound the error) */
+    fprintf(stderr, "  cuda bf16 weights + bf16 KV != cpu on bf16 weights: %d prompts (earliest at token %d)\n",
+            bad_kv, bad_kv ? kv_first : -1);
     assert_int_equal(bad_ref, 0);
     assert_int_equal(bad_f32, 0);
     assert_int_equal(early, 0);
@@ -251,9 +263,10 @@ static void test_cuda_stories_greedy(void **st) {
 /* Two sequences (lengths n0, n1) in chunks (prefill chunks 77 and 60, then decode 1 token
  * at a time for the last 10), batched together; returns all logits rows of both, in
  * position order: out[(s * maxn + p) * V]. */
-static float *run_chunks(backend_t *be, const model_t *m, const int32_t *toks, int n0, int n1) {
+static float *run_chunks(backend_t *be, const model_t *m, const int32_t *toks, int n0, int n1, int kv_dtype) {
     int V = m->cfg.n_vocab, tpb = 16, maxn = n0 > n1 ? n0 : n1, per = (maxn + tpb - 1) / tpb, nb = 2 * per + 3;
-    struct kv_geometry g = {m->cfg.n_layers, m->cfg.n_kv_heads, m->cfg.head_dim, tpb};
+    struct kv_geometry g = {.n_layers = m->cfg.n_layers, .n_kv_heads = m->cfg.n_kv_heads, .head_dim = m->cfg.head_dim,
+                            .tokens_per_block = tpb, .kv_dtype = kv_dtype};
     assert_int_equal(be->ops->kv_alloc(be, nb, &g), KV_OK);
     int32_t bt[2][64];
     for (int i = 0; i < per; i++) bt[0][i] = 2 * i + 1, bt[1][i] = nb - 1 - 2 * i;
@@ -293,8 +306,12 @@ static float *run_chunks(backend_t *be, const model_t *m, const int32_t *toks, i
  * row's ||d||_2 / ||ref||_2 (METHOD.md's metric) against the CPU on the same bf16-rounded
  * weights, fails when the mean of e over the rows > tol or a row's e > 2 tol; measured on
  * the H200 (2026-12-01): mean ~5e-3, worst 1.3e-2 .. 1.5e-2; against the CPU on unrounded f32
- * weights worst ~2.2e-2 (printed). */
-static int compare_shape(model_arch arch, bool f32w, double tol) {
+ * weights worst ~2.2e-2 (printed). kv_dtype: the GPU's KV pool (the CPU reference is f32).
+ * bf16 KV (checked with bf16 weights): same per-row limit 2 tol, mean limit 1.5 tol. Measured
+ * on the H200 (2026-12-01, llama / qwen2 / qwen3): mean 1.10e-2 / 1.11e-2 / 1.05e-2, worst
+ * 1.70e-2 / 1.54e-2 / 1.45e-2, so bf16 KV does NOT meet the bf16-weight mean limit of 1 tol
+ * (same run, f32 KV: mean 9.6e-3 / 9.6e-3 / 9.2e-3). */
+static int compare_shape(model_arch arch, bool f32w, double tol, int kv_dtype) {
     struct model_config cfg = {0};
     cfg.arch = arch;
     cfg.n_vocab = 2048;
@@ -325,7 +342,8 @@ static int compare_shape(model_arch arch, bool f32w, double tol) {
     kv_rng_seed(&rng, 5 + (uint64_t)arch);
     for (int i = 0; i < 2 * maxn; i++) toks[i] = (int32_t)(kv_rng_next(&rng) % (uint64_t)V);
     backend_t *cpu = make_be(m, 0, false), *gpu = make_be(m, 1, f32w);
-    float *exact = run_chunks(cpu, m, toks, n0, n1), *got = run_chunks(gpu, m, toks, n0, n1), *ref = exact;
+    float *exact = run_chunks(cpu, m, toks, n0, n1, KV_DTYPE_F32), *got = run_chunks(gpu, m, toks, n0, n1, kv_dtype),
+          *ref = exact;
     backend_free(cpu);
     if (!f32w) { /* reference on the same bf16-rounded weights */
         model_t *mr = NULL;
@@ -333,7 +351,7 @@ static int compare_shape(model_arch arch, bool f32w, double tol) {
         model_randomize(mr, 77 + (uint64_t)arch, 0.05f);
         model_round_bf16(mr);
         cpu = make_be(mr, 0, false);
-        ref = run_chunks(cpu, mr, toks, n0, n1);
+        ref = run_chunks(cpu, mr, toks, n0, n1, KV_DTYPE_F32);
         backend_free(cpu);
         model_free(mr);
     }
@@ -363,15 +381,15 @@ static int compare_shape(model_arch arch, bool f32w, double tol) {
             sum_norm += en, rows++;
             double e = f32w ? em : en, lim = f32w ? tol : 2 * tol;
             if (!(e <= lim) && bad++ < 3)
-                fprintf(stderr, "  %s %s seq %d pos %d: error %g > %g\n", model_arch_name(arch), f32w ? "f32" : "bf16", s,
-                        p, e, lim);
+                fprintf(stderr, "  %s %s (%s KV) seq %d pos %d: error %g > %g\n", model_arch_name(arch),
+                        f32w ? "f32" : "bf16", kv_dtype_name(kv_dtype), s, p, e, lim);
         }
-    double mean_norm = sum_norm / rows;
-    if (!f32w && !(mean_norm <= tol)) bad++;
-    fprintf(stderr, "  %s, %s weights: %d + %d positions, ||d||/||ref|| mean %.3g worst %.3g, worst max|d|/max|ref| "
-                    "%.3g (tol %g)%s; vs the f32 CPU on unrounded weights: worst ||d||/||ref|| %.3g\n",
-            model_arch_name(arch), f32w ? "f32" : "bf16", n0, n1, mean_norm, worst_norm, worst_max, tol,
-            bad ? " FAIL" : "", we);
+    double mean_norm = sum_norm / rows, mean_lim = kv_dtype == KV_DTYPE_BF16 ? 1.5 * tol : tol;
+    if (!f32w && !(mean_norm <= mean_lim)) bad++;
+    fprintf(stderr, "  %s, %s weights, %s KV: %d + %d positions, ||d||/||ref|| mean %.3g worst %.3g, worst "
+                    "max|d|/max|ref| %.3g (tol %g, mean limit %g)%s; vs the f32 CPU on unrounded weights: worst ||d||/||ref|| %.3g\n",
+            model_arch_name(arch), f32w ? "f32" : "bf16", kv_dtype_name(kv_dtype), n0, n1, mean_norm, worst_norm, worst_max, tol,
+            f32w ? 0.0 : mean_lim, bad ? " FAIL" : "", we);
     if (ref != exact) free(ref);
     free(exact), free(got), free(toks);
     backend_free(gpu);
@@ -382,17 +400,20 @@ static int compare_shape(model_arch arch, bool f32w, double tol) {
 static void test_cuda_llama3_logits(void **st) {
     (void)st;
     if (!gpu_ok()) { skip(); return; }
-    int bad = compare_shape(MODEL_ARCH_LLAMA, false, 1e-2);
-    bad += compare_shape(MODEL_ARCH_LLAMA, true, 1e-4);
+    int bad = compare_shape(MODEL_ARCH_LLAMA, false, 1e-2, KV_DTYPE_F32);
+    bad += compare_shape(MODEL_ARCH_LLAMA, true, 1e-4, KV_DTYPE_F32);
+    bad += compare_shape(MODEL_ARCH_LLAMA, false, 1e-2, KV_DTYPE_BF16);
     assert_int_equal(bad, 0);
 }
 static void test_cuda_qwen_logits(void **st) {
     (void)st;
     if (!gpu_ok()) { skip(); return; }
-    int bad = compare_shape(MODEL_ARCH_QWEN2, false, 1e-2);
-    bad += compare_shape(MODEL_ARCH_QWEN2, true, 1e-4);
-    bad += compare_shape(MODEL_ARCH_QWEN3, false, 1e-2);
-    bad += compare_shape(MODEL_ARCH_QWEN3, true, 1e-4);
+    int bad = compare_shape(MODEL_ARCH_QWEN2, false, 1e-2, KV_DTYPE_F32);
+    bad += compare_shape(MODEL_ARCH_QWEN2, true, 1e-4, KV_DTYPE_F32);
+    bad += compare_shape(MODEL_ARCH_QWEN2, false, 1e-2, KV_DTYPE_BF16);
+    bad += compare_shape(MODEL_ARCH_QWEN3, false, 1e-2, KV_DTYPE_F32);
+    bad += compare_shape(MODEL_ARCH_QWEN3, true, 1e-4, KV_DTYPE_F32);
+    bad += compare_shape(MODEL_ARCH_QWEN3, false, 1e-2, KV_DTYPE_BF16);
     assert_int_equal(bad, 0);
 }
 
@@ -415,41 +436,63 @@ static void test_cuda_errors(void **st) {
     struct batch b = {&s, 1};
     float lg[64];
     assert_int_equal(be->ops->forward(be, &b, lg, err, sizeof err), KV_EINVAL); /* no pool */
-    struct kv_geometry bad = {3, 2, 8, 4}, g = {2, 2, 8, 4};
+    struct kv_geometry bad = {.n_layers = 3, .n_kv_heads = 2, .head_dim = 8, .tokens_per_block = 4};
     assert_int_equal(be->ops->kv_alloc(be, 4, &bad), KV_EINVAL);
-    assert_int_equal(be->ops->kv_alloc(be, 4, &g), KV_OK);
-    bt[0] = 4;
-    assert_int_equal(be->ops->forward(be, &b, lg, err, sizeof err), KV_EINVAL);
-    bt[0] = 0;
-    tok[1] = 64;
-    assert_int_equal(be->ops->forward(be, &b, lg, err, sizeof err), KV_EINVAL);
-    tok[1] = 2;
-    assert_int_equal(be->ops->forward(be, &b, lg, err, sizeof err), KV_OK);
-    for (int i = 0; i < 64; i++) assert_true(isfinite(lg[i]));
-    /* host copies and copy_blocks round trip, pageable and pinned */
-    size_t bb = kv_block_bytes(&g);
-    char *h1 = malloc(bb), *h2 = malloc(bb), *pin = kv_cuda_host_alloc(bb);
-    assert_non_null(pin);
-    void *hp[1] = {h1};
-    int32_t b0[1] = {0}, b3[1] = {3}, b2[1] = {2};
-    assert_int_equal(backend_copy_to_host(be, b0, hp, 1), KV_OK);
-    int nz = 0;
-    for (size_t i = 0; i < bb; i++) nz += h1[i] != 0;
-    assert_true(nz > 0); /* the forward wrote K/V there */
-    const void *hs[1] = {h1};
-    assert_int_equal(backend_copy_from_host(be, hs, b3, 1), KV_OK);
-    assert_int_equal(be->ops->copy_blocks(be, b3, b2, 1), KV_OK);
-    void *pp[1] = {pin};
-    assert_int_equal(backend_copy_to_host(be, b2, pp, 1), KV_OK);
-    assert_memory_equal(pin, h1, bb);
-    hp[0] = h2;
-    assert_int_equal(backend_copy_to_host(be, b3, hp, 1), KV_OK);
-    assert_memory_equal(h2, h1, bb);
-    int32_t oob[1] = {4};
-    assert_int_equal(backend_copy_to_host(be, oob, hp, 1), KV_EINVAL);
-    assert_int_equal(backend_copy_to_host(be, oob, hp, 0), KV_OK);
-    free(h1), free(h2);
-    kv_cuda_host_free(pin);
+    bad = (struct kv_geometry){.n_layers = 2, .n_kv_heads = 2, .head_dim = 8, .tokens_per_block = 4,
+                               .kv_dtype = KV_DTYPE_F16};
+    assert_int_equal(be->ops->kv_alloc(be, 4, &bad), KV_EINVAL); /* f16 KV: not supported */
+    bad.kv_dtype = 7;
+    assert_int_equal(be->ops->kv_alloc(be, 4, &bad), KV_EINVAL);
+    /* f32 then bf16 KV: forward, host round trips with that dtype's block size */
+    for (int dt = KV_DTYPE_F32; dt <= KV_DTYPE_BF16; dt++) {
+        struct kv_geometry g = {.n_layers = 2, .n_kv_heads = 2, .head_dim = 8, .tokens_per_block = 4, .kv_dtype = dt};
+        assert_int_equal(kv_block_bytes(&g), (size_t)2 * 2 * 2 * 4 * 8 * (dt == KV_DTYPE_BF16 ? 2 : 4));
+        assert_int_equal(be->ops->kv_alloc(be, 4, &g), KV_OK);
+        assert_int_equal(kv_block_bytes(&be->geom), kv_block_bytes(&g));
+        bt[0] = 4;
+        assert_int_equal(be->ops->forward(be, &b, lg, err, sizeof err), KV_EINVAL);
+        bt[0] = 0;
+        tok[1] = 64;
+        assert_int_equal(be->ops->forward(be, &b, lg, err, sizeof err), KV_EINVAL);
+        tok[1] = 2;
+        assert_int_equal(be->ops->forward(be, &b, lg, err, sizeof err), KV_OK);
+        for (int i = 0; i < 64; i++) assert_true(isfinite(lg[i]));
+        /* host copies and copy_blocks round trip, pageable and pinned */
+        size_t bb = kv_block_bytes(&g);
+        char *h1 = malloc(bb), *h2 = malloc(bb), *pin = kv_cuda_host_alloc(bb);
+        assert_non_null(pin);
+        void *hp[1] = {h1};
+        int32_t b0[1] = {0}, b3[1] = {3}, b2[1] = {2};
+        assert_int_equal(backend_copy_to_host(be, b0, hp, 1), KV_OK);
+        int nz = 0;
+        for (size_t i = 0; i < bb; i++) nz += h1[i] != 0;
+        assert_true(nz > 0); /* the forward wrote K/V there */
+        const void *hs[1] = {h1};
+        assert_int_equal(backend_copy_from_host(be, hs, b3, 1), KV_OK);
+        assert_int_equal(be->ops->copy_blocks(be, b3, b2, 1), KV_OK);
+        void *pp[1] = {pin};
+        assert_int_equal(backend_copy_to_host(be, b2, pp, 1), KV_OK);
+        assert_memory_equal(pin, h1, bb);
+        hp[0] = h2;
+        assert_int_equal(backend_copy_to_host(be, b3, hp, 1), KV_OK);
+        assert_memory_equal(h2, h1, bb);
+        int32_t oob[1] = {4};
+        assert_int_equal(backend_copy_to_host(be, oob, hp, 1), KV_EINVAL);
+        assert_int_equal(backend_copy_to_host(be, oob, hp, 0), KV_OK);
+        /* the next forward reads what came back from the host: same logits as from block 0 */
+        float lg2[64];
+        int32_t bt3[1] = {3};
+        struct batch_seq s3 = {.tokens = tok + 1, .n_tokens = 1, .n_past = 1, .block_table = bt, .n_blocks = 1,
+                               .logits = BATCH_LOGITS_LAST};
+        struct batch b3b = {&s3, 1};
+        assert_int_equal(be->ops->forward(be, &b3b, lg, err, sizeof err), KV_OK);
+        s3.block_table = bt3;
+        assert_int_equal(backend_copy_from_host(be, hs, bt3, 1), KV_OK); /* block 3 = block 0 after the 1st forward */
+        assert_int_equal(be->ops->forward(be, &b3b, lg2, err, sizeof err), KV_OK);
+        assert_memory_equal(lg, lg2, sizeof lg);
+        free(h1), free(h2);
+        kv_cuda_host_free(pin);
+    }
     backend_free(be);
     model_free(m);
 }
