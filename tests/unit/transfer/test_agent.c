@@ -110,6 +110,18 @@ static void reset(void) {
     pthread_mutex_unlock(&g_mu);
 }
 
+/* Waits (bounded, 2 s) until the sender holds n stored requests (REQs without an offer). */
+static void wait_stored(struct side *s, int n) {
+    struct kvx_stats stt;
+    for (int i = 0; i < 2000; i++) {
+        kvx_get_stats(s->a, &stt);
+        if (stt.stored_requests == n) break;
+        struct timespec d = {0, 1000000};
+        nanosleep(&d, NULL);
+    }
+    assert_int_equal(stt.stored_requests, n);
+}
+
 static struct kvx_aux aux_of(int n_tokens, int32_t first) {
     struct kvx_aux a = {.n_tokens = n_tokens, .n_first = 1, .first = {first}};
     return a;
@@ -155,14 +167,7 @@ static void test_suffix_and_generation_first(void **st) {
     for (int i = 0; i < 5; i++) fill(&s, src[i], (uint8_t)(10 + i));
     /* generation first: the receiver asks before the offer exists */
     assert_int_equal(kvx_recv_start(r.a, 2, kvx_agent_endpoint(s.a), false, dst, 2, 5 * T), KV_OK);
-    struct kvx_stats stt;
-    for (int i = 0; i < 2000; i++) { /* until the sender stored the request */
-        kvx_get_stats(s.a, &stt);
-        if (stt.stored_requests == 1) break;
-        struct timespec d = {0, 1000000};
-        nanosleep(&d, NULL);
-    }
-    assert_int_equal(stt.stored_requests, 1);
+    wait_stored(&s, 1);
     struct kvx_aux ax = aux_of(5 * T, 7);
     assert_int_equal(kvx_send_offer(s.a, 2, src, 5, &ax), KV_OK);
     assert_int_equal(wait_res(2, false, 10).status, KV_OK);
@@ -354,14 +359,7 @@ static void test_cancels(void **st) {
     side_stop(&r);
     side_start(&r, 2, 5, 60, NULL, 0);
     assert_int_equal(kvx_recv_start(r.a, 16, kvx_agent_endpoint(s.a), false, b, 1, T), KV_OK);
-    struct kvx_stats stt;
-    for (int i = 0; i < 2000; i++) {
-        kvx_get_stats(s.a, &stt);
-        if (stt.stored_requests == 1) break;
-        struct timespec d = {0, 1000000};
-        nanosleep(&d, NULL);
-    }
-    assert_int_equal(stt.stored_requests, 1);
+    wait_stored(&s, 1);
     uint64_t t0 = kv_now_ns();
     kvx_cancel(s.a, 16);
     struct kvx_result rc = wait_res(16, false, 5);
@@ -372,13 +370,7 @@ static void test_cancels(void **st) {
     assert_int_equal(wait_res(16, true, 5).status, KV_ECANCELLED);
     /* the receiver's request for 14 is stored, an unrelated offer is cancelled meanwhile */
     assert_int_equal(kvx_recv_start(r.a, 14, kvx_agent_endpoint(s.a), false, b, 1, T), KV_OK);
-    for (int i = 0; i < 2000; i++) {
-        kvx_get_stats(s.a, &stt);
-        if (stt.stored_requests == 1) break;
-        struct timespec d = {0, 1000000};
-        nanosleep(&d, NULL);
-    }
-    assert_int_equal(stt.stored_requests, 1);
+    wait_stored(&s, 1);
     assert_int_equal(kvx_send_offer(s.a, 15, b, 1, &ax), KV_OK); /* unrelated offer */
     kvx_cancel(s.a, 15);
     assert_int_equal(wait_res(15, true, 5).status, KV_ECANCELLED);
