@@ -149,9 +149,9 @@ static void test_typed_tensors(void **s) {
     }
     uint64_t ne3[2] = {32, 2};
     assert_int_equal(gguf_w_tensor_raw(w, "q8", 2, ne3, GGML_Q8_0, q8, sizeof q8), KV_OK);
-    uint8_t q4[18] = {0};
-    uint64_t ne4[1] = {32};
-    assert_int_equal(gguf_w_tensor_raw(w, "q4", 1, ne4, 2 /* Q4_0 */, q4, sizeof q4), KV_OK);
+    uint8_t q2[84] = {0}; /* a type ggml has and kvserve does not compute with */
+    uint64_t ne4[1] = {256};
+    assert_int_equal(gguf_w_tensor_raw(w, "q2", 1, ne4, 10 /* Q2_K */, q2, sizeof q2), KV_OK);
     assert_int_equal(gguf_writer_save(w, path, err, sizeof err), KV_OK);
     gguf_writer_free(w);
 
@@ -172,14 +172,15 @@ static void test_typed_tensors(void **s) {
         assert_true(o[j] == 0.5f * (float)(j - 16));
         assert_true(o[32 + j] == 0.0999755859375f * (float)(j * 8 - 128));
     }
-    t = gguf_find_tensor(g, "q4");
-    assert_string_equal(ggml_dtype_name(t->type), "Q4_0");
-    assert_int_equal(gguf_tensor_to_f32(t, o, 32, err, sizeof err), KV_EUNSUPPORTED);
-    assert_non_null(strstr(err, "Q4_0"));
+    t = gguf_find_tensor(g, "q2");
+    assert_string_equal(ggml_dtype_name(t->type), "Q2_K");
+    assert_int_equal(gguf_tensor_to_f32(t, o, 256, err, sizeof err), KV_EUNSUPPORTED);
+    assert_non_null(strstr(err, "Q2_K"));
     gguf_close(g);
 }
 
-/* A model whose weights are F16 / Q8_0 loads (converted), and a Q4_0 weight is refused by name. */
+/* A model whose weights are F16 / Q8_0 loads (converted), and a Q4_1 weight (a type kvserve
+ * does not compute with) is refused by name. */
 static kv_status q_extra(struct gguf_writer *w, void *user) {
     (void)user;
     (void)w;
@@ -207,7 +208,7 @@ static void test_model_with_unsupported_type(void **s) {
     model_randomize(m, 1, 0.1f);
     assert_int_equal(model_save_gguf(m, path, q_extra, NULL, err, sizeof err), KV_OK);
     model_free(m);
-    /* Rewrite blk.0.ffn_up.weight's type field from F32 (0) to Q4_0 (2): the data size shrinks,
+    /* Rewrite blk.0.ffn_up.weight's type field from F32 (0) to Q4_1 (3): the data size shrinks,
      * so it still fits; the loader must refuse it by name. */
     char *buf;
     size_t n;
@@ -216,7 +217,7 @@ static void test_model_with_unsupported_type(void **s) {
     char *p = memmem(buf, n, name, strlen(name));
     assert_non_null(p);
     p += strlen(name) + 4 + 16; /* n_dims, ne[0], ne[1] */
-    uint32_t ty = 2;
+    uint32_t ty = 3;
     memcpy(p, &ty, 4);
     FILE *f = fopen(path, "wb");
     fwrite(buf, 1, n, f);
@@ -226,7 +227,7 @@ static void test_model_with_unsupported_type(void **s) {
     assert_int_equal(model_load(path, &m, err, sizeof err), KV_EUNSUPPORTED);
     assert_null(m);
     assert_non_null(strstr(err, "blk.0.ffn_up.weight"));
-    assert_non_null(strstr(err, "Q4_0"));
+    assert_non_null(strstr(err, "Q4_1"));
 }
 
 /* rope_freqs.weight as llama.cpp's converter writes it for Llama 3.2 (factor 32, low 1, high 4,
