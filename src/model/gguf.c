@@ -32,10 +32,10 @@ static const struct ggml_type_info *type_info(uint32_t t) {
     return &k_types[t];
 }
 
-const char *ggml_dtype_name(uint32_t type) {
-    const struct ggml_type_info *ti = type_info(type);
-    return ti ? ti->name : "unknown";
-}
+const char *ggml_dtype_name(uint32_t type) { return type > INT32_MAX ? "unknown" : kv_qtype_name((int)type); }
+
+/* The supported set, for error messages. */
+#define SUPPORTED_TYPES "F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K"
 
 /* ---- reader ---- */
 struct gguf_kv {
@@ -294,7 +294,16 @@ kv_status gguf_open(const char *path, gguf_t **out, char *err, size_t errlen) {
             FAIL(KV_EFORMAT, "%s: tensor %s row length %llu is not a multiple of the %s block size %u", path,
                  t->name, (unsigned long long)t->ne[0], ti->name, ti->blck);
         }
-        t->nbytes = nelem / ti->blck * ti->size;
+        if (kv_qtype_supported((int)t->type)) { /* the block table of the kernels */
+            size_t rb = kv_qtype_row_bytes((int)t->type, (int64_t)t->ne[0]);
+            uint64_t rows = nelem / t->ne[0];
+            if (rb == 0 || rows > UINT64_MAX / rb) {
+                FAIL(KV_EFORMAT, "%s: tensor %s of type %s has an invalid size", path, t->name, ti->name);
+            }
+            t->nbytes = (uint64_t)rb * rows;
+        } else {
+            t->nbytes = nelem / ti->blck * ti->size;
+        }
         for (uint64_t j = 0; j < i; j++)
             if (strcmp(g->tensor_names[j], t->name) == 0) {
                 FAIL(KV_EFORMAT, "%s: duplicate tensor %s", path, t->name);
@@ -440,39 +449,12 @@ kv_status gguf_tensor_to_f32(const struct gguf_tensor *t, float *dst, uint64_t n
     if (n != n_elems)
         return kv_errf(KV_EFORMAT, err, errlen, "tensor %s has %llu elements, expected %llu", t->name,
                        (unsigned long long)n, (unsigned long long)n_elems);
-    const uint8_t *p = t->data;
-    switch (t->type) {
-    case GGML_F32:
-        memcpy(dst, p, n * 4);
-        return KV_OK;
-    case GGML_F16:
-        for (uint64_t i = 0; i < n; i++) {
-            uint16_t h;
-            memcpy(&h, p + 2 * i, 2);
-            dst[i] = kv_f16_to_f32(h);
-        }
-        return KV_OK;
-    case GGML_BF16:
-        for (uint64_t i = 0; i < n; i++) {
-            uint16_t h;
-            memcpy(&h, p + 2 * i, 2);
-            dst[i] = kv_bf16_to_f32(h);
-        }
-        return KV_OK;
-    case GGML_Q8_0:
-        /* blocks of 32: f16 scale d, then 32 int8 quants q; x = d * q */
-        for (uint64_t b = 0; b < n / 32; b++) {
-            const uint8_t *blk = p + b * 34;
-            uint16_t h;
-            memcpy(&h, blk, 2);
-            float d = kv_f16_to_f32(h);
-            for (int j = 0; j < 32; j++) dst[b * 32 + j] = d * (float)(int8_t)blk[2 + j];
-        }
-        return KV_OK;
-    default:
-        return kv_errf(KV_EUNSUPPORTED, err, errlen, "tensor %s has unsupported type %s (%u); supported: F32, F16, BF16, Q8_0",
+    if (t->type > INT32_MAX || !kv_qtype_supported((int)t->type))
+        return kv_errf(KV_EUNSUPPORTED, err, errlen, "tensor %s has unsupported type %s (%u); supported: " SUPPORTED_TYPES,
                        t->name, ggml_dtype_name(t->type), t->type);
-    }
+    /* gguf_open checked ne[0] against the block size and nbytes against the file */
+    kv_dequant_row((int)t->type, t->data, dst, (int64_t)n);
+    return KV_OK;
 }
 
 /* ---- writer ---- */

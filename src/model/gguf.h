@@ -11,6 +11,7 @@
 #define KV_GGUF_H
 
 #include "../base/base.h"
+#include "../quant/quant.h"
 
 enum gguf_type {
     GGUF_TYPE_UINT8 = 0, GGUF_TYPE_INT8 = 1, GGUF_TYPE_UINT16 = 2, GGUF_TYPE_INT16 = 3,
@@ -19,8 +20,19 @@ enum gguf_type {
     GGUF_TYPE_FLOAT64 = 12,
 };
 
-/* ggml tensor types we read (others are reported as unsupported by name/number). */
-enum ggml_dtype { GGML_F32 = 0, GGML_F16 = 1, GGML_Q8_0 = 8, GGML_BF16 = 30 };
+/* ggml tensor types we compute with: the same numbers as enum kv_qtype (quant/quant.h), which
+ * is the authority (kv_qtype_supported). Every other type ggml defines still opens (its size is
+ * checked from ggml's block table) and is reported as unsupported, by name, on conversion. */
+enum ggml_dtype {
+    GGML_F32 = KV_QTYPE_F32,
+    GGML_F16 = KV_QTYPE_F16,
+    GGML_Q4_0 = KV_QTYPE_Q4_0,
+    GGML_Q8_0 = KV_QTYPE_Q8_0,
+    GGML_Q4_K = KV_QTYPE_Q4_K,
+    GGML_Q5_K = KV_QTYPE_Q5_K,
+    GGML_Q6_K = KV_QTYPE_Q6_K,
+    GGML_BF16 = KV_QTYPE_BF16,
+};
 
 typedef struct gguf gguf_t;
 
@@ -49,22 +61,30 @@ bool gguf_get_arr_str(const gguf_t *g, const char *key, uint64_t i, const char *
  * read elements with memcpy). NULL for absent keys, non-arrays and string/nested arrays. */
 const void *gguf_get_arr_data(const gguf_t *g, const char *key);
 
-/* ---- tensors ---- */
+/* ---- tensors ----
+ * gguf_open checks every tensor's data against the file: a type ggml does not define is
+ * KV_EUNSUPPORTED; ne[0] not a multiple of the type's block size, or data running past the end
+ * of the file, is KV_EFORMAT naming the tensor. nbytes is exact for the type
+ * (kv_qtype_row_bytes(type, ne[0]) * rows for the supported types). */
 struct gguf_tensor {
     const char *name;    /* borrowed, NUL-terminated copy */
     int n_dims;
     uint64_t ne[4];      /* ne[0] is the fastest-varying (row length) */
-    uint32_t type;       /* enum ggml_dtype value */
+    uint32_t type;       /* ggml type number (enum ggml_dtype / enum kv_qtype when supported) */
     const void *data;    /* borrowed pointer into the mapping */
     uint64_t nbytes;
 };
 int gguf_n_tensors(const gguf_t *g);
 const struct gguf_tensor *gguf_tensor_at(const gguf_t *g, int i);
 const struct gguf_tensor *gguf_find_tensor(const gguf_t *g, const char *name);
-/* Converts a tensor of type F32/F16/BF16/Q8_0 to n_elems f32 values in dst.
- * KV_EUNSUPPORTED for other types (message names the type), KV_EFORMAT if n mismatches. */
+/* Converts a tensor of any type kv_qtype_supported accepts (F32, F16, BF16, Q8_0, Q4_0, Q4_K,
+ * Q5_K, Q6_K) to n_elems f32 values in dst (n_elems floats), through kv_dequant_row: bitwise
+ * what llama.cpp's dequantization gives. KV_EUNSUPPORTED for other types (the message names the
+ * tensor, the type and the supported set), KV_EFORMAT if n_elems is not the tensor's element
+ * count; dst is untouched on error. */
 kv_status gguf_tensor_to_f32(const struct gguf_tensor *t, float *dst, uint64_t n_elems, char *err,
                              size_t errlen);
+/* "Q4_K", "Q2_K", ... for any ggml type number; "unknown" otherwise (= kv_qtype_name). */
 const char *ggml_dtype_name(uint32_t type);
 
 /* ---- writer (all in memory, then one write) ---- */
