@@ -61,64 +61,70 @@ kv_status model_config_check(const struct model_config *c, const char *what, cha
     return KV_OK;
 }
 
-/* Layout of the single weight arena (floats). */
-struct layout {
-    size_t total;
-};
-
-static size_t layer_floats(const struct model_config *c) {
+static size_t layer_floats(const struct model_config *c, bool matrices) {
     size_t d = (size_t)c->dim, q = (size_t)c->n_heads * c->head_dim, kv = (size_t)c->n_kv_heads * c->head_dim;
-    size_t n = d + q * d + 2 * kv * d + d * q + d + 3 * (size_t)c->ffn_dim * d;
+    size_t n = 2 * d;
+    if (matrices) n += q * d + 2 * kv * d + d * q + 3 * (size_t)c->ffn_dim * d;
     if (c->attn_bias) n += q + 2 * kv;
     if (c->qk_norm) n += 2 * (size_t)c->head_dim;
     return n;
 }
 
-kv_status model_alloc(const struct model_config *cfg, model_t **out) {
+static struct kv_wmat take_mat(float **p, int rows, int cols, bool matrices) {
+    struct kv_wmat w = {0};
+    if (!matrices) return w;
+    w = kv_wmat_from_f32(*p, rows, cols);
+    *p += (size_t)rows * cols;
+    return w;
+}
+
+kv_status model_alloc_ex(const struct model_config *cfg, bool matrices, model_t **out) {
     if (!cfg || !out) return KV_EINVAL;
     if (model_config_check(cfg, "model_alloc", NULL, 0)) return KV_EINVAL;
     const struct model_config *c = cfg;
     size_t vd = (size_t)c->n_vocab * c->dim;
-    size_t total = vd + c->dim + (c->tied_embeddings ? 0 : vd) + (size_t)c->n_layers * layer_floats(c);
+    size_t total = c->dim + (matrices ? vd + (c->tied_embeddings ? 0 : vd) : 0) +
+                   (size_t)c->n_layers * layer_floats(c, matrices);
     model_t *m = kv_calloc(1, sizeof *m);
-    if (!m) return KV_ENOMEM;
+    struct model_priv *pv = kv_calloc(1, sizeof *pv);
     float *a = kv_calloc(total, sizeof(float));
-    m->w.layers = kv_calloc((size_t)c->n_layers, sizeof *m->w.layers);
-    if (!a || !m->w.layers) {
+    if (m) m->w.layers = kv_calloc((size_t)c->n_layers, sizeof *m->w.layers);
+    if (!a || !pv || !m || !m->w.layers) {
         free(a);
-        free(m->w.layers);
+        free(pv);
+        if (m) free(m->w.layers);
         free(m);
         return KV_ENOMEM;
     }
     m->cfg = *cfg;
-    m->priv = a;
+    pv->arena = a;
+    m->priv = pv;
     float *p = a;
 #define TAKE(n) (p += (n), p - (n))
-    m->w.tok_embd = TAKE(vd);
-    m->w.out_norm = TAKE((size_t)c->dim);
-    m->w.output = c->tied_embeddings ? m->w.tok_embd : TAKE(vd);
-    size_t d = (size_t)c->dim, q = (size_t)c->n_heads * c->head_dim, kv = (size_t)c->n_kv_heads * c->head_dim;
-    size_t f = (size_t)c->ffn_dim;
+    int V = c->n_vocab, D = c->dim, Q = c->n_heads * c->head_dim, KV = c->n_kv_heads * c->head_dim, F = c->ffn_dim;
+    m->w.tok_embd = take_mat(&p, V, D, matrices);
+    m->w.out_norm = TAKE((size_t)D);
+    m->w.output = c->tied_embeddings ? m->w.tok_embd : take_mat(&p, V, D, matrices);
     for (int l = 0; l < c->n_layers; l++) {
         struct layer_weights *L = &m->w.layers[l];
-        L->attn_norm = TAKE(d);
-        L->wq = TAKE(q * d);
-        L->wk = TAKE(kv * d);
-        L->wv = TAKE(kv * d);
+        L->attn_norm = TAKE((size_t)D);
+        L->wq = take_mat(&p, Q, D, matrices);
+        L->wk = take_mat(&p, KV, D, matrices);
+        L->wv = take_mat(&p, KV, D, matrices);
         if (c->attn_bias) {
-            L->bq = TAKE(q);
-            L->bk = TAKE(kv);
-            L->bv = TAKE(kv);
+            L->bq = TAKE((size_t)Q);
+            L->bk = TAKE((size_t)KV);
+            L->bv = TAKE((size_t)KV);
         }
         if (c->qk_norm) {
             L->q_norm = TAKE((size_t)c->head_dim);
             L->k_norm = TAKE((size_t)c->head_dim);
         }
-        L->wo = TAKE(d * q);
-        L->ffn_norm = TAKE(d);
-        L->w_gate = TAKE(f * d);
-        L->w_up = TAKE(f * d);
-        L->w_down = TAKE(d * f);
+        L->wo = take_mat(&p, D, Q, matrices);
+        L->ffn_norm = TAKE((size_t)D);
+        L->w_gate = take_mat(&p, F, D, matrices);
+        L->w_up = take_mat(&p, F, D, matrices);
+        L->w_down = take_mat(&p, D, F, matrices);
     }
 #undef TAKE
     if ((size_t)(p - a) != total) abort(); /* layout bug */
@@ -126,11 +132,54 @@ kv_status model_alloc(const struct model_config *cfg, model_t **out) {
     return KV_OK;
 }
 
+kv_status model_alloc(const struct model_config *cfg, model_t **out) { return model_alloc_ex(cfg, true, out); }
+
 void model_free(model_t *m) {
     if (!m) return;
-    free(m->priv);
+    struct model_priv *pv = m->priv;
+    if (pv) {
+        free(pv->arena);
+        for (int i = 0; i < pv->n_owned; i++) free(pv->owned[i]);
+        free(pv->owned);
+        if (pv->gguf) gguf_close(pv->gguf);
+        free(pv);
+    }
     free(m->w.layers);
     free(m);
+}
+
+kv_status model_own(model_t *m, void *p) {
+    struct model_priv *pv = m->priv;
+    if (pv->n_owned == pv->cap_owned) {
+        int cap = pv->cap_owned ? 2 * pv->cap_owned : 16;
+        void **np = kv_realloc(pv->owned, (size_t)cap * sizeof *np);
+        if (!np) {
+            free(p);
+            return KV_ENOMEM;
+        }
+        pv->owned = np;
+        pv->cap_owned = cap;
+    }
+    pv->owned[pv->n_owned++] = p;
+    return KV_OK;
+}
+
+static size_t wmat_bytes(const struct kv_wmat *w) { return (size_t)w->rows * w->row_bytes; }
+
+size_t model_weight_bytes(const model_t *m) {
+    if (!m) return 0;
+    const struct model_config *c = &m->cfg;
+    size_t d = (size_t)c->dim, q = (size_t)c->n_heads * c->head_dim, kv = (size_t)c->n_kv_heads * c->head_dim;
+    size_t vec = d + (size_t)c->n_layers * (2 * d + (c->attn_bias ? q + 2 * kv : 0) +
+                                            (c->qk_norm ? 2 * (size_t)c->head_dim : 0));
+    size_t n = vec * sizeof(float) + wmat_bytes(&m->w.tok_embd);
+    if (m->w.output.data != m->w.tok_embd.data) n += wmat_bytes(&m->w.output);
+    for (int l = 0; l < c->n_layers; l++) {
+        const struct layer_weights *L = &m->w.layers[l];
+        n += wmat_bytes(&L->wq) + wmat_bytes(&L->wk) + wmat_bytes(&L->wv) + wmat_bytes(&L->wo) +
+             wmat_bytes(&L->w_gate) + wmat_bytes(&L->w_up) + wmat_bytes(&L->w_down);
+    }
+    return n;
 }
 
 static float rand_normal(kv_rng *r) {
@@ -149,25 +198,25 @@ void model_randomize(model_t *m, uint64_t seed, float std) {
     kv_rng_seed(&r, seed);
     size_t vd = (size_t)c->n_vocab * c->dim, d = (size_t)c->dim;
     size_t q = (size_t)c->n_heads * c->head_dim, kv = (size_t)c->n_kv_heads * c->head_dim, f = (size_t)c->ffn_dim;
-    fill_normal(&r, m->w.tok_embd, vd, 0, std);
+    fill_normal(&r, kv_wmat_f32(&m->w.tok_embd), vd, 0, std);
     fill_normal(&r, m->w.out_norm, d, 1.0f, 0.1f);
-    if (!c->tied_embeddings) fill_normal(&r, m->w.output, vd, 0, std);
+    if (!c->tied_embeddings) fill_normal(&r, kv_wmat_f32(&m->w.output), vd, 0, std);
     for (int l = 0; l < c->n_layers; l++) {
         struct layer_weights *L = &m->w.layers[l];
         fill_normal(&r, L->attn_norm, d, 1.0f, 0.1f);
-        fill_normal(&r, L->wq, q * d, 0, std);
-        fill_normal(&r, L->wk, kv * d, 0, std);
-        fill_normal(&r, L->wv, kv * d, 0, std);
+        fill_normal(&r, kv_wmat_f32(&L->wq), q * d, 0, std);
+        fill_normal(&r, kv_wmat_f32(&L->wk), kv * d, 0, std);
+        fill_normal(&r, kv_wmat_f32(&L->wv), kv * d, 0, std);
         fill_normal(&r, L->bq, c->attn_bias ? q : 0, 0, std);
         fill_normal(&r, L->bk, c->attn_bias ? kv : 0, 0, std);
         fill_normal(&r, L->bv, c->attn_bias ? kv : 0, 0, std);
         fill_normal(&r, L->q_norm, c->qk_norm ? (size_t)c->head_dim : 0, 1.0f, 0.1f);
         fill_normal(&r, L->k_norm, c->qk_norm ? (size_t)c->head_dim : 0, 1.0f, 0.1f);
-        fill_normal(&r, L->wo, d * q, 0, std);
+        fill_normal(&r, kv_wmat_f32(&L->wo), d * q, 0, std);
         fill_normal(&r, L->ffn_norm, d, 1.0f, 0.1f);
-        fill_normal(&r, L->w_gate, f * d, 0, std);
-        fill_normal(&r, L->w_up, f * d, 0, std);
-        fill_normal(&r, L->w_down, d * f, 0, std);
+        fill_normal(&r, kv_wmat_f32(&L->w_gate), f * d, 0, std);
+        fill_normal(&r, kv_wmat_f32(&L->w_up), f * d, 0, std);
+        fill_normal(&r, kv_wmat_f32(&L->w_down), d * f, 0, std);
     }
 }
 
@@ -190,6 +239,28 @@ static float *permute_to_pairs(const float *w, int n_heads, int head_dim, int co
 static kv_status w_mat(gguf_writer_t *w, const char *name, const float *data, int rows, int cols) {
     uint64_t ne[2] = {(uint64_t)cols, (uint64_t)rows};
     return gguf_w_tensor_f32(w, name, 2, ne, data);
+}
+
+/* The matrix as floats: its own data when F32 (*owned = NULL), else a dequantized copy that
+ * the caller frees (*owned). NULL when out of memory. */
+static const float *wmat_as_f32(const struct kv_wmat *m, float **owned) {
+    *owned = NULL;
+    if (m->type == KV_QTYPE_F32) return m->data;
+    float *f = kv_malloc((size_t)m->rows * m->cols * sizeof(float));
+    if (!f) return NULL;
+    for (int r = 0; r < m->rows; r++)
+        kv_dequant_row(m->type, (const char *)m->data + (size_t)r * m->row_bytes, f + (size_t)r * m->cols, m->cols);
+    *owned = f;
+    return f;
+}
+
+static kv_status w_wmat(gguf_writer_t *w, const char *name, const struct kv_wmat *m) {
+    float *own;
+    const float *f = wmat_as_f32(m, &own);
+    if (!f) return KV_ENOMEM;
+    kv_status rc = w_mat(w, name, f, m->rows, m->cols);
+    free(own);
+    return rc;
 }
 static kv_status w_vec(gguf_writer_t *w, const char *name, const float *data, int n) {
     uint64_t ne[1] = {(uint64_t)n};
@@ -254,10 +325,10 @@ kv_status model_save_gguf(const model_t *m, const char *path, model_gguf_extra_f
     }
     /* GGUF llama is the adjacent-pair RoPE convention: permute rotate-half q/k rows. */
     bool permute = c->arch == MODEL_ARCH_LLAMA && c->rope_neox;
-    int d = c->dim, q = c->n_heads * c->head_dim, kv = c->n_kv_heads * c->head_dim, f = c->ffn_dim;
-    rc = w_mat(w, "token_embd.weight", m->w.tok_embd, c->n_vocab, d);
+    int d = c->dim, q = c->n_heads * c->head_dim, kv = c->n_kv_heads * c->head_dim;
+    rc = w_wmat(w, "token_embd.weight", &m->w.tok_embd);
     if (!rc) rc = w_vec(w, "output_norm.weight", m->w.out_norm, d);
-    if (!rc && !c->tied_embeddings) rc = w_mat(w, "output.weight", m->w.output, c->n_vocab, d);
+    if (!rc && !c->tied_embeddings) rc = w_wmat(w, "output.weight", &m->w.output);
     char n[96];
     for (int l = 0; !rc && l < c->n_layers; l++) {
         const struct layer_weights *L = &m->w.layers[l];
@@ -265,19 +336,23 @@ kv_status model_save_gguf(const model_t *m, const char *path, model_gguf_extra_f
         rc = w_vec(w, NM("attn_norm.weight"), L->attn_norm, d);
         if (!rc) {
             if (permute) {
-                float *pq = permute_to_pairs(L->wq, c->n_heads, c->head_dim, d);
-                float *pk = permute_to_pairs(L->wk, c->n_kv_heads, c->head_dim, d);
+                float *oq, *ok;
+                const float *fq = wmat_as_f32(&L->wq, &oq), *fk = wmat_as_f32(&L->wk, &ok);
+                float *pq = fq ? permute_to_pairs(fq, c->n_heads, c->head_dim, d) : NULL;
+                float *pk = fk ? permute_to_pairs(fk, c->n_kv_heads, c->head_dim, d) : NULL;
                 rc = pq && pk ? KV_OK : KV_ENOMEM;
                 if (!rc) rc = w_mat(w, NM("attn_q.weight"), pq, q, d);
                 if (!rc) rc = w_mat(w, NM("attn_k.weight"), pk, kv, d);
                 free(pq);
                 free(pk);
+                free(oq);
+                free(ok);
             } else {
-                rc = w_mat(w, NM("attn_q.weight"), L->wq, q, d);
-                if (!rc) rc = w_mat(w, NM("attn_k.weight"), L->wk, kv, d);
+                rc = w_wmat(w, NM("attn_q.weight"), &L->wq);
+                if (!rc) rc = w_wmat(w, NM("attn_k.weight"), &L->wk);
             }
         }
-        if (!rc) rc = w_mat(w, NM("attn_v.weight"), L->wv, kv, d);
+        if (!rc) rc = w_wmat(w, NM("attn_v.weight"), &L->wv);
         if (!rc && c->attn_bias) {
             rc = w_vec(w, NM("attn_q.bias"), L->bq, q);
             if (!rc) rc = w_vec(w, NM("attn_k.bias"), L->bk, kv);
@@ -287,11 +362,11 @@ kv_status model_save_gguf(const model_t *m, const char *path, model_gguf_extra_f
             rc = w_vec(w, NM("attn_q_norm.weight"), L->q_norm, c->head_dim);
             if (!rc) rc = w_vec(w, NM("attn_k_norm.weight"), L->k_norm, c->head_dim);
         }
-        if (!rc) rc = w_mat(w, NM("attn_output.weight"), L->wo, d, q);
+        if (!rc) rc = w_wmat(w, NM("attn_output.weight"), &L->wo);
         if (!rc) rc = w_vec(w, NM("ffn_norm.weight"), L->ffn_norm, d);
-        if (!rc) rc = w_mat(w, NM("ffn_gate.weight"), L->w_gate, f, d);
-        if (!rc) rc = w_mat(w, NM("ffn_up.weight"), L->w_up, f, d);
-        if (!rc) rc = w_mat(w, NM("ffn_down.weight"), L->w_down, d, f);
+        if (!rc) rc = w_wmat(w, NM("ffn_gate.weight"), &L->w_gate);
+        if (!rc) rc = w_wmat(w, NM("ffn_up.weight"), &L->w_up);
+        if (!rc) rc = w_wmat(w, NM("ffn_down.weight"), &L->w_down);
 #undef NM
     }
     if (rc) {

@@ -1,7 +1,9 @@
 /*
  * model: model configuration, checkpoint readers (GGUF v2/v3, Hugging Face safetensors
- * directories) and weight loading. Every weight is converted to f32 at load time
- * (F32, F16, BF16, Q8_0 sources), row-major.
+ * directories) and weight loading. Weight matrices stay in the precision they are stored in
+ * (struct kv_wmat: F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K; see src/quant/quant.h): a
+ * GGUF file's matrices are used in place from its memory map (memory ~= file size), a HF
+ * checkpoint's bf16/f16 matrices are kept 16-bit. Vectors (norms, biases) are f32.
  *
  * Example:
  *   model_t *m; char err[256];
@@ -23,6 +25,7 @@
 #define KV_MODEL_H
 
 #include "../base/base.h"
+#include "../quant/quant.h"
 
 typedef enum {
     MODEL_ARCH_LLAMA = 0, /* Llama-2/3, Mistral, TinyLlama, llama2.c stories */
@@ -65,25 +68,47 @@ struct model_config {
     char name[128];       /* model id for /v1/models: file or directory base name */
 };
 
+/* A weight matrix of `rows` output rows of `cols` inputs, in its stored precision: row r is
+ * the row_bytes bytes at data + r * row_bytes, packed as ggml's blocks of `type` (quant.h;
+ * cols is a multiple of the type's block size). data is owned by the model (its file map or
+ * its arena) and read-only, except in a model from model_alloc (F32, writable: see
+ * kv_wmat_f32). Read rows through kv_dequant_row, or directly when type is F32. */
+struct kv_wmat {
+    const void *data;
+    int type;         /* enum kv_qtype */
+    int rows, cols;
+    size_t row_bytes; /* kv_qtype_row_bytes(type, cols) */
+};
+/* The matrix's data as floats when it is F32, else NULL. Writable only for model_alloc's
+ * models (tests and the demo generator fill them); a loaded file's map is read-only. */
+static inline float *kv_wmat_f32(const struct kv_wmat *w) {
+    return w->type == KV_QTYPE_F32 ? (float *)(uintptr_t)w->data : NULL;
+}
+/* An F32 view of rows x cols floats at p (borrowed). */
+static inline struct kv_wmat kv_wmat_from_f32(const float *p, int rows, int cols) {
+    struct kv_wmat w = {p, KV_QTYPE_F32, rows, cols, (size_t)cols * sizeof(float)};
+    return w;
+}
+
 struct layer_weights {
     float *attn_norm;     /* (dim) */
-    float *wq;            /* (n_heads*head_dim, dim) */
-    float *wk;            /* (n_kv_heads*head_dim, dim) */
-    float *wv;            /* (n_kv_heads*head_dim, dim) */
+    struct kv_wmat wq;    /* (n_heads*head_dim, dim) */
+    struct kv_wmat wk;    /* (n_kv_heads*head_dim, dim) */
+    struct kv_wmat wv;    /* (n_kv_heads*head_dim, dim) */
     float *bq, *bk, *bv;  /* (n_heads*head_dim), (n_kv_heads*head_dim) x2; NULL unless attn_bias */
     float *q_norm;        /* (head_dim) NULL unless qk_norm */
     float *k_norm;        /* (head_dim) NULL unless qk_norm */
-    float *wo;            /* (dim, n_heads*head_dim) */
+    struct kv_wmat wo;    /* (dim, n_heads*head_dim) */
     float *ffn_norm;      /* (dim) */
-    float *w_gate;        /* (ffn_dim, dim) */
-    float *w_up;          /* (ffn_dim, dim) */
-    float *w_down;        /* (dim, ffn_dim) */
+    struct kv_wmat w_gate; /* (ffn_dim, dim) */
+    struct kv_wmat w_up;   /* (ffn_dim, dim) */
+    struct kv_wmat w_down; /* (dim, ffn_dim) */
 };
 
 struct model_weights {
-    float *tok_embd;      /* (n_vocab, dim) */
-    float *out_norm;      /* (dim) */
-    float *output;        /* (n_vocab, dim); == tok_embd when tied */
+    struct kv_wmat tok_embd; /* (n_vocab, dim) */
+    float *out_norm;         /* (dim) */
+    struct kv_wmat output;   /* (n_vocab, dim); same data as tok_embd when tied */
     struct layer_weights *layers; /* n_layers entries */
 };
 
@@ -106,15 +131,19 @@ typedef struct model {
 kv_status model_load(const char *path, model_t **out, char *err, size_t errlen);
 void model_free(model_t *m);
 
-/* Allocates an empty model with all weight arrays for cfg (zeroed). For tests and the
- * demo model generator. */
+/* Allocates an empty model with all weight arrays for cfg (zeroed), every matrix F32 and
+ * writable through kv_wmat_f32. For tests and the demo model generator. */
 kv_status model_alloc(const struct model_config *cfg, model_t **out);
 
 /* Fills every weight with deterministic pseudo-random values (N(0, std) approximated;
  * norms around 1.0) from seed. Biases and q/k norms included when cfg enables them. */
 void model_randomize(model_t *m, uint64_t seed, float std);
 
-/* Writes m as a GGUF v3 file (F32 tensors, `llama` architecture metadata; for qwen2/qwen3
+/* Bytes of m's weights in memory: matrices in their stored precision plus f32 vectors
+ * (a tied output counted once). What `kvserve serve` logs at start. */
+size_t model_weight_bytes(const model_t *m);
+
+/* Writes m as a GGUF v3 file (F32 tensors, matrices of other types dequantized, `llama` architecture metadata; for qwen2/qwen3
  * the matching architecture keys). tok_meta_writer (optional) may add tokenizer metadata.
  * Used by the demo model generator and by tests that need model files. */
 struct gguf_writer;

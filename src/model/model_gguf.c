@@ -216,6 +216,36 @@ static kv_status load_t(const gguf_t *g, const char *fname, const char *name, fl
     return KV_OK;
 }
 
+/* Points *w at matrix `name` of the map (no copy) after checking its type and GGUF shape
+ * [cols, rows]. */
+static kv_status map_t(const gguf_t *g, const char *fname, const char *name, struct kv_wmat *w, int cols, int rows,
+                       char *err, size_t errlen) {
+    const struct gguf_tensor *t = gguf_find_tensor(g, name);
+    if (!t) return kv_errf(KV_EFORMAT, err, errlen, "%s: missing tensor %s", fname, name);
+    uint64_t exp[2] = {(uint64_t)cols, (uint64_t)rows};
+    if (t->n_dims != 2 || t->ne[0] != exp[0] || t->ne[1] != exp[1]) {
+        char got[96], want[96];
+        fmt_shape(got, sizeof got, t->n_dims, t->ne);
+        fmt_shape(want, sizeof want, 2, exp);
+        return kv_errf(KV_EFORMAT, err, errlen, "%s: tensor %s has shape %s, expected %s", fname, name, got, want);
+    }
+    if (!kv_qtype_supported((int)t->type))
+        return kv_errf(KV_EUNSUPPORTED, err, errlen,
+                       "%s: tensor %s has unsupported type %s (%u); supported: F32, F16, BF16, Q8_0, Q4_0, Q4_K, "
+                       "Q5_K, Q6_K",
+                       fname, name, kv_qtype_name((int)t->type), t->type);
+    size_t rb = kv_qtype_row_bytes((int)t->type, cols);
+    if (!rb || (uint64_t)rb * (uint64_t)rows != t->nbytes)
+        return kv_errf(KV_EFORMAT, err, errlen, "%s: tensor %s: %llu bytes do not hold %d rows of %d %s elements",
+                       fname, name, (unsigned long long)t->nbytes, rows, cols, kv_qtype_name((int)t->type));
+    w->data = t->data;
+    w->type = (int)t->type;
+    w->rows = rows;
+    w->cols = cols;
+    w->row_bytes = rb;
+    return KV_OK;
+}
+
 kv_status model_load_gguf(const char *path, model_t **out, char *err, size_t errlen) {
     gguf_t *g;
     kv_status rc = gguf_open(path, &g, err, errlen);
@@ -225,14 +255,15 @@ kv_status model_load_gguf(const char *path, model_t **out, char *err, size_t err
     struct model_config c;
     model_t *m = NULL;
     if ((rc = model_gguf_config(g, &c, err, errlen))) goto done;
-    if ((rc = model_alloc(&c, &m))) {
+    if ((rc = model_alloc_ex(&c, false, &m))) {
         kv_errf(rc, err, errlen, "%s: cannot allocate the model: %s", fname, kv_status_str(rc));
         goto done;
     }
     int d = c.dim, q = c.n_heads * c.head_dim, kv = c.n_kv_heads * c.head_dim, f = c.ffn_dim;
-    if ((rc = load_t(g, fname, "token_embd.weight", m->w.tok_embd, d, c.n_vocab, err, errlen))) goto done;
+    if ((rc = map_t(g, fname, "token_embd.weight", &m->w.tok_embd, d, c.n_vocab, err, errlen))) goto done;
     if ((rc = load_t(g, fname, "output_norm.weight", m->w.out_norm, d, 0, err, errlen))) goto done;
-    if (!c.tied_embeddings && (rc = load_t(g, fname, "output.weight", m->w.output, d, c.n_vocab, err, errlen))) goto done;
+    if (c.tied_embeddings) m->w.output = m->w.tok_embd;
+    else if ((rc = map_t(g, fname, "output.weight", &m->w.output, d, c.n_vocab, err, errlen))) goto done;
     char n[96];
     for (int l = 0; l < c.n_layers; l++) {
         struct layer_weights *L = &m->w.layers[l];
@@ -241,10 +272,15 @@ kv_status model_load_gguf(const char *path, model_t **out, char *err, size_t err
         snprintf(n, sizeof n, "blk.%d." s, l); \
         if ((rc = load_t(g, fname, n, dst, a, b, err, errlen))) goto done; \
     } while (0)
+#define MP(s, dst, a, b) \
+    do { \
+        snprintf(n, sizeof n, "blk.%d." s, l); \
+        if ((rc = map_t(g, fname, n, &(dst), a, b, err, errlen))) goto done; \
+    } while (0)
         LD("attn_norm.weight", L->attn_norm, d, 0);
-        LD("attn_q.weight", L->wq, d, q);
-        LD("attn_k.weight", L->wk, d, kv);
-        LD("attn_v.weight", L->wv, d, kv);
+        MP("attn_q.weight", L->wq, d, q);
+        MP("attn_k.weight", L->wk, d, kv);
+        MP("attn_v.weight", L->wv, d, kv);
         if (c.attn_bias) {
             LD("attn_q.bias", L->bq, q, 0);
             LD("attn_k.bias", L->bk, kv, 0);
@@ -254,12 +290,13 @@ kv_status model_load_gguf(const char *path, model_t **out, char *err, size_t err
             LD("attn_q_norm.weight", L->q_norm, c.head_dim, 0);
             LD("attn_k_norm.weight", L->k_norm, c.head_dim, 0);
         }
-        LD("attn_output.weight", L->wo, q, d);
+        MP("attn_output.weight", L->wo, q, d);
         LD("ffn_norm.weight", L->ffn_norm, d, 0);
-        LD("ffn_gate.weight", L->w_gate, d, f);
-        LD("ffn_up.weight", L->w_up, d, f);
-        LD("ffn_down.weight", L->w_down, f, d);
+        MP("ffn_gate.weight", L->w_gate, d, f);
+        MP("ffn_up.weight", L->w_up, d, f);
+        MP("ffn_down.weight", L->w_down, f, d);
 #undef LD
+#undef MP
     }
     m->format = MODEL_FORMAT_GGUF;
     snprintf(m->path, sizeof m->path, "%s", path);
@@ -267,11 +304,12 @@ kv_status model_load_gguf(const char *path, model_t **out, char *err, size_t err
     size_t gl;
     if (gguf_get_str(g, "general.name", &gn, &gl) && memmem(gn, gl, "kvserve-demo", 12)) m->is_demo = true;
 done:
-    gguf_close(g);
     if (rc) {
+        gguf_close(g);
         model_free(m);
         return rc;
     }
+    ((struct model_priv *)m->priv)->gguf = g; /* the matrices point into its map */
     *out = m;
     return KV_OK;
 }

@@ -164,9 +164,10 @@ static json_t *hf_find(const struct hf_ctx *x, const char *name, const struct st
     return NULL;
 }
 
-/* Loads `name` with expected shape [rows] (cols == 0) or [rows, cols] into dst (f32). */
-static kv_status hf_load_t(const struct hf_ctx *x, const char *name, float *dst, int rows, int cols, char *err,
-                           size_t errlen) {
+/* Finds `name`, checks its shape [rows] (cols == 0) or [rows, cols]; *data / *dtype: its
+ * bytes in the map and its safetensors dtype. */
+static kv_status hf_find_t(const struct hf_ctx *x, const char *name, int rows, int cols, const uint8_t **data,
+                           const char **dtype, char *err, size_t errlen) {
     const struct st_file *f;
     json_t *e = hf_find(x, name, &f);
     if (!e) return kv_errf(KV_EFORMAT, err, errlen, "%s: missing tensor %s", x->dname, name);
@@ -185,9 +186,22 @@ static kv_status hf_load_t(const struct hf_ctx *x, const char *name, float *dst,
             return kv_errf(KV_EFORMAT, err, errlen, "%s: tensor %s has shape %s, expected [%d, %d]", f->name, name, got, rows, cols);
         return kv_errf(KV_EFORMAT, err, errlen, "%s: tensor %s has shape %s, expected [%d]", f->name, name, got, rows);
     }
-    const char *dt = json_string_value(json_object_get(e, "dtype"));
-    const uint8_t *p = (const uint8_t *)f->map.data + f->data_off +
-                       (size_t)json_integer_value(json_array_get(json_object_get(e, "data_offsets"), 0));
+    *dtype = json_string_value(json_object_get(e, "dtype"));
+    *data = (const uint8_t *)f->map.data + f->data_off +
+            (size_t)json_integer_value(json_array_get(json_object_get(e, "data_offsets"), 0));
+    if (strcmp(*dtype, "F32") && strcmp(*dtype, "F16") && strcmp(*dtype, "BF16"))
+        return kv_errf(KV_EUNSUPPORTED, err, errlen, "%s: tensor %s has unsupported dtype %s (supported: F32, F16, BF16)",
+                       f->name, name, *dtype);
+    return KV_OK;
+}
+
+/* Loads `name` with expected shape [rows] (cols == 0) or [rows, cols] into dst (f32). */
+static kv_status hf_load_t(const struct hf_ctx *x, const char *name, float *dst, int rows, int cols, char *err,
+                           size_t errlen) {
+    const uint8_t *p;
+    const char *dt;
+    kv_status rc = hf_find_t(x, name, rows, cols, &p, &dt, err, errlen);
+    if (rc) return rc;
     size_t n = (size_t)rows * (size_t)(cols ? cols : 1);
     if (strcmp(dt, "F32") == 0) {
         memcpy(dst, p, n * 4);
@@ -198,10 +212,28 @@ static kv_status hf_load_t(const struct hf_ctx *x, const char *name, float *dst,
             memcpy(&h, p + 2 * i, 2);
             dst[i] = bf ? kv_bf16_to_f32(h) : kv_f16_to_f32(h);
         }
-    } else {
-        return kv_errf(KV_EUNSUPPORTED, err, errlen, "%s: tensor %s has unsupported dtype %s (supported: F32, F16, BF16)",
-                       f->name, name, dt);
     }
+    return KV_OK;
+}
+
+/* Loads matrix `name` [rows, cols] into *w, keeping its precision (F32, F16 or BF16) in a
+ * buffer the model owns (the checkpoint's map is closed after loading). */
+static kv_status hf_load_m(const struct hf_ctx *x, model_t *m, const char *name, struct kv_wmat *w, int rows, int cols,
+                           char *err, size_t errlen) {
+    const uint8_t *p;
+    const char *dt;
+    kv_status rc = hf_find_t(x, name, rows, cols, &p, &dt, err, errlen);
+    if (rc) return rc;
+    int type = !strcmp(dt, "F32") ? KV_QTYPE_F32 : !strcmp(dt, "F16") ? KV_QTYPE_F16 : KV_QTYPE_BF16;
+    size_t rb = kv_qtype_row_bytes(type, cols), nb = rb * (size_t)rows;
+    void *buf = kv_malloc(nb ? nb : 1);
+    if (!buf || model_own(m, buf)) return kv_errf(KV_ENOMEM, err, errlen, "%s: out of memory loading %s", x->dname, name);
+    memcpy(buf, p, nb);
+    w->data = buf;
+    w->type = type;
+    w->rows = rows;
+    w->cols = cols;
+    w->row_bytes = rb;
     return KV_OK;
 }
 
@@ -399,14 +431,15 @@ kv_status model_load_hf(const char *dir, model_t **out, char *err, size_t errlen
             goto done;
         }
     if (c.bos_id >= c.n_vocab) c.bos_id = -1;
-    if ((rc = model_alloc(&c, &m))) {
+    if ((rc = model_alloc_ex(&c, false, &m))) {
         kv_errf(rc, err, errlen, "%s: cannot allocate the model: %s", x.dname, kv_status_str(rc));
         goto done;
     }
     int d = c.dim, q = c.n_heads * c.head_dim, kv = c.n_kv_heads * c.head_dim, ff = c.ffn_dim;
-    if ((rc = hf_load_t(&x, "model.embed_tokens.weight", m->w.tok_embd, c.n_vocab, d, err, errlen))) goto done;
+    if ((rc = hf_load_m(&x, m, "model.embed_tokens.weight", &m->w.tok_embd, c.n_vocab, d, err, errlen))) goto done;
     if ((rc = hf_load_t(&x, "model.norm.weight", m->w.out_norm, d, 0, err, errlen))) goto done;
-    if (!c.tied_embeddings && (rc = hf_load_t(&x, "lm_head.weight", m->w.output, c.n_vocab, d, err, errlen))) goto done;
+    if (c.tied_embeddings) m->w.output = m->w.tok_embd;
+    else if ((rc = hf_load_m(&x, m, "lm_head.weight", &m->w.output, c.n_vocab, d, err, errlen))) goto done;
     char n[128];
     for (int l = 0; l < c.n_layers; l++) {
         struct layer_weights *L = &m->w.layers[l];
@@ -415,10 +448,15 @@ kv_status model_load_hf(const char *dir, model_t **out, char *err, size_t errlen
         snprintf(n, sizeof n, "model.layers.%d." s, l); \
         if ((rc = hf_load_t(&x, n, dst, a, b, err, errlen))) goto done; \
     } while (0)
+#define LM(s, dst, a, b) \
+    do { \
+        snprintf(n, sizeof n, "model.layers.%d." s, l); \
+        if ((rc = hf_load_m(&x, m, n, &(dst), a, b, err, errlen))) goto done; \
+    } while (0)
         LD("input_layernorm.weight", L->attn_norm, d, 0);
-        LD("self_attn.q_proj.weight", L->wq, q, d);
-        LD("self_attn.k_proj.weight", L->wk, kv, d);
-        LD("self_attn.v_proj.weight", L->wv, kv, d);
+        LM("self_attn.q_proj.weight", L->wq, q, d);
+        LM("self_attn.k_proj.weight", L->wk, kv, d);
+        LM("self_attn.v_proj.weight", L->wv, kv, d);
         if (c.attn_bias) {
             LD("self_attn.q_proj.bias", L->bq, q, 0);
             LD("self_attn.k_proj.bias", L->bk, kv, 0);
@@ -428,17 +466,18 @@ kv_status model_load_hf(const char *dir, model_t **out, char *err, size_t errlen
             LD("self_attn.q_norm.weight", L->q_norm, c.head_dim, 0);
             LD("self_attn.k_norm.weight", L->k_norm, c.head_dim, 0);
         }
-        LD("self_attn.o_proj.weight", L->wo, d, q);
+        LM("self_attn.o_proj.weight", L->wo, d, q);
         snprintf(n, sizeof n, "model.layers.%d.self_attn.o_proj.bias", l);
         if (hf_find(&x, n, &f)) {
             rc = kv_errf(KV_EUNSUPPORTED, err, errlen, "%s: tensor %s (output projection bias) is not supported", f->name, n);
             goto done;
         }
         LD("post_attention_layernorm.weight", L->ffn_norm, d, 0);
-        LD("mlp.gate_proj.weight", L->w_gate, ff, d);
-        LD("mlp.up_proj.weight", L->w_up, ff, d);
-        LD("mlp.down_proj.weight", L->w_down, d, ff);
+        LM("mlp.gate_proj.weight", L->w_gate, ff, d);
+        LM("mlp.up_proj.weight", L->w_up, ff, d);
+        LM("mlp.down_proj.weight", L->w_down, d, ff);
 #undef LD
+#undef LM
     }
     m->format = MODEL_FORMAT_HF_DIR;
     snprintf(m->path, sizeof m->path, "%s", dir);

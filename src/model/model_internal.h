@@ -5,6 +5,19 @@
 #include "gguf.h"
 #include "model.h"
 
+/* model_t.priv: what the model owns. */
+struct model_priv {
+    float *arena;   /* f32 vectors (and matrices of model_alloc's models) */
+    gguf_t *gguf;   /* open GGUF whose map the matrices point into, or NULL */
+    void **owned;   /* further owned buffers (HF 16-bit matrices), freed with the model */
+    int n_owned, cap_owned;
+};
+/* model_alloc, or (matrices false) a model whose arena holds only the f32 vectors: the
+ * loader then points every struct kv_wmat at the file's data (or an owned buffer). */
+kv_status model_alloc_ex(const struct model_config *cfg, bool matrices, model_t **out);
+/* Adds p to the buffers freed with m (p freed and KV_ENOMEM if that fails). */
+kv_status model_own(model_t *m, void *p);
+
 /* Checks that cfg is internally consistent and small enough that every size fits. */
 kv_status model_config_check(const struct model_config *cfg, const char *what, char *err, size_t errlen);
 /* Base name of path without directory and (if strip_ext) without extension, into out. */

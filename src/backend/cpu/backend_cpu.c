@@ -57,20 +57,21 @@ static void gemm(struct cpu_ctx *c, const struct kv_matmul_op *ops, int n) {
         kv_matmul_batch(ops, n, c->tp);
         return;
     }
-    for (int i = 0; i < n; i++) {
+    for (int i = 0; i < n; i++) { /* F32 weights only: backend_cpu_new_ex checked */
         const struct kv_matmul_op *o = &ops[i];
-        if (o->M < 1 || o->N < 1) continue;
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, o->M, o->N, o->K, 1.0f, o->X, o->K, o->W, o->K, 0.0f,
-                    o->Y, o->N);
+        int N = o->W->rows, K = o->W->cols;
+        if (o->M < 1 || N < 1) continue;
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, o->M, N, K, 1.0f, o->X, K, (const float *)o->W->data, K,
+                    0.0f, o->Y, N);
         if (o->bias)
             for (int r = 0; r < o->M; r++) {
-                float *y = o->Y + (size_t)r * o->N;
-                for (int k = 0; k < o->N; k++) y[k] += o->bias[k];
+                float *y = o->Y + (size_t)r * N;
+                for (int k = 0; k < N; k++) y[k] += o->bias[k];
             }
     }
 }
 
-#define MM(x, m, k, w, n, b, y) ((struct kv_matmul_op){.X = (x), .M = (m), .K = (k), .W = (w), .N = (n), .bias = (b), .Y = (y)})
+#define MM(x, m, w, b, y) ((struct kv_matmul_op){.X = (x), .M = (m), .W = &(w), .bias = (b), .Y = (y)})
 
 /* ---- element-wise kernels ---- */
 
@@ -363,7 +364,6 @@ static kv_status cpu_forward(backend_t *be, const struct batch *b, float *logits
         return kv_errf(st, err, errlen, "forward: out of memory for %d rows", T);
 
     int dim = cfg->dim, hd = cfg->head_dim, half = hd / 2;
-    int qw = cfg->n_heads * hd, kw = cfg->n_kv_heads * hd;
     /* rows: positions, embeddings, RoPE tables, logit rows */
     int r = 0;
     for (int i = 0; i < b->n_seqs; i++) {
@@ -371,7 +371,9 @@ static kv_status cpu_forward(backend_t *be, const struct batch *b, float *logits
         for (int k = 0; k < s->n_tokens; k++, r++) {
             c->row_seq[r] = i;
             c->row_pos[r] = s->n_past + k;
-            memcpy(c->x + (size_t)r * dim, m->w.tok_embd + (size_t)s->tokens[k] * dim, dim * sizeof(float));
+            kv_dequant_row(m->w.tok_embd.type,
+                           (const char *)m->w.tok_embd.data + (size_t)s->tokens[k] * m->w.tok_embd.row_bytes,
+                           c->x + (size_t)r * dim, dim);
             for (int e = 0; e < half; e++) {
                 float ang = (float)c->row_pos[r] * c->inv_freq[e];
                 c->rope_cos[(size_t)r * half + e] = cosf(ang);
@@ -393,23 +395,23 @@ static kv_status cpu_forward(backend_t *be, const struct batch *b, float *logits
         /* attention block */
         j.src = c->x, j.dst = c->hb, j.norm_w = lw->attn_norm, j.width = dim;
         kv_threadpool_for(c->tp, nt, task_rmsnorm, &j);
-        struct kv_matmul_op qkv[3] = {MM(c->hb, T, dim, lw->wq, qw, lw->bq, c->q),
-                                      MM(c->hb, T, dim, lw->wk, kw, lw->bk, c->k),
-                                      MM(c->hb, T, dim, lw->wv, kw, lw->bv, c->v)};
+        struct kv_matmul_op qkv[3] = {MM(c->hb, T, lw->wq, lw->bq, c->q),
+                                      MM(c->hb, T, lw->wk, lw->bk, c->k),
+                                      MM(c->hb, T, lw->wv, lw->bv, c->v)};
         gemm(c, qkv, 3);
         kv_threadpool_for(c->tp, nt, task_qkv_post, &j);
         kv_threadpool_for(c->tp, T * cfg->n_heads, task_attention, &j);
-        gemm(c, &MM(c->xb, T, qw, lw->wo, dim, NULL, c->hb), 1);
+        gemm(c, &MM(c->xb, T, lw->wo, NULL, c->hb), 1);
         j.src = c->hb, j.dst = c->x;
         kv_threadpool_for(c->tp, nt, task_add, &j);
         /* FFN block */
         j.src = c->x, j.dst = c->xb, j.norm_w = lw->ffn_norm, j.width = dim;
         kv_threadpool_for(c->tp, nt, task_rmsnorm, &j);
-        struct kv_matmul_op gu[2] = {MM(c->xb, T, dim, lw->w_gate, cfg->ffn_dim, NULL, c->hb),
-                                     MM(c->xb, T, dim, lw->w_up, cfg->ffn_dim, NULL, c->hb2)};
+        struct kv_matmul_op gu[2] = {MM(c->xb, T, lw->w_gate, NULL, c->hb),
+                                     MM(c->xb, T, lw->w_up, NULL, c->hb2)};
         gemm(c, gu, 2);
         kv_threadpool_for(c->tp, nt, task_swiglu, &j);
-        gemm(c, &MM(c->hb, T, cfg->ffn_dim, lw->w_down, dim, NULL, c->xb), 1);
+        gemm(c, &MM(c->hb, T, lw->w_down, NULL, c->xb), 1);
         j.src = c->xb, j.dst = c->x;
         kv_threadpool_for(c->tp, nt, task_add, &j);
     }
@@ -417,7 +419,7 @@ static kv_status cpu_forward(backend_t *be, const struct batch *b, float *logits
     /* output head on the logit rows only */
     for (int i = 0; i < L; i++)
         rmsnorm(c->xb + (size_t)i * dim, c->x + (size_t)c->logit_rows[i] * dim, m->w.out_norm, dim, cfg->rms_eps);
-    gemm(c, &MM(c->xb, L, dim, m->w.output, cfg->n_vocab, NULL, logits), 1);
+    gemm(c, &MM(c->xb, L, m->w.output, NULL, logits), 1);
     return KV_OK;
 }
 
@@ -521,6 +523,20 @@ kv_status backend_cpu_new_ex(const model_t *m, const struct backend_cpu_options 
     if ((cfg->attn_bias && (!m->w.layers[0].bq || !m->w.layers[0].bk || !m->w.layers[0].bv)) ||
         (cfg->qk_norm && (!m->w.layers[0].q_norm || !m->w.layers[0].k_norm)))
         return kv_errf(KV_EINVAL, err, errlen, "backend_cpu_new: model lacks bias / q-k norm weights its config enables");
+    if (opt->gemm == BACKEND_CPU_GEMM_OPENBLAS) {
+        bool f32 = m->w.tok_embd.type == KV_QTYPE_F32 && m->w.output.type == KV_QTYPE_F32;
+        for (int l = 0; f32 && l < cfg->n_layers; l++) {
+            const struct layer_weights *L = &m->w.layers[l];
+            f32 = L->wq.type == KV_QTYPE_F32 && L->wk.type == KV_QTYPE_F32 && L->wv.type == KV_QTYPE_F32 &&
+                  L->wo.type == KV_QTYPE_F32 && L->w_gate.type == KV_QTYPE_F32 && L->w_up.type == KV_QTYPE_F32 &&
+                  L->w_down.type == KV_QTYPE_F32;
+        }
+        if (!f32)
+            return kv_errf(KV_EINVAL, err, errlen,
+                           "backend_cpu_new: --gemm openblas needs F32 weights; this model stores %s (use the "
+                           "default --gemm invariant)",
+                           kv_qtype_name(m->w.layers[0].wq.type));
+    }
     if (n_threads <= 0) {
         long n = sysconf(_SC_NPROCESSORS_ONLN);
         n_threads = n > 0 ? (int)n : 1;

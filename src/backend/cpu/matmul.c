@@ -1,104 +1,118 @@
 /*
- * matmul: batch-invariant f32 Y = X W^T (see matmul.h for the arithmetic contract).
+ * matmul: batch-invariant Y = X W^T (see matmul.h for the arithmetic contract).
  *
- * One kernel body (tile(), always_inline, written with GCC vector extensions on 16-float
- * vectors) is instantiated three times with different target ISAs: AVX-512 (one zmm per
- * vector), AVX2 (two ymm) and generic x86-64/other (SSE or scalar). The vector code is the
- * same IEEE operations lane by lane in every instantiation and -ffp-contract=off (implied by
- * -std=c11) keeps mul and add separate, so all three produce the same bits.
+ * Three kernel families do the same IEEE operations in the same order: AVX-512 and AVX2
+ * (intrinsics, fused multiply-add) and generic (scalar fmaf). Only the register blocking
+ * differs, chosen per ISA so the accumulators fit the register file: AVX-512 has 32 zmm
+ * (4x4 tile: 16 accumulators + 4 W vectors + 1 X vector), AVX2 16 ymm (3x2 tile: 6
+ * accumulators of two ymm each = 12, + 2 W halves + 1 X half; the same 16-lane accumulator
+ * is processed as its low and high 8 lanes, which are independent lanes of the contract).
+ * The file is compiled with fp-contract off so that only the explicit fmas fuse.
  */
 #include "matmul.h"
 
-/* The contract needs every product rounded before its add. -std=c11 already implies this;
- * the pragma keeps it under -std=gnu11 or an explicit -ffp-contract=fast. */
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC optimize("fp-contract=off")
 #elif defined(__clang__)
 #pragma STDC FP_CONTRACT OFF
 #endif
 
+#include <math.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define KV_MATMUL_X86 1
+#endif
 
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
+#define AI static inline __attribute__((always_inline))
 
-/* Vectors are never passed or returned by value (that would change the ABI between the
- * ISA instantiations): loads are memcpy into a local, reductions take a pointer. */
-#define LD16(v, p) memcpy(&(v), (p), sizeof(v16))
+/* Columns [n0, n1) of all M rows of op, with W rows n0.. at Wp (stride ldw floats). */
+typedef void (*cols_fn)(const struct kv_matmul_op *op, const float *Wp, size_t ldw, int n0, int n1);
 
-/* Fixed tree: l8[j] = a[j] + a[j+8], l4[j] = l8[j] + l8[j+4], l2[j] = l4[j] + l4[j+2], l2[0] + l2[1]. */
-ALWAYS_INLINE float hsum16(const v16 *a) {
-    v8 lo, hi;
-    memcpy(&lo, a, sizeof lo);
-    memcpy(&hi, (const char *)a + sizeof lo, sizeof hi);
-    v8 b = lo + hi;
-    v4 bl, bh;
-    memcpy(&bl, &b, sizeof bl);
-    memcpy(&bh, (const char *)&b + sizeof bl, sizeof bh);
-    v4 c = bl + bh;
-    float d0 = c[0] + c[2], d1 = c[1] + c[3];
-    return d0 + d1;
+/* ---- generic: scalar, the contract literally ---- */
+
+AI float dot_generic(const float *x, const float *w, int K) {
+    int K16 = K - K % 16;
+    float lane[16];
+    for (int j = 0; j < 16; j++) lane[j] = 0.0f;
+    for (int k = 0; k < K16; k += 16)
+        for (int j = 0; j < 16; j++) lane[j] = fmaf(x[k + j], w[k + j], lane[j]);
+    float l8[8], l4[4];
+    for (int j = 0; j < 8; j++) l8[j] = lane[j] + lane[j + 8];
+    for (int j = 0; j < 4; j++) l4[j] = l8[j] + l8[j + 4];
+    float s = (l4[0] + l4[2]) + (l4[1] + l4[3]);
+    for (int k = K16; k < K; k++) s = fmaf(x[k], w[k], s);
+    return s;
 }
 
-/* Y[r][c] for r < R, c < C (R, C, PF compile-time constants after inlining). X rows at stride
- * ldx, W rows at stride ldw, Y rows at stride ldy. PF: software-prefetch the next C W rows
- * (measured: +30% for M = 4 with W from DRAM, -20% for M = 64 where W comes from L2). */
-ALWAYS_INLINE void tile(const float *X, size_t ldx, const float *W, size_t ldw, int K, const float *bias,
-                        float *Y, size_t ldy, const int R, const int C, const int PF) {
-    v16 acc[4][4];
-    _Pragma("GCC unroll 4")
-    for (int r = 0; r < R; r++)
-        _Pragma("GCC unroll 4")
-        for (int c = 0; c < C; c++) acc[r][c] = (v16){0};
+static void cols_generic(const struct kv_matmul_op *op, const float *Wp, size_t ldw, int n0, int n1) {
+    const int K = op->W->cols, N = op->W->rows;
+    for (int m = 0; m < op->M; m++)
+        for (int n = n0; n < n1; n++) {
+            float s = dot_generic(op->X + (size_t)m * K, Wp + (size_t)(n - n0) * ldw, K);
+            if (op->bias) s = s + op->bias[n];
+            op->Y[(size_t)m * N + n] = s;
+        }
+}
+
+#ifdef KV_MATMUL_X86
+/* ---- AVX-512 ---- */
+#define T512 __attribute__((target("avx512f,fma")))
+
+AI T512 float hsum512(__m512 a) {
+    __m256 lo = _mm512_castps512_ps256(a);
+    __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+    __m256 b = _mm256_add_ps(lo, hi);                                            /* l8 */
+    __m128 c = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1)); /* l4 */
+    __m128 d = _mm_add_ps(c, _mm_movehl_ps(c, c));                               /* l2[0], l2[1] */
+    return _mm_cvtss_f32(_mm_add_ss(d, _mm_shuffle_ps(d, d, 1)));
+}
+
+AI T512 void tile512(const float *X, size_t ldx, const float *W, size_t ldw, int K, const float *bias, float *Y,
+                     size_t ldy, const int R, const int C, const int PF) {
+    __m512 acc[4][4];
+    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)
+        _Pragma("GCC unroll 4") for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
     int K16 = K - K % 16;
     for (int k = 0; k < K16; k += 16) {
-        v16 w[4];
-        _Pragma("GCC unroll 4")
-        for (int c = 0; c < C; c++) LD16(w[c], W + c * ldw + k);
-        if (PF) { /* the next W tile: 4 short rows read in parallel defeat the HW prefetcher */
-            _Pragma("GCC unroll 4")
-            for (int c = 0; c < C; c++) /* integer arithmetic: may point past W (prefetch never faults) */
+        __m512 w[4];
+        _Pragma("GCC unroll 4") for (int c = 0; c < C; c++) w[c] = _mm512_loadu_ps(W + c * ldw + k);
+        if (PF) {
+            _Pragma("GCC unroll 4") for (int c = 0; c < C; c++)
                 __builtin_prefetch((const void *)((uintptr_t)(W + k) + (C + c) * ldw * sizeof(float)), 0, 3);
         }
-        _Pragma("GCC unroll 4")
-        for (int r = 0; r < R; r++) {
-            v16 x;
-            LD16(x, X + r * ldx + k);
-            _Pragma("GCC unroll 4")
-            for (int c = 0; c < C; c++) acc[r][c] += x * w[c];
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {
+            __m512 x = _mm512_loadu_ps(X + r * ldx + k);
+            _Pragma("GCC unroll 4") for (int c = 0; c < C; c++) acc[r][c] = _mm512_fmadd_ps(x, w[c], acc[r][c]);
         }
     }
-    _Pragma("GCC unroll 4")
-    for (int r = 0; r < R; r++)
-        _Pragma("GCC unroll 4")
-        for (int c = 0; c < C; c++) {
-            float s = hsum16(&acc[r][c]);
-            for (int k = K16; k < K; k++) s += X[r * ldx + k] * W[c * ldw + k];
-            if (bias) s += bias[c];
+    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)
+        _Pragma("GCC unroll 4") for (int c = 0; c < C; c++) {
+            float s = hsum512(acc[r][c]);
+            for (int k = K16; k < K; k++) s = __builtin_fmaf(X[r * ldx + k], W[c * ldw + k], s);
+            if (bias) s = s + bias[c];
             Y[r * ldy + c] = s;
         }
 }
 
-/* Columns [n0, n1) of all M rows: groups of 4 rows x 4 W rows (each W tile reused from L1
- * by 4 rows, the W block reused from L2 by all row groups); 2 or 3 leftover rows in Rx4 tiles;
- * a single row (decode) streams W one row at a time, which measured faster than 1x4 / 1x8
- * tiles when W comes from DRAM (one sequential stream for the prefetcher). */
-ALWAYS_INLINE void cols_body(const struct kv_matmul_op *op, int n0, int n1) {
-    const size_t K = (size_t)op->K, N = (size_t)op->N;
+static T512 void cols_avx512(const struct kv_matmul_op *op, const float *Wp, size_t ldw, int n0, int n1) {
+    const size_t K = (size_t)op->W->cols, N = (size_t)op->W->rows;
     const float *b = op->bias;
     int m = 0;
-#define ROWS(R, PF)                                                                                                 \
-    do {                                                                                                          \
-        const float *x = op->X + m * K;                                                                           \
-        float *y = op->Y + m * N;                                                                                 \
-        int n = n0;                                                                                               \
-        for (; n + 4 <= n1; n += 4) tile(x, K, op->W + n * K, K, op->K, b ? b + n : NULL, y + n, N, R, 4, PF);     \
-        for (; n < n1; n++) tile(x, K, op->W + n * K, K, op->K, b ? b + n : NULL, y + n, N, R, 1, 0);             \
+#define ROWS(R, PF)                                                                                           \
+    do {                                                                                                    \
+        const float *x = op->X + m * K;                                                                     \
+        float *y = op->Y + m * N;                                                                           \
+        int n = n0;                                                                                         \
+        for (; n + 4 <= n1; n += 4)                                                                         \
+            tile512(x, K, Wp + (n - n0) * ldw, ldw, (int)K, b ? b + n : NULL, y + n, N, R, 4, PF);          \
+        for (; n < n1; n++) tile512(x, K, Wp + (n - n0) * ldw, ldw, (int)K, b ? b + n : NULL, y + n, N, R, 1, 0); \
     } while (0)
     if (op->M < 16)
         for (; m + 4 <= op->M; m += 4) ROWS(4, 1);
@@ -106,42 +120,103 @@ ALWAYS_INLINE void cols_body(const struct kv_matmul_op *op, int n0, int n1) {
         for (; m + 4 <= op->M; m += 4) ROWS(4, 0);
     if (op->M - m == 3) ROWS(3, 1);
     else if (op->M - m == 2) ROWS(2, 1);
-    else if (op->M - m == 1) {
-        const float *x = op->X + m * K;
-        float *y = op->Y + m * N;
-        for (int n = n0; n < n1; n++) tile(x, K, op->W + n * K, K, op->K, b ? b + n : NULL, y + n, N, 1, 1, 0);
-    }
+    else if (op->M - m == 1) ROWS(1, 0);
 #undef ROWS
 }
 
-typedef void (*cols_fn)(const struct kv_matmul_op *op, int n0, int n1);
+/* ---- AVX2 + FMA ---- */
+#define T256 __attribute__((target("avx2,fma")))
 
-static void cols_generic(const struct kv_matmul_op *op, int n0, int n1) { cols_body(op, n0, n1); }
-#if defined(__x86_64__) && defined(__GNUC__)
-__attribute__((target("avx2"))) static void cols_avx2(const struct kv_matmul_op *op, int n0, int n1) {
-    cols_body(op, n0, n1);
+/* The tree over 16 lanes held as lo (lanes 0..7) and hi (8..15). */
+AI T256 float hsum256x2(__m256 lo, __m256 hi) {
+    __m256 b = _mm256_add_ps(lo, hi); /* l8 */
+    __m128 c = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
+    __m128 d = _mm_add_ps(c, _mm_movehl_ps(c, c));
+    return _mm_cvtss_f32(_mm_add_ss(d, _mm_shuffle_ps(d, d, 1)));
 }
-__attribute__((target("avx512f"))) static void cols_avx512(const struct kv_matmul_op *op, int n0, int n1) {
-    cols_body(op, n0, n1);
+
+AI T256 void tile256(const float *X, size_t ldx, const float *W, size_t ldw, int K, const float *bias, float *Y,
+                     size_t ldy, const int R, const int C, const int PF) {
+    __m256 acc[3][4][2];
+    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)
+        _Pragma("GCC unroll 4") for (int c = 0; c < C; c++) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
+    int K16 = K - K % 16;
+    for (int k = 0; k < K16; k += 16) {
+        if (PF) {
+            _Pragma("GCC unroll 4") for (int c = 0; c < C; c++)
+                __builtin_prefetch((const void *)((uintptr_t)(W + k) + (C + c) * ldw * sizeof(float)), 0, 3);
+        }
+        _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
+            __m256 w[4];
+            _Pragma("GCC unroll 4") for (int c = 0; c < C; c++) w[c] = _mm256_loadu_ps(W + c * ldw + k + 8 * h);
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {
+                __m256 x = _mm256_loadu_ps(X + r * ldx + k + 8 * h);
+                _Pragma("GCC unroll 4") for (int c = 0; c < C; c++)
+                    acc[r][c][h] = _mm256_fmadd_ps(x, w[c], acc[r][c][h]);
+            }
+        }
+    }
+    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)
+        _Pragma("GCC unroll 4") for (int c = 0; c < C; c++) {
+            float s = hsum256x2(acc[r][c][0], acc[r][c][1]);
+            for (int k = K16; k < K; k++) s = __builtin_fmaf(X[r * ldx + k], W[c * ldw + k], s);
+            if (bias) s = s + bias[c];
+            Y[r * ldy + c] = s;
+        }
 }
-#define KV_MATMUL_X86 1
-#endif
+
+static T256 void cols_avx2(const struct kv_matmul_op *op, const float *Wp, size_t ldw, int n0, int n1) {
+    const size_t K = (size_t)op->W->cols, N = (size_t)op->W->rows;
+    const float *b = op->bias;
+    int m = 0;
+#define ROWS(R, C, PF)                                                                                        \
+    do {                                                                                                    \
+        const float *x = op->X + m * K;                                                                     \
+        float *y = op->Y + m * N;                                                                           \
+        int n = n0;                                                                                         \
+        for (; n + C <= n1; n += C)                                                                         \
+            tile256(x, K, Wp + (n - n0) * ldw, ldw, (int)K, b ? b + n : NULL, y + n, N, R, C, PF);          \
+        for (; n < n1; n++) tile256(x, K, Wp + (n - n0) * ldw, ldw, (int)K, b ? b + n : NULL, y + n, N, R, 1, 0); \
+    } while (0)
+    for (; m + 3 <= op->M; m += 3) ROWS(3, 2, op->M < 16);
+    if (op->M - m == 2) ROWS(2, 2, 1);
+    else if (op->M - m == 1) ROWS(1, 4, 0);
+#undef ROWS
+}
+#endif /* KV_MATMUL_X86 */
+
+/* ---- ISA choice ---- */
 
 static _Atomic int g_isa = KV_MATMUL_ISA_AUTO; /* resolved set, never AUTO after first use */
 
 static enum kv_matmul_isa best_isa(void) {
 #ifdef KV_MATMUL_X86
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) return KV_MATMUL_ISA_AVX512;
-    if (__builtin_cpu_supports("avx2")) return KV_MATMUL_ISA_AVX2;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma")) return KV_MATMUL_ISA_AVX512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return KV_MATMUL_ISA_AVX2;
 #endif
     return KV_MATMUL_ISA_GENERIC;
 }
 
+/* KVSERVE_CPU_ISA, or AUTO. */
+static enum kv_matmul_isa env_isa(void) {
+    const char *e = getenv("KVSERVE_CPU_ISA");
+    if (!e || !*e) return KV_MATMUL_ISA_AUTO;
+    if (!strcmp(e, "generic")) return KV_MATMUL_ISA_GENERIC;
+    if (!strcmp(e, "avx2")) return KV_MATMUL_ISA_AVX2;
+    if (!strcmp(e, "avx512")) return KV_MATMUL_ISA_AVX512;
+    fprintf(stderr, "kvserve: ignoring KVSERVE_CPU_ISA=%s (expected generic, avx2 or avx512)\n", e);
+    return KV_MATMUL_ISA_AUTO;
+}
+
 enum kv_matmul_isa kv_matmul_set_isa(enum kv_matmul_isa isa) {
     enum kv_matmul_isa best = best_isa();
+    if (isa == KV_MATMUL_ISA_AUTO) isa = env_isa();
     if (isa == KV_MATMUL_ISA_AUTO || isa > best) isa = best;
     atomic_store(&g_isa, (int)isa);
+    kv_quant_set_isa(isa == KV_MATMUL_ISA_AVX512 ? KV_QUANT_ISA_AVX512
+                     : isa == KV_MATMUL_ISA_AVX2 ? KV_QUANT_ISA_AVX2
+                                                 : KV_QUANT_ISA_GENERIC);
     return isa;
 }
 
@@ -165,18 +240,56 @@ const char *kv_matmul_isa_name(void) {
     return "generic";
 }
 
+/* ---- per-thread dequantization panel ---- */
+
+struct panel {
+    float *p;
+    size_t cap; /* floats */
+};
+static pthread_key_t g_panel_key;
+static pthread_once_t g_panel_once = PTHREAD_ONCE_INIT;
+static void panel_free(void *v) {
+    struct panel *pn = v;
+    if (pn) free(pn->p);
+    free(pn);
+}
+static void panel_key_init(void) {
+    if (pthread_key_create(&g_panel_key, panel_free)) abort();
+}
+/* This thread's panel of at least n floats (freed when the thread exits), or NULL. */
+static float *thread_panel(size_t n) {
+    pthread_once(&g_panel_once, panel_key_init);
+    struct panel *pn = pthread_getspecific(g_panel_key);
+    if (!pn) {
+        pn = calloc(1, sizeof *pn);
+        if (!pn || pthread_setspecific(g_panel_key, pn)) {
+            free(pn);
+            return NULL;
+        }
+    }
+    if (pn->cap < n) {
+        float *np = malloc(n * sizeof(float));
+        if (!np) return NULL;
+        free(pn->p);
+        pn->p = np;
+        pn->cap = n;
+    }
+    return pn->p;
+}
+
 /* ---- work split ---- */
 
 #define MAX_BATCH 8
-#define L2_BLOCK_BYTES (192 * 1024) /* W rows per task: about this many bytes, stays in L2 */
+#define L2_BLOCK_BYTES (192 * 1024) /* f32 W rows per task: about this many bytes, stays in L2 */
 /* Below this many multiply-adds in one batch, waking the pool costs more than it saves: run
  * on the calling thread (results are identical either way: each element is computed whole). */
 #define INLINE_MACS (1L << 18)
+#define DECODE_ROWS 4  /* M at or below which quantized rows are dequantized 4 at a time */
 
 struct plan {
     const struct kv_matmul_op *ops;
     int n_ops;
-    int nb[MAX_BATCH];      /* W rows per task (multiple of 8 except the last task) */
+    int nb[MAX_BATCH];        /* W rows per task (multiple of 8 except the last task) */
     int first[MAX_BATCH + 1]; /* first task of op i; first[n_ops] = total */
     cols_fn fn;
 };
@@ -187,9 +300,24 @@ static void plan_task(void *p, int t, int th) {
     int i = 0;
     while (t >= pl->first[i + 1]) i++;
     const struct kv_matmul_op *op = &pl->ops[i];
+    const struct kv_wmat *W = op->W;
     int n0 = (t - pl->first[i]) * pl->nb[i];
-    int n1 = n0 + pl->nb[i] < op->N ? n0 + pl->nb[i] : op->N;
-    pl->fn(op, n0, n1);
+    int n1 = n0 + pl->nb[i] < W->rows ? n0 + pl->nb[i] : W->rows;
+    size_t K = (size_t)W->cols;
+    if (W->type == KV_QTYPE_F32) {
+        pl->fn(op, (const float *)W->data + (size_t)n0 * K, K, n0, n1);
+        return;
+    }
+    int g = op->M <= DECODE_ROWS ? DECODE_ROWS : pl->nb[i];
+    float *pn = thread_panel((size_t)g * (K ? K : 1));
+    if (!pn) abort(); /* a few KiB..~200 KiB per thread: out of memory here is fatal */
+    for (int a = n0; a < n1; a += g) {
+        int b = a + g < n1 ? a + g : n1;
+        for (int r = a; r < b; r++)
+            kv_dequant_row(W->type, (const char *)W->data + (size_t)r * W->row_bytes, pn + (size_t)(r - a) * K,
+                           (int64_t)K);
+        pl->fn(op, pn, K, a, b);
+    }
 }
 
 static void run_batch(const struct kv_matmul_op *ops, int n_ops, kv_threadpool_t *tp) {
@@ -197,16 +325,17 @@ static void run_batch(const struct kv_matmul_op *ops, int n_ops, kv_threadpool_t
     struct plan pl = {.ops = ops, .n_ops = n_ops, .fn = current_fn()};
     long total_rows = 0, macs = 0;
     for (int i = 0; i < n_ops; i++) {
-        total_rows += ops[i].M > 0 ? ops[i].N : 0;
-        macs += (long)(ops[i].M > 0 ? ops[i].M : 0) * ops[i].N * (ops[i].K > 0 ? ops[i].K : 1);
+        int M = ops[i].M > 0 ? ops[i].M : 0;
+        total_rows += M ? ops[i].W->rows : 0;
+        macs += (long)M * ops[i].W->rows * (ops[i].W->cols > 0 ? ops[i].W->cols : 1);
     }
     if (macs < INLINE_MACS) n_threads = 1;
     pl.first[0] = 0;
     for (int i = 0; i < n_ops; i++) {
         const struct kv_matmul_op *op = &ops[i];
-        int nb = 0;
-        if (op->M > 0 && op->N > 0) {
-            size_t row_bytes = (size_t)(op->K > 0 ? op->K : 1) * sizeof(float);
+        int N = op->W->rows, nb = 0;
+        if (op->M > 0 && N > 0) {
+            size_t row_bytes = (size_t)(op->W->cols > 0 ? op->W->cols : 1) * sizeof(float);
             nb = (int)(L2_BLOCK_BYTES / row_bytes) & ~7;
             /* at least ~4 tasks per thread over the whole batch, for load balance */
             int fair = (int)((total_rows + 4L * n_threads - 1) / (4L * n_threads));
@@ -215,7 +344,7 @@ static void run_batch(const struct kv_matmul_op *ops, int n_ops, kv_threadpool_t
             if (nb < 8) nb = 8;
         }
         pl.nb[i] = nb;
-        pl.first[i + 1] = pl.first[i] + (nb ? (op->N + nb - 1) / nb : 0);
+        pl.first[i + 1] = pl.first[i] + (nb ? (N + nb - 1) / nb : 0);
     }
     int total = pl.first[n_ops];
     if (!tp || n_threads == 1) {
@@ -229,10 +358,15 @@ void kv_matmul_batch(const struct kv_matmul_op *ops, int n_ops, kv_threadpool_t 
     for (int i = 0; i < n_ops; i += MAX_BATCH) run_batch(ops + i, n_ops - i < MAX_BATCH ? n_ops - i : MAX_BATCH, tp);
 }
 
+void kv_matmul_w(const float *X, int M, const struct kv_wmat *W, const float *bias, float *Y, kv_threadpool_t *tp) {
+    struct kv_matmul_op op = {.X = X, .W = W, .bias = bias, .Y = Y, .M = M};
+    run_batch(&op, 1, tp);
+}
+
 void kv_matmul(const float *X, int M, int K, const float *W, int N, const float *bias, float *Y,
                kv_threadpool_t *tp) {
-    struct kv_matmul_op op = {.X = X, .W = W, .bias = bias, .Y = Y, .M = M, .N = N, .K = K};
-    run_batch(&op, 1, tp);
+    struct kv_wmat w = kv_wmat_from_f32(W, N, K);
+    kv_matmul_w(X, M, &w, bias, Y, tp);
 }
 
 void kv_matmul_reference(const float *X, int M, int K, const float *W, int N, const float *bias, float *Y) {
@@ -243,20 +377,14 @@ void kv_matmul_reference(const float *X, int M, int K, const float *W, int N, co
             float lane[16];
             for (int j = 0; j < 16; j++) {
                 lane[j] = 0.0f;
-                for (int k = j; k < K16; k += 16) {
-                    volatile float p = x[k] * w[k]; /* volatile: the product is rounded, never fused */
-                    lane[j] = lane[j] + p;
-                }
+                for (int k = j; k < K16; k += 16) lane[j] = fmaf(x[k], w[k], lane[j]);
             }
             float l8[8], l4[4], l2[2];
             for (int j = 0; j < 8; j++) l8[j] = lane[j] + lane[j + 8];
             for (int j = 0; j < 4; j++) l4[j] = l8[j] + l8[j + 4];
             for (int j = 0; j < 2; j++) l2[j] = l4[j] + l4[j + 2];
             float s = l2[0] + l2[1];
-            for (int k = K16; k < K; k++) {
-                volatile float p = x[k] * w[k];
-                s = s + p;
-            }
+            for (int k = K16; k < K; k++) s = fmaf(x[k], w[k], s);
             if (bias) s = s + bias[n];
             Y[(size_t)m * N + n] = s;
         }

@@ -118,12 +118,14 @@ static kv_status grow(void **p, size_t *cap, size_t need_bytes, char *err, size_
     return KV_OK;
 }
 
-/* Uploads n f32 host values into dst (weight dtype) at element offset off, or fills them
- * with random values (random mode). */
-static kv_status put_weights(struct cuda_ctx *c, void *dst, size_t off, const float *src, size_t n, bool is_norm,
-                             uint64_t seed, float *staging, size_t staging_floats, char *err, size_t errlen) {
+/* Uploads matrix w (any stored type: rows are dequantized to f32 on the host, chunk by
+ * chunk, then converted on the device) into dst (weight dtype) at element offset off, or
+ * fills n values with random ones (random mode: w NULL). */
+static kv_status put_weights(struct cuda_ctx *c, void *dst, size_t off, const struct kv_wmat *w, size_t n,
+                             bool is_norm, uint64_t seed, float *staging, size_t staging_floats, char *err,
+                             size_t errlen) {
     char *d = (char *)dst + off * c->wsz;
-    if (!src) { /* random mode */
+    if (!w) { /* random mode */
         float mean = is_norm ? 1.0f : 0.0f, amp = is_norm ? 0.1f : 0.02f * 1.7320508f;
         if (c->f32w) k_fill_random<float><<<grid_for(n, 256), 256, 0, c->st>>>((float *)d, n, seed, mean, amp);
         else
@@ -131,17 +133,50 @@ static kv_status put_weights(struct cuda_ctx *c, void *dst, size_t off, const fl
         LAUNCHED("fill random");
         return KV_OK;
     }
-    if (c->f32w) {
+    if (n != (size_t)w->rows * (size_t)w->cols)
+        return kv_errf(KV_EINVAL, err, errlen, "cuda: weights upload: matrix of %d x %d, expected %zu values", w->rows,
+                       w->cols, n);
+    const float *src = w->type == KV_QTYPE_F32 ? (const float *)w->data : NULL;
+    float *host = NULL; /* dequantized rows of a non-F32 matrix */
+    size_t rows_per_chunk = staging_floats / (size_t)(w->cols > 0 ? w->cols : 1);
+    if (!src) {
+        if (!rows_per_chunk) return kv_errf(KV_EINVAL, err, errlen, "cuda: weights upload: rows too long");
+        host = (float *)malloc(rows_per_chunk * (size_t)w->cols * sizeof(float));
+        if (!host) return kv_errf(KV_ENOMEM, err, errlen, "cuda: weights upload: out of host memory");
+    }
+    kv_status st = KV_OK;
+    if (src && c->f32w) {
         CU_TRY(cudaMemcpyAsync(d, src, n * sizeof(float), cudaMemcpyHostToDevice, c->st), "weights upload");
         return KV_OK;
     }
-    for (size_t i = 0; i < n; i += staging_floats) {
-        size_t k = n - i < staging_floats ? n - i : staging_floats;
-        CU_TRY(cudaMemcpyAsync(staging, src + i, k * sizeof(float), cudaMemcpyHostToDevice, c->st), "weights upload");
-        k_convert<__nv_bfloat16><<<grid_for(k, 256), 256, 0, c->st>>>((__nv_bfloat16 *)d + i, staging, k);
-        LAUNCHED("convert");
+    /* staging (device) is reused by the next chunk's copy only after this chunk's convert
+     * kernel ran: both are ordered on c->st */
+    for (size_t r = 0; r < (size_t)w->rows; r += rows_per_chunk) {
+        size_t nr = (size_t)w->rows - r < rows_per_chunk ? (size_t)w->rows - r : rows_per_chunk;
+        size_t k = nr * (size_t)w->cols, i = r * (size_t)w->cols;
+        const float *chunk = src ? src + i : host;
+        if (!src)
+            for (size_t q = 0; q < nr; q++)
+                kv_dequant_row(w->type, (const char *)w->data + (r + q) * w->row_bytes, host + q * (size_t)w->cols,
+                               w->cols);
+        /* pageable source: the copy has taken the bytes when it returns, so host is reusable */
+        cudaError_t e = cudaMemcpyAsync(c->f32w ? (void *)((float *)d + i) : (void *)staging, chunk,
+                                        k * sizeof(float), cudaMemcpyHostToDevice, c->st);
+        if (e != cudaSuccess) {
+            st = kv_errf(KV_EIO, err, errlen, "cuda: weights upload: %s", cudaGetErrorString(e));
+            break;
+        }
+        if (!c->f32w) {
+            k_convert<__nv_bfloat16><<<grid_for(k, 256), 256, 0, c->st>>>((__nv_bfloat16 *)d + i, staging, k);
+            e = cudaGetLastError();
+            if (e != cudaSuccess) {
+                st = kv_errf(KV_EIO, err, errlen, "cuda: convert: %s", cudaGetErrorString(e));
+                break;
+            }
+        }
     }
-    return KV_OK;
+    free(host);
+    return st;
 }
 
 /* f32 vectors (norms, biases) stay f32. */
@@ -214,12 +249,12 @@ static kv_status upload_model(struct cuda_ctx *c, uint64_t seed, char *err, size
             goto out;                                                                                        \
     } while (0)
     if ((st = alloc_w(c, &c->tok_embd, V * dim, err, errlen))) goto out;
-    PUT(c->tok_embd, 0, m->w.tok_embd, V * dim, false, seed + 1);
-    if (cfg->tied_embeddings || (!rnd && m->w.output == m->w.tok_embd)) {
+    PUT(c->tok_embd, 0, &m->w.tok_embd, V * dim, false, seed + 1);
+    if (cfg->tied_embeddings || (!rnd && m->w.output.data == m->w.tok_embd.data)) {
         c->output = c->tok_embd;
     } else {
         if ((st = alloc_w(c, &c->output, V * dim, err, errlen))) goto out;
-        PUT(c->output, 0, m->w.output, V * dim, false, seed + 2);
+        PUT(c->output, 0, &m->w.output, V * dim, false, seed + 2);
     }
     {
         const float *srcs[1] = {rnd ? NULL : m->w.out_norm};
@@ -231,16 +266,16 @@ static kv_status upload_model(struct cuda_ctx *c, uint64_t seed, char *err, size
         struct cuda_layer *L = &c->L[l];
         uint64_t s = seed + 100 + (uint64_t)l * 16;
         if ((st = alloc_w(c, &L->wqkv, (qw + 2 * kw) * dim, err, errlen))) goto out;
-        PUT(L->wqkv, 0, lw ? lw->wq : NULL, qw * dim, false, s + 0);
-        PUT(L->wqkv, qw * dim, lw ? lw->wk : NULL, kw * dim, false, s + 1);
-        PUT(L->wqkv, (qw + kw) * dim, lw ? lw->wv : NULL, kw * dim, false, s + 2);
+        PUT(L->wqkv, 0, lw ? &lw->wq : NULL, qw * dim, false, s + 0);
+        PUT(L->wqkv, qw * dim, lw ? &lw->wk : NULL, kw * dim, false, s + 1);
+        PUT(L->wqkv, (qw + kw) * dim, lw ? &lw->wv : NULL, kw * dim, false, s + 2);
         if ((st = alloc_w(c, &L->wo, dim * qw, err, errlen))) goto out;
-        PUT(L->wo, 0, lw ? lw->wo : NULL, dim * qw, false, s + 3);
+        PUT(L->wo, 0, lw ? &lw->wo : NULL, dim * qw, false, s + 3);
         if ((st = alloc_w(c, &L->wgu, 2 * ffn * dim, err, errlen))) goto out;
-        PUT(L->wgu, 0, lw ? lw->w_gate : NULL, ffn * dim, false, s + 4);
-        PUT(L->wgu, ffn * dim, lw ? lw->w_up : NULL, ffn * dim, false, s + 5);
+        PUT(L->wgu, 0, lw ? &lw->w_gate : NULL, ffn * dim, false, s + 4);
+        PUT(L->wgu, ffn * dim, lw ? &lw->w_up : NULL, ffn * dim, false, s + 5);
         if ((st = alloc_w(c, &L->wdown, dim * ffn, err, errlen))) goto out;
-        PUT(L->wdown, 0, lw ? lw->w_down : NULL, dim * ffn, false, s + 6);
+        PUT(L->wdown, 0, lw ? &lw->w_down : NULL, dim * ffn, false, s + 6);
         const float *an[1] = {lw ? lw->attn_norm : NULL}, *fn[1] = {lw ? lw->ffn_norm : NULL};
         size_t nd[1] = {dim};
         if ((st = put_f32(c, &L->attn_norm, an, nd, 1, true, s + 7, err, errlen))) goto out;
@@ -835,7 +870,7 @@ extern "C" kv_status backend_cuda_new(const model_t *m, const struct backend_cud
                        "even and <= 256)",
                        cfg->n_heads, cfg->n_kv_heads, cfg->head_dim);
     if (!opt->random_weights_seed &&
-        (!m->w.tok_embd || !m->w.layers ||
+        (!m->w.tok_embd.data || !m->w.layers ||
          (cfg->attn_bias && (!m->w.layers[0].bq || !m->w.layers[0].bk || !m->w.layers[0].bv)) ||
          (cfg->qk_norm && (!m->w.layers[0].q_norm || !m->w.layers[0].k_norm))))
         return kv_errf(KV_EINVAL, err, errlen,

@@ -15,7 +15,9 @@
 #include <string.h>
 
 #include "backend/backend.h"
+#include "backend/cpu/matmul.h"
 #include "test_util.h"
+#include "wmat_util.h"
 
 static model_t *random_model_hd(model_arch arch, uint64_t seed, int head_dim) {
     struct model_config cfg = {0};
@@ -115,7 +117,8 @@ static void run_schedule(backend_t *be, const struct seqs *S, int mode, uint64_t
             n++;
         }
         struct batch b = {bs, n};
-        assert_int_equal(be->ops->forward(be, &b, out, err, sizeof err), KV_OK);
+        kv_status frc = be->ops->forward(be, &b, out, err, sizeof err);
+        if (frc) fail_msg("forward: %s", err);
         int row = 0;
         for (int s = 0; s < S->n; s++) {
             if (!chunk[s]) continue;
@@ -218,6 +221,125 @@ static void test_determinism_stories(void **st) {
     assert_int_equal(model_load(path, &m, err, sizeof err), KV_OK);
     check_determinism(m, 2, 9);
     model_free(m);
+}
+
+/* ---- weights in their stored precision (models/tiny-quant: llama.cpp's quantizations of one
+ * random model and llama.cpp's own dequantization of each back to F32) ---- */
+
+static void random_seqs(struct seqs *S, int n_vocab, uint64_t seed) {
+    kv_rng rng;
+    kv_rng_seed(&rng, seed);
+    S->n = 4;
+    for (int s = 0; s < S->n; s++) {
+        S->len[s] = s == 0 ? 37 : 1 + (int)(kv_rng_next(&rng) % 40);
+        for (int i = 0; i < S->len[s]; i++) S->tok[s][i] = (int32_t)(kv_rng_next(&rng) % (uint64_t)n_vocab);
+    }
+}
+
+/* Logits of every position of S, each sequence alone in one chunk (mode 0). */
+static void run_alone(model_t *m, const struct seqs *S, struct run *R) {
+    backend_t *be = NULL;
+    char err[256];
+    assert_int_equal(backend_cpu_new(m, 2, &be, err, sizeof err), KV_OK);
+    R->tpb = 16, R->n_blocks = 40;
+    run_schedule(be, S, 0, 3, R);
+    backend_free(be);
+}
+
+static const char *const g_qtypes[] = {"F16", "BF16", "Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K"};
+
+/* A model loaded from each quantized file keeps its matrices in the stored type, and its
+ * logits are bitwise those of the F32 file holding llama.cpp's dequantization of it (the
+ * kernels compute with exactly the dequantized floats, matmul.h). */
+static void test_quant_equals_dequant_f32(void **st) {
+    (void)st;
+    char p1[4096], p2[4096], rel[256], err[256];
+    snprintf(rel, sizeof rel, "models/tiny-quant/tiny-%s.gguf", g_qtypes[0]);
+    if (!test_data_path(p1, sizeof p1, rel)) { skip(); return; }
+    for (size_t t = 0; t < sizeof g_qtypes / sizeof g_qtypes[0]; t++) {
+        snprintf(rel, sizeof rel, "models/tiny-quant/tiny-%s.gguf", g_qtypes[t]);
+        assert_non_null(test_data_path(p1, sizeof p1, rel));
+        snprintf(rel, sizeof rel, "models/tiny-quant/tiny-%s.dequant-f32.gguf", g_qtypes[t]);
+        assert_non_null(test_data_path(p2, sizeof p2, rel));
+        model_t *q = NULL, *f = NULL;
+        if (model_load(p1, &q, err, sizeof err)) fail_msg("%s: %s", p1, err);
+        if (model_load(p2, &f, err, sizeof err)) fail_msg("%s: %s", p2, err);
+        assert_int_not_equal(q->w.layers[0].w_up.type, KV_QTYPE_F32); /* not widened at load */
+        assert_int_equal(f->w.layers[0].w_up.type, KV_QTYPE_F32);
+        assert_true(model_weight_bytes(q) < model_weight_bytes(f));
+        struct seqs S;
+        random_seqs(&S, q->cfg.n_vocab, 100 + t);
+        struct run rq = {0}, rf = {0};
+        run_alone(q, &S, &rq);
+        run_alone(f, &S, &rf);
+        int V = q->cfg.n_vocab;
+        for (int s = 0; s < S.n; s++)
+            if (memcmp(rq.logits[s], rf.logits[s], (size_t)S.len[s] * V * sizeof(float)))
+                fail_msg("%s: seq %d: logits differ from the dequant-f32 model's", g_qtypes[t], s);
+        free_run(&rq, S.n);
+        free_run(&rf, S.n);
+        model_free(q);
+        model_free(f);
+    }
+}
+
+/* Alone == batched == chunked, bitwise, for every stored weight type. */
+static void test_quant_determinism(void **st) {
+    (void)st;
+    char path[4096], rel[256], err[256];
+    snprintf(rel, sizeof rel, "models/tiny-quant/tiny-%s.gguf", g_qtypes[0]);
+    if (!test_data_path(path, sizeof path, rel)) { skip(); return; }
+    for (size_t t = 0; t < sizeof g_qtypes / sizeof g_qtypes[0]; t++) {
+        snprintf(rel, sizeof rel, "models/tiny-quant/tiny-%s.gguf", g_qtypes[t]);
+        assert_non_null(test_data_path(path, sizeof path, rel));
+        model_t *m = NULL;
+        if (model_load(path, &m, err, sizeof err)) fail_msg("%s: %s", path, err);
+        fprintf(stderr, "determinism with %s weights\n", g_qtypes[t]);
+        check_determinism(m, 2, 40 + t);
+        model_free(m);
+    }
+}
+
+/* Every kernel family the CPU has (generic, AVX2, AVX-512: kv_matmul_set_isa, which also
+ * switches the dequantization kernels) gives the same logits, for every weight type. */
+static void test_isa_families_agree(void **st) {
+    (void)st;
+    char path[4096], rel[256], err[256];
+    const char *types[] = {"f32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K"};
+    snprintf(rel, sizeof rel, "models/tiny-quant/tiny-%s.gguf", types[0]);
+    if (!test_data_path(path, sizeof path, rel)) { skip(); return; }
+    enum kv_matmul_isa isas[] = {KV_MATMUL_ISA_AVX512, KV_MATMUL_ISA_AVX2, KV_MATMUL_ISA_GENERIC};
+    for (size_t t = 0; t < sizeof types / sizeof types[0]; t++) {
+        snprintf(rel, sizeof rel, "models/tiny-quant/tiny-%s.gguf", types[t]);
+        assert_non_null(test_data_path(path, sizeof path, rel));
+        model_t *m = NULL;
+        if (model_load(path, &m, err, sizeof err)) fail_msg("%s: %s", path, err);
+        struct seqs S;
+        random_seqs(&S, m->cfg.n_vocab, 200 + t);
+        S.n = 2;
+        struct run ref = {0};
+        int have = 0;
+        for (size_t i = 0; i < sizeof isas / sizeof isas[0]; i++) {
+            if (kv_matmul_set_isa(isas[i]) != isas[i]) {
+                fprintf(stderr, "SKIP part: this CPU lacks kernel family %d\n", (int)isas[i]);
+                continue;
+            }
+            struct run r = {0};
+            run_alone(m, &S, &r);
+            if (!have++) {
+                ref = r;
+                continue;
+            }
+            for (int s = 0; s < S.n; s++)
+                if (memcmp(ref.logits[s], r.logits[s], (size_t)S.len[s] * m->cfg.n_vocab * sizeof(float)))
+                    fail_msg("%s weights: kernel family %s differs from the first one", types[t], kv_matmul_isa_name());
+            free_run(&r, S.n);
+        }
+        kv_matmul_set_isa(KV_MATMUL_ISA_AUTO);
+        assert_true(have >= 2); /* generic is always there, plus at least one vector family on x86 */
+        free_run(&ref, S.n);
+        model_free(m);
+    }
 }
 
 static void test_validation(void **st) {
@@ -326,8 +448,9 @@ static void test_kv_layout(void **st) {
     struct batch b = {&s, 1};
     assert_int_equal(be->ops->forward(be, &b, NULL, err, sizeof err), KV_OK);
     int hd = c->head_dim;
+    const float *wk = kv_wmat_f32(&m->w.layers[0].wk), *wv = kv_wmat_f32(&m->w.layers[0].wv);
     for (int p = 0; p < 6; p++) {
-        const float *e = m->w.tok_embd + (size_t)toks[p] * c->dim;
+        const float *e = kv_wmat_f32(&m->w.tok_embd) + (size_t)toks[p] * c->dim;
         double ss = 0;
         for (int i = 0; i < c->dim; i++) ss += (double)e[i] * e[i];
         double inv = 1.0 / sqrt(ss / c->dim + c->rms_eps);
@@ -337,8 +460,8 @@ static void test_kv_layout(void **st) {
                 double sk = 0, sv = 0;
                 for (int i = 0; i < c->dim; i++) {
                     double xn = e[i] * inv * m->w.layers[0].attn_norm[i];
-                    sk += m->w.layers[0].wk[(size_t)(h * hd + o) * c->dim + i] * xn;
-                    sv += m->w.layers[0].wv[(size_t)(h * hd + o) * c->dim + i] * xn;
+                    sk += wk[(size_t)(h * hd + o) * c->dim + i] * xn;
+                    sv += wv[(size_t)(h * hd + o) * c->dim + i] * xn;
                 }
                 k[o] = sk, v[o] = sv;
             }
@@ -427,6 +550,9 @@ int main(void) {
         cmocka_unit_test(test_determinism_qwen2),
         cmocka_unit_test(test_determinism_qwen3),
         cmocka_unit_test(test_determinism_stories),
+        cmocka_unit_test(test_quant_equals_dequant_f32),
+        cmocka_unit_test(test_quant_determinism),
+        cmocka_unit_test(test_isa_families_agree),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

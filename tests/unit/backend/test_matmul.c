@@ -91,11 +91,13 @@ static void test_batch_equals_single(void **st) {
     int M = 13, K = 96, Ns[3] = {72, 24, 200};
     float *X = rnd_buf((size_t)M * K), *W[3], *b = rnd_buf(200), *Y[3], *Z[3];
     struct kv_matmul_op ops[3];
+    struct kv_wmat wm[3];
     for (int i = 0; i < 3; i++) {
         W[i] = rnd_buf((size_t)Ns[i] * K);
         Y[i] = calloc((size_t)M * Ns[i], sizeof(float));
         Z[i] = calloc((size_t)M * Ns[i], sizeof(float));
-        ops[i] = (struct kv_matmul_op){.X = X, .W = W[i], .bias = i == 1 ? b : NULL, .Y = Y[i], .M = M, .N = Ns[i], .K = K};
+        wm[i] = kv_wmat_from_f32(W[i], Ns[i], K);
+        ops[i] = (struct kv_matmul_op){.X = X, .W = &wm[i], .bias = i == 1 ? b : NULL, .Y = Y[i], .M = M};
         kv_matmul(X, M, K, W[i], Ns[i], i == 1 ? b : NULL, Z[i], NULL);
     }
     kv_matmul_batch(ops, 3, tp);

@@ -14,6 +14,7 @@
 #include "model/gguf.h"
 #include "model/model.h"
 #include "test_util.h"
+#include "wmat_util.h"
 
 static char g_tmp[256];
 
@@ -68,23 +69,23 @@ static void test_stories_hf_matches_gguf(void **s) {
     assert_int_equal(c->max_ctx, 512);
     assert_true(c->rms_eps == g->cfg.rms_eps);
     assert_true(c->rope_theta == g->cfg.rope_theta);
-    assert_ptr_equal(h->w.output, h->w.tok_embd);
+    assert_ptr_equal(h->w.output.data, h->w.tok_embd.data);
     size_t d = 64, f = 172, q = 64, kv = 32;
-    assert_memory_equal(h->w.tok_embd, g->w.tok_embd, 512 * d * 4);
+    assert_memory_equal(h->w.tok_embd.data, g->w.tok_embd.data, 512 * d * 4);
     assert_memory_equal(h->w.out_norm, g->w.out_norm, d * 4);
     for (int l = 0; l < 5; l++) {
         const struct layer_weights *a = &h->w.layers[l], *b = &g->w.layers[l];
         assert_memory_equal(a->attn_norm, b->attn_norm, d * 4);
-        assert_permuted(a->wq, b->wq, 8, 8, 64);
-        assert_permuted(a->wk, b->wk, 4, 8, 64);
+        assert_permuted(a->wq.data, b->wq.data, 8, 8, 64);
+        assert_permuted(a->wk.data, b->wk.data, 4, 8, 64);
         /* the rows really are reordered (not identical) */
-        assert_true(memcmp(a->wq, b->wq, q * d * 4) != 0);
-        assert_memory_equal(a->wv, b->wv, kv * d * 4);
-        assert_memory_equal(a->wo, b->wo, d * q * 4);
+        assert_true(memcmp(a->wq.data, b->wq.data, q * d * 4) != 0);
+        assert_memory_equal(a->wv.data, b->wv.data, kv * d * 4);
+        assert_memory_equal(a->wo.data, b->wo.data, d * q * 4);
         assert_memory_equal(a->ffn_norm, b->ffn_norm, d * 4);
-        assert_memory_equal(a->w_gate, b->w_gate, f * d * 4);
-        assert_memory_equal(a->w_up, b->w_up, f * d * 4);
-        assert_memory_equal(a->w_down, b->w_down, d * f * 4);
+        assert_memory_equal(a->w_gate.data, b->w_gate.data, f * d * 4);
+        assert_memory_equal(a->w_up.data, b->w_up.data, f * d * 4);
+        assert_memory_equal(a->w_down.data, b->w_down.data, d * f * 4);
     }
     /* Saving the HF model as GGUF permutes q/k back: the file loads equal to the original GGUF. */
     char out[512];
@@ -94,8 +95,8 @@ static void test_stories_hf_matches_gguf(void **s) {
     assert_int_equal(model_load(out, &r, err, sizeof err), KV_OK);
     assert_false(r->cfg.rope_neox);
     for (int l = 0; l < 5; l++) {
-        assert_memory_equal(r->w.layers[l].wq, g->w.layers[l].wq, q * d * 4);
-        assert_memory_equal(r->w.layers[l].wk, g->w.layers[l].wk, kv * d * 4);
+        assert_memory_equal(r->w.layers[l].wq.data, g->w.layers[l].wq.data, q * d * 4);
+        assert_memory_equal(r->w.layers[l].wk.data, g->w.layers[l].wk.data, kv * d * 4);
     }
     model_free(r);
     /* config-only read agrees */
@@ -225,13 +226,17 @@ static void test_qwen_synthetic(void **s) {
     assert_int_equal(c->eos_ids[1], 1);
     assert_int_equal(c->eos_ids[2], 0);
     assert_string_equal(c->name, "qwen2-tiny");
-    assert_true(m->w.tok_embd[0] == 1.0f && m->w.tok_embd[1] == -2.0f && m->w.tok_embd[2] == 0.125f);
-    assert_true(m->w.output[0] == 1.0f && m->w.output[1] == -2.0f);
-    assert_float_equal(m->w.output[2], 0.333251953125, 0);
+    assert_true(wmat_at(&m->w.tok_embd, 0) == 1.0f && wmat_at(&m->w.tok_embd, 1) == -2.0f &&
+                wmat_at(&m->w.tok_embd, 2) == 0.125f);
+    assert_true(wmat_at(&m->w.output, 0) == 1.0f && wmat_at(&m->w.output, 1) == -2.0f);
+    assert_float_equal(wmat_at(&m->w.output, 2), 0.333251953125, 0);
     assert_true(m->w.layers[0].bq[0] == 2.0f);
     assert_true(m->w.layers[0].bk[1] == -2.0f);
     assert_true(m->w.layers[0].bv[0] == -2.0f);
-    assert_true(m->w.layers[0].w_down[23] == 0.333251953125f);
+    assert_true(wmat_at(&m->w.layers[0].w_down, 23) == 0.333251953125f);
+    /* 16-bit matrices keep their precision (not widened to f32) */
+    assert_int_equal(m->w.layers[0].w_down.type, KV_QTYPE_F16);
+    assert_int_equal(m->w.layers[0].w_up.type, KV_QTYPE_BF16);
     model_free(m);
 
     /* Qwen3: explicit head_dim and q/k norms; a missing k_norm is reported by name. */

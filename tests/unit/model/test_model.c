@@ -33,9 +33,9 @@ static size_t layer_sizes(const struct model_config *c, size_t out[14]) {
     memcpy(out, s, sizeof s);
     return 14;
 }
-static float *layer_ptr(const struct layer_weights *L, int i) {
-    float *p[14] = {L->attn_norm, L->wq, L->wk, L->wv, L->bq, L->bk, L->bv,
-                    L->q_norm, L->k_norm, L->wo, L->ffn_norm, L->w_gate, L->w_up, L->w_down};
+static const void *layer_ptr(const struct layer_weights *L, int i) {
+    const void *p[14] = {L->attn_norm, L->wq.data, L->wk.data, L->wv.data, L->bq, L->bk, L->bv,
+                         L->q_norm, L->k_norm, L->wo.data, L->ffn_norm, L->w_gate.data, L->w_up.data, L->w_down.data};
     return p[i];
 }
 
@@ -43,9 +43,9 @@ static float *layer_ptr(const struct layer_weights *L, int i) {
 static void assert_same_weights(const model_t *a, const model_t *b) {
     const struct model_config *c = &a->cfg;
     size_t vd = (size_t)c->n_vocab * c->dim;
-    assert_memory_equal(a->w.tok_embd, b->w.tok_embd, vd * 4);
+    assert_memory_equal(a->w.tok_embd.data, b->w.tok_embd.data, vd * 4);
     assert_memory_equal(a->w.out_norm, b->w.out_norm, (size_t)c->dim * 4);
-    assert_memory_equal(a->w.output, b->w.output, vd * 4);
+    assert_memory_equal(a->w.output.data, b->w.output.data, vd * 4);
     size_t sz[14];
     for (int l = 0; l < c->n_layers; l++) {
         layer_sizes(c, sz);
@@ -138,7 +138,7 @@ static void roundtrip(model_arch arch) {
     char want_name[64];
     snprintf(want_name, sizeof want_name, "rt-%s", model_arch_name(arch));
     assert_string_equal(b->name, want_name);
-    if (a->tied_embeddings) assert_ptr_equal(l->w.output, l->w.tok_embd);
+    if (a->tied_embeddings) assert_ptr_equal(l->w.output.data, l->w.tok_embd.data);
     assert_int_equal(l->format, MODEL_FORMAT_GGUF);
     assert_false(l->is_demo);
     assert_same_weights(m, l);
@@ -197,7 +197,7 @@ static void test_load_stories_gguf(void **s) {
     check_stories_cfg(&m->cfg);
     assert_false(m->cfg.rope_neox);
     assert_string_equal(m->cfg.name, "stories260K");
-    assert_ptr_equal(m->w.output, m->w.tok_embd);
+    assert_ptr_equal(m->w.output.data, m->w.tok_embd.data);
     assert_false(m->is_demo);
     model_free(m);
 }
