@@ -169,28 +169,35 @@ static const struct kv_dq_table k_ref = {{
 /* ---- generic fast path: plain C, block at a time, inner loops the compiler can vectorize
  * (SSE2 on baseline x86-64); same operations as the reference ---- */
 
-/* Branch-free exact f16 -> f32 (same bits as kv_quant_h2f). */
+/* Branch-free exact f16 -> f32 (same bits as kv_quant_h2f), with masks instead of selects so
+ * the compiler vectorizes it. */
 static inline float gen_h2f(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, em = h & 0x7fffu;
-    uint32_t bits = (em << 13) + (112u << 23);            /* normal: rebias the exponent */
-    bits += em >= 0x7c00u ? (128u - 16u) << 23 : 0;        /* inf/nan: exponent 255 */
-    bits |= em > 0x7c00u ? 0x00400000u : 0;                /* nan: quiet bit */
-    float sub = (float)em * 0x1p-24f;                      /* zero/subnormal: exact */
+    uint32_t em = h & 0x7fffu, sign = ((uint32_t)h ^ em) << 16;
+    uint32_t is_sub = 0u - (uint32_t)(em < 0x0400u);  /* zero or subnormal */
+    uint32_t is_inf = 0u - (uint32_t)(em >= 0x7c00u); /* inf or nan: exponent 255 */
+    uint32_t is_nan = 0u - (uint32_t)(em > 0x7c00u);  /* nan: quiet bit */
+    uint32_t bits = ((em << 13) + (112u << 23) + (is_inf & ((128u - 16u) << 23))) | (is_nan & 0x00400000u);
+    float sub = (float)(int32_t)em * 0x1p-24f; /* exact */
     uint32_t sbits;
     memcpy(&sbits, &sub, 4);
-    bits = (em < 0x0400u ? sbits : bits) | sign;
+    bits = (sbits & is_sub) | (bits & ~is_sub) | sign;
     float f;
     memcpy(&f, &bits, 4);
     return f;
 }
 
+/* chunks of 64 through a local array, so the loop has a fixed trip count and vectorizes */
 static void gen_f16(const void *src, float *dst, int64_t n) {
     const uint8_t *p = src;
-    for (int64_t i = 0; i < n; i++) {
-        uint16_t h;
-        memcpy(&h, p + 2 * i, 2);
-        dst[i] = gen_h2f(h);
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        uint16_t h[64];
+        float f[64];
+        memcpy(h, p + 2 * i, sizeof h);
+        for (int j = 0; j < 64; j++) f[j] = gen_h2f(h[j]);
+        memcpy(dst + i, f, sizeof f);
     }
+    for (; i < n; i++) dst[i] = gen_h2f(kv_quant_ld16(p + 2 * i));
 }
 
 static void gen_bf16(const void *src, float *dst, int64_t n) {
@@ -226,18 +233,18 @@ static void gen_q4_0(const void *src, float *dst, int64_t nb) {
     }
 }
 
-static void gen_qk45(const uint8_t *b, float *dst, int64_t nb, bool q5) {
+static inline __attribute__((always_inline)) void gen_qk45(const uint8_t *b, float *dst, int64_t nb, bool q5) {
     for (int64_t i = 0; i < nb; i++, b += q5 ? 176 : 144, dst += 256) {
         float d = gen_h2f(kv_quant_ld16(b)), dmin = gen_h2f(kv_quant_ld16(b + 2));
         const uint8_t *scales = b + 4;
         uint8_t qh[32], qs[128];
         memcpy(qh, b + 16, 32);
         memcpy(qs, b + (q5 ? 48 : 16), 128);
+        uint32_t sc[2], mn[2];
+        kv_quant_scales_k4(scales, sc, mn);
         for (int c = 0; c < 4; c++) {
-            int sc0, m0, sc1, m1;
-            kv_quant_scale_min_k4(2 * c, scales, &sc0, &m0);
-            kv_quant_scale_min_k4(2 * c + 1, scales, &sc1, &m1);
-            float da = d * (float)sc0, ma = dmin * (float)m0, db = d * (float)sc1, mb = dmin * (float)m1;
+            float da = d * (float)kv_quant_k4_byte(sc, 2 * c), ma = dmin * (float)kv_quant_k4_byte(mn, 2 * c);
+            float db = d * (float)kv_quant_k4_byte(sc, 2 * c + 1), mb = dmin * (float)kv_quant_k4_byte(mn, 2 * c + 1);
             const uint8_t *q = qs + 32 * c;
             float *y = dst + 64 * c;
             uint8_t ua = (uint8_t)(1u << (2 * c)), ub = (uint8_t)(2u << (2 * c));
@@ -293,14 +300,21 @@ static const struct kv_dq_table k_generic = {{
 
 static _Atomic int g_isa = KV_QUANT_ISA_AUTO; /* resolved set, never AUTO after first use */
 
+/* F16C: every AVX2 CPU has it; GCC can check it, older clang cannot name it */
+#if defined(__clang__)
+#define HAS_F16C 1
+#else
+#define HAS_F16C __builtin_cpu_supports("f16c")
+#endif
+
 static enum kv_quant_isa cpu_best(void) {
 #ifdef KV_QUANT_X86
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma"))
+    bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && HAS_F16C;
+    if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl"))
         return KV_QUANT_ISA_AVX512;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma"))
-        return KV_QUANT_ISA_AVX2;
+    if (avx2) return KV_QUANT_ISA_AVX2;
 #endif
     return KV_QUANT_ISA_GENERIC;
 }

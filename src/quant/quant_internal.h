@@ -63,4 +63,21 @@ static inline void kv_quant_scale_min_k4(int j, const uint8_t *q, int *sc, int *
     }
 }
 
+/* All 8 scales and mins at once (the same values as kv_quant_scale_min_k4), from the three
+ * little-endian words of the scale bytes: sc/mn 0..3 are the low 6 bits of bytes 0..3 / 4..7;
+ * 4..7 take their low nibble from bytes 8..11 (low / high nibble) and their top 2 bits from
+ * the top 2 bits of bytes 0..3 / 4..7. Out: byte k (k = 0..7, little-endian order) of
+ * sc[k / 4] is scale k (of mn[k / 4], min k). */
+static inline void kv_quant_scales_k4(const uint8_t *q, uint32_t sc[2], uint32_t mn[2]) {
+    uint32_t w0 = (uint32_t)q[0] | (uint32_t)q[1] << 8 | (uint32_t)q[2] << 16 | (uint32_t)q[3] << 24;
+    uint32_t w1 = (uint32_t)q[4] | (uint32_t)q[5] << 8 | (uint32_t)q[6] << 16 | (uint32_t)q[7] << 24;
+    uint32_t w2 = (uint32_t)q[8] | (uint32_t)q[9] << 8 | (uint32_t)q[10] << 16 | (uint32_t)q[11] << 24;
+    sc[0] = w0 & 0x3f3f3f3fu;
+    mn[0] = w1 & 0x3f3f3f3fu;
+    sc[1] = (w2 & 0x0f0f0f0fu) | ((w0 >> 6) & 0x03030303u) << 4;
+    mn[1] = ((w2 >> 4) & 0x0f0f0f0fu) | ((w1 >> 6) & 0x03030303u) << 4;
+}
+/* Byte k of the words kv_quant_scales_k4 wrote. */
+static inline int kv_quant_k4_byte(const uint32_t w[2], int k) { return (int)(w[k >> 2] >> (8 * (k & 3)) & 0xff); }
+
 #endif

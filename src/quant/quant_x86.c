@@ -105,7 +105,7 @@ AVX2 static void avx2_q4_0(const void *src, float *dst, int64_t nb) {
         _mm256_storeu_ps((y) + 8, _mm256_sub_ps(_mm256_mul_ps((d1), HI8U(q)), (m1)));        \
     } while (0)
 
-AVX2 static inline void avx2_qk45(const uint8_t *b, float *dst, int64_t nb, bool q5) {
+AVX2 static inline __attribute__((always_inline)) void avx2_qk45(const uint8_t *b, float *dst, int64_t nb, bool q5) {
     const __m128i m4 = _mm_set1_epi8(0x0f), k16 = _mm_set1_epi8(16);
     for (int64_t i = 0; i < nb; i++, b += q5 ? 176 : 144, dst += 256) {
         float d = LDH(b), dmin = LDH(b + 2);
@@ -115,12 +115,15 @@ AVX2 static inline void avx2_qk45(const uint8_t *b, float *dst, int64_t nb, bool
             h0 = _mm_loadu_si128((const __m128i *)qh);
             h1 = _mm_loadu_si128((const __m128i *)(qh + 16));
         }
+        /* d1[s] = d * sc[s], m1[s] = dmin * mn[s] for the 8 sub-blocks, one vector each */
+        uint32_t sc[2], mn[2]; /* x86 is little-endian: bytes 0..7 = sub-blocks 0..7 */
+        kv_quant_scales_k4(scales, sc, mn);
+        float d1[8], m1[8];
+        _mm256_storeu_ps(d1, _mm256_mul_ps(_mm256_set1_ps(d), LO8U(_mm_loadl_epi64((const __m128i *)sc))));
+        _mm256_storeu_ps(m1, _mm256_mul_ps(_mm256_set1_ps(dmin), LO8U(_mm_loadl_epi64((const __m128i *)mn))));
         for (int c = 0; c < 4; c++) {
-            int sc0, mn0, sc1, mn1;
-            kv_quant_scale_min_k4(2 * c, scales, &sc0, &mn0);
-            kv_quant_scale_min_k4(2 * c + 1, scales, &sc1, &mn1);
-            __m256 da = _mm256_set1_ps(d * (float)sc0), ma = _mm256_set1_ps(dmin * (float)mn0);
-            __m256 db = _mm256_set1_ps(d * (float)sc1), mb = _mm256_set1_ps(dmin * (float)mn1);
+            __m256 da = _mm256_broadcast_ss(&d1[2 * c]), ma = _mm256_broadcast_ss(&m1[2 * c]);
+            __m256 db = _mm256_broadcast_ss(&d1[2 * c + 1]), mb = _mm256_broadcast_ss(&m1[2 * c + 1]);
             float *y = dst + 64 * c;
             __m128i ua = _mm_set1_epi8((char)(1u << (2 * c))), ub = _mm_set1_epi8((char)(2u << (2 * c)));
             for (int k = 0; k < 2; k++) {
@@ -168,11 +171,15 @@ AVX2 static void avx2_q5_k(const void *src, float *dst, int64_t nb) { avx2_qk45(
 AVX2 static void avx2_q6_k(const void *src, float *dst, int64_t nb) {
     const uint8_t *b = src;
     for (int64_t i = 0; i < nb; i++, b += 210, dst += 256) {
-        float d = LDH(b + 208);
-        const int8_t *scb = (const int8_t *)(b + 192);
+        /* ds[i] = d * scales[i], the 16 sub-block scales */
+        __m256 vd = _mm256_set1_ps(LDH(b + 208));
+        __m128i s16 = _mm_loadu_si128((const __m128i *)(b + 192));
+        float ds[16];
+        _mm256_storeu_ps(ds, _mm256_mul_ps(vd, LO8S(s16)));
+        _mm256_storeu_ps(ds + 8, _mm256_mul_ps(vd, HI8S(s16)));
         for (int h = 0; h < 2; h++) {
             const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
-            const int8_t *sc = scb + 8 * h;
+            const float *sc = ds + 8 * h;
             float *y = dst + 128 * h;
             for (int k = 0; k < 2; k++) {
                 __m128i a = _mm_loadu_si128((const __m128i *)(ql + 16 * k));
@@ -180,10 +187,10 @@ AVX2 static void avx2_q6_k(const void *src, float *dst, int64_t nb) {
                 __m128i c = _mm_loadu_si128((const __m128i *)(qh + 16 * k));
                 __m128i q1, q2, q3, q4;
                 Q6_GROUPS(a, bb, c, q1, q2, q3, q4);
-                Q6_STORE16_AVX2(y + 16 * k, q1, _mm256_set1_ps(d * (float)sc[k]));
-                Q6_STORE16_AVX2(y + 32 + 16 * k, q2, _mm256_set1_ps(d * (float)sc[k + 2]));
-                Q6_STORE16_AVX2(y + 64 + 16 * k, q3, _mm256_set1_ps(d * (float)sc[k + 4]));
-                Q6_STORE16_AVX2(y + 96 + 16 * k, q4, _mm256_set1_ps(d * (float)sc[k + 6]));
+                Q6_STORE16_AVX2(y + 16 * k, q1, _mm256_broadcast_ss(&sc[k]));
+                Q6_STORE16_AVX2(y + 32 + 16 * k, q2, _mm256_broadcast_ss(&sc[k + 2]));
+                Q6_STORE16_AVX2(y + 64 + 16 * k, q3, _mm256_broadcast_ss(&sc[k + 4]));
+                Q6_STORE16_AVX2(y + 96 + 16 * k, q4, _mm256_broadcast_ss(&sc[k + 6]));
             }
         }
     }
@@ -261,7 +268,7 @@ AVX512 static void avx512_q4_0(const void *src, float *dst, int64_t nb) {
     }
 }
 
-AVX512 static inline void avx512_qk45(const uint8_t *b, float *dst, int64_t nb, bool q5) {
+AVX512 static inline __attribute__((always_inline)) void avx512_qk45(const uint8_t *b, float *dst, int64_t nb, bool q5) {
     const __m128i m4 = _mm_set1_epi8(0x0f), k16 = _mm_set1_epi8(16);
     for (int64_t i = 0; i < nb; i++, b += q5 ? 176 : 144, dst += 256) {
         float d = LDH(b), dmin = LDH(b + 2);
@@ -271,12 +278,14 @@ AVX512 static inline void avx512_qk45(const uint8_t *b, float *dst, int64_t nb, 
             h0 = _mm_loadu_si128((const __m128i *)qh);
             h1 = _mm_loadu_si128((const __m128i *)(qh + 16));
         }
+        uint32_t sc[2], mn[2]; /* x86 is little-endian: bytes 0..7 = sub-blocks 0..7 */
+        kv_quant_scales_k4(scales, sc, mn);
+        float d1[8], m1[8];
+        _mm256_storeu_ps(d1, _mm256_mul_ps(_mm256_set1_ps(d), LO8U(_mm_loadl_epi64((const __m128i *)sc))));
+        _mm256_storeu_ps(m1, _mm256_mul_ps(_mm256_set1_ps(dmin), LO8U(_mm_loadl_epi64((const __m128i *)mn))));
         for (int c = 0; c < 4; c++) {
-            int sc0, mn0, sc1, mn1;
-            kv_quant_scale_min_k4(2 * c, scales, &sc0, &mn0);
-            kv_quant_scale_min_k4(2 * c + 1, scales, &sc1, &mn1);
-            __m512 da = _mm512_set1_ps(d * (float)sc0), ma = _mm512_set1_ps(dmin * (float)mn0);
-            __m512 db = _mm512_set1_ps(d * (float)sc1), mb = _mm512_set1_ps(dmin * (float)mn1);
+            __m512 da = _mm512_set1_ps(d1[2 * c]), ma = _mm512_set1_ps(m1[2 * c]);
+            __m512 db = _mm512_set1_ps(d1[2 * c + 1]), mb = _mm512_set1_ps(m1[2 * c + 1]);
             float *y = dst + 64 * c;
             __m128i ua = _mm_set1_epi8((char)(1u << (2 * c))), ub = _mm_set1_epi8((char)(2u << (2 * c)));
             for (int k = 0; k < 2; k++) {
@@ -300,11 +309,12 @@ AVX512 static void avx512_q5_k(const void *src, float *dst, int64_t nb) { avx512
 AVX512 static void avx512_q6_k(const void *src, float *dst, int64_t nb) {
     const uint8_t *b = src;
     for (int64_t i = 0; i < nb; i++, b += 210, dst += 256) {
-        float d = LDH(b + 208);
-        const int8_t *scb = (const int8_t *)(b + 192);
+        float ds[16];
+        _mm512_storeu_ps(ds, _mm512_mul_ps(_mm512_set1_ps(LDH(b + 208)),
+                                           I8X16(_mm_loadu_si128((const __m128i *)(b + 192)))));
         for (int h = 0; h < 2; h++) {
             const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
-            const int8_t *sc = scb + 8 * h;
+            const float *sc = ds + 8 * h;
             float *y = dst + 128 * h;
             for (int k = 0; k < 2; k++) {
                 __m128i a = _mm_loadu_si128((const __m128i *)(ql + 16 * k));
@@ -312,10 +322,10 @@ AVX512 static void avx512_q6_k(const void *src, float *dst, int64_t nb) {
                 __m128i c = _mm_loadu_si128((const __m128i *)(qh + 16 * k));
                 __m128i q1, q2, q3, q4;
                 Q6_GROUPS(a, bb, c, q1, q2, q3, q4);
-                _mm512_storeu_ps(y + 16 * k, _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[k]), I8X16(q1)));
-                _mm512_storeu_ps(y + 32 + 16 * k, _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[k + 2]), I8X16(q2)));
-                _mm512_storeu_ps(y + 64 + 16 * k, _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[k + 4]), I8X16(q3)));
-                _mm512_storeu_ps(y + 96 + 16 * k, _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[k + 6]), I8X16(q4)));
+                _mm512_storeu_ps(y + 16 * k, _mm512_mul_ps(_mm512_set1_ps(sc[k]), I8X16(q1)));
+                _mm512_storeu_ps(y + 32 + 16 * k, _mm512_mul_ps(_mm512_set1_ps(sc[k + 2]), I8X16(q2)));
+                _mm512_storeu_ps(y + 64 + 16 * k, _mm512_mul_ps(_mm512_set1_ps(sc[k + 4]), I8X16(q3)));
+                _mm512_storeu_ps(y + 96 + 16 * k, _mm512_mul_ps(_mm512_set1_ps(sc[k + 6]), I8X16(q4)));
             }
         }
     }
