@@ -259,11 +259,31 @@ ratio() { # ratio A B -> B/A with 2 decimals, n/a when either is missing or A is
 
 cpu_flags=$(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -E '^(avx2|fma|f16c|avx512f|avx512bw|avx512vl|avx512_vnni|avx512_bf16|avx512_fp16|avx_vnni|amx_tile)$' | tr '\n' ' ' || true)
 cpu_model=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')
-kv_commit=$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)
+# build_info BIN: where BIN was built from, read from the CMakeCache.txt of its build folder.
+cache_of() { local d; d=$(cd "$(dirname "$1")" && pwd); for c in "$d/CMakeCache.txt" "$d/../CMakeCache.txt"; do [[ -f $c ]] && { echo "$c"; return; }; done; }
+kvserve_info() {
+  local c src rev
+  c=$(cache_of "$kvserve")
+  src=$([[ -n $c ]] && sed -n 's/^CMAKE_HOME_DIRECTORY:INTERNAL=//p' "$c")
+  if [[ -n $src ]] && rev=$(git -C "$src" rev-parse --short HEAD 2>/dev/null); then
+    [[ -n $(git -C "$src" status --porcelain -uno 2>/dev/null) ]] && rev="$rev+uncommitted"
+  elif [[ -n $src && -f $src/.commit ]]; then rev=$(cut -c1-7 "$src/.commit")
+  else rev=unknown; fi
+  echo "source ${src:-?} at $rev"
+}
+llama_info() { # the ISA options of a llama.cpp build
+  local c
+  c=$(cache_of "$1")
+  [[ -n $c ]] || { echo "build options unknown"; return; }
+  if grep -q '^GGML_NATIVE:BOOL=ON' "$c"; then echo "GGML_NATIVE=ON: -march=native"; return; fi
+  grep -E '^GGML_(NATIVE|AVX|AVX2|AVX512|AVX512_VNNI|AVX512_BF16|FMA|F16C):BOOL=' "$c" | sed 's/:BOOL=/=/' | tr '\n' ' ' | sed 's/ $//'
+}
 echo "# serve_ab $(date -u +%Y-%m-%dT%H:%MZ)"
 echo
 echo "- machine: $(nproc) cores, $cpu_model; CPU flags: $cpu_flags"
-echo "- kvserve: $kvserve (tree $root at $kv_commit); llama-server: ${llama_server:-none}${llama_server_avx2:+; AVX2 build: $llama_server_avx2}"
+echo "- kvserve: $kvserve ($(kvserve_info))"
+[[ -n $llama_server ]] && echo "- llama.cpp: $llama_server ($(llama_info "$llama_server"))"
+[[ -n $llama_server_avx2 ]] && echo "- llama.cpp AVX2 build: $llama_server_avx2 ($(llama_info "$llama_server_avx2"))"
 echo "- OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-unset} (avx2 runs: ${OPENBLAS_CORETYPE:-Haswell}); work dir $work_dir"
 if (( ! engine_only )); then
   echo "- served trace: $requests requests at $conc streams and the first $single at 1 stream, ${prompt_words}-word prompts (completions API), max_tokens $max_tokens with ignore_eos, temperature 0, seed $seed; $warmup warm-up requests first"
@@ -285,9 +305,8 @@ for f in "$@"; do
       (( skip_kvserve )) || run_kvserve "$f" "$isa" "$kt" || status=1
       kern=$(grep -o 'kernel [a-z0-9]*' "$work_dir/$kt.log" 2>/dev/null | head -n1 | cut -d' ' -f2 || true)
       obl=$(grep -o 'OpenBLAS core [A-Za-z0-9]*\|gemm openblas (core [A-Za-z0-9]*' "$work_dir/$kt.log" 2>/dev/null | head -n1 | awk '{print $NF}' || true)
-      lsys=$(grep -m1 -o 'CPU : .*' "$work_dir/$lt.log" 2>/dev/null | sed 's/ | *$//' || true)
       echo
-      echo "kvserve: kernel ${kern:-?}, OpenBLAS core ${obl:-?}$([[ $isa == avx2 ]] && echo ", KVSERVE_CPU_ISA=avx2, OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-Haswell}"); llama.cpp: ${lsys:-?}"
+      echo "kvserve: kernel ${kern:-?}, OpenBLAS core ${obl:-?}$([[ $isa == avx2 ]] && echo ", KVSERVE_CPU_ISA=avx2, OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-Haswell}"); llama.cpp: $([[ -n $ls ]] && llama_info "$ls")"
       echo
       echo "| served ($fname, $threads threads, $isa) | llama.cpp | kvserve | kvserve/llama.cpp |"
       echo "|---|---|---|---|"
