@@ -6,7 +6,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* ---- ggml type table (block size in elements, bytes per block) ---- */
+/* ---- ggml type table (block size in elements, bytes per block): the types kvserve computes
+ * with are sized by kv_qtype_row_bytes (src/quant); this table sizes the others, so a file
+ * holding them still opens and a conversion names the type. ---- */
 struct ggml_type_info {
     const char *name;
     uint32_t blck;
@@ -23,7 +25,7 @@ static const struct ggml_type_info k_types[] = {
     [23] = {"IQ4_XS", 256, 136}, [24] = {"I8", 1, 1},        [25] = {"I16", 1, 2},
     [26] = {"I32", 1, 4},       [27] = {"I64", 1, 8},        [28] = {"F64", 1, 8},
     [29] = {"IQ1_M", 256, 56},  [30] = {"BF16", 1, 2},       [34] = {"TQ1_0", 256, 54},
-    [35] = {"TQ2_0", 256, 66},
+    [35] = {"TQ2_0", 256, 66},  [39] = {"MXFP4", 32, 17},    [40] = {"NVFP4", 64, 36},
 };
 #define N_TYPES (sizeof k_types / sizeof k_types[0])
 
