@@ -23,9 +23,13 @@
  * llama.cpp's own dequantization (dequantize_row_* in ggml-quants.c) gives -- the files
  * models/tiny-quant/tiny-<T>.dequant-f32.gguf of the test data are that reference and
  * tests/unit/quant/test_quant.c compares every tensor of every file bitwise. The fast path
- * (vectorized per ISA) and the scalar reference give identical bits.
+ * (vectorized per ISA) and the scalar reference give identical bits. The float operations per
+ * type (and why they match) are listed at the top of quant.c. F16 converts exactly (subnormals,
+ * +-0, +-inf); a NaN keeps sign and payload with the quiet bit set, like F16C's vcvtph2ps and
+ * ggml (base's kv_f16_to_f32 keeps a signalling NaN signalling: the only difference).
  *
- * Thread-safety: every function is pure (no state); call from any thread.
+ * Thread-safety: call from any thread. Every function is pure except for the process-wide ISA
+ * choice (kv_quant_set_isa; atomic, and every ISA gives the same bits).
  */
 #ifndef KV_QUANT_H
 #define KV_QUANT_H
