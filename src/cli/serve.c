@@ -54,9 +54,10 @@ static void serve_usage(FILE *f) {
             "                                   entries are keyed by their first N bytes (default 2048)\n"
             "                           (\"chars\" are bytes of UTF-8)\n"
             "  --backend cpu|cuda       compute backend (default cpu; cuda: bf16 weights on GPU 0)\n"
-            "  --kv-cache-dtype f32|bf16  KV cache element type (default f32; cpu: f32 only;\n"
-            "                           cuda: bf16 halves the KV bytes; its logits are ~10%% further\n"
-            "                           from the f32 reference, see docs/benchmarks.md)\n"
+            "  --kv-cache-dtype f32|f16|bf16  KV cache element type (default f32; cpu: all three,\n"
+            "                           f16/bf16 halve the KV bytes and attention traffic;\n"
+            "                           cuda: f32 or bf16, bf16 logits are ~10%% further from the\n"
+            "                           f32 reference, see docs/benchmarks.md)\n"
             "  --threads N              compute threads (default 0 = all cores)\n"
             "  --gemm invariant|openblas  matrix kernel: 'invariant' (default) gives bitwise-identical\n"
             "                           results whatever the batch; 'openblas' is one sgemm per\n"
@@ -138,8 +139,7 @@ int cmd_serve(int argc, char **argv) {
         else if (!strcmp(a, "--max-queue")) rc = parse_int_opt(a, v, 1, 1 << 24, &max_queue);
         else if (!strcmp(a, "--threads")) rc = parse_int_opt(a, v, 0, 4096, &threads);
         else if (!strcmp(a, "--kv-cache-dtype")) {
-            if (kv_dtype_parse(v, &kv_dtype) != KV_OK || kv_dtype == KV_DTYPE_F16)
-                rc = bad_opt(a, v, "expected f32 or bf16");
+            if (kv_dtype_parse(v, &kv_dtype) != KV_OK) rc = bad_opt(a, v, "expected f32, f16 or bf16");
         } else if (!strcmp(a, "--backend")) {
             if (backend_kind_parse(v, &be_kind) != KV_OK) rc = bad_opt(a, v, "expected cpu or cuda");
         }
@@ -191,9 +191,8 @@ int cmd_serve(int argc, char **argv) {
     }
     if (!*host) return bad_opt("--host", host, "must not be empty");
     if (kv_dtype < 0) kv_dtype = KV_DTYPE_F32; /* cuda too: bf16 KV missed the test tolerance (see test_cuda.c) */
-    else if (be_kind == BACKEND_KIND_CPU && kv_dtype != KV_DTYPE_F32)
-        return bad_opt("--kv-cache-dtype", kv_dtype_name(kv_dtype),
-                       "the cpu backend supports only f32 (use --backend cuda for bf16)");
+    else if (be_kind == BACKEND_KIND_CUDA && kv_dtype == KV_DTYPE_F16)
+        return bad_opt("--kv-cache-dtype", kv_dtype_name(kv_dtype), "the cuda backend supports f32 or bf16");
     if (served && !*served) return bad_opt("--served-model-name", served, "must not be empty");
     {
         char perr[256];

@@ -20,6 +20,7 @@
 
 #include "../../base/threadpool.h"
 #include "../backend.h"
+#include "attention.h"
 #include "matmul.h"
 
 struct cpu_ctx {
@@ -27,8 +28,9 @@ struct cpu_ctx {
     kv_threadpool_t *tp;
     int n_threads;
     enum backend_cpu_gemm gemm;
-    float *pool;         /* (n_blocks * block_floats), owned */
-    size_t block_floats; /* floats per block */
+    char *pool;          /* (n_blocks * block_bytes), owned */
+    size_t block_bytes;  /* bytes per block */
+    int kv_dtype;        /* enum kv_dtype of the pool's K/V elements */
     int tpb;             /* tokens per block */
     float *inv_freq;     /* (head_dim/2) RoPE inverse frequencies after scaling */
 
@@ -45,7 +47,7 @@ struct cpu_ctx {
     int32_t *row_pos;           /* (rows) absolute position of each row */
     int32_t *row_seq;           /* (rows) sequence index of each row */
     int32_t *logit_rows;        /* (rows) rows that need logits, in output order */
-    int cap_ctx;                /* per-thread score capacity (positions) */
+    size_t cap_ctx;             /* per-thread score capacity (floats: q heads per KV head x positions) */
     float *scores;              /* (n_threads, cap_ctx) */
 };
 
@@ -137,14 +139,17 @@ static void task_swiglu(void *p, int t, int th) {
     }
 }
 
-/* Start of (layer, k|v, kv_head, pos) of a sequence: 'head_dim' floats. */
-static inline float *kv_slot(const struct cpu_ctx *c, const int32_t *block_table, int layer, int kv,
-                             int kv_head, int pos) {
+/* Byte offset inside a block of the (layer, k|v, kv_head) run of tpb rows. */
+static inline size_t run_off(const struct cpu_ctx *c, int layer, int kv, int kv_head) {
     const struct model_config *cfg = &c->m->cfg;
+    return (((size_t)layer * 2 + kv) * cfg->n_kv_heads + kv_head) * c->tpb * cfg->head_dim * kv_dtype_size(c->kv_dtype);
+}
+/* Start of (layer, k|v, kv_head, pos) of a sequence: head_dim elements of kv_dtype. */
+static inline char *kv_slot(const struct cpu_ctx *c, const int32_t *block_table, int layer, int kv, int kv_head,
+                            int pos) {
     int tpb = c->tpb;
-    size_t off = (size_t)block_table[pos / tpb] * c->block_floats +
-                 ((((size_t)layer * 2 + kv) * cfg->n_kv_heads + kv_head) * tpb + pos % tpb) * cfg->head_dim;
-    return c->pool + off;
+    return c->pool + (size_t)block_table[pos / tpb] * c->block_bytes + run_off(c, layer, kv, kv_head) +
+           (size_t)(pos % tpb) * c->m->cfg.head_dim * kv_dtype_size(c->kv_dtype);
 }
 
 /* Per row: q/k/v bias (done in gemm), q/k norm, RoPE, store K/V into the row's block slot. */
@@ -168,79 +173,38 @@ static void task_qkv_post(void *p, int t, int th) {
         for (int h = 0; h < cfg->n_kv_heads; h++) {
             if (cfg->qk_norm) rmsnorm(k + h * hd, k + h * hd, lw->k_norm, hd, cfg->rms_eps);
             rope_apply(k + h * hd, hd, cs, sn, cfg->rope_neox);
-            memcpy(kv_slot(c, s->block_table, j->layer, 0, h, c->row_pos[r]), k + h * hd, hd * sizeof(float));
-            memcpy(kv_slot(c, s->block_table, j->layer, 1, h, c->row_pos[r]), v + h * hd, hd * sizeof(float));
+            kv_store_row(kv_slot(c, s->block_table, j->layer, 0, h, c->row_pos[r]), k + h * hd, hd, c->kv_dtype);
+            kv_store_row(kv_slot(c, s->block_table, j->layer, 1, h, c->row_pos[r]), v + h * hd, hd, c->kv_dtype);
         }
     }
 }
 
-typedef float v16f __attribute__((vector_size(64)));
-
-/* a . b over n floats in a fixed order (that of matmul.h: 16 lanes, lane j sums e = j, j+16,
- * ..., a fixed tree over the lanes, then the tail in order), so a score never depends on the
- * batch. */
-static inline __attribute__((always_inline)) float attn_dot(const float *a, const float *b, int n) {
-    int n16 = n - n % 16;
-    float s = 0.0f;
-    if (n16) {
-        v16f acc = {0};
-        for (int e = 0; e < n16; e += 16) {
-            v16f x, y;
-            memcpy(&x, a + e, sizeof x);
-            memcpy(&y, b + e, sizeof y);
-            acc += x * y;
-        }
-        float l8[8], l4[4];
-        for (int j = 0; j < 8; j++) l8[j] = acc[j] + acc[j + 8];
-        for (int j = 0; j < 4; j++) l4[j] = l8[j] + l8[j + 4];
-        s = (l4[0] + l4[2]) + (l4[1] + l4[3]);
-    }
-    for (int e = n16; e < n; e++) s += a[e] * b[e];
-    return s;
-}
-
-/* One (row, query head): causal attention over positions 0..pos of the row's sequence.
- * Cloned per ISA; every clone does the same IEEE operations in the same order. */
-__attribute__((target_clones("avx512f", "avx2", "default"))) static void task_attention(void *p, int t, int th) {
+/* One (row, KV head): causal attention of the group's query heads over positions 0..pos of
+ * the row's sequence (attention.h: the same bits on every ISA and in every batch). */
+static void task_attention(void *p, int t, int th) {
     struct job *j = p;
     struct cpu_ctx *c = j->c;
     const struct model_config *cfg = &c->m->cfg;
-    int hd = cfg->head_dim;
-    int r = t / cfg->n_heads, h = t % cfg->n_heads;
-    int kvh = h / (cfg->n_heads / cfg->n_kv_heads);
-    int pos = c->row_pos[r];
-    const int32_t *bt = j->b->seqs[c->row_seq[r]].block_table;
-    const float *q = c->q + (size_t)r * cfg->n_heads * hd + (size_t)h * hd;
-    float *out = c->xb + (size_t)r * cfg->n_heads * hd + (size_t)h * hd;
-    float *sc = c->scores + (size_t)th * c->cap_ctx;
-    float scale = 1.0f / sqrtf((float)hd);
-    float mx = -INFINITY;
-    for (int i = 0; i <= pos; i++) {
-        float d = attn_dot(q, kv_slot(c, bt, j->layer, 0, kvh, i), hd) * scale;
-        sc[i] = d;
-        if (d > mx) mx = d;
-    }
-    float sum = 0.0f;
-    for (int i = 0; i <= pos; i++) {
-        sc[i] = expf(sc[i] - mx);
-        sum += sc[i];
-    }
-    float inv = 1.0f / sum;
-    int hd16 = hd - hd % 16;
-    for (int e = 0; e < hd; e++) out[e] = 0.0f;
-    for (int i = 0; i <= pos; i++) { /* out[e] accumulates over i in order, element-wise */
-        const float *vp = kv_slot(c, bt, j->layer, 1, kvh, i);
-        float w = sc[i] * inv;
-        v16f wv = {w, w, w, w, w, w, w, w, w, w, w, w, w, w, w, w};
-        for (int e = 0; e < hd16; e += 16) {
-            v16f o, v;
-            memcpy(&o, out + e, sizeof o);
-            memcpy(&v, vp + e, sizeof v);
-            o += wv * v;
-            memcpy(out + e, &o, sizeof o);
-        }
-        for (int e = hd16; e < hd; e++) out[e] += w * vp[e];
-    }
+    int hd = cfg->head_dim, group = cfg->n_heads / cfg->n_kv_heads;
+    int r = t / cfg->n_kv_heads, kvh = t % cfg->n_kv_heads;
+    size_t qoff = (size_t)r * cfg->n_heads * hd + (size_t)kvh * group * hd;
+    struct kv_attn_args a = {
+        .q = c->q + qoff,
+        .n_group = group,
+        .head_dim = hd,
+        .n_pos = c->row_pos[r] + 1,
+        .block_table = j->b->seqs[c->row_seq[r]].block_table,
+        .tpb = c->tpb,
+        .pool = c->pool,
+        .block_bytes = c->block_bytes,
+        .k_off = run_off(c, j->layer, 0, kvh),
+        .v_off = run_off(c, j->layer, 1, kvh),
+        .kv_dtype = c->kv_dtype,
+        .scale = 1.0f / sqrtf((float)hd),
+        .scores = c->scores + (size_t)th * c->cap_ctx,
+        .out = c->xb + qoff,
+    };
+    kv_attention(&a);
 }
 
 /* ---- scratch management ---- */
@@ -272,9 +236,10 @@ static kv_status grow_rows(struct cpu_ctx *c, int rows) {
 }
 
 static kv_status grow_ctx(struct cpu_ctx *c, int n_pos) {
-    if (n_pos <= c->cap_ctx) return KV_OK;
-    int cap = c->cap_ctx ? c->cap_ctx : 256;
-    while (cap < n_pos) cap *= 2;
+    size_t need = (size_t)n_pos * (size_t)(c->m->cfg.n_heads / c->m->cfg.n_kv_heads);
+    if (need <= c->cap_ctx) return KV_OK;
+    size_t cap = c->cap_ctx ? c->cap_ctx : 256;
+    while (cap < need) cap *= 2;
     float *np = kv_realloc(c->scores, (size_t)cap * c->n_threads * sizeof(float));
     if (!np) return KV_ENOMEM;
     c->scores = np;
@@ -296,16 +261,15 @@ static kv_status cpu_kv_alloc(backend_t *be, int n_blocks, const struct kv_geome
         KV_ERROR("cpu backend: kv_alloc: geometry does not match the model or n_blocks < 1");
         return KV_EINVAL;
     }
-    if (g->kv_dtype != KV_DTYPE_F32) {
-        KV_ERROR("cpu backend: kv_alloc: KV cache dtype %s (%d) is not supported; the CPU backend "
-                 "stores K/V as f32 only",
-                 kv_dtype_name(g->kv_dtype), g->kv_dtype);
+    if (g->kv_dtype != KV_DTYPE_F32 && g->kv_dtype != KV_DTYPE_F16 && g->kv_dtype != KV_DTYPE_BF16) {
+        KV_ERROR("cpu backend: kv_alloc: unknown KV cache dtype %d", g->kv_dtype);
         return KV_EINVAL;
     }
-    size_t bf = kv_block_bytes(g) / sizeof(float);
-    c->pool = kv_calloc((size_t)n_blocks, bf * sizeof(float));
+    size_t bb = kv_block_bytes(g);
+    c->pool = kv_calloc((size_t)n_blocks, bb);
     if (!c->pool) return KV_ENOMEM;
-    c->block_floats = bf;
+    c->block_bytes = bb;
+    c->kv_dtype = g->kv_dtype;
     c->tpb = g->tokens_per_block;
     be->geom = *g;
     be->n_blocks = n_blocks;
@@ -400,7 +364,7 @@ static kv_status cpu_forward(backend_t *be, const struct batch *b, float *logits
                                       MM(c->hb, T, lw->wv, lw->bv, c->v)};
         gemm(c, qkv, 3);
         kv_threadpool_for(c->tp, nt, task_qkv_post, &j);
-        kv_threadpool_for(c->tp, T * cfg->n_heads, task_attention, &j);
+        kv_threadpool_for(c->tp, T * cfg->n_kv_heads, task_attention, &j);
         gemm(c, &MM(c->xb, T, lw->wo, NULL, c->hb), 1);
         j.src = c->hb, j.dst = c->x;
         kv_threadpool_for(c->tp, nt, task_add, &j);
@@ -428,15 +392,15 @@ static kv_status cpu_copy_blocks(backend_t *be, const int32_t *src, const int32_
     for (int i = 0; i < n; i++)
         if (src[i] < 0 || src[i] >= be->n_blocks || dst[i] < 0 || dst[i] >= be->n_blocks) return KV_EINVAL;
     for (int i = 0; i < n; i++)
-        memmove(c->pool + (size_t)dst[i] * c->block_floats, c->pool + (size_t)src[i] * c->block_floats,
-                c->block_floats * sizeof(float));
+        memmove(c->pool + (size_t)dst[i] * c->block_bytes, c->pool + (size_t)src[i] * c->block_bytes,
+                c->block_bytes);
     return KV_OK;
 }
 
 static float *cpu_block_ptr(backend_t *be, int b) {
     struct cpu_ctx *c = be->ctx;
     if (!c->pool || b < 0 || b >= be->n_blocks) return NULL;
-    return c->pool + (size_t)b * c->block_floats;
+    return (float *)(void *)(c->pool + (size_t)b * c->block_bytes);
 }
 
 static void cpu_free(backend_t *be) {

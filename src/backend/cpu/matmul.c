@@ -220,6 +220,12 @@ enum kv_matmul_isa kv_matmul_set_isa(enum kv_matmul_isa isa) {
     return isa;
 }
 
+enum kv_matmul_isa kv_matmul_get_isa(void) {
+    int isa = atomic_load_explicit(&g_isa, memory_order_relaxed);
+    if (isa == KV_MATMUL_ISA_AUTO) isa = (int)kv_matmul_set_isa(KV_MATMUL_ISA_AUTO);
+    return (enum kv_matmul_isa)isa;
+}
+
 static cols_fn current_fn(void) {
     int isa = atomic_load_explicit(&g_isa, memory_order_relaxed);
     if (isa == KV_MATMUL_ISA_AUTO) isa = (int)kv_matmul_set_isa(KV_MATMUL_ISA_AUTO);

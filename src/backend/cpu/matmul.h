@@ -76,6 +76,9 @@ void kv_matmul_reference(const float *X, int M, int K, const float *W, int N, co
  * Also sets the dequantization kernels' ISA (kv_quant_set_isa) to the same family. */
 enum kv_matmul_isa { KV_MATMUL_ISA_AUTO = 0, KV_MATMUL_ISA_GENERIC, KV_MATMUL_ISA_AVX2, KV_MATMUL_ISA_AVX512 };
 enum kv_matmul_isa kv_matmul_set_isa(enum kv_matmul_isa isa);
+/* The set in effect now (never AUTO: resolves it on first use). The attention kernels
+ * (attention.h) follow it too. */
+enum kv_matmul_isa kv_matmul_get_isa(void);
 /* "avx512", "avx2" or "generic": the set kv_matmul uses now. */
 const char *kv_matmul_isa_name(void);
 

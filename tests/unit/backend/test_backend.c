@@ -56,6 +56,7 @@ struct seqs {
 
 struct run {
     int tpb, n_blocks;
+    int kv_dtype;         /* enum kv_dtype of the pool (0 = f32) */
     int32_t bt[MAXS][32]; /* block tables */
     float *logits[MAXS];  /* (len, vocab) per position */
     float *kv[MAXS];      /* gathered K/V per position: (len, layers*2*kvh*hd) */
@@ -66,7 +67,8 @@ struct run {
 static void run_schedule(backend_t *be, const struct seqs *S, int mode, uint64_t seed, struct run *R) {
     const struct model_config *cfg = &be->model->cfg;
     int V = cfg->n_vocab;
-    struct kv_geometry g = {.n_layers = cfg->n_layers, .n_kv_heads = cfg->n_kv_heads, .head_dim = cfg->head_dim, .tokens_per_block = R->tpb};
+    struct kv_geometry g = {.n_layers = cfg->n_layers, .n_kv_heads = cfg->n_kv_heads, .head_dim = cfg->head_dim,
+                            .tokens_per_block = R->tpb, .kv_dtype = R->kv_dtype};
     assert_int_equal(be->ops->kv_alloc(be, R->n_blocks, &g), KV_OK);
     /* disjoint, shuffled block ids per sequence */
     kv_rng rng;
@@ -130,16 +132,18 @@ static void run_schedule(backend_t *be, const struct seqs *S, int mode, uint64_t
     free(out);
     /* gather K/V of every position through the documented layout */
     int hd = cfg->head_dim, kvh = cfg->n_kv_heads, per = cfg->n_layers * 2 * kvh * hd;
+    size_t es = kv_dtype_size(R->kv_dtype);
     for (int s = 0; s < S->n; s++) {
         R->kv[s] = malloc((size_t)S->len[s] * per * sizeof(float));
+        char *dst = (char *)R->kv[s];
         for (int p = 0; p < S->len[s]; p++) {
-            float *blk = be->ops->block_ptr(be, R->bt[s][p / R->tpb]);
+            const char *blk = (const char *)be->ops->block_ptr(be, R->bt[s][p / R->tpb]);
             assert_non_null(blk);
             for (int l = 0; l < cfg->n_layers; l++)
                 for (int kv = 0; kv < 2; kv++)
                     for (int h = 0; h < kvh; h++)
-                        memcpy(R->kv[s] + (size_t)p * per + ((size_t)(l * 2 + kv) * kvh + h) * hd,
-                               blk + (((size_t)(l * 2 + kv) * kvh + h) * R->tpb + p % R->tpb) * hd, hd * sizeof(float));
+                        memcpy(dst + ((size_t)p * per + ((size_t)(l * 2 + kv) * kvh + h) * hd) * es,
+                               blk + (((size_t)(l * 2 + kv) * kvh + h) * R->tpb + p % R->tpb) * hd * es, hd * es);
         }
     }
 }
@@ -148,7 +152,7 @@ static void free_run(struct run *R, int n) {
     for (int s = 0; s < n; s++) free(R->logits[s]), free(R->kv[s]);
 }
 
-static void check_determinism(model_t *m, int n_threads, uint64_t seed) {
+static void check_determinism_dt(model_t *m, int n_threads, uint64_t seed, int kv_dtype) {
     backend_t *be = NULL;
     char err[256];
     assert_int_equal(backend_cpu_new(m, n_threads, &be, err, sizeof err), KV_OK);
@@ -161,10 +165,10 @@ static void check_determinism(model_t *m, int n_threads, uint64_t seed) {
     }
     S.len[0] = 37; /* more than two blocks of 16 and not a multiple of the gemm tile */
     int V = m->cfg.n_vocab, per = m->cfg.n_layers * 2 * m->cfg.n_kv_heads * m->cfg.head_dim;
-    struct run ref = {.tpb = 16, .n_blocks = 40};
+    struct run ref = {.tpb = 16, .n_blocks = 40, .kv_dtype = kv_dtype};
     run_schedule(be, &S, 0, seed, &ref);
     for (int mode = 1; mode <= 5; mode++) {
-        struct run r = {.tpb = 16, .n_blocks = 40};
+        struct run r = {.tpb = 16, .n_blocks = 40, .kv_dtype = kv_dtype};
         run_schedule(be, &S, mode >= 3 ? 3 : mode, seed * 31 + (uint64_t)mode, &r);
         for (int s = 0; s < S.n; s++) {
             for (int p = 0; p < S.len[s]; p++) {
@@ -172,7 +176,7 @@ static void check_determinism(model_t *m, int n_threads, uint64_t seed) {
                     fail_msg("mode %d seq %d pos %d: logits differ from the alone/one-chunk run", mode, s, p);
                 }
             }
-            if (memcmp(ref.kv[s], r.kv[s], (size_t)S.len[s] * per * sizeof(float)))
+            if (memcmp(ref.kv[s], r.kv[s], (size_t)S.len[s] * per * kv_dtype_size(kv_dtype)))
                 fail_msg("mode %d seq %d: K/V differ", mode, s);
         }
         free_run(&r, S.n);
@@ -184,6 +188,10 @@ static void check_determinism(model_t *m, int n_threads, uint64_t seed) {
     assert_true(ref.logits[0][0] != ref.logits[0][1] || ref.logits[0][1] != ref.logits[0][2]);
     free_run(&ref, S.n);
     backend_free(be);
+}
+
+static void check_determinism(model_t *m, int n_threads, uint64_t seed) {
+    check_determinism_dt(m, n_threads, seed, KV_DTYPE_F32);
 }
 
 static void test_determinism_llama(void **st) {
@@ -198,6 +206,44 @@ static void test_determinism_llama_hd40(void **st) {
     (void)st;
     model_t *m = random_model_hd(MODEL_ARCH_LLAMA, 14, 40);
     check_determinism(m, 2, 10);
+    model_free(m);
+}
+/* f16 and bf16 KV pools: the same guarantee (K/V rounded once at store, widened exactly). */
+static void test_determinism_kv16(void **st) {
+    (void)st;
+    model_t *m = random_model(MODEL_ARCH_LLAMA, 15);
+    check_determinism_dt(m, 2, 21, KV_DTYPE_F16);
+    check_determinism_dt(m, 2, 22, KV_DTYPE_BF16);
+    model_free(m);
+    m = random_model(MODEL_ARCH_QWEN3, 16); /* GQA */
+    check_determinism_dt(m, 2, 23, KV_DTYPE_F16);
+    /* and the 16-bit pools compute the same attention as f32 up to their rounding */
+    backend_t *be = NULL;
+    char err[256];
+    assert_int_equal(backend_cpu_new(m, 2, &be, err, sizeof err), KV_OK);
+    struct seqs S = {.n = 1, .len = {50}};
+    for (int i = 0; i < 50; i++) S.tok[0][i] = (int32_t)((i * 37 + 5) % m->cfg.n_vocab);
+    int dts[3] = {KV_DTYPE_F32, KV_DTYPE_F16, KV_DTYPE_BF16};
+    double tol[3] = {0, 2e-3, 2e-2}; /* f16: 11-bit, bf16: 8-bit mantissa */
+    struct run r[3];
+    for (int d = 0; d < 3; d++) {
+        r[d] = (struct run){.tpb = 16, .n_blocks = 40, .kv_dtype = dts[d]};
+        run_schedule(be, &S, 0, 1, &r[d]);
+    }
+    size_t n = (size_t)50 * m->cfg.n_vocab;
+    for (int d = 1; d < 3; d++) {
+        double maxd = 0, maxa = 0;
+        for (size_t i = 0; i < n; i++) {
+            double e = fabs((double)r[d].logits[0][i] - r[0].logits[0][i]);
+            if (e > maxd) maxd = e;
+            if (fabs(r[0].logits[0][i]) > maxa) maxa = fabs(r[0].logits[0][i]);
+        }
+        fprintf(stderr, "kv %s: max |logit - f32 KV logit| = %.3g (max |logit| %.3g)\n", kv_dtype_name(dts[d]), maxd, maxa);
+        assert_true(maxd > 0);               /* really rounded */
+        assert_true(maxd <= tol[d] * maxa);  /* and still the same attention */
+    }
+    for (int d = 0; d < 3; d++) free_run(&r[d], 1);
+    backend_free(be);
     model_free(m);
 }
 static void test_determinism_qwen2(void **st) {
@@ -362,9 +408,9 @@ static void test_validation(void **st) {
     struct kv_geometry bad = {.n_layers = m->cfg.n_layers + 1, .n_kv_heads = m->cfg.n_kv_heads, .head_dim = m->cfg.head_dim, .tokens_per_block = 4};
     assert_int_equal(be->ops->kv_alloc(be, 3, &bad), KV_EINVAL);
     struct kv_geometry g = {.n_layers = m->cfg.n_layers, .n_kv_heads = m->cfg.n_kv_heads, .head_dim = m->cfg.head_dim, .tokens_per_block = 4};
-    /* the CPU backend keeps f32 K/V only: bf16 / f16 / unknown dtypes are refused, no pool left */
-    int dts[3] = {KV_DTYPE_BF16, KV_DTYPE_F16, 9};
-    for (int i = 0; i < 3; i++) {
+    /* unknown dtypes are refused, no pool left */
+    int dts[2] = {9, -1};
+    for (int i = 0; i < 2; i++) {
         bad = g;
         bad.kv_dtype = dts[i];
         assert_int_equal(be->ops->kv_alloc(be, 3, &bad), KV_EINVAL);
@@ -547,6 +593,7 @@ int main(void) {
         cmocka_unit_test(test_gemm_modes),
         cmocka_unit_test(test_determinism_llama),
         cmocka_unit_test(test_determinism_llama_hd40),
+        cmocka_unit_test(test_determinism_kv16),
         cmocka_unit_test(test_determinism_qwen2),
         cmocka_unit_test(test_determinism_qwen3),
         cmocka_unit_test(test_determinism_stories),

@@ -1,0 +1,49 @@
+/*
+ * attention: causal attention of the CPU backend over a paged KV pool whose K/V elements are
+ * f32, f16 or bf16 (enum kv_dtype, backend.h), one task per (query row, KV head).
+ *
+ * Layout (backend.h): block b holds [layer][k|v][kv_head][token][head_dim]; a sequence's
+ * position p lives in block block_table[p / tpb], slot p % tpb. The caller passes the byte
+ * offsets of its (layer, kv_head) K and V runs inside a block.
+ *
+ * INVARIANCE CONTRACT (the same on every kernel family, generic / AVX2 / AVX-512, so a
+ * sequence's output never depends on the batch, the chunking or the ISA): for query head g
+ * (of the n_group heads sharing this KV head) and positions i = 0 .. n_pos-1, with k_i, v_i
+ * the stored rows widened exactly to f32:
+ *   s_i  = dot(q_g, k_i) * scale        dot: matmul.h's order (16 lanes, fma, fixed tree,
+ *                                       fma tail)
+ *   mx   = max_i s_i;  e_i = expf(s_i - mx);  sum = e_0 + e_1 + ... (in order)
+ *   out_g[d] = 0; for i in order: out_g[d] = fma(e_i * (1 / sum), v_i[d], out_g[d])
+ * Cost: one pass over K and one over V per (row, KV head), shared by the group's q heads
+ * (GQA reads each K/V row once, not n_group times).
+ */
+#ifndef KV_BACKEND_CPU_ATTENTION_H
+#define KV_BACKEND_CPU_ATTENTION_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+struct kv_attn_args {
+    const float *q;            /* (n_group, head_dim): the group's query heads, contiguous */
+    int n_group, head_dim;     /* head_dim >= 1 */
+    int n_pos;                 /* >= 1: positions 0 .. n_pos-1 of the sequence */
+    const int32_t *block_table;
+    int tpb;                   /* tokens per block */
+    const char *pool;          /* the KV pool (borrowed) */
+    size_t block_bytes;        /* bytes per block */
+    size_t k_off, v_off;       /* byte offsets of this (layer, kv head)'s K / V run in a block */
+    int kv_dtype;              /* enum kv_dtype */
+    float scale;               /* usually 1/sqrt(head_dim) */
+    float *scores;             /* scratch: (n_group, n_pos) floats */
+    float *out;                /* (n_group, head_dim) */
+};
+
+/* Runs the contract above with the kernel family kv_matmul_set_isa selected. Reads only
+ * positions < n_pos; cannot fail. Thread-safe for distinct scores/out buffers. */
+void kv_attention(const struct kv_attn_args *a);
+
+/* Stores n floats as kv_dtype elements at dst (f32 copy, f16 / bf16 round-to-nearest-even;
+ * the same bits on every ISA). */
+void kv_store_row(void *dst, const float *src, int n, int kv_dtype);
+
+#endif
