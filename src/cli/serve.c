@@ -253,11 +253,13 @@ int cmd_serve(int argc, char **argv) {
         ret = 2;
         goto out;
     }
-    KV_INFO("model %s (%s, %d layers, dim %d, vocab %d); KV cache: %d blocks x %d tokens x %zu bytes "
-            "= %.1f MiB (%lld tokens); max_model_len %d",
+    KV_INFO("model %s (%s, %d layers, dim %d, vocab %d; weights %.1f MiB, matrices %s/%s%s); KV cache "
+            "(%s): %d blocks x %d tokens x %zu bytes = %.1f MiB (%lld tokens); max_model_len %d",
             m->cfg.name, model_arch_name(m->cfg.arch), m->cfg.n_layers, m->cfg.dim, m->cfg.n_vocab,
-            kv_blocks, tpb, block_bytes, (double)kv_blocks * (double)block_bytes / (1024.0 * 1024.0),
-            (long long)kv_blocks * tpb, max_model_len);
+            (double)model_weight_bytes(m) / (1024.0 * 1024.0), kv_qtype_name(m->w.layers[0].w_up.type),
+            kv_qtype_name(m->w.layers[0].w_down.type), m->format == MODEL_FORMAT_GGUF ? ", mapped from the file" : "",
+            kv_dtype_name(kv_dtype), kv_blocks, tpb, block_bytes,
+            (double)kv_blocks * (double)block_bytes / (1024.0 * 1024.0), (long long)kv_blocks * tpb, max_model_len);
     struct backend_options bopt = {.kind = be_kind, .n_threads = threads, .gemm = gemm};
     if (backend_create(m, &bopt, &be, err, sizeof err) != KV_OK) {
         fprintf(stderr, "kvserve serve: cannot create the %s backend: %s\n", backend_kind_name(be_kind), err);

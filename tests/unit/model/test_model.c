@@ -6,6 +6,7 @@
 #include <cmocka.h>
 
 #include <stdio.h>
+#include <malloc.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -217,6 +218,37 @@ static void test_load_llama2_tiny(void **s) {
     model_free(m);
 }
 
+/* Quantized GGUF matrices are used in place from the file's map: loading allocates only
+ * the f32 vectors (a few KiB), never a widened copy of the weights. */
+static void test_load_keeps_stored_precision(void **s) {
+    (void)s;
+    const char *types[] = {"f32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K"};
+    char path[1024], rel[128], err[256];
+    if (!test_data_path(path, sizeof path, "models/tiny-quant/tiny-f32.gguf")) { skip(); return; }
+    for (size_t i = 0; i < sizeof types / sizeof types[0]; i++) {
+        snprintf(rel, sizeof rel, "models/tiny-quant/tiny-%s.gguf", types[i]);
+        assert_non_null(test_data_path(path, sizeof path, rel));
+        struct mallinfo2 before = mallinfo2();
+        model_t *m = NULL;
+        if (model_load(path, &m, err, sizeof err)) fail_msg("%s: %s", path, err);
+        struct mallinfo2 after = mallinfo2();
+        size_t heap = (after.uordblks + after.hblkhd) - (before.uordblks + before.hblkhd);
+        FILE *f = fopen(path, "rb");
+        assert_non_null(f);
+        fseek(f, 0, SEEK_END);
+        size_t file = (size_t)ftell(f);
+        fclose(f);
+        size_t wb = model_weight_bytes(m);
+        fprintf(stderr, "%-8s file %zu B, weights %zu B, heap at load %zu B, w_up %s\n", types[i], file, wb, heap,
+                kv_qtype_name(m->w.layers[0].w_up.type));
+        assert_true(wb <= file && wb > file / 2); /* the stored bytes, not a widened copy */
+        assert_true(heap < 64 * 1024);            /* vectors and tables only */
+        if (i == 0) assert_int_equal(m->w.layers[0].w_up.type, KV_QTYPE_F32);
+        else assert_int_not_equal(m->w.layers[0].w_up.type, KV_QTYPE_F32);
+        model_free(m);
+    }
+}
+
 static void test_demo(void **s) {
     (void)s;
     char dir[512], path[1024], err[256];
@@ -279,6 +311,7 @@ int main(void) {
         cmocka_unit_test(test_roundtrip_qwen3),
         cmocka_unit_test(test_load_stories_gguf),
         cmocka_unit_test(test_load_llama2_tiny),
+        cmocka_unit_test(test_load_keeps_stored_precision),
         cmocka_unit_test(test_demo),
     };
     return cmocka_run_group_tests(tests, setup_tmp, teardown_tmp);

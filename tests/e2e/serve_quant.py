@@ -1,0 +1,107 @@
+#!/usr/bin/python3
+"""End-to-end: `kvserve serve` on every quantized file of models/tiny-quant (llama.cpp's
+F16, BF16, Q8_0, Q4_0, Q4_K_M, Q5_K_M, Q6_K quantizations of one random model) against the
+same server on the matching dequant-f32 file (llama.cpp's own dequantization to F32).
+
+- greedy completions of the stories-vocabulary reference prompts: identical token ids and
+  identical top-5 logprobs (the kernels compute with exactly the dequantized floats, so the
+  documented tolerance is zero; see src/backend/cpu/matmul.h), also with --kv-cache-dtype f16
+  on both sides;
+- memory: the server's RSS after serving is at most (file size + KV pool) x 1.15 + the
+  fixed part (code, libraries -- libcublasLt alone is ~130 MiB in a CUDA build --, thread
+  stacks, scratch), measured as the RSS of the same server on the smallest file minus that
+  file's size. A widened f32 copy of the weights would exceed it (4-8x the file).
+env: KVSERVE_BIN, KVSERVE_TEST_DATA. Exit 0 = passed, 77 = skipped (data missing).
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import http_api as H  # noqa: E402
+
+DATA = os.environ.get("KVSERVE_TEST_DATA", "")
+QDIR = os.path.join(DATA, "models", "tiny-quant")
+TYPES = ["F16", "BF16", "Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K"]
+KV_BLOCKS = 64  # x 16 tokens
+
+
+def proc_status(pid):
+    out = {}
+    with open("/proc/%d/status" % pid) as f:
+        for line in f:
+            k, _, v = line.partition(":")
+            if v.strip().endswith("kB"):
+                out[k] = int(v.split()[0]) * 1024
+    return out
+
+
+def completions(s, prompts):
+    res = []
+    for p in prompts:
+        st, r, _ = s.post("/v1/completions", dict(prompt=p, max_tokens=24, temperature=0, logprobs=5,
+                                                 return_tokens_as_token_ids=True))
+        H.check(st == 200, "completion status %s: %s" % (st, r))
+        if st != 200:
+            return None
+        lp = r["choices"][0]["logprobs"]
+        res.append((H.token_ids_of(lp), lp["top_logprobs"]))
+    return res
+
+
+def serve(path, extra=()):
+    return H.Server(path, ["--kv-cache-blocks", str(KV_BLOCKS), "--threads", "2", *extra])
+
+
+def main():
+    if not os.path.exists(os.path.join(QDIR, "tiny-f32.gguf")):
+        print("SKIP: test data %s not found (set KVSERVE_TEST_DATA)" % QDIR)
+        return 77
+    prompts = [r["prompt"] for r in H.greedy_records()][:6]
+    kv_bytes = KV_BLOCKS * 16 * 2 * 2 * 2 * 128 * 4  # blocks x tpb x K,V x layers x kv heads x head_dim x f32
+    base_file = os.path.join(QDIR, "tiny-Q4_0.gguf")
+    sb = serve(base_file)
+    try:
+        completions(sb, prompts[:2])
+        fixed = proc_status(sb.proc.pid)["VmRSS"] - os.path.getsize(base_file)
+    finally:
+        sb.stop()
+    print("fixed RSS (server on tiny-Q4_0 minus its file): %.1f MiB" % (fixed / 1048576.0), flush=True)
+    for kv in ("f32", "f16"):
+        for t in TYPES:
+            q = os.path.join(QDIR, "tiny-%s.gguf" % t)
+            f = os.path.join(QDIR, "tiny-%s.dequant-f32.gguf" % t)
+            sq = serve(q, ["--kv-cache-dtype", kv])
+            try:
+                got = completions(sq, prompts)
+                log = sq.logtext()
+                if kv == "f32":
+                    want_type = t.split("_M")[0]
+                    H.check(("matrices " + want_type) in log, "%s: the log names the stored type: %s" % (t, log[-600:]))
+                    st = proc_status(sq.proc.pid)
+                    size = os.path.getsize(q)
+                    limit = 1.15 * (size + kv_bytes) + fixed
+                    H.check(st["VmRSS"] <= limit, "%s: RSS %d B > (file %d + KV %d) x 1.15 + fixed %d" %
+                            (t, st["VmRSS"], size, kv_bytes, fixed))
+                    print("%-7s file %8d B  RSS %9d B  anon %9d B  file-backed %9d B" %
+                          (t, size, st.get("VmRSS", 0), st.get("RssAnon", 0), st.get("RssFile", 0)), flush=True)
+            finally:
+                sq.stop()
+            sf = serve(f, ["--kv-cache-dtype", kv])
+            try:
+                want = completions(sf, prompts)
+            finally:
+                sf.stop()
+            if got is None or want is None:
+                continue
+            for i, (a, b) in enumerate(zip(got, want)):
+                H.check(a[0] == b[0], "%s kv %s prompt %d: ids %s != dequant-f32 %s" % (t, kv, i, a[0][:8], b[0][:8]))
+                H.check(a[1] == b[1], "%s kv %s prompt %d: top-5 logprobs differ" % (t, kv, i))
+            H.check(len(set(tuple(a[0]) for a in got)) > 1, "%s: outputs differ between prompts" % t)
+        print("kv %s: %d types ok so far (%d checks passed, %d failed)" % (kv, len(TYPES), H.passed, len(H.failures)),
+              flush=True)
+    print("%d checks passed, %d failed" % (H.passed, len(H.failures)))
+    return 1 if H.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
