@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "backend/backend.h"
+#include "backend/cpu/matmul.h"
 #include "engine/engine.h"
 #include "kvcache/kvcache.h"
 #include "model/gguf.h"
@@ -198,7 +199,7 @@ static int make_model(const char *out, const char *vocab_path, int layers, int d
 
 int main(int argc, char **argv) {
     const char *model_path = NULL, *make = NULL, *vocab = NULL, *conc = "1,16";
-    int threads = 0, prompt_len = 256, gen_len = 64, tpb = 16, max_num_tokens = 2048;
+    int kv_dtype = KV_DTYPE_F32, threads = 0, prompt_len = 256, gen_len = 64, tpb = 16, max_num_tokens = 2048;
     int layers = 12, dim = 768, heads = 12, kv_heads = 12, ffn = 2048;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -218,7 +219,12 @@ int main(int argc, char **argv) {
         else if (OPT("--heads")) heads = atoi(v);
         else if (OPT("--kv-heads")) kv_heads = atoi(v);
         else if (OPT("--ffn")) ffn = atoi(v);
-        else {
+        else if (OPT("--kv-dtype")) {
+            if (kv_dtype_parse(v, &kv_dtype)) {
+                fprintf(stderr, "bench_engine: --kv-dtype %s: expected f32, f16 or bf16\n", v);
+                return 2;
+            }
+        } else {
             fprintf(stderr, "bench_engine: unknown or incomplete option '%s'\n", a);
             return 2;
         }
@@ -233,7 +239,7 @@ int main(int argc, char **argv) {
     }
     if (!model_path || prompt_len < 1 || gen_len < 2) {
         fprintf(stderr, "usage: bench_engine --model PATH [--threads N] [--prompt-len N] [--gen-len N>=2] "
-                        "[--concurrency 1,16]\n");
+                        "[--concurrency 1,16] [--kv-dtype f32|f16|bf16]\n");
         return 2;
     }
     kv_log_set_level(KV_LOG_WARN);
@@ -259,7 +265,8 @@ int main(int argc, char **argv) {
                                .max_batch_size = max_c,
                                .max_num_tokens = max_num_tokens,
                                .max_model_len = max_len,
-                               .max_queue = 4096};
+                               .max_queue = 4096,
+                               .kv_dtype = kv_dtype};
     ec.n_blocks = max_c * kv_blocks_for_tokens(max_len, tpb) + 8;
     engine_t *e;
     if (engine_start(&ec, m, tok, be, &e, err, sizeof err)) {
@@ -269,8 +276,10 @@ int main(int argc, char **argv) {
     const char *ct = getenv("OPENBLAS_CORETYPE");
     printf("model %s: %d layers, dim %d, heads %d/%d, ffn %d, vocab %d\n", m->cfg.name, m->cfg.n_layers,
            m->cfg.dim, m->cfg.n_heads, m->cfg.n_kv_heads, m->cfg.ffn_dim, m->cfg.n_vocab);
-    printf("openblas core: %s (OPENBLAS_CORETYPE=%s), threads %d\n", openblas_get_corename(),
-           ct ? ct : "unset", threads);
+    const char *fi = getenv("KVSERVE_CPU_ISA");
+    printf("kernel %s (KVSERVE_CPU_ISA=%s), openblas core: %s (OPENBLAS_CORETYPE=%s), threads %d, KV %s\n",
+           kv_matmul_isa_name(), fi ? fi : "unset", openblas_get_corename(), ct ? ct : "unset", threads,
+           kv_dtype_name(kv_dtype));
     printf("%-12s %-12s %14s %14s\n", "concurrency", "prompt_len", "prefill tok/s", "decode tok/s");
     struct run r;
     run_batch(e, 1, 32, 4, m->cfg.n_vocab, 99, &r); /* warm-up */
