@@ -4,6 +4,8 @@
  *
  *   bench_cuda [--layers 32] [--batches 1,8,32] [--ctxs 512,4096] [--steps 20] [--kv-dtype bf16|f32]
  *              [--no-copy] [--no-decode]
+ *   bench_cuda --torch-dump DIR     (random small models + their CPU / CUDA logits for
+ *              tests/gpu/torch_ref.py, the PyTorch reference of issue 10; see torch_dump)
  *
  * Prints: measured device-to-device copy bandwidth (bytes read + written), then per (batch,
  * context) the median decode-step time (one forward of `batch` sequences, one new token
@@ -15,6 +17,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "backend/backend.h"
 #include "backend/cuda/backend_cuda.h"
@@ -215,8 +218,142 @@ static void bench_copy(void) {
     }
 }
 
+/* ---- --torch-dump DIR: random small models and their logits for tests/gpu/torch_ref.py ----
+ * For each of llama (Llama-3 shape: GQA 8/2, head_dim 64, Llama-3 RoPE scaling with an
+ * original length of 64 so it matters, untied), qwen2 (q/k/v bias, tied) and qwen3 (q/k norm,
+ * head_dim 80 so heads * head_dim != dim, tied), all HF rotate-half RoPE: writes DIR/<arch>/
+ * config.json, weights.bin (every tensor f32, little-endian, in the order torch_ref.py reads:
+ * tok_embd, out_norm, [output], then per layer attn_norm wq wk wv [bq bk bv] [q_norm k_norm] wo
+ * ffn_norm w_gate w_up w_down; matrices (out, in) row-major), tokens.bin (int32, N_TOK) and
+ * logits_<variant>.bin (float32, N_TOK x n_vocab: every position's logits) for the variants
+ * cpu, cuda_f32w, cuda_bf16w, cuda_bf16w_bf16kv. One sequence, fed as a prefill chunk of 100
+ * (eager: more rows than a graph takes), one of 40 (graph), then 20 single-token decodes
+ * (graphs), in a scattered block table. Returns 0, or 1 with a message. */
+#define DUMP_TOK 160
+static int dump_write(const char *dir, const char *name, const void *p, size_t bytes) {
+    char path[4200];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    FILE *f = fopen(path, "wb");
+    if (!f || fwrite(p, 1, bytes, f) != bytes || fclose(f)) {
+        fprintf(stderr, "bench_cuda: cannot write %s\n", path);
+        return 1;
+    }
+    return 0;
+}
+static int dump_logits(backend_t *be, const model_t *m, const int32_t *toks, int kv_dtype, float *out) {
+    int V = m->cfg.n_vocab, tpb = 16, per = (DUMP_TOK + tpb - 1) / tpb, nb = 2 * per + 1;
+    struct kv_geometry g = {.n_layers = m->cfg.n_layers, .n_kv_heads = m->cfg.n_kv_heads,
+                            .head_dim = m->cfg.head_dim, .tokens_per_block = tpb, .kv_dtype = kv_dtype};
+    if (be->ops->kv_alloc(be, nb, &g)) return 1;
+    int32_t bt[64];
+    for (int i = 0; i < per; i++) bt[i] = nb - 1 - 2 * i;
+    char err[512];
+    for (int done = 0; done < DUMP_TOK;) {
+        int c = done == 0 ? 100 : done == 100 ? 40 : 1;
+        struct batch_seq s = {.tokens = toks + done, .n_tokens = c, .n_past = done, .block_table = bt,
+                              .n_blocks = per, .logits = BATCH_LOGITS_ALL};
+        struct batch b = {&s, 1};
+        if (be->ops->forward(be, &b, out + (size_t)done * V, err, sizeof err)) {
+            fprintf(stderr, "bench_cuda: forward: %s\n", err);
+            return 1;
+        }
+        done += c;
+    }
+    return 0;
+}
+static int torch_dump(const char *root) {
+    const model_arch archs[] = {MODEL_ARCH_LLAMA, MODEL_ARCH_QWEN2, MODEL_ARCH_QWEN3};
+    mkdir(root, 0755);
+    for (size_t ai = 0; ai < sizeof archs / sizeof archs[0]; ai++) {
+        model_arch arch = archs[ai];
+        struct model_config cfg = {0};
+        cfg.arch = arch, cfg.n_vocab = 2048, cfg.dim = 512, cfg.n_layers = 4, cfg.n_heads = 8, cfg.n_kv_heads = 2;
+        cfg.head_dim = arch == MODEL_ARCH_QWEN3 ? 80 : 64;
+        cfg.ffn_dim = 1408, cfg.rms_eps = arch == MODEL_ARCH_LLAMA ? 1e-5f : 1e-6f;
+        cfg.rope_theta = arch == MODEL_ARCH_LLAMA ? 500000.0f : 1000000.0f;
+        cfg.rope_neox = true;
+        if (arch == MODEL_ARCH_LLAMA)
+            cfg.rope_scaling = (struct rope_scaling){.type = 1, .factor = 8, .low_freq_factor = 1,
+                                                     .high_freq_factor = 4, .original_max_pos = 64};
+        cfg.max_ctx = 4096, cfg.bos_id = 1, cfg.eos_id = 2;
+        cfg.attn_bias = arch == MODEL_ARCH_QWEN2;
+        cfg.qk_norm = arch == MODEL_ARCH_QWEN3;
+        cfg.tied_embeddings = arch != MODEL_ARCH_LLAMA;
+        model_t *m = NULL;
+        if (model_alloc(&cfg, &m)) return 1;
+        model_randomize(m, 9000 + (uint64_t)arch, 0.05f);
+        char dir[4200];
+        snprintf(dir, sizeof dir, "%s/%s", root, model_arch_name(arch));
+        mkdir(dir, 0755);
+        char js[1024];
+        const struct rope_scaling *rs = &cfg.rope_scaling;
+        int n = snprintf(js, sizeof js,
+                         "{\"arch\": \"%s\", \"n_vocab\": %d, \"dim\": %d, \"n_layers\": %d, \"n_heads\": %d, "
+                         "\"n_kv_heads\": %d, \"head_dim\": %d, \"ffn_dim\": %d, \"rms_eps\": %.9g, \"rope_theta\": %.9g, "
+                         "\"rope_neox\": %s, \"rope_scaling\": {\"type\": %d, \"factor\": %.9g, \"low_freq_factor\": %.9g, "
+                         "\"high_freq_factor\": %.9g, \"original_max_pos\": %.9g}, \"attn_bias\": %s, \"qk_norm\": %s, "
+                         "\"tied_embeddings\": %s, \"n_tok\": %d, \"variants\": [\"cpu\", \"cuda_f32w\", \"cuda_bf16w\", "
+                         "\"cuda_bf16w_bf16kv\"]}\n",
+                         model_arch_name(arch), cfg.n_vocab, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads,
+                         cfg.head_dim, cfg.ffn_dim, (double)cfg.rms_eps, (double)cfg.rope_theta,
+                         cfg.rope_neox ? "true" : "false", rs->type, (double)rs->factor, (double)rs->low_freq_factor,
+                         (double)rs->high_freq_factor, (double)rs->original_max_pos, cfg.attn_bias ? "true" : "false",
+                         cfg.qk_norm ? "true" : "false", cfg.tied_embeddings ? "true" : "false", DUMP_TOK);
+        if (dump_write(dir, "config.json", js, (size_t)n)) return 1;
+        char path[4300];
+        snprintf(path, sizeof path, "%s/weights.bin", dir);
+        FILE *f = fopen(path, "wb");
+        if (!f) return fprintf(stderr, "bench_cuda: cannot write %s\n", path), 1;
+        size_t d = (size_t)cfg.dim, V = (size_t)cfg.n_vocab, q = (size_t)cfg.n_heads * cfg.head_dim;
+        size_t kv = (size_t)cfg.n_kv_heads * cfg.head_dim, ff = (size_t)cfg.ffn_dim, hd = (size_t)cfg.head_dim;
+#define W(p, cnt) fwrite((p), sizeof(float), (cnt), f)
+        W(kv_wmat_f32(&m->w.tok_embd), V * d);
+        W(m->w.out_norm, d);
+        if (!cfg.tied_embeddings) W(kv_wmat_f32(&m->w.output), V * d);
+        for (int l = 0; l < cfg.n_layers; l++) {
+            const struct layer_weights *L = &m->w.layers[l];
+            W(L->attn_norm, d);
+            W(kv_wmat_f32(&L->wq), q * d), W(kv_wmat_f32(&L->wk), kv * d), W(kv_wmat_f32(&L->wv), kv * d);
+            if (cfg.attn_bias) W(L->bq, q), W(L->bk, kv), W(L->bv, kv);
+            if (cfg.qk_norm) W(L->q_norm, hd), W(L->k_norm, hd);
+            W(kv_wmat_f32(&L->wo), d * q);
+            W(L->ffn_norm, d);
+            W(kv_wmat_f32(&L->w_gate), ff * d), W(kv_wmat_f32(&L->w_up), ff * d), W(kv_wmat_f32(&L->w_down), d * ff);
+        }
+#undef W
+        if (fclose(f)) return fprintf(stderr, "bench_cuda: cannot write %s\n", path), 1;
+        int32_t toks[DUMP_TOK];
+        uint64_t x = 77 + (uint64_t)arch;
+        for (int i = 0; i < DUMP_TOK; i++) {
+            x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+            toks[i] = (int32_t)(x % V);
+        }
+        if (dump_write(dir, "tokens.bin", toks, sizeof toks)) return 1;
+        float *lg = malloc((size_t)DUMP_TOK * V * sizeof(float));
+        if (!lg) return 1;
+        const char *names[] = {"cpu", "cuda_f32w", "cuda_bf16w", "cuda_bf16w_bf16kv"};
+        for (int v = 0; v < 4; v++) {
+            struct backend_options o = {.kind = v ? BACKEND_KIND_CUDA : BACKEND_KIND_CPU, .f32_weights = v == 1};
+            backend_t *be = NULL;
+            char err[512];
+            if (backend_create(m, &o, &be, err, sizeof err)) return fprintf(stderr, "bench_cuda: %s\n", err), 1;
+            memset(lg, 0xff, (size_t)DUMP_TOK * V * sizeof(float)); /* NaN: unwritten rows fail the comparison */
+            int rc = dump_logits(be, m, toks, v == 3 ? KV_DTYPE_BF16 : KV_DTYPE_F32, lg);
+            backend_free(be);
+            char nm[64];
+            snprintf(nm, sizeof nm, "logits_%s.bin", names[v]);
+            if (rc || dump_write(dir, nm, lg, (size_t)DUMP_TOK * V * sizeof(float))) return 1;
+        }
+        free(lg);
+        model_free(m);
+        printf("torch dump: %s (%s, %d tokens)\n", dir, model_arch_name(arch), DUMP_TOK);
+    }
+    return 0;
+}
+
 int main(int argc, char **argv) {
     int layers = 32, steps = 20, do_copy = 1, do_decode = 1, kv_dtype = KV_DTYPE_BF16;
+    const char *dump = NULL;
     int batches[8] = {1, 8, 32}, nb = 3, ctxs[8] = {512, 4096}, nc = 2;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--layers") && i + 1 < argc) layers = atoi(argv[++i]);
@@ -228,9 +365,10 @@ int main(int argc, char **argv) {
             i++;
         else if (!strcmp(argv[i], "--no-copy")) do_copy = 0;
         else if (!strcmp(argv[i], "--no-decode")) do_decode = 0;
+        else if (!strcmp(argv[i], "--torch-dump") && i + 1 < argc) dump = argv[++i];
         else {
             fprintf(stderr, "usage: bench_cuda [--layers N] [--batches 1,8,32] [--ctxs 512,4096] [--steps N] "
-                            "[--kv-dtype bf16|f32] [--no-copy] [--no-decode]\n");
+                            "[--kv-dtype bf16|f32] [--no-copy] [--no-decode] [--torch-dump DIR]\n");
             return 2;
         }
     }
@@ -240,6 +378,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "bench_cuda: %s\n", err);
         return 77;
     }
+    if (dump) return torch_dump(dump);
     char name[256];
     kv_cuda_device_name(0, name, sizeof name);
     double bw = copy_bw();

@@ -3,7 +3,10 @@
 #
 #   scripts/gpu-test.sh [--bench] [--bench-args "ARGS"]       build build-gpu here, run test_cuda
 #   (environment: SERVE_SMOKE=1 one completion through serve --backend cuda; E2E=1 the HTTP API
-#   e2e suite, tests/e2e/http_api.py, against serve --backend cuda)
+#   e2e suite, tests/e2e/http_api.py, against serve --backend cuda; TORCH_REF=1 the PyTorch
+#   reference, bench_cuda --torch-dump + tests/gpu/torch_ref.py, after test_cuda;
+#   KVSERVE_CUDA_TESTS=PATTERN runs only the test_cuda tests matching it, cmocka's filter with
+#   * and ? wildcards, e.g. '*quant*')
 #   scripts/gpu-test.sh --prebuilt DIR [--bench] ...          run binaries from DIR (no build)
 #   scripts/gpu-test.sh --bundle DIR [--build BUILD]          (on the build machine) put test_cuda,
 #        bench_cuda, their non-system shared libraries and the test data they read into DIR,
@@ -27,7 +30,8 @@ done
 
 if [ -n "$bundle" ]; then
     data="${KVSERVE_TEST_DATA:-../shared/data}"
-    rm -rf "$bundle" && mkdir -p "$bundle/lib" "$bundle/data/models/stories260K" "$bundle/data/references/stories260K"
+    rm -rf "$bundle" && mkdir -p "$bundle/lib" "$bundle/data/models/stories260K" "$bundle/data/references/stories260K" \
+        "$bundle/data/models/tiny-quant"
     cp "$build/test_cuda" "$build/bench_cuda" "$build/kvserve" "$bundle/" || exit 1
     # shared libraries that are not glibc / libstdc++ / CUDA / OpenBLAS (the GPU machine has those);
     # --prebuilt drops the ones the GPU machine has itself
@@ -37,6 +41,11 @@ if [ -n "$bundle" ]; then
     cp "$data/models/stories260K/stories260K.gguf" "$bundle/data/models/stories260K/"
     cp "$data/references/stories260K/"* "$bundle/data/references/stories260K/"
     cp -r "$data/models/stories260K/hf" "$bundle/data/models/stories260K/"
+    # test_cuda_quant_gguf's files (absent: that test skips with a SKIP: line)
+    for q in F16 Q8_0 Q4_K_M; do
+        cp "$data/models/tiny-quant/tiny-$q.gguf" "$bundle/data/models/tiny-quant/" ||
+            echo "gpu-test.sh: tiny-$q.gguf not bundled: test_cuda_quant_gguf will skip" >&2
+    done
     printf '#!/bin/sh\n# kvserve with --backend cuda added to serve (for the e2e suites)\nd=$(dirname "$0")\nif [ "$1" = serve ]; then shift; exec "$d/kvserve" serve --backend cuda "$@"; fi\nexec "$d/kvserve" "$@"\n' > "$bundle/kvserve-cuda"
     chmod +x "$bundle/kvserve-cuda"
     du -sh "$bundle"
@@ -89,6 +98,15 @@ echo "== test_cuda"
 "$bin/test_cuda"
 rc=$?
 echo "== test_cuda exit $rc"
+if [ "${TORCH_REF:-0}" = 1 ]; then
+    echo "== PyTorch reference (bench_cuda --torch-dump, tests/gpu/torch_ref.py)"
+    tr=$(mktemp -d)
+    "$bin/bench_cuda" --torch-dump "$tr" && python3 tests/gpu/torch_ref.py "$tr"
+    trc=$?
+    echo "== torch_ref exit $trc"
+    rm -rf "$tr"
+    [ "$rc" = 0 ] && rc=$trc
+fi
 if [ "$bench" = 1 ]; then
     echo "== bench_cuda $bench_args"
     # shellcheck disable=SC2086

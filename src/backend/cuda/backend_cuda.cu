@@ -20,7 +20,11 @@
             return kv_errf(s_ == CUBLAS_STATUS_ALLOC_FAILED ? KV_ENOMEM : KV_EIO, err, errlen,     \
                            "cublas: %s: %s", (what), cublasGetStatusString(s_));                   \
     } while (0)
-#define LAUNCHED(what) CU_TRY(cudaGetLastError(), what)
+#define LAUNCHED(what)                                                                             \
+    do {                                                                                           \
+        kvc_launched();                                                                            \
+        CU_TRY(cudaGetLastError(), what);                                                          \
+    } while (0)
 
 struct cuda_layer {
     void *wqkv, *wo, *wgu, *wdown; /* weight dtype */
@@ -69,6 +73,7 @@ struct cuda_ctx {
      * turns them off). A graph is reused only when every launch parameter it captured is the
      * same (rows, logit rows, attention grid, every buffer pointer); see graph_key. */
     bool graphs;
+    cudaStreamCaptureMode capture_mode; /* KVSERVE_CUDA_CAPTURE=global: Global, else ThreadLocal */
     struct graph_entry *gcache;
     int gcache_next;
 };
@@ -102,7 +107,7 @@ static unsigned grid_for(size_t n, int threads) {
 
 static kv_status dev_alloc(void **p, size_t bytes, char *err, size_t errlen) {
     *p = NULL;
-    CU_TRY(cudaMalloc(p, bytes ? bytes : 16), "cudaMalloc");
+    CU_TRY(kvc_malloc(p, bytes ? bytes : 16), "cudaMalloc");
     return KV_OK;
 }
 
@@ -110,10 +115,10 @@ static kv_status grow(void **p, size_t *cap, size_t need_bytes, char *err, size_
     if (need_bytes <= *cap) return KV_OK;
     size_t nc = *cap ? *cap : 4096;
     while (nc < need_bytes) nc *= 2;
-    if (*p) cudaFree(*p);
+    if (*p) kvc_free(*p);
     *p = NULL;
     *cap = 0;
-    CU_TRY(cudaMalloc(p, nc), "cudaMalloc (scratch)");
+    CU_TRY(kvc_malloc(p, nc), "cudaMalloc (scratch)");
     *cap = nc;
     return KV_OK;
 }
@@ -146,7 +151,7 @@ static kv_status put_weights(struct cuda_ctx *c, void *dst, size_t off, const st
     }
     kv_status st = KV_OK;
     if (src && c->f32w) {
-        CU_TRY(cudaMemcpyAsync(d, src, n * sizeof(float), cudaMemcpyHostToDevice, c->st), "weights upload");
+        CU_TRY(kvc_memcpy_async(d, src, n * sizeof(float), cudaMemcpyHostToDevice, c->st), "weights upload");
         return KV_OK;
     }
     /* staging (device) is reused by the next chunk's copy only after this chunk's convert
@@ -160,7 +165,7 @@ static kv_status put_weights(struct cuda_ctx *c, void *dst, size_t off, const st
                 kv_dequant_row(w->type, (const char *)w->data + (r + q) * w->row_bytes, host + q * (size_t)w->cols,
                                w->cols);
         /* pageable source: the copy has taken the bytes when it returns, so host is reusable */
-        cudaError_t e = cudaMemcpyAsync(c->f32w ? (void *)((float *)d + i) : (void *)staging, chunk,
+        cudaError_t e = kvc_memcpy_async(c->f32w ? (void *)((float *)d + i) : (void *)staging, chunk,
                                         k * sizeof(float), cudaMemcpyHostToDevice, c->st);
         if (e != cudaSuccess) {
             st = kv_errf(KV_EIO, err, errlen, "cuda: weights upload: %s", cudaGetErrorString(e));
@@ -168,6 +173,7 @@ static kv_status put_weights(struct cuda_ctx *c, void *dst, size_t off, const st
         }
         if (!c->f32w) {
             k_convert<__nv_bfloat16><<<grid_for(k, 256), 256, 0, c->st>>>((__nv_bfloat16 *)d + i, staging, k);
+            kvc_launched();
             e = cudaGetLastError();
             if (e != cudaSuccess) {
                 st = kv_errf(KV_EIO, err, errlen, "cuda: convert: %s", cudaGetErrorString(e));
@@ -189,7 +195,7 @@ static kv_status put_f32(struct cuda_ctx *c, float **dst, const float *const *sr
     size_t off = 0;
     for (int i = 0; i < nsrc; i++) {
         if (srcs[i]) {
-            CU_TRY(cudaMemcpyAsync(*dst + off, srcs[i], ns[i] * sizeof(float), cudaMemcpyHostToDevice, c->st),
+            CU_TRY(kvc_memcpy_async(*dst + off, srcs[i], ns[i] * sizeof(float), cudaMemcpyHostToDevice, c->st),
                    "upload");
         } else {
             k_fill_random<float><<<grid_for(ns[i], 256), 256, 0, c->st>>>(*dst + off, ns[i], seed + (uint64_t)i,
@@ -303,33 +309,33 @@ static kv_status upload_model(struct cuda_ctx *c, uint64_t seed, char *err, size
         size_t ns[1] = {(size_t)cfg->head_dim / 2};
         st = put_f32(c, &c->inv_freq, srcs, ns, 1, false, 0, err, errlen);
         if (!st) {
-            cudaError_t e = cudaStreamSynchronize(c->st); /* f is freed next */
+            cudaError_t e = kvc_stream_sync(c->st); /* f is freed next */
             if (e != cudaSuccess) st = kv_errf(KV_EIO, err, errlen, "cuda: upload: %s", cudaGetErrorString(e));
         }
         free(f);
         if (st) goto out;
     }
     {
-        cudaError_t e = cudaStreamSynchronize(c->st);
+        cudaError_t e = kvc_stream_sync(c->st);
         if (e != cudaSuccess) st = kv_errf(KV_EIO, err, errlen, "cuda: weights upload: %s", cudaGetErrorString(e));
     }
 #undef PUT
 out:
-    if (staging) cudaFree(staging);
+    if (staging) kvc_free(staging);
     return st;
 }
 
 /* ---- ops ---- */
 
 static void free_pool(struct cuda_ctx *c) {
-    if (c->pool) cudaFree(c->pool);
+    if (c->pool) kvc_free(c->pool);
     c->pool = NULL;
 }
 
 static kv_status cuda_kv_alloc(backend_t *be, int n_blocks, const struct kv_geometry *g) {
     struct cuda_ctx *c = (struct cuda_ctx *)be->ctx;
     const struct model_config *cfg = &c->m->cfg;
-    cudaStreamSynchronize(c->st);
+    kvc_stream_sync(c->st);
     graphs_clear(c);
     free_pool(c);
     be->n_blocks = 0;
@@ -351,14 +357,14 @@ static kv_status cuda_kv_alloc(backend_t *be, int n_blocks, const struct kv_geom
     /* elements per block; bytes = kv_block_bytes(g) */
     size_t bf = (size_t)g->n_layers * 2 * (size_t)g->n_kv_heads * (size_t)g->tokens_per_block * (size_t)g->head_dim;
     size_t bb = bf * kv_dtype_size(g->kv_dtype);
-    cudaError_t e = cudaMalloc((void **)&c->pool, (size_t)n_blocks * bb);
+    cudaError_t e = kvc_malloc((void **)&c->pool, (size_t)n_blocks * bb);
     if (e != cudaSuccess) {
         c->pool = NULL;
         KV_ERROR("cuda backend: kv_alloc of %d blocks x %zu bytes: %s", n_blocks, bb, cudaGetErrorString(e));
         return e == cudaErrorMemoryAllocation ? KV_ENOMEM : KV_EIO;
     }
-    e = cudaMemsetAsync(c->pool, 0, (size_t)n_blocks * bb, c->st);
-    if (e == cudaSuccess) e = cudaStreamSynchronize(c->st);
+    e = kvc_memset_async(c->pool, 0, (size_t)n_blocks * bb, c->st);
+    if (e == cudaSuccess) e = kvc_stream_sync(c->st);
     if (e != cudaSuccess) {
         free_pool(c);
         KV_ERROR("cuda backend: kv_alloc: %s", cudaGetErrorString(e));
@@ -430,6 +436,7 @@ static kv_status gemm(struct cuda_ctx *c, const void *X, int M, int K, const voi
         LAUNCHED("gemv");
         return KV_OK;
     }
+    kvc_launched();
     cudaDataType_t t = c->f32w ? CUDA_R_32F : CUDA_R_16BF;
     BLAS_TRY(cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &alpha, W, t, K, X, t, K, &beta, Y, CUDA_R_32F,
                           N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
@@ -482,11 +489,11 @@ static kv_status forward_t(backend_t *be, const struct batch *b, float *logits, 
     /* scratch */
     if (T > c->cap_rows) {
         int cap = (T + 63) / 64 * 64;
-        cudaFree(c->x), cudaFree(c->h), cudaFree(c->a);
+        kvc_free(c->x), kvc_free(c->h), kvc_free(c->a);
         c->x = NULL, c->h = NULL, c->a = NULL, c->cap_rows = 0;
-        CU_TRY(cudaMalloc((void **)&c->x, (size_t)cap * dim * sizeof(float)), "cudaMalloc (x)");
-        CU_TRY(cudaMalloc((void **)&c->h, (size_t)cap * c->hw * sizeof(float)), "cudaMalloc (h)");
-        CU_TRY(cudaMalloc(&c->a, (size_t)cap * c->aw * sizeof(TA)), "cudaMalloc (a)");
+        CU_TRY(kvc_malloc((void **)&c->x, (size_t)cap * dim * sizeof(float)), "cudaMalloc (x)");
+        CU_TRY(kvc_malloc((void **)&c->h, (size_t)cap * c->hw * sizeof(float)), "cudaMalloc (h)");
+        CU_TRY(kvc_malloc(&c->a, (size_t)cap * c->aw * sizeof(TA)), "cudaMalloc (a)");
         c->cap_rows = cap;
     }
     if ((st = grow((void **)&c->logits, &c->cap_logits, (size_t)(L ? L : 1) * cfg->n_vocab * sizeof(float), err,
@@ -513,11 +520,11 @@ static kv_status forward_t(backend_t *be, const struct batch *b, float *logits, 
     size_t meta_n = (size_t)3 * T + L + nbt;
     if (meta_n > c->cap_meta) {
         size_t cap = meta_n * 2;
-        if (c->h_meta) cudaFreeHost(c->h_meta);
-        if (c->d_meta) cudaFree(c->d_meta);
+        if (c->h_meta) kvc_free_host(c->h_meta);
+        if (c->d_meta) kvc_free(c->d_meta);
         c->h_meta = NULL, c->d_meta = NULL, c->cap_meta = 0;
-        CU_TRY(cudaHostAlloc((void **)&c->h_meta, cap * sizeof(int32_t), cudaHostAllocDefault), "cudaHostAlloc");
-        CU_TRY(cudaMalloc((void **)&c->d_meta, cap * sizeof(int32_t)), "cudaMalloc (meta)");
+        CU_TRY(kvc_host_alloc((void **)&c->h_meta, cap * sizeof(int32_t), cudaHostAllocDefault), "cudaHostAlloc");
+        CU_TRY(kvc_malloc((void **)&c->d_meta, cap * sizeof(int32_t)), "cudaMalloc (meta)");
         c->cap_meta = cap;
     }
     int32_t *h_tok = c->h_meta, *h_pos = h_tok + T, *h_bto = h_pos + T, *h_lr = h_bto + T, *h_bt = h_lr + L;
@@ -553,14 +560,16 @@ static kv_status forward_t(backend_t *be, const struct batch *b, float *logits, 
             g = &c->gcache[c->gcache_next];
             c->gcache_next = (c->gcache_next + 1) % GRAPH_CACHE;
             if (g->exec) cudaGraphExecDestroy(g->exec), g->exec = NULL;
-            CU_TRY(cudaStreamBeginCapture(c->st, cudaStreamCaptureModeThreadLocal), "begin capture");
+            CU_TRY(cudaStreamBeginCapture(c->st, c->capture_mode), "begin capture");
+            kvc_capturing = 1;
             st = enqueue_step<TA>(c, &ea, err, errlen);
+            kvc_capturing = 0;
             cudaGraph_t graph = NULL;
             cudaError_t e = cudaStreamEndCapture(c->st, &graph);
             if (!st && e != cudaSuccess)
                 st = kv_errf(KV_EIO, err, errlen, "cuda: end capture: %s", cudaGetErrorString(e));
             if (!st) {
-                e = cudaGraphInstantiate(&g->exec, graph, 0);
+                e = kvc_graph_instantiate(&g->exec, graph);
                 if (e != cudaSuccess) {
                     g->exec = NULL;
                     st = kv_errf(KV_EIO, err, errlen, "cuda: graph instantiate: %s", cudaGetErrorString(e));
@@ -571,13 +580,13 @@ static kv_status forward_t(backend_t *be, const struct batch *b, float *logits, 
             if (st) return st;
             g->k = k;
         }
-        CU_TRY(cudaGraphLaunch(g->exec, c->st), "graph launch");
+        CU_TRY(kvc_graph_launch(g->exec, c->st), "graph launch");
     }
     if (L > 0)
-        CU_TRY(cudaMemcpyAsync(logits, c->logits, (size_t)L * cfg->n_vocab * sizeof(float), cudaMemcpyDeviceToHost,
+        CU_TRY(kvc_memcpy_async(logits, c->logits, (size_t)L * cfg->n_vocab * sizeof(float), cudaMemcpyDeviceToHost,
                                c->st),
                "logits download");
-    CU_TRY(cudaStreamSynchronize(c->st), "forward");
+    CU_TRY(kvc_stream_sync(c->st), "forward");
     return KV_OK;
 }
 
@@ -589,7 +598,7 @@ template <typename TA> static kv_status enqueue_step(struct cuda_ctx *c, const s
     int dim = cfg->dim, hd = cfg->head_dim, nh = cfg->n_heads, nkv = cfg->n_kv_heads, ffn = cfg->ffn_dim;
     int qw = nh * hd, kw = nkv * hd, qkvw = qw + 2 * kw;
     kv_status st;
-    CU_TRY(cudaMemcpyAsync(c->d_meta, c->h_meta, ea->meta_n * sizeof(int32_t), cudaMemcpyHostToDevice, c->st),
+    CU_TRY(kvc_memcpy_async(c->d_meta, c->h_meta, ea->meta_n * sizeof(int32_t), cudaMemcpyHostToDevice, c->st),
            "metadata upload");
     const int32_t *d_tok = c->d_meta, *d_pos = d_tok + T, *d_bto = d_pos + T, *d_lr = d_bto + T, *d_bt = d_lr + L;
 
@@ -701,7 +710,7 @@ static kv_status cuda_copy_blocks(backend_t *be, const int32_t *src, const int32
         }
         st = kv_cuda_copy_pages_async(KV_CUDA_D2D, dp, sp, k, bytes, c->st, err, errlen);
     }
-    cudaError_t e = cudaStreamSynchronize(c->st);
+    cudaError_t e = kvc_stream_sync(c->st);
     if (!st && e != cudaSuccess) snprintf(err, sizeof err, "%s", cudaGetErrorString(e)), st = KV_EIO;
     if (st) KV_ERROR("cuda backend: copy_blocks: %s", err);
     return st;
@@ -742,7 +751,7 @@ static kv_status host_copy(backend_t *be, const int32_t *blocks, void *const *ho
             }
             st = kv_cuda_copy_pages_async(to_host ? KV_CUDA_D2H : KV_CUDA_H2D, dp, sp, k, bytes, c->st, err, errlen);
         }
-        cudaError_t e = cudaStreamSynchronize(c->st);
+        cudaError_t e = kvc_stream_sync(c->st);
         if (!st && e != cudaSuccess) snprintf(err, sizeof err, "%s", cudaGetErrorString(e)), st = KV_EIO;
     } else {
         /* bounce through pinned staging of up to 64 MiB (at least one block) */
@@ -751,9 +760,9 @@ static kv_status host_copy(backend_t *be, const int32_t *blocks, void *const *ho
         if (per > 256) per = 256;
         size_t need = per * bytes;
         if (c->bounce_bytes < need) {
-            if (c->bounce) cudaFreeHost(c->bounce);
+            if (c->bounce) kvc_free_host(c->bounce);
             c->bounce = NULL, c->bounce_bytes = 0;
-            if (cudaHostAlloc(&c->bounce, need, cudaHostAllocMapped) != cudaSuccess) {
+            if (kvc_host_alloc(&c->bounce, need, cudaHostAllocMapped) != cudaSuccess) {
                 cudaGetLastError();
                 c->bounce = NULL;
                 KV_ERROR("cuda backend: host copy: cannot allocate %zu bytes of pinned memory", need);
@@ -771,7 +780,7 @@ static kv_status host_copy(backend_t *be, const int32_t *blocks, void *const *ho
                 sp[j] = to_host ? (const void *)d : (const void *)h;
             }
             st = kv_cuda_copy_pages_async(to_host ? KV_CUDA_D2H : KV_CUDA_H2D, dp, sp, k, bytes, c->st, err, errlen);
-            cudaError_t e = cudaStreamSynchronize(c->st);
+            cudaError_t e = kvc_stream_sync(c->st);
             if (!st && e != cudaSuccess) snprintf(err, sizeof err, "%s", cudaGetErrorString(e)), st = KV_EIO;
             if (!st && to_host)
                 for (int j = 0; j < k; j++) memcpy(host_dst[i + j], (char *)c->bounce + (size_t)j * bytes, bytes);
@@ -793,27 +802,27 @@ static void cuda_free(backend_t *be) {
     struct cuda_ctx *c = (struct cuda_ctx *)be->ctx;
     if (c) {
         cudaSetDevice(c->dev);
-        if (c->st) cudaStreamSynchronize(c->st);
+        if (c->st) kvc_stream_sync(c->st);
         if (c->L) {
             for (int l = 0; l < c->m->cfg.n_layers; l++) {
                 struct cuda_layer *L = &c->L[l];
                 void *ps[] = {L->wqkv, L->wo, L->wgu, L->wdown, L->attn_norm, L->ffn_norm, L->bqkv, L->q_norm, L->k_norm};
                 for (size_t i = 0; i < sizeof ps / sizeof ps[0]; i++)
-                    if (ps[i]) cudaFree(ps[i]);
+                    if (ps[i]) kvc_free(ps[i]);
             }
             free(c->L);
         }
-        if (c->output && c->output != c->tok_embd) cudaFree(c->output);
+        if (c->output && c->output != c->tok_embd) kvc_free(c->output);
         void *ps[] = {c->tok_embd, c->out_norm, c->inv_freq, c->pool, c->x, c->h, c->a, c->logits, c->part, c->part_ml,
                       c->d_meta};
         for (size_t i = 0; i < sizeof ps / sizeof ps[0]; i++)
-            if (ps[i]) cudaFree(ps[i]);
-        if (c->h_meta) cudaFreeHost(c->h_meta);
-        if (c->bounce) cudaFreeHost(c->bounce);
+            if (ps[i]) kvc_free(ps[i]);
+        if (c->h_meta) kvc_free_host(c->h_meta);
+        if (c->bounce) kvc_free_host(c->bounce);
         graphs_clear(c);
         free(c->gcache);
         if (c->blas) cublasDestroy(c->blas);
-        if (c->blas_ws) cudaFree(c->blas_ws);
+        if (c->blas_ws) kvc_free(c->blas_ws);
         if (c->st) cudaStreamDestroy(c->st);
         free(c);
     }
@@ -839,10 +848,12 @@ static kv_status cuda_init(backend_t *be, struct cuda_ctx *c, const struct backe
     BLAS_TRY(cublasCreate(&c->blas), "create");
     BLAS_TRY(cublasSetStream(c->blas, c->st), "set stream");
     size_t ws = (size_t)32 << 20;
-    CU_TRY(cudaMalloc(&c->blas_ws, ws), "cudaMalloc (cublas workspace)");
+    CU_TRY(kvc_malloc(&c->blas_ws, ws), "cudaMalloc (cublas workspace)");
     BLAS_TRY(cublasSetWorkspace(c->blas, c->blas_ws, ws), "set workspace");
     const char *gr = getenv("KVSERVE_CUDA_GRAPHS");
     c->graphs = !(gr && *gr == '0');
+    const char *cm = getenv("KVSERVE_CUDA_CAPTURE");
+    c->capture_mode = cm && !strcmp(cm, "global") ? cudaStreamCaptureModeGlobal : cudaStreamCaptureModeThreadLocal;
     c->gcache = (struct graph_entry *)calloc(GRAPH_CACHE, sizeof *c->gcache);
     if (!c->gcache) return kv_errf(KV_ENOMEM, err, errlen, "cuda backend: out of host memory");
     c->L = (struct cuda_layer *)calloc((size_t)cfg->n_layers, sizeof *c->L);

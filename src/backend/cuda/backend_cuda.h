@@ -7,8 +7,11 @@
  * backend_create (../backend.h), which reports a build without CUDA.
  *
  * Storage on the device:
- *   - weights: bf16 (default) or f32 (backend_cuda_options.f32_weights), converted on the
- *     device from the f32 host copy model_t holds; q/k/v are one (qw + 2 kw, dim) matrix,
+ *   - weights: bf16 (default) or f32 (backend_cuda_options.f32_weights). A matrix stored in
+ *     another type (struct kv_wmat: F16, BF16, Q8_0, Q4_0, Q4_K, ...) is dequantized on the
+ *     host row by row (kv_dequant_row: the CPU backend's exact floats) in chunks of up to
+ *     64 MiB, copied, and (bf16) rounded to nearest-even on the device; the host weights are
+ *     not kept. q/k/v are one (qw + 2 kw, dim) matrix,
  *     gate/up one (2 ffn, dim) matrix, so each layer runs 4 GEMMs. GEMMs: cuBLAS
  *     (cublasGemmEx) with f32 accumulation and f32 outputs; activations into a GEMM are in
  *     the weight dtype; the residual stream, norms, RoPE and softmax are f32.
@@ -19,7 +22,9 @@
  *     attention converts them to f32 and accumulates in f32.
  * Per forward: one host->device copy of the step's metadata (tokens, positions, block
  * tables), the kernels and GEMMs on the backend's stream, and one device->host copy of the
- * logits rows asked for (batch_n_logits rows) followed by one stream synchronisation.
+ * logits rows asked for (batch_n_logits rows) followed by one stream synchronisation (with
+ * a CUDA graph the metadata copy is a node of the graph; struct kv_cuda_counters below has
+ * the exact call counts, which test_cuda_decode_syncs checks).
  * Attention: split over the positions (64 per part, more when the batch has many rows) and
  * combined (flash-decoding style), one CTA per (row, group of query heads sharing a KV
  * head, part).
@@ -43,7 +48,11 @@ extern "C" {
 /* Environment (read by backend_cuda_new, for tests and comparisons): KVSERVE_CUDA_WEIGHTS=f32|bf16
  * overrides f32_weights; KVSERVE_CUDA_GRAPHS=0 turns CUDA graphs off; KVSERVE_CUDA_ATTN=1 keeps
  * the first attention kernel for every step; KVSERVE_CUDA_GEMV_MAX=N uses our GEMV for
- * products of <= N rows (default 1, 0 = cuBLAS always). */
+ * products of <= N rows (default 1, 0 = cuBLAS always); KVSERVE_CUDA_CAPTURE=global captures
+ * graphs in cudaStreamCaptureModeGlobal (then any potentially unsafe CUDA call in any thread
+ * while a step is captured fails the capture and the forward, KV_EIO; the default is
+ * cudaStreamCaptureModeThreadLocal, which checks this thread only, so that other threads of a
+ * server, e.g. page copies, are not disturbed). */
 struct backend_cuda_options {
     int device;       /* CUDA device ordinal */
     bool f32_weights; /* keep weights f32 (exact-ish reference mode); default bf16 */
@@ -85,6 +94,49 @@ kv_status kv_cuda_copy_pages(enum kv_cuda_copy_dir dir, void *const *dst, const 
                              size_t nbytes, char *err, size_t errlen);
 /* Splits (CTAs per page) the kernel uses for one page of nbytes in direction dir. */
 int kv_cuda_copy_splits(enum kv_cuda_copy_dir dir, size_t nbytes);
+
+/* ---- call counters (issue 10: no host syncs and no host->device scalar writes in the decode
+ * loop; for tests) ----
+ * Process-wide counts of the CUDA runtime calls made by this backend's code (every CUDA
+ * backend and the page-copy / helper functions below, in every thread; relaxed atomics, so
+ * a snapshot taken while other threads call in is not a consistent cut). Every such call in
+ * src/backend/cuda goes through a counting wrapper (cuda_internal.h turns the raw names into
+ * compile errors, so an uncounted call cannot be added). Not counted: work inside a graph
+ * replay (its launch is counted once), calls cuBLAS makes internally, and calls that neither
+ * synchronise, copy, set, allocate nor launch (cudaSetDevice, cudaGetLastError,
+ * cudaPointerGetAttributes, stream create/destroy).
+ *
+ * A forward (backend.h) of T rows with L logit rows makes, by design:
+ *   graphs (T <= 64 and KVSERVE_CUDA_GRAPHS != 0), graph already captured: graph_launches 1,
+ *     d2h_copies 1 if L > 0 (the logits rows, one transfer), stream_syncs 1, and nothing else
+ *     (the step's metadata -- tokens, positions, block tables -- is written by the host into a
+ *     pinned buffer that the graph's own copy node uploads: no host->device copy call, no
+ *     memset, no allocation);
+ *   the first step of a new graph shape: in addition graph_instantiations 1, captured_copies 1
+ *     (that metadata upload), captured_launches 10 * n_layers + 3 (the embedding; per layer
+ *     2 norms, 4 GEMMs, q/k-norm + RoPE + KV store, attention, combine, SwiGLU; the output norm
+ *     and head; 10 * n_layers + 1 when L == 0); growing scratch adds allocs / frees;
+ *   no graph: h2d_copies 1 (metadata), launches 10 * n_layers + 3, d2h_copies 1 if L > 0,
+ *     stream_syncs 1.
+ * copy_blocks / copy_to_host / copy_from_host: one stream_sync per call (per 64 MiB chunk when
+ * bounced through the pinned staging buffer). */
+struct kv_cuda_counters {
+    uint64_t stream_syncs;         /* cudaStreamSynchronize */
+    uint64_t sync_copies;          /* blocking cudaMemcpy (kv_cuda_memcpy) */
+    uint64_t h2d_copies;           /* cudaMemcpyAsync host->device, issued by the host (not captured) */
+    uint64_t d2h_copies;           /* cudaMemcpyAsync device->host, issued by the host */
+    uint64_t other_copies;         /* cudaMemcpyAsync of another kind, issued by the host */
+    uint64_t captured_copies;      /* cudaMemcpyAsync recorded into a graph being captured */
+    uint64_t memsets;              /* cudaMemsetAsync */
+    uint64_t allocs;               /* cudaMalloc, cudaHostAlloc */
+    uint64_t frees;                /* cudaFree, cudaFreeHost */
+    uint64_t launches;             /* our kernels and cuBLAS GEMM calls enqueued eagerly */
+    uint64_t captured_launches;    /* the same, recorded into a graph being captured */
+    uint64_t graph_instantiations; /* graphs captured and instantiated */
+    uint64_t graph_launches;       /* cudaGraphLaunch */
+};
+/* Copies the counters (since process start) into *out. Thread-safe. */
+void kv_cuda_counters_get(struct kv_cuda_counters *out);
 
 /* Thin helpers for tests and benches (NULL / KV_EIO on failure; the error is logged). */
 void *kv_cuda_malloc(size_t n);           /* device memory */

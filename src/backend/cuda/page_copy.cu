@@ -78,6 +78,7 @@ kv_status kv_cuda_copy_pages_async(int dir, void *const *dst, const void *const 
         }
         dim3 grid((unsigned)splits, (unsigned)k);
         k_page_copy<<<grid, PC_THREADS, 0, stream>>>(local, nbytes, chunk);
+        kvc_launched();
         CU_TRY(cudaGetLastError(), "page copy launch");
     }
     return KV_OK;
@@ -89,7 +90,7 @@ extern "C" kv_status kv_cuda_copy_pages(enum kv_cuda_copy_dir dir, void *const *
     cudaStream_t s;
     CU_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream create");
     kv_status st = kv_cuda_copy_pages_async((int)dir, dst, src, n, nbytes, s, err, errlen);
-    cudaError_t e = cudaStreamSynchronize(s);
+    cudaError_t e = kvc_stream_sync(s);
     cudaStreamDestroy(s);
     if (st) return st;
     if (e != cudaSuccess) return kv_errf(KV_EIO, err, errlen, "cuda: page copy: %s", cudaGetErrorString(e));
@@ -97,6 +98,16 @@ extern "C" kv_status kv_cuda_copy_pages(enum kv_cuda_copy_dir dir, void *const *
 }
 
 /* ---- helpers ---- */
+
+struct kv_cuda_counters kvc_counters;
+thread_local int kvc_capturing;
+
+extern "C" void kv_cuda_counters_get(struct kv_cuda_counters *out) {
+    if (!out) return;
+    const uint64_t *src = (const uint64_t *)&kvc_counters;
+    uint64_t *dst = (uint64_t *)out;
+    for (size_t i = 0; i < sizeof *out / sizeof(uint64_t); i++) dst[i] = __atomic_load_n(&src[i], __ATOMIC_RELAXED);
+}
 
 extern "C" kv_status kv_cuda_device_check(char *err, size_t errlen) {
     int n = 0;
@@ -118,32 +129,32 @@ extern "C" void kv_cuda_device_name(int dev, char *out, size_t outlen) {
 
 extern "C" void *kv_cuda_malloc(size_t n) {
     void *p = NULL;
-    cudaError_t e = cudaMalloc(&p, n);
+    cudaError_t e = kvc_malloc(&p, n);
     if (e != cudaSuccess) {
-        KV_ERROR("cuda: cudaMalloc(%zu): %s", n, cudaGetErrorString(e));
+        KV_ERROR("cuda: kvc_malloc(%zu): %s", n, cudaGetErrorString(e));
         return NULL;
     }
     return p;
 }
 extern "C" void kv_cuda_free(void *p) {
-    if (p) cudaFree(p);
+    if (p) kvc_free(p);
 }
 extern "C" void *kv_cuda_host_alloc(size_t n) {
     void *p = NULL;
-    cudaError_t e = cudaHostAlloc(&p, n, cudaHostAllocMapped | cudaHostAllocPortable);
+    cudaError_t e = kvc_host_alloc(&p, n, cudaHostAllocMapped | cudaHostAllocPortable);
     if (e != cudaSuccess) {
-        KV_ERROR("cuda: cudaHostAlloc(%zu): %s", n, cudaGetErrorString(e));
+        KV_ERROR("cuda: kvc_host_alloc(%zu): %s", n, cudaGetErrorString(e));
         return NULL;
     }
     return p;
 }
 extern "C" void kv_cuda_host_free(void *p) {
-    if (p) cudaFreeHost(p);
+    if (p) kvc_free_host(p);
 }
 extern "C" kv_status kv_cuda_memcpy(void *dst, const void *src, size_t n) {
-    cudaError_t e = cudaMemcpy(dst, src, n, cudaMemcpyDefault);
+    cudaError_t e = kvc_memcpy_sync(dst, src, n, cudaMemcpyDefault);
     if (e != cudaSuccess) {
-        KV_ERROR("cuda: cudaMemcpy(%zu): %s", n, cudaGetErrorString(e));
+        KV_ERROR("cuda: kvc_memcpy_sync(%zu): %s", n, cudaGetErrorString(e));
         return KV_EIO;
     }
     return KV_OK;

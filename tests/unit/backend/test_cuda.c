@@ -2,6 +2,7 @@
  * CUDA backend (issue 10) against the CPU backend, on a GPU. Every GPU test skips with a
  * visible "SKIP:" line when the build has no CUDA backend or no GPU is usable (this is what
  * CI and the development machine do); scripts/gpu-test.sh runs it on the device.
+ * KVSERVE_CUDA_TESTS=PATTERN (cmocka wildcards) runs only the matching tests.
  *  - registry: backend_kind_parse / backend_create("cuda") answers cleanly (always runs).
  *  - stories260K greedy: the 12 public reference prompts, batched (12 sequences, scattered
  *    block tables), 64 greedy tokens each: CPU tokens == llama.cpp's; CUDA with f32 weights
@@ -12,6 +13,13 @@
  *    max|d| <= 1e-4 max|ref| against the CPU; bf16 weights ||d||_2 / ||ref||_2 <= 1e-2 on
  *    average over the rows and <= 2e-2 on every row, against the CPU on the same bf16-rounded
  *    weights (the error against unrounded f32 weights is printed). See compare_shape.
+ *  - quantized GGUFs (models/tiny-quant F16, Q8_0, Q4_K_M; dequantized on the host at upload):
+ *    every logit row against the CPU backend on the same file, f32 weights max|d| <= 1e-4
+ *    max|ref|, bf16 weights the bf16 limits against the CPU on the bf16-rounded weights.
+ *  - decode loop host syncs (issue 10): exact CUDA call counts per forward (kv_cuda_counters:
+ *    one sync and one logits copy per step, no host->device copy, memset or allocation once a
+ *    step's graph exists), graphs captured in cudaStreamCaptureModeGlobal; graphs off shows the
+ *    eager counts; graph and eager logits agree.
  *  - page copies: 64 KiB .. 512 MiB, H2D / D2H / D2D, 1..300 pages (across the 256-page launch
  *    limit and the 16-CTA split limit), zero bytes, bad sizes; checksums and memcmp against
  *    cudaMemcpy. Backend copy_to_host / copy_from_host / copy_blocks round trips.
@@ -421,6 +429,247 @@ static void test_cuda_qwen_logits(void **st) {
     assert_int_equal(bad, 0);
 }
 
+/* ---- quantized GGUFs (models/tiny-quant: llama.cpp's quantizations of one random Llama
+ * model) on the CUDA backend: the upload dequantizes every matrix on the host (kv_dequant_row,
+ * the CPU backend's exact floats) and stores f32 or bf16 on the device ---- */
+
+/* Rows of got against ref (n rows of V): f32 weights: max|d| / max|ref| <= tol on every row;
+ * bf16 weights: ||d||_2 / ||ref||_2 <= 2 tol on every row and <= tol on average (the limits
+ * of compare_shape). Returns the number of failures; prints a summary line. */
+static int score_rows(const char *what, const float *got, const float *ref, int n, int V, bool f32w, double tol) {
+    double worst_max = 0, worst_norm = 0, sum_norm = 0;
+    int bad = 0;
+    for (int p = 0; p < n; p++) {
+        const float *a = got + (size_t)p * V, *r = ref + (size_t)p * V;
+        double md = 0, mr = 0, dd = 0, rr = 0;
+        for (int i = 0; i < V; i++) {
+            double d = fabs((double)a[i] - r[i]);
+            if (!(d <= md)) md = d; /* NaN propagates */
+            if (fabs(r[i]) > mr) mr = fabs(r[i]);
+            dd += d * d, rr += (double)r[i] * r[i];
+        }
+        double em = md / mr, en = sqrt(dd / rr);
+        if (!(em <= worst_max)) worst_max = em;
+        if (!(en <= worst_norm)) worst_norm = en;
+        sum_norm += en;
+        double e = f32w ? em : en, lim = f32w ? tol : 2 * tol;
+        if (!(e <= lim) && bad++ < 3) fprintf(stderr, "  %s row %d: error %g > %g\n", what, p, e, lim);
+    }
+    double mean = sum_norm / n;
+    if (!f32w && !(mean <= tol)) bad++;
+    fprintf(stderr, "  %s: %d rows, ||d||/||ref|| mean %.3g worst %.3g, worst max|d|/max|ref| %.3g (tol %g)%s\n", what,
+            n, mean, worst_norm, worst_max, tol, bad ? " FAIL" : "");
+    return bad;
+}
+
+/* For F16, Q8_0 and Q4_K_M files: every logit row of a chunked prefill + decode of two
+ * batched sequences (run_chunks, 300 + 97 positions) on the CUDA backend against the CPU
+ * backend on the same file. f32 weights (the upload keeps the dequantized floats): max|d| <=
+ * 1e-4 max|ref| per row; bf16 weights: against the CPU on the dequantized weights rounded to
+ * bf16, the bf16 limits of compare_shape (mean 1e-2, row 2e-2); the error against the CPU on
+ * the file itself is printed. */
+static void test_cuda_quant_gguf(void **st) {
+    (void)st;
+    if (!gpu_ok()) { skip(); return; }
+    const char *types[] = {"F16", "Q8_0", "Q4_K_M"};
+    char path[4096], rel[256], err[256];
+    snprintf(rel, sizeof rel, "models/tiny-quant/tiny-%s.gguf", types[0]);
+    if (!test_data_path(path, sizeof path, rel)) { skip(); return; }
+    int bad = 0;
+    for (size_t t = 0; t < sizeof types / sizeof types[0]; t++) {
+        snprintf(rel, sizeof rel, "models/tiny-quant/tiny-%s.gguf", types[t]);
+        assert_non_null(test_data_path(path, sizeof path, rel));
+        model_t *m = NULL;
+        if (model_load(path, &m, err, sizeof err)) fail_msg("%s: %s", path, err);
+        assert_int_not_equal(m->w.layers[0].w_up.type, KV_QTYPE_F32); /* stored type kept at load */
+        int n0 = 300, n1 = 97, maxn = 300, V = m->cfg.n_vocab;
+        int32_t *toks = malloc((size_t)2 * maxn * sizeof *toks);
+        kv_rng rng;
+        kv_rng_seed(&rng, 300 + t);
+        for (int i = 0; i < 2 * maxn; i++) toks[i] = (int32_t)(kv_rng_next(&rng) % (uint64_t)V);
+        backend_t *be = make_be(m, 0, false);
+        float *cpu = run_chunks(be, m, toks, n0, n1, KV_DTYPE_F32);
+        backend_free(be);
+        model_t *mr = test_model_clone_f32(m);
+        if (!mr) fail_msg("out of memory");
+        model_round_bf16(mr);
+        be = make_be(mr, 0, false);
+        float *cpu_r = run_chunks(be, mr, toks, n0, n1, KV_DTYPE_F32);
+        backend_free(be);
+        model_free(mr);
+        be = make_be(m, 1, true);
+        float *g32 = run_chunks(be, m, toks, n0, n1, KV_DTYPE_F32);
+        backend_free(be);
+        be = make_be(m, 1, false);
+        float *g16 = run_chunks(be, m, toks, n0, n1, KV_DTYPE_F32);
+        backend_free(be);
+        char what[128];
+        for (int s = 0; s < 2; s++) {
+            size_t o = (size_t)s * maxn * V;
+            int n = s ? n1 : n0;
+            snprintf(what, sizeof what, "%s seq %d, cuda f32 weights vs cpu", types[t], s);
+            bad += score_rows(what, g32 + o, cpu + o, n, V, true, 1e-4);
+            snprintf(what, sizeof what, "%s seq %d, cuda bf16 weights vs cpu on bf16-rounded weights", types[t], s);
+            bad += score_rows(what, g16 + o, cpu_r + o, n, V, false, 1e-2);
+            snprintf(what, sizeof what, "%s seq %d, cuda bf16 weights vs cpu (reported)", types[t], s);
+            score_rows(what, g16 + o, cpu + o, n, V, false, 1e9);
+        }
+        free(cpu), free(cpu_r), free(g32), free(g16), free(toks);
+        model_free(m);
+    }
+    assert_int_equal(bad, 0);
+}
+
+/* ---- host syncs and host->device writes in the decode loop (issue 10) ---- */
+
+#define NCNT (sizeof(struct kv_cuda_counters) / sizeof(uint64_t))
+static struct kv_cuda_counters cnt_delta(const struct kv_cuda_counters *a, const struct kv_cuda_counters *b) {
+    struct kv_cuda_counters d;
+    const uint64_t *x = (const uint64_t *)a, *y = (const uint64_t *)b;
+    uint64_t *o = (uint64_t *)&d;
+    for (size_t i = 0; i < NCNT; i++) o[i] = y[i] - x[i];
+    return d;
+}
+static const char *const g_cnt_names[NCNT] = {"stream_syncs", "sync_copies", "h2d_copies", "d2h_copies",
+                                               "other_copies", "captured_copies", "memsets", "allocs", "frees",
+                                               "launches", "captured_launches", "graph_instantiations",
+                                               "graph_launches"};
+/* Fails unless every counter of got equals want's; with any_alloc, allocs and frees are not
+ * compared (steps that grow scratch buffers). */
+static void cnt_expect(const char *what, int step, const struct kv_cuda_counters *got,
+                       const struct kv_cuda_counters *want, bool any_alloc) {
+    const uint64_t *g = (const uint64_t *)got, *w = (const uint64_t *)want;
+    int bad = 0;
+    for (size_t i = 0; i < NCNT; i++) {
+        if (any_alloc && (i == offsetof(struct kv_cuda_counters, allocs) / 8 ||
+                          i == offsetof(struct kv_cuda_counters, frees) / 8))
+            continue;
+        if (g[i] != w[i]) {
+            fprintf(stderr, "  %s step %d: %s = %llu, expected %llu\n", what, step, g_cnt_names[i],
+                    (unsigned long long)g[i], (unsigned long long)w[i]);
+            bad++;
+        }
+    }
+    if (bad) fail_msg("%s step %d: %d CUDA call counts differ from the documented ones (backend_cuda.h)", what, step,
+                      bad);
+}
+
+struct sync_run {
+    int steps;      /* forwards made */
+    float *logits;  /* (steps, 4 rows, V) */
+};
+
+/* A prefill of 4 sequences x 40 tokens (160 rows: above the graph limit, so eager), decode
+ * steps of all 4 (positions 40 .. 40 + n4 - 1), then of sequence 0 alone (n1 steps): every
+ * forward's counter deltas checked against backend_cuda.h's documented counts. graphs:
+ * whether the backend was created with graphs on. Logits of every step into R. */
+static void sync_decode(backend_t *be, const model_t *m, bool graphs, int n4, int n1, struct sync_run *R) {
+    int V = m->cfg.n_vocab, nl = m->cfg.n_layers, tpb = 16, per = 6, nb = 4 * per;
+    struct kv_geometry g = {.n_layers = nl, .n_kv_heads = m->cfg.n_kv_heads, .head_dim = m->cfg.head_dim,
+                            .tokens_per_block = tpb, .kv_dtype = KV_DTYPE_F32};
+    assert_int_equal(be->ops->kv_alloc(be, nb, &g), KV_OK);
+    int32_t bt[4][6], prompt[4][40], tok[4];
+    for (int s = 0; s < 4; s++)
+        for (int i = 0; i < per; i++) bt[s][i] = nb - 1 - (i * 4 + s);
+    kv_rng rng;
+    kv_rng_seed(&rng, 4242);
+    for (int s = 0; s < 4; s++)
+        for (int i = 0; i < 40; i++) prompt[s][i] = (int32_t)(kv_rng_next(&rng) % (uint64_t)V);
+    R->steps = 0;
+    R->logits = malloc((size_t)(1 + n4 + n1) * 4 * V * sizeof(float));
+    assert_non_null(R->logits);
+    char err[512];
+    uint64_t per_step = 10 * (uint64_t)nl + 3;
+    const char *what = graphs ? "graphs" : "no graphs";
+    for (int step = 0; step < 1 + n4 + n1; step++) {
+        int ns = step <= n4 ? 4 : 1, np = step == 0 ? 0 : 40 + step - 1;
+        struct batch_seq seqs[4];
+        for (int s = 0; s < ns; s++) {
+            tok[s] = (int32_t)((step * 7 + s * 13) % V);
+            seqs[s] = (struct batch_seq){.tokens = step ? &tok[s] : prompt[s], .n_tokens = step ? 1 : 40,
+                                         .n_past = np, .block_table = bt[s], .n_blocks = per,
+                                         .logits = BATCH_LOGITS_LAST};
+        }
+        struct batch b = {seqs, ns};
+        struct kv_cuda_counters c0, c1;
+        kv_cuda_counters_get(&c0);
+        float *lg = R->logits + (size_t)step * 4 * V;
+        if (be->ops->forward(be, &b, lg, err, sizeof err)) fail_msg("forward (step %d): %s", step, err);
+        kv_cuda_counters_get(&c1);
+        R->steps++;
+        struct kv_cuda_counters d = cnt_delta(&c0, &c1), want = {0};
+        want.stream_syncs = 1, want.d2h_copies = 1; /* the logits rows, then the one sync */
+        /* graphs: the first step of each batch shape (step 1: 4 rows, step 1 + n4: 1 row) captures */
+        bool eager = !graphs || step == 0, capture = graphs && (step == 1 || step == 1 + n4);
+        if (eager) want.h2d_copies = 1, want.launches = per_step;
+        else {
+            want.graph_launches = 1;
+            if (capture) want.graph_instantiations = 1, want.captured_copies = 1, want.captured_launches = per_step;
+        }
+        cnt_expect(what, step, &d, &want, eager || capture);
+    }
+    /* the counters see a sync outside forward: copy_blocks synchronises once */
+    struct kv_cuda_counters c0, c1;
+    kv_cuda_counters_get(&c0);
+    int32_t src[1] = {bt[0][0]}, dst[1] = {bt[3][5]};
+    assert_int_equal(be->ops->copy_blocks(be, src, dst, 1), KV_OK);
+    kv_cuda_counters_get(&c1);
+    struct kv_cuda_counters d = cnt_delta(&c0, &c1);
+    assert_int_equal(d.stream_syncs, 1);
+    assert_int_equal(d.launches, 1);
+}
+
+/* Issue 10: the decode loop makes no host syncs beyond the one per step that returns the
+ * logits rows, and writes nothing into device memory from the host (no host->device copy
+ * call, no memset) once its graph exists: every forward of sync_decode has exactly the
+ * counts backend_cuda.h documents, with graphs captured in cudaStreamCaptureModeGlobal
+ * (KVSERVE_CUDA_CAPTURE=global: an unsafe call during a capture fails it, and the forward).
+ * The same loop with graphs off must show the eager counts (1 metadata upload and
+ * 10 n_layers + 3 launches per step), and the graph steps' logits must equal the eager ones
+ * (max|d| <= 1e-4 max|ref|): the replays compute, they are not stale. */
+static void test_cuda_decode_syncs(void **st) {
+    (void)st;
+    if (!gpu_ok()) { skip(); return; }
+    struct model_config cfg = {.n_vocab = 1024, .dim = 256, .n_layers = 3, .n_heads = 4, .n_kv_heads = 2,
+                               .head_dim = 64, .ffn_dim = 512, .rms_eps = 1e-5f, .rope_theta = 10000.f,
+                               .max_ctx = 256, .rope_neox = true};
+    model_t *m = NULL;
+    assert_int_equal(model_alloc(&cfg, &m), KV_OK);
+    model_randomize(m, 11, 0.05f);
+    /* positions stay <= 64 so one attention grid (one graph per batch shape) serves every step */
+    int n4 = 17, n1 = 6;
+    setenv("KVSERVE_CUDA_CAPTURE", "global", 1);
+    backend_t *be = make_be(m, 1, false);
+    struct sync_run rg, re;
+    sync_decode(be, m, true, n4, n1, &rg);
+    backend_free(be);
+    unsetenv("KVSERVE_CUDA_CAPTURE");
+    setenv("KVSERVE_CUDA_GRAPHS", "0", 1);
+    be = make_be(m, 1, false);
+    sync_decode(be, m, false, n4, n1, &re);
+    backend_free(be);
+    unsetenv("KVSERVE_CUDA_GRAPHS");
+    int V = cfg.n_vocab, bad = 0;
+    for (int step = 0; step < rg.steps; step++)
+        for (int s = 0; s < (step <= n4 ? 4 : 1); s++) {
+            const float *a = rg.logits + ((size_t)step * 4 + s) * V, *r = re.logits + ((size_t)step * 4 + s) * V;
+            double md = 0, mr = 0;
+            for (int i = 0; i < V; i++) {
+                double d = fabs((double)a[i] - r[i]);
+                if (!(d <= md)) md = d;
+                if (fabs(r[i]) > mr) mr = fabs(r[i]);
+            }
+            if (!(md <= 1e-4 * mr) && bad++ < 3)
+                fprintf(stderr, "  step %d seq %d: graph logits differ from eager: max|d| %g, max|ref| %g\n", step,
+                        s, md, mr);
+        }
+    fprintf(stderr, "  decode loop: %d forwards with graphs (global capture mode) and without, CUDA call counts as "
+                    "documented; graph vs eager logits: %d rows differ\n", rg.steps, bad);
+    free(rg.logits), free(re.logits);
+    model_free(m);
+    assert_int_equal(bad, 0);
+}
+
 /* ---- errors ---- */
 
 static void test_cuda_errors(void **st) {
@@ -586,19 +835,26 @@ static void test_cuda_llama3_logits(void **st) { (void)st; gpu_ok(); skip(); }
 static void test_cuda_qwen_logits(void **st) { (void)st; gpu_ok(); skip(); }
 static void test_cuda_errors(void **st) { (void)st; gpu_ok(); skip(); }
 static void test_cuda_page_copy(void **st) { (void)st; gpu_ok(); skip(); }
+static void test_cuda_quant_gguf(void **st) { (void)st; gpu_ok(); skip(); }
+static void test_cuda_decode_syncs(void **st) { (void)st; gpu_ok(); skip(); }
 #endif
 
 int main(void) {
     /* the backend's tuning variables would change what the tests compare (backend_cuda.h) */
     unsetenv("KVSERVE_CUDA_WEIGHTS"), unsetenv("KVSERVE_CUDA_GRAPHS"), unsetenv("KVSERVE_CUDA_ATTN");
-    unsetenv("KVSERVE_CUDA_GEMV_MAX");
+    unsetenv("KVSERVE_CUDA_GEMV_MAX"), unsetenv("KVSERVE_CUDA_CAPTURE");
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_cuda_registry),
         cmocka_unit_test(test_cuda_errors),
         cmocka_unit_test(test_cuda_page_copy),
+        cmocka_unit_test(test_cuda_decode_syncs),
+        cmocka_unit_test(test_cuda_quant_gguf),
         cmocka_unit_test(test_cuda_stories_greedy),
         cmocka_unit_test(test_cuda_llama3_logits),
         cmocka_unit_test(test_cuda_qwen_logits),
     };
+    /* KVSERVE_CUDA_TESTS=PATTERN (cmocka wildcards * and ?): run only the matching tests */
+    const char *only = getenv("KVSERVE_CUDA_TESTS");
+    if (only && *only) cmocka_set_test_filter(only);
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
