@@ -3,13 +3,15 @@
  *
  *   bench_engine --model PATH [--threads N] [--prompt-len 256] [--gen-len 64]
  *                [--concurrency 1,16] [--tokens-per-block 16] [--max-num-tokens 2048]
+ *                [--kv-dtype f32|f16|bf16] [--depth 16]
  *   bench_engine --make-model OUT.gguf --vocab-from VOCAB.gguf [--layers 12 --dim 768 ...]
  *
  * Prefill: C requests with prompt_len random-but-valid token ids and max_tokens 1, submitted at
- * once; rate = C * prompt_len / wall time. Decode: C requests with a 16-token prompt generating
- * gen_len tokens (ignore_eos); rate = tokens generated after each request's first token /
- * (last finish - earliest first token). Logs openblas_get_corename() (OPENBLAS_CORETYPE is left
- * as the environment sets it).
+ * once; rate = C * prompt_len / wall time. Decode: C requests with a --depth-token prompt
+ * (default 16; e.g. 8192 for decode at 8k context, as llama-bench -d) generating gen_len tokens
+ * (ignore_eos); rate = tokens generated after each request's first token / (last finish -
+ * earliest first token). Logs the kernel ISA (KVSERVE_CPU_ISA forces one),
+ * openblas_get_corename() and OPENBLAS_CORETYPE (left as the environment sets it).
  */
 #include <pthread.h>
 #include <stdio.h>
@@ -199,7 +201,7 @@ static int make_model(const char *out, const char *vocab_path, int layers, int d
 
 int main(int argc, char **argv) {
     const char *model_path = NULL, *make = NULL, *vocab = NULL, *conc = "1,16";
-    int kv_dtype = KV_DTYPE_F32, threads = 0, prompt_len = 256, gen_len = 64, tpb = 16, max_num_tokens = 2048;
+    int depth = 16, kv_dtype = KV_DTYPE_F32, threads = 0, prompt_len = 256, gen_len = 64, tpb = 16, max_num_tokens = 2048;
     int layers = 12, dim = 768, heads = 12, kv_heads = 12, ffn = 2048;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -219,6 +221,7 @@ int main(int argc, char **argv) {
         else if (OPT("--heads")) heads = atoi(v);
         else if (OPT("--kv-heads")) kv_heads = atoi(v);
         else if (OPT("--ffn")) ffn = atoi(v);
+        else if (OPT("--depth")) depth = atoi(v);
         else if (OPT("--kv-dtype")) {
             if (kv_dtype_parse(v, &kv_dtype)) {
                 fprintf(stderr, "bench_engine: --kv-dtype %s: expected f32, f16 or bf16\n", v);
@@ -239,7 +242,7 @@ int main(int argc, char **argv) {
     }
     if (!model_path || prompt_len < 1 || gen_len < 2) {
         fprintf(stderr, "usage: bench_engine --model PATH [--threads N] [--prompt-len N] [--gen-len N>=2] "
-                        "[--concurrency 1,16] [--kv-dtype f32|f16|bf16]\n");
+                        "[--concurrency 1,16] [--kv-dtype f32|f16|bf16] [--depth N]\n");
         return 2;
     }
     kv_log_set_level(KV_LOG_WARN);
@@ -260,7 +263,8 @@ int main(int argc, char **argv) {
         if (!p) break;
         p++;
     }
-    int max_len = prompt_len + gen_len + 16;
+    if (depth < 1) depth = 1;
+    int max_len = (prompt_len > depth ? prompt_len : depth) + gen_len + 16;
     struct engine_config ec = {.tokens_per_block = tpb,
                                .max_batch_size = max_c,
                                .max_num_tokens = max_num_tokens,
@@ -287,7 +291,7 @@ int main(int argc, char **argv) {
         int c = atoi(p);
         double tp = run_batch(e, c, prompt_len, 1, m->cfg.n_vocab, 1, &r);
         double prefill = tp > 0 ? (double)c * prompt_len / tp : 0;
-        double td = run_batch(e, c, 16, gen_len, m->cfg.n_vocab, 2, &r);
+        double td = run_batch(e, c, depth, gen_len, m->cfg.n_vocab, 2, &r);
         double span = (double)(r.finish_max - r.first_token_min) / 1e9;
         double decode = td > 0 && span > 0 ? (double)r.gen_tokens_after_first / span : 0;
         printf("%-12d %-12d %14.1f %14.1f\n", c, prompt_len, prefill, decode);
