@@ -1,0 +1,184 @@
+/*
+ * bench_qdot: ns per weight of the fused dequantize+dot kernels (kv_qdot_rows, src/quant/
+ * qdot.h) against what the CPU matmul did before them for decode: dequantize 4 weight rows
+ * with kv_dequant_row into an f32 panel, then the f32 FMA tile over the panel (here the F32
+ * kernel of kv_qdot_rows, the same 16-lane register tile as matmul.c's). Per type, per ISA
+ * this CPU has, for M = 1 and M = 4 activation rows, one thread:
+ *   hot     the packed weights fit in L2 (512 KiB, cycled): compute-bound throughput
+ *   stream  the weights cycle through 320 MiB (> any LLC), as a decode step reads them
+ * Rows of K (default 4096) elements, 64 rows per kv_qdot_rows call. Each number is the
+ * median of --runs (default 5) runs of >= --ms (default 100) ms.
+ *
+ *   bench_qdot [--k 4096] [--runs 5] [--ms 100] [--hot] [--types Q8_0,Q4_K,...] [--isa avx512]
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "quant/qdot.h"
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static int cmp_d(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static uint64_t g_rng = 88172645463325252ull;
+static uint64_t rnd(void) {
+    g_rng ^= g_rng << 13;
+    g_rng ^= g_rng >> 7;
+    g_rng ^= g_rng << 17;
+    return g_rng;
+}
+
+/* Random blocks with small finite scales. */
+static void fill(int type, uint8_t *p, size_t bytes) {
+    for (size_t i = 0; i < bytes; i++) p[i] = (uint8_t)rnd();
+    size_t bb = kv_qtype_block_bytes(type);
+    for (size_t b = 0; b + bb <= bytes; b += bb) {
+        uint8_t *blk = p + b;
+        switch (type) {
+        case KV_QTYPE_F16: blk[1] &= 0x3b; break;
+        case KV_QTYPE_BF16: blk[1] &= 0x3f; break;
+        case KV_QTYPE_F32: blk[3] &= 0x3f; break;
+        case KV_QTYPE_Q8_0: case KV_QTYPE_Q4_0: blk[1] = 0x20; break;
+        case KV_QTYPE_Q4_K: case KV_QTYPE_Q5_K: blk[1] = 0x20; blk[3] = 0x20; break;
+        case KV_QTYPE_Q6_K: blk[209] = 0x20; break;
+        default: break;
+        }
+    }
+}
+
+#define GROUP 64 /* rows per call */
+
+struct ctx {
+    int type, K, M;
+    size_t rb, nrows;
+    const uint8_t *w;
+    const float *X;
+    float *Y, *panel;
+};
+
+/* the old way: per 4 rows, kv_dequant_row into the panel, then the f32 tile */
+static void panel_group(const struct ctx *c, size_t row) {
+    for (int r = 0; r < GROUP; r += 4) {
+        const uint8_t *p = c->w + (row + (size_t)r) * c->rb;
+        if (c->type == KV_QTYPE_F32) {
+            kv_qdot_rows(KV_QTYPE_F32, p, c->rb, 4, c->K, c->X, (size_t)c->K, c->M, c->Y + r, GROUP);
+            continue;
+        }
+        for (int j = 0; j < 4; j++) kv_dequant_row(c->type, p + (size_t)j * c->rb, c->panel + (size_t)j * c->K, c->K);
+        kv_qdot_rows(KV_QTYPE_F32, c->panel, (size_t)c->K * 4, 4, c->K, c->X, (size_t)c->K, c->M, c->Y + r, GROUP);
+    }
+}
+
+static void fused_group(const struct ctx *c, size_t row) {
+    kv_qdot_rows(c->type, c->w + row * c->rb, c->rb, GROUP, c->K, c->X, (size_t)c->K, c->M, c->Y, GROUP);
+}
+
+/* median ns per weight */
+static double measure(const struct ctx *c, bool fused, int runs, int ms) {
+    double t[101];
+    size_t row = 0;
+    for (int r = 0; r < runs; r++) {
+        long groups = 0;
+        double t0 = now_s(), el;
+        do {
+            for (int j = 0; j < 8; j++) {
+                if (fused) fused_group(c, row);
+                else panel_group(c, row);
+                row += GROUP;
+                if (row + GROUP > c->nrows) row = 0;
+            }
+            groups += 8;
+            el = now_s() - t0;
+        } while (el < ms * 1e-3);
+        __asm__ volatile("" : : "r"(c->Y) : "memory");
+        t[r] = el / ((double)groups * GROUP * c->K) * 1e9;
+    }
+    qsort(t, (size_t)runs, sizeof t[0], cmp_d);
+    return t[runs / 2];
+}
+
+int main(int argc, char **argv) {
+    int K = 4096, runs = 5, ms = 100;
+    bool hot_only = false;
+    const char *types_arg = NULL, *isa_arg = NULL;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--k") && i + 1 < argc) K = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--runs") && i + 1 < argc) runs = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--ms") && i + 1 < argc) ms = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--hot")) hot_only = true;
+        else if (!strcmp(argv[i], "--types") && i + 1 < argc) types_arg = argv[++i];
+        else if (!strcmp(argv[i], "--isa") && i + 1 < argc) isa_arg = argv[++i];
+        else {
+            fprintf(stderr, "usage: %s [--k 4096] [--runs 5] [--ms 100] [--hot] [--types Q8_0,Q4_K,...] [--isa avx512]\n",
+                    argv[0]);
+            return 2;
+        }
+    }
+    if (K <= 0 || K % 256 || runs < 1 || runs > 101 || ms < 1) {
+        fprintf(stderr, "--k must be a positive multiple of 256; --runs 1..101; --ms >= 1\n");
+        return 2;
+    }
+    static const int types[] = {KV_QTYPE_F32,  KV_QTYPE_F16,  KV_QTYPE_BF16, KV_QTYPE_Q8_0,
+                                KV_QTYPE_Q4_0, KV_QTYPE_Q4_K, KV_QTYPE_Q5_K, KV_QTYPE_Q6_K};
+    enum kv_quant_isa auto_isa = kv_quant_set_isa(KV_QUANT_ISA_AUTO);
+    printf("# bench_qdot: K=%d, %d rows per call, one thread, median of %d runs >= %d ms; AUTO ISA here: %s\n"
+           "# fused = kv_qdot_rows; panel = kv_dequant_row 4 rows into an f32 panel + the f32 tile (the old "
+           "matmul decode path; for F32 both are the f32 tile)\n",
+           K, GROUP, runs, ms, kv_quant_isa_name(auto_isa));
+    printf("%-8s %-6s %2s %-7s %10s %10s %8s %10s\n", "isa", "type", "M", "mode", "fused ns/w", "panel ns/w", "gain",
+           "fused GB/s");
+    const size_t stream_bytes = (size_t)320 << 20, hot_bytes = (size_t)512 << 10;
+    uint8_t *src = malloc(stream_bytes);
+    float *X = aligned_alloc(64, sizeof(float) * 4 * (size_t)K), *Y = aligned_alloc(64, sizeof(float) * 4 * GROUP);
+    float *panel = aligned_alloc(64, sizeof(float) * 4 * (size_t)K);
+    if (!src || !X || !Y || !panel) {
+        fprintf(stderr, "out of memory\n");
+        return 1;
+    }
+    for (int i = 0; i < 4 * K; i++) X[i] = (float)((int)(rnd() % 2001) - 1000) * 1e-3f;
+    for (int ii = KV_QUANT_ISA_GENERIC; ii <= KV_QUANT_ISA_AVX512; ii++) {
+        enum kv_quant_isa isa = (enum kv_quant_isa)ii;
+        if (isa_arg && strcmp(isa_arg, kv_quant_isa_name(isa))) continue;
+        if (kv_quant_set_isa(isa) != isa) {
+            printf("%-8s (not available on this CPU)\n", kv_quant_isa_name(isa));
+            continue;
+        }
+        for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {
+            int type = types[ti];
+            if (types_arg && !strstr(types_arg, kv_qtype_name(type))) continue;
+            size_t rb = kv_qtype_row_bytes(type, K);
+            for (int mode = 0; mode < (hot_only ? 1 : 2); mode++) {
+                size_t span = mode ? stream_bytes : hot_bytes;
+                size_t nrows = span / rb / GROUP * GROUP;
+                if (nrows < GROUP) nrows = GROUP;
+                if (nrows * rb > stream_bytes) {
+                    fprintf(stderr, "--k too large\n");
+                    return 2;
+                }
+                fill(type, src, nrows * rb);
+                for (int M = 1; M <= 4; M += 3) {
+                    struct ctx c = {type, K, M, rb, nrows, src, X, Y, panel};
+                    double f = measure(&c, true, runs, ms), p = measure(&c, false, runs, ms);
+                    printf("%-8s %-6s %2d %-7s %10.4f %10.4f %7.2fx %10.2f\n", kv_quant_isa_name(isa),
+                           kv_qtype_name(type), M, mode ? "stream" : "hot", f, p, p / f, (double)rb / K / f);
+                    fflush(stdout);
+                }
+            }
+        }
+    }
+    kv_quant_set_isa(KV_QUANT_ISA_AUTO);
+    free(src);
+    free(X);
+    free(Y);
+    free(panel);
+    return 0;
+}

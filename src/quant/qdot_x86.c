@@ -1,0 +1,390 @@
+/*
+ * qdot_x86: the AVX2 (+FMA, F16C) and AVX-512 (F, BW, VL) kernels of kv_qdot_rows (qdot.h).
+ * Per-function target attributes: this file builds for baseline x86-64 and qdot.c only calls
+ * a set the CPU has (kv_quant_get_isa).
+ *
+ * Shape of a kernel: a tile of M activation rows (1..4) x R weight rows, one 16-lane
+ * accumulator per (m, r) pair (AVX-512: one zmm; AVX2: two ymm, lanes 0-7 and 8-15). The K
+ * loop walks one "step" at a time (a 256-element super-block for Q4_K/Q5_K/Q6_K, a 32-element
+ * block for Q8_0/Q4_0, 16 elements for F32/F16/BF16): per weight row the block's scales are
+ * computed once (the same float products as quant_x86.c: d * sc, dmin * m, d * sc6), then
+ * every 16-element chunk is dequantized into a register with exactly quant_x86.c's operations
+ * (Q8_0 q * d; Q4_0 (q - 8) * d; Q4_K/Q5_K (d*sc) * q - (dmin*m), separate mul and sub;
+ * Q6_K (d*sc) * (q - 32); F16 vcvtph2ps; BF16 bits << 16) and FMA'd into the M accumulators
+ * of its row (lane j of chunk c is element 16c + j: the contract's lane). Then the contract's
+ * tree per accumulator and the K % 16 tail in scalar fma. Tiles: AVX-512 M=1: 8 rows, else 4;
+ * AVX2 M=1: 4 rows, M=2: 2, M=3/4: 1 (16 ymm); leftover rows one at a time (same bits).
+ */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("fp-contract=off")
+#elif defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#endif
+
+#include "qdot_internal.h"
+
+#ifdef KV_QUANT_X86
+
+#include <immintrin.h>
+
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+#define ALWAYS inline __attribute__((always_inline))
+#define NOINLINE __attribute__((noinline))
+
+#define LDH(p) _cvtsh_ss(kv_quant_ld16(p))
+#define LD128(p) _mm_loadu_si128((const __m128i *)(p))
+
+/* elements / bytes of one step of the K loop */
+static ALWAYS int step_elems(int type) {
+    switch (type) {
+    case KV_QTYPE_Q4_K: case KV_QTYPE_Q5_K: case KV_QTYPE_Q6_K: return 256;
+    case KV_QTYPE_Q8_0: case KV_QTYPE_Q4_0: return 32;
+    default: return 16;
+    }
+}
+static ALWAYS size_t step_bytes(int type) {
+    switch (type) {
+    case KV_QTYPE_F32: return 64;
+    case KV_QTYPE_F16: case KV_QTYPE_BF16: return 32;
+    case KV_QTYPE_Q8_0: return 34;
+    case KV_QTYPE_Q4_0: return 18;
+    case KV_QTYPE_Q4_K: return 144;
+    case KV_QTYPE_Q5_K: return 176;
+    default: return 210; /* Q6_K */
+    }
+}
+static ALWAYS bool has_scales(int type) { return step_elems(type) > 16; }
+
+/* weight k of an F32/F16/BF16 row (the K % 16 tail) */
+AVX2 static ALWAYS float w_scalar(int type, const uint8_t *row, int k) {
+    float f;
+    if (type == KV_QTYPE_F32) {
+        memcpy(&f, row + 4 * (size_t)k, 4);
+    } else if (type == KV_QTYPE_F16) {
+        f = LDH(row + 2 * (size_t)k);
+    } else {
+        uint32_t bits = (uint32_t)kv_quant_ld16(row + 2 * (size_t)k) << 16;
+        memcpy(&f, &bits, 4);
+    }
+    return f;
+}
+
+/* fmaf(a, b, c): one rounding */
+AVX2 static ALWAYS float fma1(float a, float b, float c) {
+    return _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(a), _mm_set_ss(b), _mm_set_ss(c)));
+}
+
+/* the contract's tail: s = fma(x[k], w[k], s) for k = K16 .. K-1 */
+AVX2 static ALWAYS float tail_dot(int type, float s, const float *x, const uint8_t *row, int K16, int K) {
+    for (int k = K16; k < K; k++) s = fma1(x[k], w_scalar(type, row, k), s);
+    return s;
+}
+
+/* the contract's tree from l8[j] = lane[j] + lane[j+8] (an 8-float vector) */
+AVX2 static ALWAYS float tree8(__m256 l8) {
+    __m128 l4 = _mm_add_ps(_mm256_castps256_ps128(l8), _mm256_extractf128_ps(l8, 1));
+    __m128 l2 = _mm_add_ps(l4, _mm_movehl_ps(l4, l4));
+    return _mm_cvtss_f32(_mm_add_ss(l2, _mm_shuffle_ps(l2, l2, 1)));
+}
+
+/* Q4_K / Q5_K: the 16 unsigned 4/5-bit values of chunk ch (0..15) of super-block b */
+AVX2 static ALWAYS __m128i qk45_q(const uint8_t *b, int ch, bool q5) {
+    const __m128i m4 = _mm_set1_epi8(0x0f), one = _mm_set1_epi8(1);
+    int s = ch >> 1, k = ch & 1; /* sub-block, half */
+    __m128i raw = LD128(b + (q5 ? 48 : 16) + 32 * (s >> 1) + 16 * k);
+    __m128i q = s & 1 ? _mm_and_si128(_mm_srli_epi16(raw, 4), m4) : _mm_and_si128(raw, m4);
+    if (q5) {
+        __m128i h = LD128(b + 16 + 16 * k); /* bit s of qh[l] = bit 4 of q */
+        q = _mm_or_si128(q, _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, s), one), 4));
+    }
+    return q;
+}
+
+/* Q6_K: the 16 signed values q - 32 of chunk ch = 8h + 2g + k (its scale index) */
+AVX2 static ALWAYS __m128i q6_q(const uint8_t *b, int ch) {
+    const __m128i m4 = _mm_set1_epi8(0x0f), m3 = _mm_set1_epi8(3), k32 = _mm_set1_epi8(32);
+    int h = ch >> 3, g = (ch >> 1) & 3, k = ch & 1;
+    __m128i a = LD128(b + 64 * h + 32 * (g & 1) + 16 * k);
+    __m128i lo = g >= 2 ? _mm_and_si128(_mm_srli_epi16(a, 4), m4) : _mm_and_si128(a, m4);
+    __m128i c = LD128(b + 128 + 32 * h + 16 * k);
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(c, 2 * g), m3);
+    return _mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi16(hi, 4)), k32);
+}
+
+/* Q4_0: the 16 signed values q - 8 of chunk ch (0: low nibbles, 1: high) */
+AVX2 static ALWAYS __m128i q40_q(const uint8_t *b, int ch) {
+    const __m128i m4 = _mm_set1_epi8(0x0f), k8 = _mm_set1_epi8(8);
+    __m128i raw = LD128(b + 2);
+    __m128i q = ch ? _mm_and_si128(_mm_srli_epi16(raw, 4), m4) : _mm_and_si128(raw, m4);
+    return _mm_sub_epi8(q, k8);
+}
+
+/* low 8 / high 8 bytes of v -> 8 floats */
+#define LO8S(v) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))
+#define HI8S(v) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64((v), (v))))
+#define LO8U(v) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v))
+#define HI8U(v) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64((v), (v))))
+
+/* per row and step: the scales. Q8_0/Q4_0: sa[0] = d. Q4_K/Q5_K: sa[s] = d * sc[s],
+ * sb[s] = dmin * m[s]. Q6_K: sa[i] = d * scales[i] (16). */
+AVX2 static ALWAYS void prep_scales(int type, const uint8_t *b, float *sa, float *sb) {
+    switch (type) {
+    case KV_QTYPE_Q8_0: case KV_QTYPE_Q4_0: sa[0] = LDH(b); break;
+    case KV_QTYPE_Q4_K: case KV_QTYPE_Q5_K: {
+        uint32_t sc[2], mn[2];
+        kv_quant_scales_k4(b + 4, sc, mn);
+        _mm256_storeu_ps(sa, _mm256_mul_ps(_mm256_set1_ps(LDH(b)), LO8U(_mm_loadl_epi64((const __m128i *)sc))));
+        _mm256_storeu_ps(sb, _mm256_mul_ps(_mm256_set1_ps(LDH(b + 2)), LO8U(_mm_loadl_epi64((const __m128i *)mn))));
+        break;
+    }
+    case KV_QTYPE_Q6_K: {
+        __m256 vd = _mm256_set1_ps(LDH(b + 208));
+        __m128i s16 = LD128(b + 192);
+        _mm256_storeu_ps(sa, _mm256_mul_ps(vd, LO8S(s16)));
+        _mm256_storeu_ps(sa + 8, _mm256_mul_ps(vd, HI8S(s16)));
+        break;
+    }
+    default: break;
+    }
+}
+
+/* ================================ AVX2 ================================ */
+
+/* chunk ch of the step at b, as two 8-float halves */
+AVX2 static ALWAYS void y_dq(int type, const uint8_t *b, const float *sa, const float *sb, int ch, __m256 *lo,
+                             __m256 *hi) {
+    switch (type) {
+    case KV_QTYPE_F32:
+        *lo = _mm256_loadu_ps((const float *)b);
+        *hi = _mm256_loadu_ps((const float *)(b + 32));
+        break;
+    case KV_QTYPE_F16:
+        *lo = _mm256_cvtph_ps(LD128(b));
+        *hi = _mm256_cvtph_ps(LD128(b + 16));
+        break;
+    case KV_QTYPE_BF16:
+        *lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(LD128(b)), 16));
+        *hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(LD128(b + 16)), 16));
+        break;
+    case KV_QTYPE_Q8_0: {
+        __m256 d = _mm256_set1_ps(sa[0]);
+        __m128i q = LD128(b + 2 + 16 * ch);
+        *lo = _mm256_mul_ps(LO8S(q), d);
+        *hi = _mm256_mul_ps(HI8S(q), d);
+        break;
+    }
+    case KV_QTYPE_Q4_0: {
+        __m256 d = _mm256_set1_ps(sa[0]);
+        __m128i q = q40_q(b, ch);
+        *lo = _mm256_mul_ps(LO8S(q), d);
+        *hi = _mm256_mul_ps(HI8S(q), d);
+        break;
+    }
+    case KV_QTYPE_Q4_K: case KV_QTYPE_Q5_K: {
+        __m128i q = qk45_q(b, ch, type == KV_QTYPE_Q5_K);
+        __m256 d1 = _mm256_broadcast_ss(&sa[ch >> 1]), m1 = _mm256_broadcast_ss(&sb[ch >> 1]);
+        *lo = _mm256_sub_ps(_mm256_mul_ps(d1, LO8U(q)), m1);
+        *hi = _mm256_sub_ps(_mm256_mul_ps(d1, HI8U(q)), m1);
+        break;
+    }
+    default: { /* Q6_K */
+        __m128i q = q6_q(b, ch);
+        __m256 s = _mm256_broadcast_ss(&sa[ch]);
+        *lo = _mm256_mul_ps(s, LO8S(q));
+        *hi = _mm256_mul_ps(s, HI8S(q));
+        break;
+    }
+    }
+}
+
+AVX2 static ALWAYS void y_tile(const int type, const uint8_t *w, size_t rb, int K, const float *X, size_t ldx,
+                               float *Y, size_t ldy, const int M, const int R) {
+    const int SE = step_elems(type);
+    const size_t SB = step_bytes(type);
+    const int nst = K / SE, K16 = nst * SE;
+    __m256 alo[4][4], ahi[4][4];
+#pragma GCC unroll 4
+    for (int m = 0; m < M; m++)
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) alo[m][r] = ahi[m][r] = _mm256_setzero_ps();
+    float sa[4][16], sb[4][8];
+    for (int st = 0; st < nst; st++) {
+        const uint8_t *blk = w + (size_t)st * SB;
+        if (has_scales(type))
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) prep_scales(type, blk + (size_t)r * rb, sa[r], sb[r]);
+#pragma GCC unroll 16
+        for (int ch = 0; ch < SE / 16; ch++) {
+            const float *x = X + (size_t)st * SE + 16 * ch;
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                __m256 lo, hi;
+                y_dq(type, blk + (size_t)r * rb, sa[r], sb[r], ch, &lo, &hi);
+#pragma GCC unroll 4
+                for (int m = 0; m < M; m++) {
+                    alo[m][r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + (size_t)m * ldx), lo, alo[m][r]);
+                    ahi[m][r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + (size_t)m * ldx + 8), hi, ahi[m][r]);
+                }
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < M; m++)
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            float s = tree8(_mm256_add_ps(alo[m][r], ahi[m][r]));
+            if (K16 < K) s = tail_dot(type, s, X + (size_t)m * ldx, w + (size_t)r * rb, K16, K);
+            Y[(size_t)m * ldy + r] = s;
+        }
+}
+
+AVX2 static ALWAYS void y_run(const int type, const uint8_t *w, size_t rb, int n_rows, int K, const float *X,
+                              size_t ldx, int M, float *Y, size_t ldy) {
+    int r = 0;
+#define YT(MM, RR) y_tile(type, w + (size_t)r * rb, rb, K, X, ldx, Y + r, ldy, MM, RR)
+    switch (M) {
+    case 1:
+        for (; r + 4 <= n_rows; r += 4) YT(1, 4);
+        for (; r < n_rows; r++) YT(1, 1);
+        break;
+    case 2:
+        for (; r + 2 <= n_rows; r += 2) YT(2, 2);
+        for (; r < n_rows; r++) YT(2, 1);
+        break;
+    case 3:
+        for (; r < n_rows; r++) YT(3, 1);
+        break;
+    default:
+        for (; r < n_rows; r++) YT(4, 1);
+        break;
+    }
+#undef YT
+}
+
+/* ================================ AVX-512 ================================ */
+
+#define I8X16(v) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v))
+#define U8X16(v) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v))
+
+AVX512 static ALWAYS __m512 z_dq(int type, const uint8_t *b, const float *sa, const float *sb, int ch) {
+    switch (type) {
+    case KV_QTYPE_F32: return _mm512_loadu_ps((const float *)b);
+    case KV_QTYPE_F16: return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b));
+    case KV_QTYPE_BF16:
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)b)), 16));
+    case KV_QTYPE_Q8_0: return _mm512_mul_ps(I8X16(LD128(b + 2 + 16 * ch)), _mm512_set1_ps(sa[0]));
+    case KV_QTYPE_Q4_0: return _mm512_mul_ps(I8X16(q40_q(b, ch)), _mm512_set1_ps(sa[0]));
+    case KV_QTYPE_Q4_K: case KV_QTYPE_Q5_K: {
+        __m128i q = qk45_q(b, ch, type == KV_QTYPE_Q5_K);
+        return _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(sa[ch >> 1]), U8X16(q)), _mm512_set1_ps(sb[ch >> 1]));
+    }
+    default: return _mm512_mul_ps(_mm512_set1_ps(sa[ch]), I8X16(q6_q(b, ch))); /* Q6_K */
+    }
+}
+
+AVX512 static ALWAYS float z_tree(__m512 a) {
+    __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+    return tree8(_mm256_add_ps(_mm512_castps512_ps256(a), hi));
+}
+
+AVX512 static ALWAYS void z_tile(const int type, const uint8_t *w, size_t rb, int K, const float *X, size_t ldx,
+                                 float *Y, size_t ldy, const int M, const int R) {
+    const int SE = step_elems(type);
+    const size_t SB = step_bytes(type);
+    const int nst = K / SE, K16 = nst * SE;
+    __m512 acc[4][8];
+#pragma GCC unroll 4
+    for (int m = 0; m < M; m++)
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) acc[m][r] = _mm512_setzero_ps();
+    float sa[8][16], sb[8][8];
+    for (int st = 0; st < nst; st++) {
+        const uint8_t *blk = w + (size_t)st * SB;
+        if (has_scales(type))
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) prep_scales(type, blk + (size_t)r * rb, sa[r], sb[r]);
+#pragma GCC unroll 16
+        for (int ch = 0; ch < SE / 16; ch++) {
+            const float *x = X + (size_t)st * SE + 16 * ch;
+            __m512 xv[4];
+#pragma GCC unroll 4
+            for (int m = 0; m < M; m++) xv[m] = _mm512_loadu_ps(x + (size_t)m * ldx);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) {
+                __m512 wv = z_dq(type, blk + (size_t)r * rb, sa[r], sb[r], ch);
+#pragma GCC unroll 4
+                for (int m = 0; m < M; m++) acc[m][r] = _mm512_fmadd_ps(xv[m], wv, acc[m][r]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < M; m++)
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            float s = z_tree(acc[m][r]);
+            if (K16 < K) s = tail_dot(type, s, X + (size_t)m * ldx, w + (size_t)r * rb, K16, K);
+            Y[(size_t)m * ldy + r] = s;
+        }
+}
+
+AVX512 static ALWAYS void z_run(const int type, const uint8_t *w, size_t rb, int n_rows, int K, const float *X,
+                                size_t ldx, int M, float *Y, size_t ldy) {
+    int r = 0;
+#define ZT(MM, RR) z_tile(type, w + (size_t)r * rb, rb, K, X, ldx, Y + r, ldy, MM, RR)
+    switch (M) {
+    case 1:
+        for (; r + 8 <= n_rows; r += 8) ZT(1, 8);
+        for (; r + 4 <= n_rows; r += 4) ZT(1, 4);
+        for (; r < n_rows; r++) ZT(1, 1);
+        break;
+    case 2:
+        for (; r + 4 <= n_rows; r += 4) ZT(2, 4);
+        for (; r < n_rows; r++) ZT(2, 1);
+        break;
+    case 3:
+        for (; r + 4 <= n_rows; r += 4) ZT(3, 4);
+        for (; r < n_rows; r++) ZT(3, 1);
+        break;
+    default:
+        for (; r + 4 <= n_rows; r += 4) ZT(4, 4);
+        for (; r < n_rows; r++) ZT(4, 1);
+        break;
+    }
+#undef ZT
+}
+
+/* one non-inlined kernel per type and ISA */
+#define QDOT_ARGS const uint8_t *w, size_t rb, int n_rows, int K, const float *X, size_t ldx, int M, float *Y, size_t ldy
+#define QDOT_PASS w, rb, n_rows, K, X, ldx, M, Y, ldy
+#define KERNELS(T, name)                                                                          \
+    AVX2 NOINLINE static void y_##name(QDOT_ARGS) { y_run(T, QDOT_PASS); }                       \
+    AVX512 NOINLINE static void z_##name(QDOT_ARGS) { z_run(T, QDOT_PASS); }
+KERNELS(KV_QTYPE_F32, f32)
+KERNELS(KV_QTYPE_F16, f16)
+KERNELS(KV_QTYPE_BF16, bf16)
+KERNELS(KV_QTYPE_Q8_0, q8_0)
+KERNELS(KV_QTYPE_Q4_0, q4_0)
+KERNELS(KV_QTYPE_Q4_K, q4_k)
+KERNELS(KV_QTYPE_Q5_K, q5_k)
+KERNELS(KV_QTYPE_Q6_K, q6_k)
+
+#define DISPATCH(P)                                                                               \
+    switch (type) {                                                                               \
+    case KV_QTYPE_F32: P##_f32(QDOT_PASS); break;                                                 \
+    case KV_QTYPE_F16: P##_f16(QDOT_PASS); break;                                                 \
+    case KV_QTYPE_BF16: P##_bf16(QDOT_PASS); break;                                               \
+    case KV_QTYPE_Q8_0: P##_q8_0(QDOT_PASS); break;                                               \
+    case KV_QTYPE_Q4_0: P##_q4_0(QDOT_PASS); break;                                               \
+    case KV_QTYPE_Q4_K: P##_q4_k(QDOT_PASS); break;                                               \
+    case KV_QTYPE_Q5_K: P##_q5_k(QDOT_PASS); break;                                               \
+    case KV_QTYPE_Q6_K: P##_q6_k(QDOT_PASS); break;                                               \
+    default: break;                                                                               \
+    }
+
+void kv_qdot_avx2(int type, QDOT_ARGS) { DISPATCH(y) }
+void kv_qdot_avx512(int type, QDOT_ARGS) { DISPATCH(z) }
+
+#else
+typedef int kv_qdot_x86_unused;
+#endif

@@ -1,0 +1,312 @@
+/* qdot: kv_qdot_rows (src/quant/qdot.h) against a scalar transcription of the matmul contract
+ * (kv_dequant_row_ref, then the 16-lane fmaf dot, tree and tail written out below), bitwise,
+ * for every ISA this CPU has: random packed rows of every type (extreme finite scales
+ * included), M = 1..9, n_rows 1..9, K multiples of the block (and odd K for F32/F16/BF16),
+ * odd strides; the real rows of the tiny-quant files (each also against its llama.cpp
+ * dequant-f32 twin through the F32 kernel); invalid arguments write nothing. */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include "model/gguf.h"
+#include "quant/qdot.h"
+#include "test_util.h"
+
+static const enum kv_quant_isa k_isas[] = {KV_QUANT_ISA_GENERIC, KV_QUANT_ISA_AVX2, KV_QUANT_ISA_AVX512};
+#define N_ISAS 3
+
+static bool use_isa(enum kv_quant_isa isa) {
+    static bool noted[4];
+    if (kv_quant_set_isa(isa) == isa) return true;
+    if (!noted[isa]) {
+        noted[isa] = true;
+        fprintf(stderr, "NOTE: this CPU has no %s: that ISA is not exercised\n", kv_quant_isa_name(isa));
+    }
+    kv_quant_set_isa(KV_QUANT_ISA_AUTO);
+    return false;
+}
+
+static uint64_t g_rng = 0x2545f4914f6cdd1dull;
+static uint64_t rnd(void) {
+    g_rng ^= g_rng << 13;
+    g_rng ^= g_rng >> 7;
+    g_rng ^= g_rng << 17;
+    return g_rng;
+}
+static uint32_t f_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+/* The contract, scalar: Y[m*ldy + r] = dot(X[m*ldx ..], dequant_ref(row r)). */
+static void ref_qdot(int type, const uint8_t *w, size_t rb, int n_rows, int K, const float *X, size_t ldx, int M,
+                     float *Y, size_t ldy) {
+    float *row = malloc(sizeof(float) * (size_t)(K + 1));
+    assert_non_null(row);
+    int K16 = K - K % 16;
+    for (int r = 0; r < n_rows; r++) {
+        if (K) kv_dequant_row_ref(type, w + (size_t)r * rb, row, K);
+        for (int m = 0; m < M; m++) {
+            const float *x = X + (size_t)m * ldx;
+            float lane[16] = {0}, l8[8], l4[4], l2[2];
+            for (int j = 0; j < 16; j++)
+                for (int k = j; k < K16; k += 16) lane[j] = fmaf(x[k], row[k], lane[j]);
+            for (int j = 0; j < 8; j++) l8[j] = lane[j] + lane[j + 8];
+            for (int j = 0; j < 4; j++) l4[j] = l8[j] + l8[j + 4];
+            for (int j = 0; j < 2; j++) l2[j] = l4[j] + l4[j + 2];
+            float s = l2[0] + l2[1];
+            for (int k = K16; k < K; k++) s = fmaf(x[k], row[k], s);
+            Y[(size_t)m * ldy + r] = s;
+        }
+    }
+    free(row);
+}
+
+/* bitwise, except that two NaNs are equal (payloads may differ, qdot.h) */
+static bool same(float a, float b) { return f_bits(a) == f_bits(b) || (isnan(a) && isnan(b)); }
+
+#define SENT 0x7f7f7f7fu /* FLT_MAX-ish sentinel: never a result here */
+
+/* Runs kv_qdot_rows with every ISA and compares with ref_qdot; also checks that nothing of
+ * Y outside the n_rows x M results changed. Returns the number of ISAs compared. */
+static int compare_all(const char *what, int type, const uint8_t *w, size_t rb, int n_rows, int K, const float *X,
+                       size_t ldx, int M, size_t ldy) {
+    size_t ny = ldy * (size_t)M + 8;
+    float *want = malloc(sizeof(float) * ny), *got = malloc(sizeof(float) * ny);
+    assert_non_null(want);
+    assert_non_null(got);
+    ref_qdot(type, w, rb, n_rows, K, X, ldx, M, want, ldy);
+    int n = 0;
+    for (int ii = 0; ii < N_ISAS; ii++) {
+        if (!use_isa(k_isas[ii])) continue;
+        uint32_t s = SENT;
+        for (size_t i = 0; i < ny; i++) memcpy(&got[i], &s, 4);
+        kv_qdot_rows(type, w, rb, n_rows, K, X, ldx, M, got, ldy);
+        for (int m = 0; m < M; m++)
+            for (size_t r = 0; r < ldy; r++) {
+                size_t i = (size_t)m * ldy + r;
+                if ((int)r < n_rows) {
+                    if (!same(got[i], want[i]))
+                        fail_msg("%s %s %s K=%d M=%d n_rows=%d: Y[%d][%zu] = %a (0x%08x), reference %a (0x%08x)", what,
+                                 kv_qtype_name(type), kv_quant_isa_name(k_isas[ii]), K, M, n_rows, m, r, (double)got[i],
+                                 f_bits(got[i]), (double)want[i], f_bits(want[i]));
+                } else if (f_bits(got[i]) != SENT) {
+                    fail_msg("%s %s %s: Y[%d][%zu] (past n_rows) written", what, kv_qtype_name(type),
+                             kv_quant_isa_name(k_isas[ii]), m, r);
+                }
+            }
+        for (size_t i = ldy * (size_t)M; i < ny; i++) assert_int_equal(f_bits(got[i]), SENT);
+        n++;
+    }
+    kv_quant_set_isa(KV_QUANT_ISA_AUTO);
+    free(want);
+    free(got);
+    return n;
+}
+
+/* finite f16 scales: zero, -0, subnormals, tiny and huge normals, max */
+static const uint16_t k_scales[] = {0x0000, 0x8000, 0x0001, 0x03ff, 0x0400, 0x3c00, 0x7bff,
+                                    0xfbff, 0x1234, 0xa5a5, 0x2e66, 0x2400, 0xa400, 0x1800};
+static void put16(uint8_t *p, uint16_t v) {
+    p[0] = (uint8_t)v;
+    p[1] = (uint8_t)(v >> 8);
+}
+
+/* n_rows random rows of K elements, row stride rb; finite values (scales from k_scales in
+ * `extreme` mode, else moderate) */
+static void fill_rows(int type, uint8_t *w, size_t rb, int n_rows, int K, bool extreme) {
+    size_t bb = kv_qtype_block_bytes(type);
+    int blck = kv_qtype_block_elems(type);
+    for (int r = 0; r < n_rows; r++) {
+        uint8_t *row = w + (size_t)r * rb;
+        for (size_t i = 0; i < rb; i++) row[i] = (uint8_t)rnd();
+        for (int b = 0; b < K / blck; b++) {
+            uint8_t *blk = row + (size_t)b * bb;
+            uint16_t s1 = extreme ? k_scales[rnd() % (sizeof k_scales / 2)] : (uint16_t)(0x2000 + rnd() % 0x1800);
+            uint16_t s2 = extreme ? k_scales[rnd() % (sizeof k_scales / 2)] : (uint16_t)(0x2000 + rnd() % 0x1800);
+            switch (type) {
+            case KV_QTYPE_F32: blk[3] = (uint8_t)((blk[3] & 0x80) | (0x3a + rnd() % 8)); break; /* |x| ~ 1e-3..1e1 */
+            case KV_QTYPE_F16: blk[1] = (uint8_t)((blk[1] & 0x83) | ((extreme ? rnd() % 31 : 8 + rnd() % 12) << 2)); break;
+            case KV_QTYPE_BF16: blk[1] = (uint8_t)((blk[1] & 0x80) | (0x3a + rnd() % 8)); break;
+            case KV_QTYPE_Q8_0: case KV_QTYPE_Q4_0: put16(blk, s1); break;
+            case KV_QTYPE_Q4_K: case KV_QTYPE_Q5_K:
+                put16(blk, s1);
+                put16(blk + 2, s2);
+                if (extreme && rnd() % 4 == 0) memset(blk + 4, 0xff, 12);
+                break;
+            case KV_QTYPE_Q6_K:
+                put16(blk + 208, s1);
+                if (extreme && rnd() % 4 == 0)
+                    for (int j = 0; j < 16; j++) blk[192 + j] = (uint8_t)(j % 2 ? 0x80 : 0x7f);
+                break;
+            default: break;
+            }
+        }
+    }
+}
+
+static void fill_x(float *X, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        float u = (float)(rnd() >> 40) * 0x1p-24f; /* [0, 1) */
+        X[i] = (rnd() & 1 ? -1.0f : 1.0f) * u * (rnd() % 8 == 0 ? 64.0f : 1.0f);
+        if (rnd() % 64 == 0) X[i] = 0.0f;
+    }
+}
+
+static void check_type(int type) {
+    static const int k_block[] = {32, 64, 96, 256, 768, 1024};
+    static const int k_super[] = {256, 512, 768, 1024};
+    static const int k_float[] = {0, 1, 15, 16, 17, 31, 40, 100, 256, 257, 768, 1024, 1037};
+    const int *Ks;
+    int nK;
+    switch (kv_qtype_block_elems(type)) {
+    case 256: Ks = k_super; nK = 4; break;
+    case 32: Ks = k_block; nK = 6; break;
+    default: Ks = k_float; nK = 13; break;
+    }
+    long runs = 0;
+    for (int ki = 0; ki < nK; ki++) {
+        int K = Ks[ki];
+        for (int M = 1; M <= 9; M++) {
+            if (M > 5 && M != 9) continue;
+            for (int n_rows = 1; n_rows <= 9; n_rows++) {
+                size_t rb = kv_qtype_row_bytes(type, K) + (size_t)(rnd() % 3) * 3; /* stride >= packed row */
+                size_t ldx = (size_t)K + rnd() % 5, ldy = (size_t)n_rows + rnd() % 3;
+                uint8_t *wbuf = malloc(rb * (size_t)n_rows + 8);
+                float *xbuf = malloc(sizeof(float) * (ldx * (size_t)M + 4));
+                assert_non_null(wbuf);
+                assert_non_null(xbuf);
+                uint8_t *w = wbuf + rnd() % 8; /* any alignment */
+                float *X = xbuf + rnd() % 4;
+                fill_rows(type, w, rb, n_rows, K, (n_rows + M) % 2 == 0);
+                fill_x(X, ldx * (size_t)M);
+                int n = compare_all("random", type, w, rb, n_rows, K, X, ldx, M, ldy);
+                assert_true(n >= 1);
+                runs += n;
+                free(wbuf);
+                free(xbuf);
+            }
+        }
+    }
+    assert_true(runs > 0);
+}
+
+static void test_random_f32(void **s) { (void)s; check_type(KV_QTYPE_F32); }
+static void test_random_f16(void **s) { (void)s; check_type(KV_QTYPE_F16); }
+static void test_random_bf16(void **s) { (void)s; check_type(KV_QTYPE_BF16); }
+static void test_random_q8_0(void **s) { (void)s; check_type(KV_QTYPE_Q8_0); }
+static void test_random_q4_0(void **s) { (void)s; check_type(KV_QTYPE_Q4_0); }
+static void test_random_q4_k(void **s) { (void)s; check_type(KV_QTYPE_Q4_K); }
+static void test_random_q5_k(void **s) { (void)s; check_type(KV_QTYPE_Q5_K); }
+static void test_random_q6_k(void **s) { (void)s; check_type(KV_QTYPE_Q6_K); }
+
+/* Invalid arguments write nothing, on every ISA. */
+static void test_invalid_writes_nothing(void **s) {
+    (void)s;
+    uint8_t w[4096];
+    for (size_t i = 0; i < sizeof w; i++) w[i] = (uint8_t)rnd();
+    float X[1024], Y[64];
+    fill_x(X, 1024);
+    for (int ii = 0; ii < N_ISAS; ii++) {
+        if (!use_isa(k_isas[ii])) continue;
+        struct {
+            int type, n_rows, K, M;
+        } c[] = {{10, 1, 256, 1}, {99, 1, 32, 1}, {-1, 1, 32, 1}, {KV_QTYPE_Q8_0, 1, 31, 1}, {KV_QTYPE_Q4_K, 1, 255, 1},
+                 {KV_QTYPE_Q6_K, 1, 300, 1}, {KV_QTYPE_Q4_0, 1, 48, 1}, {KV_QTYPE_F32, 1, -4, 1},
+                 {KV_QTYPE_F16, 0, 16, 1}, {KV_QTYPE_F16, -1, 16, 1}, {KV_QTYPE_F16, 1, 16, 0}, {KV_QTYPE_BF16, 1, 16, -2}};
+        for (size_t i = 0; i < sizeof c / sizeof c[0]; i++) {
+            memset(Y, 0x5a, sizeof Y);
+            kv_qdot_rows(c[i].type, w, 512, c[i].n_rows, c[i].K, X, 64, c[i].M, Y, 4);
+            for (size_t j = 0; j < sizeof Y; j++) assert_int_equal(((uint8_t *)Y)[j], 0x5a);
+        }
+        /* K = 0: every result is +0 */
+        memset(Y, 0x5a, sizeof Y);
+        kv_qdot_rows(KV_QTYPE_Q4_K, w, 0, 3, 0, X, 0, 2, Y, 3);
+        for (int j = 0; j < 6; j++) assert_int_equal(f_bits(Y[j]), 0);
+        assert_int_equal(((uint8_t *)Y)[24], 0x5a);
+    }
+    kv_quant_set_isa(KV_QUANT_ISA_AUTO);
+}
+
+/* Real rows: up to 9 rows of every matrix of tiny-<tag>.gguf, M = 1..4, against the
+ * reference; and the same rows of the llama.cpp dequant-f32 twin through the F32 kernel give
+ * the same bits (a quantized model == its F32 dequantization). */
+static void check_file(void **state) {
+    const char *tag = *state;
+    char rel[256], p1[1024], p2[1024], err[512];
+    snprintf(rel, sizeof rel, "models/tiny-quant/tiny-%s.gguf", tag);
+    if (!test_data_path(p1, sizeof p1, rel)) {
+        fprintf(stderr, "SKIP: %s not found (KVSERVE_TEST_DATA)\n", rel);
+        skip();
+    }
+    snprintf(rel, sizeof rel, "models/tiny-quant/tiny-%s.dequant-f32.gguf", tag);
+    if (!test_data_path(p2, sizeof p2, rel)) {
+        fprintf(stderr, "SKIP: %s not found (KVSERVE_TEST_DATA)\n", rel);
+        skip();
+    }
+    gguf_t *g = NULL, *f = NULL;
+    if (gguf_open(p1, &g, err, sizeof err) != KV_OK) fail_msg("%s", err);
+    if (gguf_open(p2, &f, err, sizeof err) != KV_OK) fail_msg("%s", err);
+    int mats = 0;
+    for (int i = 0; i < gguf_n_tensors(g); i++) {
+        const struct gguf_tensor *t = gguf_tensor_at(g, i), *ft = gguf_find_tensor(f, t->name);
+        if (t->n_dims != 2 || !ft) continue;
+        int type = (int)t->type, K = (int)t->ne[0];
+        int n_rows = t->ne[1] < 9 ? (int)t->ne[1] : 9;
+        size_t rb = kv_qtype_row_bytes(type, K);
+        assert_true(rb > 0);
+        float *X = malloc(sizeof(float) * (size_t)K * 4), *y1 = malloc(sizeof(float) * 36),
+              *y2 = malloc(sizeof(float) * 36);
+        assert_non_null(X);
+        fill_x(X, (size_t)K * 4);
+        for (int M = 1; M <= 4; M++) {
+            assert_true(compare_all(t->name, type, t->data, rb, n_rows, K, X, (size_t)K, M, (size_t)n_rows) >= 1);
+            for (int ii = 0; ii < N_ISAS; ii++) {
+                if (!use_isa(k_isas[ii])) continue;
+                kv_qdot_rows(type, t->data, rb, n_rows, K, X, (size_t)K, M, y1, (size_t)n_rows);
+                kv_qdot_rows(KV_QTYPE_F32, ft->data, (size_t)K * 4, n_rows, K, X, (size_t)K, M, y2, (size_t)n_rows);
+                for (int j = 0; j < M * n_rows; j++)
+                    if (f_bits(y1[j]) != f_bits(y2[j]))
+                        fail_msg("%s: %s (%s) %s: Y[%d] = %a, on the dequant-f32 twin %a", tag, t->name,
+                                 kv_qtype_name(type), kv_quant_isa_name(k_isas[ii]), j, (double)y1[j], (double)y2[j]);
+            }
+            kv_quant_set_isa(KV_QUANT_ISA_AUTO);
+        }
+        free(X);
+        free(y1);
+        free(y2);
+        mats++;
+    }
+    fprintf(stderr, "NOTE: tiny-%s: %d matrices checked\n", tag, mats);
+    assert_true(mats > 0);
+    gguf_close(g);
+    gguf_close(f);
+}
+
+#define FILE_TEST(tag) {"file_" tag, check_file, NULL, NULL, (void *)tag}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_invalid_writes_nothing),
+        cmocka_unit_test(test_random_f32),
+        cmocka_unit_test(test_random_f16),
+        cmocka_unit_test(test_random_bf16),
+        cmocka_unit_test(test_random_q8_0),
+        cmocka_unit_test(test_random_q4_0),
+        cmocka_unit_test(test_random_q4_k),
+        cmocka_unit_test(test_random_q5_k),
+        cmocka_unit_test(test_random_q6_k),
+        FILE_TEST("F16"),
+        FILE_TEST("BF16"),
+        FILE_TEST("Q8_0"),
+        FILE_TEST("Q4_0"),
+        FILE_TEST("Q4_K_M"),
+        FILE_TEST("Q5_K_M"),
+        FILE_TEST("Q6_K"),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
