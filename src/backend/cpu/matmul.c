@@ -11,6 +11,8 @@
  */
 #include "matmul.h"
 
+#include "../../quant/qdot.h"
+
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC optimize("fp-contract=off")
 #elif defined(__clang__)
@@ -290,7 +292,7 @@ static float *thread_panel(size_t n) {
 /* Below this many multiply-adds in one batch, waking the pool costs more than it saves: run
  * on the calling thread (results are identical either way: each element is computed whole). */
 #define INLINE_MACS (1L << 18)
-#define DECODE_ROWS 4  /* M at or below which quantized rows are dequantized 4 at a time */
+#define DECODE_ROWS 4  /* M at or below which quantized rows go through kv_qdot_rows (fused) */
 
 struct plan {
     const struct kv_matmul_op *ops;
@@ -314,9 +316,17 @@ static void plan_task(void *p, int t, int th) {
         pl->fn(op, (const float *)W->data + (size_t)n0 * K, K, n0, n1);
         return;
     }
-    int g = op->M <= DECODE_ROWS ? DECODE_ROWS : pl->nb[i];
+    if (op->M <= DECODE_ROWS) { /* decode: dequantize in registers, nothing written but Y */
+        kv_qdot_rows(W->type, (const char *)W->data + (size_t)n0 * W->row_bytes, W->row_bytes, n1 - n0, (int)K, op->X,
+                     K, op->M, op->Y + n0, (size_t)W->rows);
+        if (op->bias)
+            for (int m = 0; m < op->M; m++)
+                for (int n = n0; n < n1; n++) op->Y[(size_t)m * W->rows + n] = op->Y[(size_t)m * W->rows + n] + op->bias[n];
+        return;
+    }
+    int g = pl->nb[i];
     float *pn = thread_panel((size_t)g * (K ? K : 1));
-    if (!pn) abort(); /* a few KiB..~200 KiB per thread: out of memory here is fatal */
+    if (!pn) abort(); /* ~200 KiB per thread: out of memory here is fatal */
     for (int a = n0; a < n1; a += g) {
         int b = a + g < n1 ? a + g : n1;
         for (int r = a; r < b; r++)

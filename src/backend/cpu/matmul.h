@@ -31,10 +31,11 @@
  * ymm and spill); generic: scalar fmaf. Work split: W is cut into blocks of rows (about 192
  * KiB of f32, so a block stays in L2 while all rows use it; smaller for >= 4 tasks per
  * thread) and every block is one thread-pool task computing all M rows of its columns, so
- * each output element is computed entirely by one thread. Non-F32 weights are dequantized by
- * the task into a per-thread f32 panel first: 4 rows at a time when M <= 4 (decode: the
- * panel stays in L1 and each weight byte is read once from memory), the whole block when M
- * is larger (prefill: the dequantization is amortised over M rows).
+ * each output element is computed entirely by one thread. Non-F32 weights: when M <= 4
+ * (decode) the task calls kv_qdot_rows (src/quant/qdot.h), which dequantizes 16 weights at a
+ * time into registers and FMAs them at once (nothing written but Y); for larger M the task
+ * dequantizes its block into a per-thread f32 panel first (the dequantization is amortised
+ * over M rows). Both follow the contract above, so the split point changes no bits.
  *
  * Example:
  *   kv_matmul_w(x, n_rows, &lw->wq, lw->bq, q, tp);  // q = x wq^T (+ bq), wq in any type
