@@ -82,13 +82,19 @@ static float softmax_inplace(float *s, int n) {
 
 /* ---- generic ---- */
 
+/* Scores row of (row j, head g): stride n_pos + n_rows - 1 floats. */
+AI float *scores_of(const struct kv_attn_args *a, int j, int g) {
+    return a->scores + ((size_t)j * a->n_group + g) * (size_t)(a->n_pos + a->n_rows - 1);
+}
+
 static void attn_generic(const struct kv_attn_args *a) {
     const int hd = a->head_dim, dt = a->kv_dtype, hd16 = hd - hd % 16;
     const size_t rb = (size_t)hd * kv_dtype_size(dt);
-    for (int g = 0; g < a->n_group; g++) {
-        const float *q = a->q + (size_t)g * hd;
-        float *sc = a->scores + (size_t)g * a->n_pos;
-        for (int i = 0; i < a->n_pos; i++) {
+    for (int jg = 0; jg < a->n_rows * a->n_group; jg++) {
+        int j = jg / a->n_group, g = jg % a->n_group, np = a->n_pos + j;
+        const float *q = a->q + (size_t)j * a->q_stride + (size_t)g * hd;
+        float *sc = scores_of(a, j, g);
+        for (int i = 0; i < np; i++) {
             const char *k = row_ptr(a, a->k_off, i, rb);
             float lane[16];
             for (int j = 0; j < 16; j++) lane[j] = 0.0f;
@@ -101,10 +107,10 @@ static void attn_generic(const struct kv_attn_args *a) {
             for (int e = hd16; e < hd; e++) s = fmaf(q[e], elem(k, e, dt), s);
             sc[i] = s * a->scale;
         }
-        float inv = softmax_inplace(sc, a->n_pos);
-        float *out = a->out + (size_t)g * hd;
+        float inv = softmax_inplace(sc, np);
+        float *out = a->out + (size_t)j * a->out_stride + (size_t)g * hd;
         for (int e = 0; e < hd; e++) out[e] = 0.0f;
-        for (int i = 0; i < a->n_pos; i++) {
+        for (int i = 0; i < np; i++) {
             const char *v = row_ptr(a, a->v_off, i, rb);
             float w = sc[i] * inv;
             for (int e = 0; e < hd; e++) out[e] = fmaf(w, elem(v, e, dt), out[e]);
@@ -146,35 +152,47 @@ AI T512 void vacc512(const struct kv_attn_args *a, const float *sc, float inv, f
 }
 
 static T512 void attn_avx512(const struct kv_attn_args *a) {
-    const int hd = a->head_dim, dt = a->kv_dtype, hd16 = hd - hd % 16;
+    const int hd = a->head_dim, dt = a->kv_dtype, hd16 = hd - hd % 16, R = a->n_rows, G = a->n_group;
+    const int n_last = a->n_pos + R - 1; /* positions the last row attends */
     const size_t rb = (size_t)hd * kv_dtype_size(dt);
-    for (int i = 0; i < a->n_pos; i++) { /* scores: each K row read once for the whole group */
+    for (int i = 0; i < n_last; i++) { /* scores: each K row read once for the tile and the group */
         const char *k = row_ptr(a, a->k_off, i, rb);
-        for (int g = 0; g < a->n_group; g++) {
-            const float *q = a->q + (size_t)g * hd;
-            __m512 acc = _mm512_setzero_ps();
-            for (int e = 0; e < hd16; e += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + e), ld512(k, e, dt), acc);
-            float s = hsum512(acc);
-            for (int e = hd16; e < hd; e++) s = __builtin_fmaf(q[e], elem(k, e, dt), s);
-            a->scores[(size_t)g * a->n_pos + i] = s * a->scale;
-        }
+        int j0 = i < a->n_pos ? 0 : i - a->n_pos + 1; /* rows that see position i */
+        for (int j = j0; j < R; j++)
+            for (int g = 0; g < G; g++) {
+                const float *q = a->q + (size_t)j * a->q_stride + (size_t)g * hd;
+                __m512 acc = _mm512_setzero_ps();
+                for (int e = 0; e < hd16; e += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + e), ld512(k, e, dt), acc);
+                float s = hsum512(acc);
+                for (int e = hd16; e < hd; e++) s = __builtin_fmaf(q[e], elem(k, e, dt), s);
+                scores_of(a, j, g)[i] = s * a->scale;
+            }
     }
-    float inv[64];
-    for (int g = 0; g < a->n_group; g++) {
-        inv[g & 63] = softmax_inplace(a->scores + (size_t)g * a->n_pos, a->n_pos);
-        memset(a->out + (size_t)g * hd, 0, (size_t)hd * sizeof(float));
+    /* softmax per (row, head); 1/sum kept per (row, head) (recomputed from the e_i when the
+     * tile x group exceeds the local table) */
+    float invs[256];
+    for (int jg = 0; jg < R * G; jg++) {
+        int j = jg / G, g = jg % G;
+        float iv = softmax_inplace(scores_of(a, j, g), a->n_pos + j);
+        if (jg < 256) invs[jg] = iv;
+        memset(a->out + (size_t)j * a->out_stride + (size_t)g * hd, 0, (size_t)hd * sizeof(float));
     }
-    /* values: per KV block (its rows are contiguous, so the block stays in L1 across the group) */
-    for (int p0 = 0; p0 < a->n_pos; p0 += a->tpb) {
-        int p1 = p0 + a->tpb < a->n_pos ? p0 + a->tpb : a->n_pos;
-        for (int g = 0; g < a->n_group; g++) {
-            const float *sc = a->scores + (size_t)g * a->n_pos;
-            float *out = a->out + (size_t)g * hd, iv = a->n_group <= 64 ? inv[g] : 0.0f;
-            if (a->n_group > 64) { /* recompute 1/sum (rare: > 64 q heads per KV head) */
+    /* values: per KV block (its rows are contiguous, so the block stays in L1 across the tile's
+     * rows and the group's heads) */
+    for (int p0 = 0; p0 < n_last; p0 += a->tpb) {
+        for (int jg = 0; jg < R * G; jg++) {
+            int j = jg / G, g = jg % G, np = a->n_pos + j;
+            if (p0 >= np) continue;
+            int p1 = p0 + a->tpb < np ? p0 + a->tpb : np;
+            const float *sc = scores_of(a, j, g);
+            float iv;
+            if (jg < 256) iv = invs[jg];
+            else {
                 float sum = 0.0f;
-                for (int i = 0; i < a->n_pos; i++) sum += sc[i];
+                for (int i = 0; i < np; i++) sum += sc[i];
                 iv = 1.0f / sum;
             }
+            float *out = a->out + (size_t)j * a->out_stride + (size_t)g * hd;
             int d0 = 0;
             for (; d0 + 64 <= hd16; d0 += 64) vacc512(a, sc, iv, out, d0, p0, p1, rb, 4);
             if (hd16 - d0 == 48) vacc512(a, sc, iv, out, d0, p0, p1, rb, 3);
@@ -220,37 +238,50 @@ AI T256 void vacc256(const struct kv_attn_args *a, const float *sc, float inv, f
 }
 
 static T256 void attn_avx2(const struct kv_attn_args *a) {
-    const int hd = a->head_dim, dt = a->kv_dtype, hd16 = hd - hd % 16;
+    const int hd = a->head_dim, dt = a->kv_dtype, hd16 = hd - hd % 16, R = a->n_rows, G = a->n_group;
+    const int n_last = a->n_pos + R - 1;
     const size_t rb = (size_t)hd * kv_dtype_size(dt);
-    for (int i = 0; i < a->n_pos; i++) {
+    for (int i = 0; i < n_last; i++) {
         const char *k = row_ptr(a, a->k_off, i, rb);
-        for (int g = 0; g < a->n_group; g++) {
-            const float *q = a->q + (size_t)g * hd;
-            __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
-            for (int e = 0; e < hd16; e += 16) {
-                lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + e), ld256(k, e, dt), lo);
-                hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + e + 8), ld256(k, e + 8, dt), hi);
+        int j0 = i < a->n_pos ? 0 : i - a->n_pos + 1;
+        for (int j = j0; j < R; j++)
+            for (int g = 0; g < G; g++) {
+                const float *q = a->q + (size_t)j * a->q_stride + (size_t)g * hd;
+                __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+                for (int e = 0; e < hd16; e += 16) {
+                    lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + e), ld256(k, e, dt), lo);
+                    hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + e + 8), ld256(k, e + 8, dt), hi);
+                }
+                float s = hsum256x2(lo, hi);
+                for (int e = hd16; e < hd; e++) s = __builtin_fmaf(q[e], elem(k, e, dt), s);
+                scores_of(a, j, g)[i] = s * a->scale;
             }
-            float s = hsum256x2(lo, hi);
-            for (int e = hd16; e < hd; e++) s = __builtin_fmaf(q[e], elem(k, e, dt), s);
-            a->scores[(size_t)g * a->n_pos + i] = s * a->scale;
-        }
     }
-    float inv[64];
-    for (int g = 0; g < a->n_group; g++) {
-        inv[g & 63] = softmax_inplace(a->scores + (size_t)g * a->n_pos, a->n_pos);
-        memset(a->out + (size_t)g * hd, 0, (size_t)hd * sizeof(float));
+    /* softmax per (row, head); 1/sum kept per (row, head) (recomputed from the e_i when the
+     * tile x group exceeds the local table) */
+    float invs[256];
+    for (int jg = 0; jg < R * G; jg++) {
+        int j = jg / G, g = jg % G;
+        float iv = softmax_inplace(scores_of(a, j, g), a->n_pos + j);
+        if (jg < 256) invs[jg] = iv;
+        memset(a->out + (size_t)j * a->out_stride + (size_t)g * hd, 0, (size_t)hd * sizeof(float));
     }
-    for (int p0 = 0; p0 < a->n_pos; p0 += a->tpb) {
-        int p1 = p0 + a->tpb < a->n_pos ? p0 + a->tpb : a->n_pos;
-        for (int g = 0; g < a->n_group; g++) {
-            const float *sc = a->scores + (size_t)g * a->n_pos;
-            float *out = a->out + (size_t)g * hd, iv = a->n_group <= 64 ? inv[g] : 0.0f;
-            if (a->n_group > 64) {
+    /* values: per KV block (its rows are contiguous, so the block stays in L1 across the tile's
+     * rows and the group's heads) */
+    for (int p0 = 0; p0 < n_last; p0 += a->tpb) {
+        for (int jg = 0; jg < R * G; jg++) {
+            int j = jg / G, g = jg % G, np = a->n_pos + j;
+            if (p0 >= np) continue;
+            int p1 = p0 + a->tpb < np ? p0 + a->tpb : np;
+            const float *sc = scores_of(a, j, g);
+            float iv;
+            if (jg < 256) iv = invs[jg];
+            else {
                 float sum = 0.0f;
-                for (int i = 0; i < a->n_pos; i++) sum += sc[i];
+                for (int i = 0; i < np; i++) sum += sc[i];
                 iv = 1.0f / sum;
             }
+            float *out = a->out + (size_t)j * a->out_stride + (size_t)g * hd;
             int d0 = 0;
             for (; d0 + 64 <= hd16; d0 += 64) vacc256(a, sc, iv, out, d0, p0, p1, rb, 8);
             if (hd16 - d0 == 48) vacc256(a, sc, iv, out, d0, p0, p1, rb, 6);

@@ -14,8 +14,9 @@
  *                                       fma tail)
  *   mx   = max_i s_i;  e_i = expf(s_i - mx);  sum = e_0 + e_1 + ... (in order)
  *   out_g[d] = 0; for i in order: out_g[d] = fma(e_i * (1 / sum), v_i[d], out_g[d])
- * Cost: one pass over K and one over V per (row, KV head), shared by the group's q heads
- * (GQA reads each K/V row once, not n_group times).
+ * Cost: one pass over K and one over V per (tile of rows, KV head), shared by the group's q
+ * heads and the tile's rows (GQA reads each K/V row once, not n_group times; a prefill tile of
+ * R rows reads it once, not R times).
  */
 #ifndef KV_BACKEND_CPU_ATTENTION_H
 #define KV_BACKEND_CPU_ATTENTION_H
@@ -24,9 +25,12 @@
 #include <stdint.h>
 
 struct kv_attn_args {
-    const float *q;            /* (n_group, head_dim): the group's query heads, contiguous */
+    const float *q;            /* row j's (n_group, head_dim) query heads at q + j * q_stride */
     int n_group, head_dim;     /* head_dim >= 1 */
-    int n_pos;                 /* >= 1: positions 0 .. n_pos-1 of the sequence */
+    int n_rows;                /* >= 1 query rows of one sequence at consecutive positions (a
+                                  tile of a chunked prefill: K rows are loaded once per tile) */
+    size_t q_stride, out_stride; /* floats between consecutive rows of q / out */
+    int n_pos;                 /* >= 1: row 0 attends positions 0 .. n_pos-1, row j 0 .. n_pos-1+j */
     const int32_t *block_table;
     int tpb;                   /* tokens per block */
     const char *pool;          /* the KV pool (borrowed) */
@@ -34,8 +38,8 @@ struct kv_attn_args {
     size_t k_off, v_off;       /* byte offsets of this (layer, kv head)'s K / V run in a block */
     int kv_dtype;              /* enum kv_dtype */
     float scale;               /* usually 1/sqrt(head_dim) */
-    float *scores;             /* scratch: (n_group, n_pos) floats */
-    float *out;                /* (n_group, head_dim) */
+    float *scores;             /* scratch: n_rows * n_group * (n_pos + n_rows - 1) floats */
+    float *out;                /* row j's (n_group, head_dim) at out + j * out_stride */
 };
 
 /* Runs the contract above with the kernel family kv_matmul_set_isa selected. Reads only

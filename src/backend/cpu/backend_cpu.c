@@ -47,6 +47,9 @@ struct cpu_ctx {
     int32_t *row_pos;           /* (rows) absolute position of each row */
     int32_t *row_seq;           /* (rows) sequence index of each row */
     int32_t *logit_rows;        /* (rows) rows that need logits, in output order */
+    int32_t *tile_row;          /* (rows) first row of each attention tile (ATTN_TILE rows of one
+                                   sequence at consecutive positions, or fewer) */
+    int n_tiles;
     size_t cap_ctx;             /* per-thread score capacity (floats: q heads per KV head x positions) */
     float *scores;              /* (n_threads, cap_ctx) */
 };
@@ -179,19 +182,27 @@ static void task_qkv_post(void *p, int t, int th) {
     }
 }
 
-/* One (row, KV head): causal attention of the group's query heads over positions 0..pos of
- * the row's sequence (attention.h: the same bits on every ISA and in every batch). */
+/* One (attention tile, KV head): causal attention of the tile's rows (consecutive positions of
+ * one sequence) and the group's query heads over positions 0..pos of each row (attention.h:
+ * the same bits on every ISA, in every batch and for every tiling). */
 static void task_attention(void *p, int t, int th) {
     struct job *j = p;
     struct cpu_ctx *c = j->c;
     const struct model_config *cfg = &c->m->cfg;
     int hd = cfg->head_dim, group = cfg->n_heads / cfg->n_kv_heads;
-    int r = t / cfg->n_kv_heads, kvh = t % cfg->n_kv_heads;
+    int ti = t / cfg->n_kv_heads, kvh = t % cfg->n_kv_heads;
+    int r = c->tile_row[ti];
+    int r_end = ti + 1 < c->n_tiles ? c->tile_row[ti + 1] : j->n_rows;
+    int n_rows = 1;
+    while (r + n_rows < r_end && c->row_seq[r + n_rows] == c->row_seq[r]) n_rows++;
     size_t qoff = (size_t)r * cfg->n_heads * hd + (size_t)kvh * group * hd;
     struct kv_attn_args a = {
         .q = c->q + qoff,
         .n_group = group,
         .head_dim = hd,
+        .n_rows = n_rows,
+        .q_stride = (size_t)cfg->n_heads * hd,
+        .out_stride = (size_t)cfg->n_heads * hd,
         .n_pos = c->row_pos[r] + 1,
         .block_table = j->b->seqs[c->row_seq[r]].block_table,
         .tpb = c->tpb,
@@ -224,7 +235,7 @@ static kv_status grow_rows(struct cpu_ctx *c, int rows) {
         {(void **)&c->hb2, (size_t)cfg->ffn_dim * sizeof(float)},
         {(void **)&c->rope_cos, half * sizeof(float)},        {(void **)&c->rope_sin, half * sizeof(float)},
         {(void **)&c->row_pos, sizeof(int32_t)},              {(void **)&c->row_seq, sizeof(int32_t)},
-        {(void **)&c->logit_rows, sizeof(int32_t)},
+        {(void **)&c->logit_rows, sizeof(int32_t)},           {(void **)&c->tile_row, sizeof(int32_t)},
     };
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) {
         void *np = kv_realloc(*bufs[i].p, bufs[i].bytes * (size_t)cap);
@@ -235,8 +246,11 @@ static kv_status grow_rows(struct cpu_ctx *c, int rows) {
     return KV_OK;
 }
 
+/* Query rows per attention tile (prefill chunks: each K row is read once per tile). */
+#define ATTN_TILE 8
+
 static kv_status grow_ctx(struct cpu_ctx *c, int n_pos) {
-    size_t need = (size_t)n_pos * (size_t)(c->m->cfg.n_heads / c->m->cfg.n_kv_heads);
+    size_t need = (size_t)ATTN_TILE * (size_t)(n_pos + ATTN_TILE) * (size_t)(c->m->cfg.n_heads / c->m->cfg.n_kv_heads);
     if (need <= c->cap_ctx) return KV_OK;
     size_t cap = c->cap_ctx ? c->cap_ctx : 256;
     while (cap < need) cap *= 2;
@@ -328,8 +342,9 @@ static kv_status cpu_forward(backend_t *be, const struct batch *b, float *logits
         return kv_errf(st, err, errlen, "forward: out of memory for %d rows", T);
 
     int dim = cfg->dim, hd = cfg->head_dim, half = hd / 2;
-    /* rows: positions, embeddings, RoPE tables, logit rows */
+    /* rows: positions, embeddings, RoPE tables, logit rows, attention tiles */
     int r = 0;
+    c->n_tiles = 0;
     for (int i = 0; i < b->n_seqs; i++) {
         const struct batch_seq *s = &b->seqs[i];
         for (int k = 0; k < s->n_tokens; k++, r++) {
@@ -345,6 +360,7 @@ static kv_status cpu_forward(backend_t *be, const struct batch *b, float *logits
             }
             if (s->logits == BATCH_LOGITS_ALL || (s->logits == BATCH_LOGITS_LAST && k == s->n_tokens - 1))
                 c->logit_rows[L++] = r;
+            if (k % ATTN_TILE == 0) c->tile_row[c->n_tiles++] = r;
         }
     }
 
@@ -364,7 +380,7 @@ static kv_status cpu_forward(backend_t *be, const struct batch *b, float *logits
                                       MM(c->hb, T, lw->wv, lw->bv, c->v)};
         gemm(c, qkv, 3);
         kv_threadpool_for(c->tp, nt, task_qkv_post, &j);
-        kv_threadpool_for(c->tp, T * cfg->n_kv_heads, task_attention, &j);
+        kv_threadpool_for(c->tp, c->n_tiles * cfg->n_kv_heads, task_attention, &j);
         gemm(c, &MM(c->xb, T, lw->wo, NULL, c->hb), 1);
         j.src = c->hb, j.dst = c->x;
         kv_threadpool_for(c->tp, nt, task_add, &j);
@@ -412,6 +428,7 @@ static void cpu_free(backend_t *be) {
         free(c->inv_freq);
         free(c->x), free(c->xb), free(c->q), free(c->k), free(c->v), free(c->hb), free(c->hb2);
         free(c->rope_cos), free(c->rope_sin), free(c->row_pos), free(c->row_seq), free(c->logit_rows);
+        free(c->tile_row);
         free(c->scores);
         free(c);
     }
