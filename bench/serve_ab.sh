@@ -26,7 +26,7 @@ llama_bench=${LLAMA_BENCH:-}
 llama_bench_avx2=${LLAMA_BENCH_AVX2:-}
 isas=native threads=2 ctx=8192 parallel=16 conc=16 requests=32 single=8 prompt_words=120
 max_tokens=64 seed=1 engine=0 engine_only=0 pp=512 tg=64 depth=0 reps=3 health_s=600 warmup=2
-work_dir="" llama_args="" kvserve_args="" skip_llama=0 skip_kvserve=0
+kv_dtype="" work_dir="" llama_args="" kvserve_args="" skip_llama=0 skip_kvserve=0
 
 usage() {
   cat <<'EOF'
@@ -58,7 +58,10 @@ served section:
   --max-tokens N            tokens generated per request, EOS ignored (default 64)
   --warmup N                warm-up requests before the measured runs (default 2)
   --seed N                  trace seed (default 1)
-  --llama-args "ARGS"       extra llama-server arguments (e.g. "-ctk f32 -ctv f32")
+  --kv-dtype f32|f16|bf16   the same KV cache type on both: llama-server/llama-bench -ctk T -ctv T,
+                            kvserve serve --kv-cache-dtype T, bench_engine --kv-dtype T (default:
+                            each tool's own default: llama.cpp f16, kvserve f32)
+  --llama-args "ARGS"       extra llama-server arguments
   --kvserve-args "ARGS"     extra kvserve serve arguments
   --health-timeout S        seconds to wait for /health (default 600)
 engine section:
@@ -96,6 +99,7 @@ while [[ $# -gt 0 ]]; do
     --max-tokens) max_tokens=$2; shift 2 ;;
     --warmup) warmup=$2; shift 2 ;;
     --seed) seed=$2; shift 2 ;;
+    --kv-dtype) kv_dtype=$2; shift 2 ;;
     --llama-args) llama_args=$2; shift 2 ;;
     --kvserve-args) kvserve_args=$2; shift 2 ;;
     --health-timeout) health_s=$2; shift 2 ;;
@@ -117,6 +121,13 @@ done
 (( threads >= 1 && parallel >= 1 && conc >= 1 && requests >= 1 && single >= 1 && max_tokens >= 2 )) ||
   die "threads, parallel, concurrency, requests, single-requests must be >= 1 and max-tokens >= 2"
 (( ctx / parallel >= 16 )) || die "--ctx / --parallel must leave at least 16 tokens per request"
+case $kv_dtype in ""|f32|f16|bf16) ;; *) die "--kv-dtype: expected f32, f16 or bf16, got '$kv_dtype'" ;; esac
+llama_kv=() kvserve_kv=() engine_kv=()
+if [[ -n $kv_dtype ]]; then
+  llama_kv=(-ctk "$kv_dtype" -ctv "$kv_dtype")
+  kvserve_kv=(--kv-cache-dtype "$kv_dtype")
+  engine_kv=(--kv-dtype "$kv_dtype")
+fi
 for f in "$@"; do [[ -f $f ]] || die "no such model file: $f"; done
 command -v jq >/dev/null || die "needs jq"
 command -v curl >/dev/null || die "needs curl"
@@ -211,7 +222,7 @@ run_llama() {
   log=$work_dir/$tag.log
   # shellcheck disable=SC2086  # llama_args is split on purpose
   nice -n 0 "$bin" -m "$f" -t "$threads" -c "$ctx" --parallel "$parallel" -fa off \
-    --host 127.0.0.1 --port "$port" $llama_args >"$log" 2>&1 &
+    --host 127.0.0.1 --port "$port" "${llama_kv[@]}" $llama_args >"$log" 2>&1 &
   server_pid=$!
   wait_health "http://127.0.0.1:$port" "$server_pid" "$log" || { stop_server; return 1; }
   replay "http://127.0.0.1:$port" "$tag" || { stop_server; return 1; }
@@ -232,7 +243,7 @@ run_kvserve() {
   # shellcheck disable=SC2086
   env "${env_isa[@]}" "$kvserve" serve --model "$f" --threads "$threads" --host 127.0.0.1 --port 0 \
     --port-file "$pf" --max-batch-size "$parallel" --max-model-len "$((ctx / parallel))" \
-    --kv-cache-blocks "$(( (ctx + 15) / 16 ))" --tokens-per-block 16 $kvserve_args >"$log" 2>&1 &
+    --kv-cache-blocks "$(( (ctx + 15) / 16 ))" --tokens-per-block 16 "${kvserve_kv[@]}" $kvserve_args >"$log" 2>&1 &
   server_pid=$!
   for ((i = 0; i < health_s * 10; i++)); do
     [[ -s $pf ]] && break
@@ -284,10 +295,12 @@ echo "- machine: $(nproc) cores, $cpu_model; CPU flags: $cpu_flags"
 echo "- kvserve: $kvserve ($(kvserve_info))"
 [[ -n $llama_server ]] && echo "- llama.cpp: $llama_server ($(llama_info "$llama_server"))"
 [[ -n $llama_server_avx2 ]] && echo "- llama.cpp AVX2 build: $llama_server_avx2 ($(llama_info "$llama_server_avx2"))"
+if [[ -n $kv_dtype ]]; then echo "- KV cache: $kv_dtype on both (--kv-dtype)"
+else echo "- KV cache: each tool's default (llama.cpp f16, kvserve f32)"; fi
 echo "- OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-unset} (avx2 runs: ${OPENBLAS_CORETYPE:-Haswell}); work dir $work_dir"
 if (( ! engine_only )); then
   echo "- served trace: $requests requests at $conc streams and the first $single at 1 stream, ${prompt_words}-word prompts (completions API), max_tokens $max_tokens with ignore_eos, temperature 0, seed $seed; $warmup warm-up requests first"
-  echo "- llama-server -t $threads -c $ctx --parallel $parallel -fa off $llama_args; kvserve serve --threads $threads --max-batch-size $parallel --max-model-len $((ctx / parallel)) --kv-cache-blocks $(( (ctx + 15) / 16 )) $kvserve_args"
+  echo "- llama-server -t $threads -c $ctx --parallel $parallel -fa off ${llama_kv[*]} $llama_args; kvserve serve --threads $threads --max-batch-size $parallel --max-model-len $((ctx / parallel)) --kv-cache-blocks $(( (ctx + 15) / 16 )) ${kvserve_kv[*]} $kvserve_args"
 fi
 
 status=0
@@ -306,7 +319,9 @@ for f in "$@"; do
       kern=$(grep -o 'kernel [a-z0-9]*' "$work_dir/$kt.log" 2>/dev/null | head -n1 | cut -d' ' -f2 || true)
       obl=$(grep -o 'OpenBLAS core [A-Za-z0-9]*\|gemm openblas (core [A-Za-z0-9]*' "$work_dir/$kt.log" 2>/dev/null | head -n1 | awk '{print $NF}' || true)
       echo
-      echo "kvserve: kernel ${kern:-?}, OpenBLAS core ${obl:-?}$([[ $isa == avx2 ]] && echo ", KVSERVE_CPU_ISA=avx2, OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-Haswell}"); llama.cpp: $([[ -n $ls ]] && llama_info "$ls")"
+      wts=$(grep -o 'weights [0-9.]* MiB, matrices [^)]*' "$work_dir/$kt.log" 2>/dev/null | head -n1 || true)
+      kvt=$(grep -o 'KV cache ([a-z0-9]*)' "$work_dir/$kt.log" 2>/dev/null | head -n1 | tr -d '()' | awk '{print $NF}' || true)
+      echo "kvserve: kernel ${kern:-?}, ${wts:-weights not logged by this build}, KV ${kvt:-f32}, OpenBLAS core ${obl:-?}$([[ $isa == avx2 ]] && echo ", KVSERVE_CPU_ISA=avx2, OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-Haswell}"); llama.cpp: $([[ -n $ls ]] && llama_info "$ls")"
       echo
       echo "| served ($fname, $threads threads, $isa) | llama.cpp | kvserve | kvserve/llama.cpp |"
       echo "|---|---|---|---|"
@@ -345,19 +360,22 @@ for f in "$@"; do
       lbj=$work_dir/$stem-$isa-llama-bench.json
       dargs=()
       (( depth > 0 )) && dargs=(-d "0,$depth")
-      "$lb" -m "$f" -p "$pp" -n "$tg" -t "$threads" -fa 0 -r "$reps" "${dargs[@]}" -o json >"$lbj" 2>"$work_dir/$stem-$isa-llama-bench.log" || { echo "serve_ab: llama-bench failed (see $work_dir/$stem-$isa-llama-bench.log)" >&2; status=1; }
+      "$lb" -m "$f" -p "$pp" -n "$tg" -t "$threads" -fa 0 -r "$reps" "${dargs[@]}" "${llama_kv[@]}" -o json >"$lbj" 2>"$work_dir/$stem-$isa-llama-bench.log" || { echo "serve_ab: llama-bench failed (see $work_dir/$stem-$isa-llama-bench.log)" >&2; status=1; }
       bel=$work_dir/$stem-$isa-bench_engine.txt
       env_isa=()
       [[ $isa == avx2 ]] && env_isa=(KVSERVE_CPU_ISA=avx2 OPENBLAS_CORETYPE="${OPENBLAS_CORETYPE:-Haswell}")
       env "${env_isa[@]}" "$bench_engine" --model "$f" --threads "$threads" --prompt-len "$pp" --gen-len "$tg" \
-        --concurrency 1 >"$bel" 2>&1 || { echo "serve_ab: bench_engine failed (see $bel)" >&2; status=1; }
+        --concurrency 1 "${engine_kv[@]}" >"$bel" 2>&1 || { echo "serve_ab: bench_engine failed (see $bel)" >&2; status=1; }
       lpp=$(jq -r --argjson p "$pp" '[.[] | select(.n_prompt == $p and .n_gen == 0 and .n_depth == 0) | .avg_ts][0] // "n/a"' "$lbj" 2>/dev/null || echo n/a)
       ltg=$(jq -r --argjson g "$tg" '[.[] | select(.n_prompt == 0 and .n_gen == $g and .n_depth == 0) | .avg_ts][0] // "n/a"' "$lbj" 2>/dev/null || echo n/a)
       ltgd=$(jq -r --argjson g "$tg" --argjson d "$depth" '[.[] | select(.n_prompt == 0 and .n_gen == $g and .n_depth == $d) | .avg_ts][0] // "n/a"' "$lbj" 2>/dev/null || echo n/a)
       kpp=$(awk '$1 == "1" && NF == 4 { print $3 }' "$bel" | head -n1)
       ktg=$(awk '$1 == "1" && NF == 4 { print $4 }' "$bel" | head -n1)
-      ecore=$(sed -n 's/^openblas core: \([^ ]*\).*/\1/p' "$bel" | head -n1)
-      echo "bench_engine: OpenBLAS core ${ecore:-?}; llama-bench: $(jq -r '.[0] | "\(.cpu_info // "?"), backends \(.backends // "?"), type_k \(.type_k // "?")"' "$lbj" 2>/dev/null || echo ?)"
+      # "openblas core: X" (older bench_engine) or "kernel K (...), openblas core: X (...)"
+      ecore=$(grep -o 'openblas core: [^ ,]*' "$bel" | head -n1 | awk '{print $NF}' || true)
+      ekern=$(grep -o '^kernel [a-z0-9]*' "$bel" | head -n1 | awk '{print $NF}' || true)
+      ekv=$(grep -o ', KV [a-z0-9]*$' "$bel" | head -n1 | awk '{print $NF}' || true)
+      echo "bench_engine: kernel ${ekern:-? (not logged by this build)}, OpenBLAS core ${ecore:-?}, KV ${ekv:-f32}; llama-bench: $(jq -r '.[0] | "\(.cpu_info // "?"), backends \(.backends // "?"), type_k \(.type_k // "?")"' "$lbj" 2>/dev/null || echo ?)"
       echo
       echo "| engine ($fname, $threads threads, $isa) | llama-bench | bench_engine | kvserve/llama.cpp |"
       echo "|---|---|---|---|"
