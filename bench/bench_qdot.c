@@ -45,8 +45,8 @@ static void fill(int type, uint8_t *p, size_t bytes) {
         uint8_t *blk = p + b;
         switch (type) {
         case KV_QTYPE_F16: blk[1] &= 0x3b; break;
-        case KV_QTYPE_BF16: blk[1] &= 0x3f; break;
-        case KV_QTYPE_F32: blk[3] &= 0x3f; break;
+        case KV_QTYPE_BF16: blk[1] = (uint8_t)((blk[1] & 0x80) | (0x3c + rnd() % 4)); break;
+        case KV_QTYPE_F32: blk[3] = (uint8_t)((blk[3] & 0x80) | (0x3c + rnd() % 4)); break; /* |x| in 2^-7..2: no subnormal products */
         case KV_QTYPE_Q8_0: case KV_QTYPE_Q4_0: blk[1] = 0x20; break;
         case KV_QTYPE_Q4_K: case KV_QTYPE_Q5_K: blk[1] = 0x20; blk[3] = 0x20; break;
         case KV_QTYPE_Q6_K: blk[209] = 0x20; break;

@@ -267,7 +267,46 @@ AVX2 static ALWAYS void y_run(const int type, const uint8_t *w, size_t rb, int n
 #define I8X16(v) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v))
 #define U8X16(v) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v))
 
-AVX512 static ALWAYS __m512 z_dq(int type, const uint8_t *b, const float *sa, const float *sb, int ch) {
+/* AVX-512, Q4_K/Q5_K/Q6_K: the integer values of one super-block at b, staged as bytes in qb
+ * (256) with a few 512-bit operations, so that each chunk then costs one widening load.
+ * Q6_K: q - 32 (int8) in element order. Q4_K/Q5_K: qb[32c + l] = value of element 64c + l
+ * (sub-block 2c), qb[128 + 32c + l] = element 64c + 32 + l (sub-block 2c + 1). The values
+ * are the ones qk45_q / q6_q give (same bits from the same bytes). */
+AVX512 static ALWAYS void z_stage(int type, const uint8_t *b, uint8_t *qb) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    if (type == KV_QTYPE_Q6_K) {
+        const __m512i m3 = _mm512_set1_epi8(3), k32 = _mm512_set1_epi8(32);
+        for (int h = 0; h < 2; h++) {
+            __m512i L = _mm512_loadu_si512(b + 64 * h);
+            __m256i C = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+            /* bytes 0..31: qh (groups 0 and 2), 32..63: qh >> 2 (groups 1 and 3) */
+            __m512i Cz = _mm512_inserti64x4(_mm512_castsi256_si512(C), _mm256_srli_epi16(C, 2), 1);
+            __m512i A = _mm512_and_si512(L, m4), B = _mm512_and_si512(_mm512_srli_epi16(L, 4), m4);
+            __m512i H01 = _mm512_and_si512(Cz, m3), H23 = _mm512_and_si512(_mm512_srli_epi16(Cz, 4), m3);
+            _mm512_storeu_si512(qb + 128 * h, _mm512_sub_epi8(_mm512_or_si512(A, _mm512_slli_epi16(H01, 4)), k32));
+            _mm512_storeu_si512(qb + 128 * h + 64, _mm512_sub_epi8(_mm512_or_si512(B, _mm512_slli_epi16(H23, 4)), k32));
+        }
+        return;
+    }
+    const bool q5 = type == KV_QTYPE_Q5_K;
+    const __m512i one = _mm512_set1_epi8(1);
+    for (int half = 0; half < 2; half++) { /* qs bytes 64 half .. +63: c = 2 half, 2 half + 1 */
+        __m512i Q = _mm512_loadu_si512(b + (q5 ? 48 : 16) + 64 * half);
+        __m512i lo = _mm512_and_si512(Q, m4), hi = _mm512_and_si512(_mm512_srli_epi16(Q, 4), m4);
+        if (q5) { /* byte 32j + l (c = 2 half + j) gets bit 2c of qh[l] (lo), bit 2c + 1 (hi) */
+            __m256i C = _mm256_loadu_si256((const __m256i *)(b + 16));
+            __m512i Cz = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(C, 4 * half)),
+                                            _mm256_srli_epi16(C, 4 * half + 2), 1);
+            lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(Cz, one), 4));
+            hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(Cz, 1), one), 4));
+        }
+        _mm512_storeu_si512(qb + 64 * half, lo);
+        _mm512_storeu_si512(qb + 128 + 64 * half, hi);
+    }
+}
+
+AVX512 static ALWAYS __m512 z_dq(int type, const uint8_t *b, const float *sa, const float *sb, const uint8_t *qb,
+                                 int ch) {
     switch (type) {
     case KV_QTYPE_F32: return _mm512_loadu_ps((const float *)b);
     case KV_QTYPE_F16: return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b));
@@ -275,11 +314,12 @@ AVX512 static ALWAYS __m512 z_dq(int type, const uint8_t *b, const float *sa, co
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)b)), 16));
     case KV_QTYPE_Q8_0: return _mm512_mul_ps(I8X16(LD128(b + 2 + 16 * ch)), _mm512_set1_ps(sa[0]));
     case KV_QTYPE_Q4_0: return _mm512_mul_ps(I8X16(q40_q(b, ch)), _mm512_set1_ps(sa[0]));
-    case KV_QTYPE_Q4_K: case KV_QTYPE_Q5_K: {
-        __m128i q = qk45_q(b, ch, type == KV_QTYPE_Q5_K);
-        return _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(sa[ch >> 1]), U8X16(q)), _mm512_set1_ps(sb[ch >> 1]));
+    case KV_QTYPE_Q4_K: case KV_QTYPE_Q5_K: { /* staged by z_stage */
+        int s = ch >> 1;
+        __m128i q = LD128(qb + (s & 1 ? 128 : 0) + 32 * (s >> 1) + 16 * (ch & 1));
+        return _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(sa[s]), U8X16(q)), _mm512_set1_ps(sb[s]));
     }
-    default: return _mm512_mul_ps(_mm512_set1_ps(sa[ch]), I8X16(q6_q(b, ch))); /* Q6_K */
+    default: return _mm512_mul_ps(_mm512_set1_ps(sa[ch]), I8X16(LD128(qb + 16 * ch))); /* Q6_K, staged */
     }
 }
 
@@ -299,11 +339,15 @@ AVX512 static ALWAYS void z_tile(const int type, const uint8_t *w, size_t rb, in
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) acc[m][r] = _mm512_setzero_ps();
     float sa[8][16], sb[8][8];
+    uint8_t qb[8][256] __attribute__((aligned(64)));
     for (int st = 0; st < nst; st++) {
         const uint8_t *blk = w + (size_t)st * SB;
         if (has_scales(type))
 #pragma GCC unroll 8
-            for (int r = 0; r < R; r++) prep_scales(type, blk + (size_t)r * rb, sa[r], sb[r]);
+            for (int r = 0; r < R; r++) {
+                prep_scales(type, blk + (size_t)r * rb, sa[r], sb[r]);
+                if (SE == 256) z_stage(type, blk + (size_t)r * rb, qb[r]);
+            }
 #pragma GCC unroll 16
         for (int ch = 0; ch < SE / 16; ch++) {
             const float *x = X + (size_t)st * SE + 16 * ch;
@@ -312,7 +356,7 @@ AVX512 static ALWAYS void z_tile(const int type, const uint8_t *w, size_t rb, in
             for (int m = 0; m < M; m++) xv[m] = _mm512_loadu_ps(x + (size_t)m * ldx);
 #pragma GCC unroll 8
             for (int r = 0; r < R; r++) {
-                __m512 wv = z_dq(type, blk + (size_t)r * rb, sa[r], sb[r], ch);
+                __m512 wv = z_dq(type, blk + (size_t)r * rb, sa[r], sb[r], qb[r], ch);
 #pragma GCC unroll 4
                 for (int m = 0; m < M; m++) acc[m][r] = _mm512_fmadd_ps(xv[m], wv, acc[m][r]);
             }
