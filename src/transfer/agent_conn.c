@@ -99,7 +99,9 @@ static void recv_done(struct kvx_agent *a, struct conn *c, kv_status st, const c
         if (!c->abort_pending) {
             c->abort_pending = true;
             c->abort_st = st;
-            snprintf(c->abort_msg, sizeof c->abort_msg, fmt ? fmt : "%s", arg ? arg : "");
+            /* truncation is fine: a message for humans (the result is checked so -O2 -Wformat-truncation
+             * knows it was considered) */
+            if (snprintf(c->abort_msg, sizeof c->abort_msg, fmt ? fmt : "%s", arg ? arg : "") < 0) c->abort_msg[0] = 0;
         }
         return;
     }
