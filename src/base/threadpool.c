@@ -8,10 +8,16 @@
  *    `n_sleeping` under `mu` before re-checking `gen`; the caller loads `n_sleeping` after
  *    bumping `gen` and only then takes `mu` and broadcasts. Both sides use seq_cst, so either
  *    the worker sees the new generation or the caller sees the sleeper (no lost wake-up).
- *  - Completion is the mirror image: each worker decrements `n_active` (seq_cst) when it has
- *    no more tasks to claim; the caller spins on it for a bounded time, then sleeps on `done`
- *    after setting `caller_sleeping` under `mu`; the worker that brings `n_active` to zero
- *    signals when it sees the flag.
+ *  - Tasks are claimed from `claim` = (generation << 32 | next task index) with a CAS, so a
+ *    worker that wakes late (descheduled by another process on a shared machine) can never
+ *    claim a task of a finished job: its CAS fails once the generation moved on. The job's
+ *    fields live in one of two slots (generation & 1): the caller rewrites a slot only two
+ *    jobs later, after every task of the job that used it finished.
+ *  - Completion counts finished TASKS (`n_done` of the slot), not workers: the caller never
+ *    waits for a worker that did not get the CPU in time (it just runs more of the tasks
+ *    itself). It spins on `n_done` for a bounded time, then sleeps on `done` after setting
+ *    `caller_sleeping` under `mu`; the thread that finishes the last task signals when it
+ *    sees the flag.
  *  - After the bounded spin nobody burns CPU: an idle pool has every worker blocked in
  *    pthread_cond_wait.
  */
@@ -37,12 +43,14 @@ struct kv_threadpool {
     atomic_bool stop;
     atomic_int n_sleeping;   /* workers registered to sleep on `wake` (guarded by mu to change) */
     atomic_bool caller_sleeping;
-    atomic_int n_active;     /* workers still inside the current job */
-    /* current job: plain fields, published by the release/acquire on gen and n_active */
-    kv_task_fn fn;
-    void *ctx;
-    int n_tasks;
-    atomic_int next;
+    _Atomic uint64_t claim;  /* (generation << 32) | index of the next unclaimed task */
+    unsigned caller_gen;     /* last generation published (caller only) */
+    struct job_slot {        /* written by the caller before `claim` publishes them (release) */
+        _Atomic(kv_task_fn) fn;
+        _Atomic(void *) ctx;
+        atomic_int n_tasks;
+        atomic_int n_done;   /* tasks finished */
+    } jobs[2];
 };
 
 struct worker_arg { kv_threadpool_t *tp; int id; };
@@ -63,14 +71,25 @@ static inline int64_t now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-static void run_tasks(kv_threadpool_t *tp, int thread) {
-    kv_task_fn fn = tp->fn;
-    void *ctx = tp->ctx;
-    int n = tp->n_tasks;
+/* Claims and runs tasks of generation g until none is left (or g is over). */
+static void run_tasks(kv_threadpool_t *tp, int thread, unsigned g) {
+    struct job_slot *js = &tp->jobs[g & 1];
     for (;;) {
-        int t = atomic_fetch_add_explicit(&tp->next, 1, memory_order_relaxed);
-        if (t >= n) break;
-        fn(ctx, t, thread);
+        uint64_t c = atomic_load_explicit(&tp->claim, memory_order_acquire);
+        if ((unsigned)(c >> 32) != g) return;
+        int n = atomic_load_explicit(&js->n_tasks, memory_order_relaxed);
+        if ((int64_t)(uint32_t)c >= n) return;
+        /* A successful CAS proves g was still current, so n (read above) was g's. */
+        if (!atomic_compare_exchange_weak_explicit(&tp->claim, &c, c + 1, memory_order_acq_rel, memory_order_acquire))
+            continue;
+        kv_task_fn fn = atomic_load_explicit(&js->fn, memory_order_relaxed);
+        void *ctx = atomic_load_explicit(&js->ctx, memory_order_relaxed);
+        fn(ctx, (int)(uint32_t)c, thread);
+        if (atomic_fetch_add(&js->n_done, 1) + 1 == n && atomic_load(&tp->caller_sleeping)) {
+            pthread_mutex_lock(&tp->mu);
+            pthread_cond_signal(&tp->done);
+            pthread_mutex_unlock(&tp->mu);
+        }
     }
 }
 
@@ -108,12 +127,7 @@ static void *worker_main(void *p) {
         }
         if (atomic_load(&tp->stop)) break;
         seen = atomic_load(&tp->gen);
-        run_tasks(tp, id);
-        if (atomic_fetch_sub(&tp->n_active, 1) == 1 && atomic_load(&tp->caller_sleeping)) {
-            pthread_mutex_lock(&tp->mu);
-            pthread_cond_signal(&tp->done);
-            pthread_mutex_unlock(&tp->mu);
-        }
+        run_tasks(tp, id, seen); /* a late wake-up joins the newest job, or finds it over */
     }
     return NULL;
 }
@@ -130,8 +144,13 @@ kv_threadpool_t *kv_threadpool_new(int n_threads) {
     atomic_init(&tp->stop, false);
     atomic_init(&tp->n_sleeping, 0);
     atomic_init(&tp->caller_sleeping, false);
-    atomic_init(&tp->n_active, 0);
-    atomic_init(&tp->next, 0);
+    atomic_init(&tp->claim, 0);
+    for (int i = 0; i < 2; i++) {
+        atomic_init(&tp->jobs[i].fn, NULL);
+        atomic_init(&tp->jobs[i].ctx, NULL);
+        atomic_init(&tp->jobs[i].n_tasks, 0);
+        atomic_init(&tp->jobs[i].n_done, 0);
+    }
     if (n_threads > 1) {
         tp->workers = kv_calloc((size_t)n_threads - 1, sizeof *tp->workers);
         if (!tp->workers) { kv_threadpool_free(tp); return NULL; }
@@ -174,23 +193,26 @@ void kv_threadpool_for(kv_threadpool_t *tp, int n_tasks, kv_task_fn fn, void *ct
         for (int t = 0; t < n_tasks; t++) fn(ctx, t, 0);
         return;
     }
-    /* All workers finished the previous job (n_active reached 0), so the job fields are ours. */
-    tp->fn = fn;
-    tp->ctx = ctx;
-    tp->n_tasks = n_tasks;
-    atomic_store_explicit(&tp->next, 0, memory_order_relaxed);
-    atomic_store_explicit(&tp->n_active, tp->n_started, memory_order_relaxed);
-    atomic_fetch_add(&tp->gen, 1); /* seq_cst: publishes the job, orders against n_sleeping */
+    /* Every task of the previous job finished, so slot g & 1 (last used two jobs ago) is ours. */
+    unsigned g = ++tp->caller_gen;
+    if (g == 0) g = ++tp->caller_gen; /* generation 0 is the initial "no job" */
+    struct job_slot *js = &tp->jobs[g & 1];
+    atomic_store_explicit(&js->fn, fn, memory_order_relaxed);
+    atomic_store_explicit(&js->ctx, ctx, memory_order_relaxed);
+    atomic_store_explicit(&js->n_tasks, n_tasks, memory_order_relaxed);
+    atomic_store_explicit(&js->n_done, 0, memory_order_relaxed);
+    atomic_store_explicit(&tp->claim, (uint64_t)g << 32, memory_order_release);
+    atomic_store(&tp->gen, g); /* seq_cst: wakes spinners, orders against n_sleeping */
     if (atomic_load(&tp->n_sleeping) > 0) {
         pthread_mutex_lock(&tp->mu);
         pthread_cond_broadcast(&tp->wake);
         pthread_mutex_unlock(&tp->mu);
     }
-    run_tasks(tp, 0);
+    run_tasks(tp, 0, g);
 
-    /* Wait for the workers: bounded spin, then the condvar. */
+    /* Wait for the tasks still running on workers: bounded spin, then the condvar. */
     int64_t deadline = 0;
-    for (unsigned i = 1; atomic_load_explicit(&tp->n_active, memory_order_acquire) > 0; i++) {
+    for (unsigned i = 1; atomic_load_explicit(&js->n_done, memory_order_acquire) < n_tasks; i++) {
         cpu_relax();
         if ((i & 31) == 0) {
             int64_t t = now_ns();
@@ -199,7 +221,7 @@ void kv_threadpool_for(kv_threadpool_t *tp, int n_tasks, kv_task_fn fn, void *ct
             } else if (t >= deadline) {
                 pthread_mutex_lock(&tp->mu);
                 atomic_store(&tp->caller_sleeping, true);
-                while (atomic_load(&tp->n_active) > 0) pthread_cond_wait(&tp->done, &tp->mu);
+                while (atomic_load(&js->n_done) < n_tasks) pthread_cond_wait(&tp->done, &tp->mu);
                 atomic_store(&tp->caller_sleeping, false);
                 pthread_mutex_unlock(&tp->mu);
                 break;
