@@ -10,8 +10,11 @@
  * computed once (the same float products as quant_x86.c: d * sc, dmin * m, d * sc6), then
  * every 16-element chunk is dequantized into a register with exactly quant_x86.c's operations
  * (Q8_0 q * d; Q4_0 (q - 8) * d; Q4_K/Q5_K (d*sc) * q - (dmin*m), separate mul and sub;
- * Q6_K (d*sc) * (q - 32); F16 vcvtph2ps; BF16 bits << 16) and FMA'd into the M accumulators
- * of its row (lane j of chunk c is element 16c + j: the contract's lane). Then the contract's
+ * Q6_K (d*sc) * (q - 32); F16 vcvtph2ps; BF16 bits << 16). For the 256-element types the
+ * integer values of a super-block are first unpacked as bytes into a 256-byte stack buffer
+ * per row with wide integer ops (y_stage / z_stage), so a chunk costs one widening load and
+ * the float ops. Each chunk is FMA'd into the M accumulators of its row (lane j of chunk c
+ * is element 16c + j: the contract's lane). Then the contract's
  * tree per accumulator and the K % 16 tail in scalar fma. Tiles: AVX-512 M=1: 8 rows, else 4;
  * AVX2 M=1: 4 rows, M=2: 2, M=3/4: 1 (16 ymm); leftover rows one at a time (same bits).
  */
@@ -88,30 +91,6 @@ AVX2 static ALWAYS float tree8(__m256 l8) {
     return _mm_cvtss_f32(_mm_add_ss(l2, _mm_shuffle_ps(l2, l2, 1)));
 }
 
-/* Q4_K / Q5_K: the 16 unsigned 4/5-bit values of chunk ch (0..15) of super-block b */
-AVX2 static ALWAYS __m128i qk45_q(const uint8_t *b, int ch, bool q5) {
-    const __m128i m4 = _mm_set1_epi8(0x0f), one = _mm_set1_epi8(1);
-    int s = ch >> 1, k = ch & 1; /* sub-block, half */
-    __m128i raw = LD128(b + (q5 ? 48 : 16) + 32 * (s >> 1) + 16 * k);
-    __m128i q = s & 1 ? _mm_and_si128(_mm_srli_epi16(raw, 4), m4) : _mm_and_si128(raw, m4);
-    if (q5) {
-        __m128i h = LD128(b + 16 + 16 * k); /* bit s of qh[l] = bit 4 of q */
-        q = _mm_or_si128(q, _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, s), one), 4));
-    }
-    return q;
-}
-
-/* Q6_K: the 16 signed values q - 32 of chunk ch = 8h + 2g + k (its scale index) */
-AVX2 static ALWAYS __m128i q6_q(const uint8_t *b, int ch) {
-    const __m128i m4 = _mm_set1_epi8(0x0f), m3 = _mm_set1_epi8(3), k32 = _mm_set1_epi8(32);
-    int h = ch >> 3, g = (ch >> 1) & 3, k = ch & 1;
-    __m128i a = LD128(b + 64 * h + 32 * (g & 1) + 16 * k);
-    __m128i lo = g >= 2 ? _mm_and_si128(_mm_srli_epi16(a, 4), m4) : _mm_and_si128(a, m4);
-    __m128i c = LD128(b + 128 + 32 * h + 16 * k);
-    __m128i hi = _mm_and_si128(_mm_srli_epi16(c, 2 * g), m3);
-    return _mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi16(hi, 4)), k32);
-}
-
 /* Q4_0: the 16 signed values q - 8 of chunk ch (0: low nibbles, 1: high) */
 AVX2 static ALWAYS __m128i q40_q(const uint8_t *b, int ch) {
     const __m128i m4 = _mm_set1_epi8(0x0f), k8 = _mm_set1_epi8(8);
@@ -151,9 +130,51 @@ AVX2 static ALWAYS void prep_scales(int type, const uint8_t *b, float *sa, float
 
 /* ================================ AVX2 ================================ */
 
-/* chunk ch of the step at b, as two 8-float halves */
-AVX2 static ALWAYS void y_dq(int type, const uint8_t *b, const float *sa, const float *sb, int ch, __m256 *lo,
-                             __m256 *hi) {
+/* AVX2, Q4_K/Q5_K/Q6_K: the super-block's integer values staged as bytes in qb, the layout
+ * of z_stage below (Q6_K: q - 32 in element order; Q4_K/Q5_K: sub-blocks 2c at qb[32c ..],
+ * 2c + 1 at qb[128 + 32c ..]), with 256-bit operations. */
+AVX2 static ALWAYS void y_stage(int type, const uint8_t *b, uint8_t *qb) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    if (type == KV_QTYPE_Q6_K) {
+        const __m256i m3 = _mm256_set1_epi8(3), k32 = _mm256_set1_epi8(32);
+        for (int h = 0; h < 2; h++) {
+            __m256i L0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
+            __m256i L1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+            __m256i C = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+            __m256i lo[4] = {_mm256_and_si256(L0, m4), _mm256_and_si256(L1, m4),
+                             _mm256_and_si256(_mm256_srli_epi16(L0, 4), m4),
+                             _mm256_and_si256(_mm256_srli_epi16(L1, 4), m4)};
+            __m256i hi[4] = {_mm256_and_si256(C, m3), _mm256_and_si256(_mm256_srli_epi16(C, 2), m3),
+                             _mm256_and_si256(_mm256_srli_epi16(C, 4), m3),
+                             _mm256_and_si256(_mm256_srli_epi16(C, 6), m3)};
+            for (int g = 0; g < 4; g++)
+                _mm256_storeu_si256((__m256i *)(qb + 128 * h + 32 * g),
+                                    _mm256_sub_epi8(_mm256_or_si256(lo[g], _mm256_slli_epi16(hi[g], 4)), k32));
+        }
+        return;
+    }
+    const bool q5 = type == KV_QTYPE_Q5_K;
+    const __m256i one = _mm256_set1_epi8(1);
+    __m256i C = q5 ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
+    for (int c = 0; c < 4; c++) {
+        __m256i Q = _mm256_loadu_si256((const __m256i *)(b + (q5 ? 48 : 16) + 32 * c));
+        __m256i lo = _mm256_and_si256(Q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(Q, 4), m4);
+        if (q5) { /* bit 2c of qh[l] (sub-block 2c), bit 2c + 1 (sub-block 2c + 1) */
+            lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(C, 2 * c), one), 4));
+            hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(C, 2 * c + 1), one), 4));
+        }
+        _mm256_storeu_si256((__m256i *)(qb + 32 * c), lo);
+        _mm256_storeu_si256((__m256i *)(qb + 128 + 32 * c), hi);
+    }
+}
+
+/* 8 bytes at p -> 8 floats */
+#define LD8U(p) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define LD8S(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+
+/* chunk ch of the step at b, as two 8-float halves (K-quants: from the staged qb) */
+AVX2 static ALWAYS void y_dq(int type, const uint8_t *b, const float *sa, const float *sb, const uint8_t *qb, int ch,
+                             __m256 *lo, __m256 *hi) {
     switch (type) {
     case KV_QTYPE_F32:
         *lo = _mm256_loadu_ps((const float *)b);
@@ -182,17 +203,17 @@ AVX2 static ALWAYS void y_dq(int type, const uint8_t *b, const float *sa, const 
         break;
     }
     case KV_QTYPE_Q4_K: case KV_QTYPE_Q5_K: {
-        __m128i q = qk45_q(b, ch, type == KV_QTYPE_Q5_K);
-        __m256 d1 = _mm256_broadcast_ss(&sa[ch >> 1]), m1 = _mm256_broadcast_ss(&sb[ch >> 1]);
-        *lo = _mm256_sub_ps(_mm256_mul_ps(d1, LO8U(q)), m1);
-        *hi = _mm256_sub_ps(_mm256_mul_ps(d1, HI8U(q)), m1);
+        int s = ch >> 1;
+        const uint8_t *q = qb + (s & 1 ? 128 : 0) + 32 * (s >> 1) + 16 * (ch & 1);
+        __m256 d1 = _mm256_broadcast_ss(&sa[s]), m1 = _mm256_broadcast_ss(&sb[s]);
+        *lo = _mm256_sub_ps(_mm256_mul_ps(d1, LD8U(q)), m1);
+        *hi = _mm256_sub_ps(_mm256_mul_ps(d1, LD8U(q + 8)), m1);
         break;
     }
     default: { /* Q6_K */
-        __m128i q = q6_q(b, ch);
         __m256 s = _mm256_broadcast_ss(&sa[ch]);
-        *lo = _mm256_mul_ps(s, LO8S(q));
-        *hi = _mm256_mul_ps(s, HI8S(q));
+        *lo = _mm256_mul_ps(s, LD8S(qb + 16 * ch));
+        *hi = _mm256_mul_ps(s, LD8S(qb + 16 * ch + 8));
         break;
     }
     }
@@ -209,18 +230,22 @@ AVX2 static ALWAYS void y_tile(const int type, const uint8_t *w, size_t rb, int 
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) alo[m][r] = ahi[m][r] = _mm256_setzero_ps();
     float sa[4][16], sb[4][8];
+    uint8_t qb[4][256] __attribute__((aligned(32)));
     for (int st = 0; st < nst; st++) {
         const uint8_t *blk = w + (size_t)st * SB;
         if (has_scales(type))
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++) prep_scales(type, blk + (size_t)r * rb, sa[r], sb[r]);
+            for (int r = 0; r < R; r++) {
+                prep_scales(type, blk + (size_t)r * rb, sa[r], sb[r]);
+                if (SE == 256) y_stage(type, blk + (size_t)r * rb, qb[r]);
+            }
 #pragma GCC unroll 16
         for (int ch = 0; ch < SE / 16; ch++) {
             const float *x = X + (size_t)st * SE + 16 * ch;
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
                 __m256 lo, hi;
-                y_dq(type, blk + (size_t)r * rb, sa[r], sb[r], ch, &lo, &hi);
+                y_dq(type, blk + (size_t)r * rb, sa[r], sb[r], qb[r], ch, &lo, &hi);
 #pragma GCC unroll 4
                 for (int m = 0; m < M; m++) {
                     alo[m][r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + (size_t)m * ldx), lo, alo[m][r]);
@@ -271,7 +296,8 @@ AVX2 static ALWAYS void y_run(const int type, const uint8_t *w, size_t rb, int n
  * (256) with a few 512-bit operations, so that each chunk then costs one widening load.
  * Q6_K: q - 32 (int8) in element order. Q4_K/Q5_K: qb[32c + l] = value of element 64c + l
  * (sub-block 2c), qb[128 + 32c + l] = element 64c + 32 + l (sub-block 2c + 1). The values
- * are the ones qk45_q / q6_q give (same bits from the same bytes). */
+ * are the reference's (quant.c): Q6_K ((ql nibble | 2 qh bits << 4) - 32), Q4_K the nibble, Q5_K
+ * the nibble + 16 * the qh bit. */
 AVX512 static ALWAYS void z_stage(int type, const uint8_t *b, uint8_t *qb) {
     const __m512i m4 = _mm512_set1_epi8(0x0f);
     if (type == KV_QTYPE_Q6_K) {
