@@ -3,7 +3,7 @@
  * nothing shipped), and the page-copy kernel against cudaMemcpyAsync. GPU only.
  *
  *   bench_cuda [--layers 32] [--batches 1,8,32] [--ctxs 512,4096] [--steps 20] [--kv-dtype bf16|f32]
- *              [--no-copy] [--no-decode]
+ *              [--no-copy] [--no-decode] [--deterministic] [--prefill 512,4096]
  *   bench_cuda --torch-dump DIR     (random small models + their CPU / CUDA logits for
  *              tests/gpu/torch_ref.py, the PyTorch reference of issue 10; see torch_dump)
  *
@@ -11,7 +11,10 @@
  * context) the median decode-step time (one forward of `batch` sequences, one new token
  * each, logits of every sequence copied back), the HBM floor (bf16 weight bytes + KV bytes
  * read, of --kv-dtype: default bf16 like serve --backend cuda) / copy bandwidth, and
- * tokens/s; then page-copy GB/s per direction.
+ * tokens/s; with --prefill N,... the median time of one forward of one sequence of N new
+ * tokens (n_past 0, logits of the last one) as prefill tokens/s; then page-copy GB/s per
+ * direction. --deterministic runs the backend in its batch-invariant mode
+ * (backend_cuda_options.deterministic) for the same measurements.
  */
 #include <cuda_runtime_api.h>
 #include <stdio.h>
@@ -23,6 +26,9 @@
 #include "backend/cuda/backend_cuda.h"
 
 static double now_s(void) { return kv_now_s(); }
+
+static bool g_det;                 /* --deterministic */
+static int g_prefill[8], g_nprefill; /* --prefill N,... */
 
 static int cmp_d(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
@@ -85,7 +91,7 @@ static void bench_decode(int layers, const int *batches, int nb, const int *ctxs
     model_t m;
     memset(&m, 0, sizeof m);
     m.cfg = cfg; /* no host weights: generated on the device */
-    struct backend_cuda_options o = {.device = 0, .random_weights_seed = 1234};
+    struct backend_cuda_options o = {.device = 0, .random_weights_seed = 1234, .deterministic = g_det};
     backend_t *be = NULL;
     char err[512];
     double t0 = now_s();
@@ -96,7 +102,8 @@ static void bench_decode(int layers, const int *batches, int nb, const int *ctxs
     double dim = 4096, qw = 4096, kw = 1024, ffn = 14336, V = 128256;
     double wbytes = 2.0 * (layers * (dim * (qw + 2 * kw) + qw * dim + 2 * ffn * dim + ffn * dim) + 2 * V * dim);
     fprintf(stderr, "model: %d layers, weights %.2f GB bf16 (made in %.1f s)\n", layers, wbytes / 1e9, now_s() - t0);
-    printf("\nKV cache: %s\n", kv_dtype_name(kv_dtype));
+    printf("\nKV cache: %s; mode: %s\n", kv_dtype_name(kv_dtype),
+           g_det ? "deterministic (batch-invariant GEMM + attention split)" : "default (cuBLAS)");
     printf("\n| batch | context | step ms (median) | HBM floor ms | step / floor | tokens/s |\n|---|---|---|---|---|---|\n");
     int tpb = 16;
     for (int ci = 0; ci < nc; ci++)
@@ -168,6 +175,36 @@ static void bench_decode(int layers, const int *batches, int nb, const int *ctxs
             fflush(stdout);
             free(bt), free(tok), free(seqs), free(lg), free(ts);
         }
+    if (g_nprefill) printf("\n| prefill tokens (one chunk) | ms (median of 5) | tokens/s |\n|---|---|---|\n");
+    for (int pi = 0; pi < g_nprefill; pi++) {
+        int N = g_prefill[pi], per = (N + tpb - 1) / tpb;
+        struct kv_geometry g = {.n_layers = layers, .n_kv_heads = 8, .head_dim = 128, .tokens_per_block = tpb,
+                                .kv_dtype = kv_dtype};
+        if (N < 1 || be->ops->kv_alloc(be, per, &g)) {
+            printf("| %d | kv_alloc failed | |\n", N);
+            continue;
+        }
+        int32_t *bt = malloc(sizeof(int32_t) * (size_t)per), *tok = malloc(sizeof(int32_t) * (size_t)N);
+        for (int i = 0; i < per; i++) bt[i] = i;
+        for (int i = 0; i < N; i++) tok[i] = (int32_t)((i * 7919) % cfg.n_vocab);
+        float *lg = malloc((size_t)cfg.n_vocab * sizeof(float));
+        double ts[5];
+        for (int s = -1; s < 5; s++) {
+            struct batch_seq sq = {.tokens = tok, .n_tokens = N, .n_past = 0, .block_table = bt, .n_blocks = per,
+                                   .logits = BATCH_LOGITS_LAST};
+            struct batch b = {&sq, 1};
+            double a = now_s();
+            if (be->ops->forward(be, &b, lg, err, sizeof err)) {
+                fprintf(stderr, "bench_cuda: prefill forward: %s\n", err);
+                exit(1);
+            }
+            if (s >= 0) ts[s] = now_s() - a;
+        }
+        qsort(ts, 5, sizeof ts[0], cmp_d);
+        printf("| %d | %.2f | %.0f |\n", N, ts[2] * 1e3, N / ts[2]);
+        fflush(stdout);
+        free(bt), free(tok), free(lg);
+    }
     backend_free(be);
 }
 
@@ -365,10 +402,13 @@ int main(int argc, char **argv) {
             i++;
         else if (!strcmp(argv[i], "--no-copy")) do_copy = 0;
         else if (!strcmp(argv[i], "--no-decode")) do_decode = 0;
+        else if (!strcmp(argv[i], "--deterministic")) g_det = true;
+        else if (!strcmp(argv[i], "--prefill") && i + 1 < argc) g_nprefill = parse_list(argv[++i], g_prefill, 8);
         else if (!strcmp(argv[i], "--torch-dump") && i + 1 < argc) dump = argv[++i];
         else {
             fprintf(stderr, "usage: bench_cuda [--layers N] [--batches 1,8,32] [--ctxs 512,4096] [--steps N] "
-                            "[--kv-dtype bf16|f32] [--no-copy] [--no-decode] [--torch-dump DIR]\n");
+                            "[--kv-dtype bf16|f32] [--no-copy] [--no-decode] [--deterministic] [--prefill N,...] "
+                            "[--torch-dump DIR]\n");
             return 2;
         }
     }
@@ -383,7 +423,7 @@ int main(int argc, char **argv) {
     kv_cuda_device_name(0, name, sizeof name);
     double bw = copy_bw();
     printf("device: %s\ndevice-to-device copy: %.0f GB/s (read + write)\n", name, bw / 1e9);
-    if (do_decode) bench_decode(layers, batches, nb, ctxs, nc, steps, bw, kv_dtype);
+    if (do_decode || g_nprefill) bench_decode(layers, batches, do_decode ? nb : 0, ctxs, nc, steps, bw, kv_dtype);
     if (do_copy) bench_copy();
     return 0;
 }

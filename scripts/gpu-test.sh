@@ -4,7 +4,9 @@
 #   scripts/gpu-test.sh [--bench] [--bench-args "ARGS"]       build build-gpu here, run test_cuda
 #   (environment: SERVE_SMOKE=1 one completion through serve --backend cuda; E2E=1 the HTTP API
 #   e2e suite, tests/e2e/http_api.py, against serve --backend cuda; TORCH_REF=1 the PyTorch
-#   reference, bench_cuda --torch-dump + tests/gpu/torch_ref.py, after test_cuda;
+#   reference, bench_cuda --torch-dump + tests/gpu/torch_ref.py, after test_cuda; DET_E2E=1
+#   tests/gpu/det_serve.py: 16 concurrent greedy completions == each alone against serve
+#   --backend cuda --deterministic (its status counts), then without --deterministic (printed);
 #   KVSERVE_CUDA_TESTS=PATTERN runs only the test_cuda tests matching it, cmocka's filter with
 #   * and ? wildcards, e.g. '*quant*')
 #   scripts/gpu-test.sh --prebuilt DIR [--bench] ...          run binaries from DIR (no build)
@@ -98,6 +100,18 @@ echo "== test_cuda"
 "$bin/test_cuda"
 rc=$?
 echo "== test_cuda exit $rc"
+if [ "${DET_E2E:-0}" = 1 ]; then # batch invariance end to end (issue 10)
+    echo "== det_serve: serve --backend cuda --deterministic, 16 concurrent greedy requests vs alone"
+    python3 tests/gpu/det_serve.py "$bin/kvserve" "$KVSERVE_TEST_DATA/models/stories260K/stories260K.gguf" \
+        --backend cuda --deterministic
+    drc=$?
+    echo "== det_serve exit $drc"
+    [ "$rc" = 0 ] && rc=$drc
+    echo "== det_serve (not counted): default mode"
+    python3 tests/gpu/det_serve.py "$bin/kvserve" "$KVSERVE_TEST_DATA/models/stories260K/stories260K.gguf" \
+        --backend cuda
+    echo "== det_serve default exit $?"
+fi
 if [ "${TORCH_REF:-0}" = 1 ]; then
     echo "== PyTorch reference (bench_cuda --torch-dump, tests/gpu/torch_ref.py)"
     tr=$(mktemp -d)

@@ -38,6 +38,7 @@ struct cuda_ctx {
     int n_sm;
     bool attn2;   /* k_attn_part2 (lane per position; hd % 4 == 0): KVSERVE_CUDA_ATTN=1 selects k_attn_part */
     int gemv_max; /* products with M <= gemv_max rows use k_gemv_bf16 (KVSERVE_CUDA_GEMV_MAX, default 1) */
+    bool det;     /* batch-invariant mode (backend_cuda_options.deterministic): inv_gemm, fixed attention split */
     size_t wsz; /* bytes per weight element */
     cudaStream_t st;
     cublasHandle_t blas;
@@ -417,9 +418,57 @@ static kv_status validate(backend_t *be, const struct batch *b, char *err, size_
 }
 
 /* Y[M,N] (f32) = X[M,K] W[N,K]^T, X and W in the weight dtype, f32 accumulation. */
+/* Tile shapes of k_gemm_inv by row count (any choice gives the same bits: see kernels.cuh):
+ * M <= 16: 16 x 32 tiles, 2 warps, 6 stages (decode: many CTAs, deep prefetch of W);
+ * M <= 128: 32 x 64, 4 warps, 4 stages; larger: 64 x 128, 8 warps of 2 x 2 fragments, 3 stages. */
+typedef ig_cfg<1, 2, 1, 1, 6> ig_small;
+typedef ig_cfg<2, 2, 1, 2, 4> ig_mid;
+typedef ig_cfg<2, 4, 2, 2, 3> ig_big;
+
+/* Allows the dynamic shared memory the k_gemm_inv variants need (once per device use). */
+static cudaError_t inv_gemm_setup(void) {
+    cudaError_t e = cudaFuncSetAttribute(k_gemm_inv<1, 2, 1, 1, 6>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         (int)ig_small::smem);
+    if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(k_gemm_inv<2, 2, 1, 2, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 (int)ig_mid::smem);
+    if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(k_gemm_inv<2, 4, 2, 2, 3>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 (int)ig_big::smem);
+    return e;
+}
+
+/* The batch-invariant product (deterministic mode): Y[M,N] = X[M,K] W[N,K]^T on stream st.
+ * bf16 (f32w false) with K % 8 == 0 and 16-byte aligned operands: k_gemm_inv; otherwise the
+ * scalar kernel. The choice depends on K, the dtype and the (fixed) buffers, never on M. */
+static kv_status inv_gemm(bool f32w, const void *X, int M, int K, const void *W, int N, float *Y, cudaStream_t st,
+                          char *err, size_t errlen) {
+    bool tc = !f32w && K % 8 == 0 && ((uintptr_t)X % 16) == 0 && ((uintptr_t)W % 16) == 0;
+    if (!tc) {
+        dim3 g((unsigned)((N + 127) / 128), (unsigned)(M < 65535 ? M : 65535));
+        if (f32w) k_gemm_inv_scalar<float><<<g, 128, 0, st>>>((const float *)X, (const float *)W, Y, M, N, K);
+        else
+            k_gemm_inv_scalar<__nv_bfloat16><<<g, 128, 0, st>>>((const __nv_bfloat16 *)X, (const __nv_bfloat16 *)W, Y,
+                                                                 M, N, K);
+        LAUNCHED("invariant gemm (scalar)");
+        return KV_OK;
+    }
+    const __nv_bfloat16 *x = (const __nv_bfloat16 *)X, *w = (const __nv_bfloat16 *)W;
+#define IG_LAUNCH(CF, WM, WN, FM, FN, S)                                                                          \
+    k_gemm_inv<WM, WN, FM, FN, S><<<dim3((unsigned)((N + CF::BN - 1) / CF::BN), (unsigned)((M + CF::BM - 1) / CF::BM)), \
+                                    CF::NT, CF::smem, st>>>(x, w, Y, M, N, K)
+    if (M <= 16) IG_LAUNCH(ig_small, 1, 2, 1, 1, 6);
+    else if (M <= 128) IG_LAUNCH(ig_mid, 2, 2, 1, 2, 4);
+    else IG_LAUNCH(ig_big, 2, 4, 2, 2, 3);
+#undef IG_LAUNCH
+    LAUNCHED("invariant gemm");
+    return KV_OK;
+}
+
 static kv_status gemm(struct cuda_ctx *c, const void *X, int M, int K, const void *W, int N, float *Y, char *err,
                       size_t errlen) {
     const float alpha = 1.0f, beta = 0.0f;
+    if (c->det) return inv_gemm(c->f32w, X, M, K, W, N, Y, c->st, err, errlen);
     if (!c->f32w && M <= c->gemv_max && K % 8 == 0) {
         unsigned g = (unsigned)((N + GEMV_WARPS - 1) / GEMV_WARPS);
         const __nv_bfloat16 *x = (const __nv_bfloat16 *)X, *w = (const __nv_bfloat16 *)W;
@@ -506,6 +555,12 @@ static kv_status forward_t(backend_t *be, const struct batch *b, float *logits, 
     int split_len = attn2 ? 128 : 32;
     while ((long)T * ((max_pos + split_len - 1) / split_len) > 8192 && split_len < (1 << 24)) split_len *= 2;
     int max_parts = (max_pos + split_len - 1) / split_len;
+    if (c->det) { /* batch-invariant: one kernel, each row's split from its own position (det_split_len) */
+        attn2 = c->attn2;
+        split_len = 0;
+        /* every row's part count (pos / det_split_len(pos) + 1) is at most this */
+        max_parts = max_pos - 1 < 128 * DET_MAX_PARTS ? (max_pos - 1) / 128 + 1 : DET_MAX_PARTS;
+    }
     bool use_graph = c->graphs && T <= GRAPH_MAX_ROWS;
     if (use_graph) { /* round the attention grid up so one graph serves many steps */
         int p2 = 1;
@@ -850,6 +905,7 @@ static kv_status cuda_init(backend_t *be, struct cuda_ctx *c, const struct backe
     size_t ws = (size_t)32 << 20;
     CU_TRY(kvc_malloc(&c->blas_ws, ws), "cudaMalloc (cublas workspace)");
     BLAS_TRY(cublasSetWorkspace(c->blas, c->blas_ws, ws), "set workspace");
+    CU_TRY(inv_gemm_setup(), "invariant gemm setup");
     const char *gr = getenv("KVSERVE_CUDA_GRAPHS");
     c->graphs = !(gr && *gr == '0');
     const char *cm = getenv("KVSERVE_CUDA_CAPTURE");
@@ -915,14 +971,46 @@ extern "C" kv_status backend_cuda_new(const model_t *m, const struct backend_cud
     const char *gm = getenv("KVSERVE_CUDA_GEMV_MAX");
     c->gemv_max = gm && *gm ? atoi(gm) : 1;
     if (c->gemv_max > GEMV_MAXM) c->gemv_max = GEMV_MAXM;
+    c->det = opt->deterministic;
     if ((st = cuda_init(be, c, opt, err, errlen))) {
         cuda_free(be);
         return st;
     }
     char name[256];
     kv_cuda_device_name(c->dev, name, sizeof name);
-    KV_INFO("cuda backend: %s; weights %s on the device (%.2f GiB), KV dtype per kv_alloc, cuBLAS GEMMs with f32 accumulation", name,
-            c->f32w ? "f32" : "bf16", (double)c->weight_bytes / (1024.0 * 1024.0 * 1024.0));
+    KV_INFO("cuda backend: %s; weights %s on the device (%.2f GiB), KV dtype per kv_alloc, %s", name,
+            c->f32w ? "f32" : "bf16", (double)c->weight_bytes / (1024.0 * 1024.0 * 1024.0),
+            c->det ? "deterministic (batch-invariant): our fixed-order GEMM and attention split"
+                   : "cuBLAS GEMMs with f32 accumulation (not batch-invariant)");
     *out = be;
     return KV_OK;
+}
+
+extern "C" kv_status kv_cuda_gemm(int mode, int f32w, const void *X, int M, int K, const void *W, int N, float *Y,
+                                  char *err, size_t errlen) {
+    if (!X || !W || !Y || M < 1 || N < 1 || K < 1 || (mode != 0 && mode != 1))
+        return kv_errf(KV_EINVAL, err, errlen, "kv_cuda_gemm: bad argument");
+    cudaStream_t st = NULL;
+    CU_TRY(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "stream create");
+    kv_status r = KV_OK;
+    if (mode == 1) {
+        cudaError_t e = inv_gemm_setup();
+        r = e != cudaSuccess ? kv_errf(KV_EIO, err, errlen, "cuda: %s", cudaGetErrorString(e))
+                             : inv_gemm(f32w != 0, X, M, K, W, N, Y, st, err, errlen);
+    } else {
+        /* the default mode's choice: k_gemv_bf16 for one bf16 row, else cuBLAS */
+        struct cuda_ctx c;
+        memset(&c, 0, sizeof c);
+        c.f32w = f32w != 0, c.gemv_max = 1, c.st = st;
+        if (cublasCreate(&c.blas) != CUBLAS_STATUS_SUCCESS) r = kv_errf(KV_EIO, err, errlen, "cublas: create failed");
+        if (!r && cublasSetStream(c.blas, st) != CUBLAS_STATUS_SUCCESS)
+            r = kv_errf(KV_EIO, err, errlen, "cublas: set stream failed");
+        if (!r) r = gemm(&c, X, M, K, W, N, Y, err, errlen);
+        if (!r && kvc_stream_sync(st) != cudaSuccess) r = kv_errf(KV_EIO, err, errlen, "cuda: gemm failed");
+        if (c.blas) cublasDestroy(c.blas);
+    }
+    cudaError_t e = kvc_stream_sync(st);
+    if (!r && e != cudaSuccess) r = kv_errf(KV_EIO, err, errlen, "cuda: gemm: %s", cudaGetErrorString(e));
+    cudaStreamDestroy(st);
+    return r;
 }

@@ -31,7 +31,9 @@
  * block_ptr is NULL (device memory): host offload goes through copy_to_host /
  * copy_from_host, which use the page-copy kernel below (pinned host buffers are read and
  * written directly; other host memory is bounced through a pinned staging buffer).
- * Not batch-invariant: cuBLAS may pick a different kernel for a different row count.
+ * Not batch-invariant by default: cuBLAS may pick a different kernel for a different row
+ * count, the GEMV serves one row, and the attention split depends on the batch; the
+ * deterministic option (below) makes it batch-invariant.
  * One forward at a time per backend (not thread-safe). A failed CUDA call makes the call
  * return KV_EIO with the CUDA error string in err; a sticky device error leaves the
  * backend unusable (every later call fails the same way), never crashes the process.
@@ -60,6 +62,15 @@ struct backend_cuda_options {
      * pointers may be NULL); they are filled on the device with deterministic pseudo-random
      * values from this seed (uniform, std ~0.02; norms ~1). */
     uint64_t random_weights_seed;
+    /* Batch-invariant mode (issue 10, serve --deterministic): a row's logits and K/V are bitwise
+     * the same whatever else is in the batch, the chunking of its prompt and the cache hits.
+     * Every projection and the output head run on k_gemm_inv (kernels.cuh: our bf16 tensor-core
+     * GEMM, fixed k order, no split-K, any tile shape gives the same bits; f32 weights: a scalar
+     * fixed-order kernel) instead of cuBLAS / the M == 1 GEMV; attention always uses the same
+     * kernel and cuts a row's positions into parts by the row's own position (det_split_len),
+     * combined in part order. Norms, RoPE and SwiGLU are per row already. CUDA graphs work as in
+     * the default mode. Cost: docs/benchmarks.md (CUDA). Default false: cuBLAS is faster. */
+    bool deterministic;
 };
 
 /* Creates the CUDA backend for m (cfg and, unless random_weights_seed, weights). m must
@@ -137,6 +148,13 @@ struct kv_cuda_counters {
 };
 /* Copies the counters (since process start) into *out. Thread-safe. */
 void kv_cuda_counters_get(struct kv_cuda_counters *out);
+
+/* One product Y[M,N] (f32, device) = X[M,K] W[N,K]^T (device; bf16, or f32 when f32w) as the
+ * backend computes it: mode 1 the deterministic mode's batch-invariant kernel, mode 0 the
+ * default mode's choice (k_gemv_bf16 for one bf16 row, else cuBLAS). For tests and benches;
+ * synchronous (own stream). KV_EINVAL for a bad argument, KV_EIO for a CUDA failure. */
+kv_status kv_cuda_gemm(int mode, int f32w, const void *X, int M, int K, const void *W, int N, float *Y, char *err,
+                       size_t errlen);
 
 /* Thin helpers for tests and benches (NULL / KV_EIO on failure; the error is logged). */
 void *kv_cuda_malloc(size_t n);           /* device memory */

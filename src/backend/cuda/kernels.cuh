@@ -7,7 +7,19 @@
 #define KV_CUDA_KERNELS_CUH
 
 #include <cuda_bf16.h>
+#include <mma.h>
 #include <stdint.h>
+
+/* Batch-invariant attention split (deterministic mode, split_len argument 0): the positions
+ * of a row at position pos are cut into parts of det_split_len(pos) positions: 128, doubled
+ * while the row would have more than DET_MAX_PARTS parts. It depends only on the row's own
+ * position, never on the batch. */
+#define DET_MAX_PARTS 32
+__host__ __device__ __forceinline__ int det_split_len(int pos) {
+    int sl = 128;
+    while (pos / sl + 1 > DET_MAX_PARTS) sl *= 2;
+    return sl;
+}
 
 __device__ __forceinline__ float to_f32(float v) { return v; }
 __device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
@@ -194,6 +206,7 @@ __global__ void __launch_bounds__(32 * ATT_WARPS)
     extern __shared__ float smem[]; /* ATT_WARPS * hc * (hd + 2) */
     int r = blockIdx.x, h0 = blockIdx.y * hc, z = blockIdx.z;
     int pos = row_pos[r];
+    if (split_len <= 0) split_len = det_split_len(pos);
     int p_begin = z * split_len;
     if (p_begin > pos) return;
     int p_end = min(pos + 1, p_begin + split_len);
@@ -293,6 +306,7 @@ __global__ void __launch_bounds__(32 * ATT_WARPS)
     extern __shared__ float smem[]; /* q: hc*hd | weights: ATT_WARPS*ATT_HC*32 | per warp: ATT_WARPS*hc*(hd+2) */
     int r = blockIdx.x, h0 = blockIdx.y * hc, z = blockIdx.z;
     int pos = row_pos[r];
+    if (split_len <= 0) split_len = det_split_len(pos);
     int p_begin = z * split_len;
     if (p_begin > pos) return;
     int p_end = min(pos + 1, p_begin + split_len);
@@ -417,7 +431,7 @@ template <typename TA>
 __global__ void k_attn_combine(const float *part, const float *part_ml, const int32_t *row_pos, int split_len,
                                int max_parts, int n_heads, int hd, TA *out) {
     int r = blockIdx.x, h = blockIdx.y, e = threadIdx.x;
-    int nparts = row_pos[r] / split_len + 1;
+    int nparts = row_pos[r] / (split_len > 0 ? split_len : det_split_len(row_pos[r])) + 1;
     size_t slot0 = ((size_t)r * n_heads + h) * max_parts;
     float M = -INFINITY;
     for (int z = 0; z < nparts; z++) M = fmaxf(M, part_ml[(slot0 + z) * 2]);
@@ -502,6 +516,127 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS)
         float v = acc[m];
         for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
         if (lane == 0) Y[(size_t)m * N + n] = v;
+    }
+}
+
+
+/* ---- batch-invariant GEMM (deterministic mode) ----
+ * Y[M,N] (f32) = X[M,K] W[N,K]^T, bf16 inputs, f32 accumulation on the tensor cores (wmma
+ * 16x16x16, i.e. mma.sync m16n8k16). Element (m, n) is accumulated in one fp32 fragment
+ * element, in the fixed order k = 0..15, 16..31, ... up to K rounded up to IG_BK (the
+ * padding products are 0): the same instructions in the same order whatever M, the row's
+ * tile or position in its tile, the tile shape (WM, WN, FM, FN, STAGES) or the batch. No
+ * split-K. Tiles of BM = WM*FM*16 rows x BN = WN*FN*16 columns, one warp per WM x WN
+ * sub-tile of FM x FN fragments; STAGES-deep cp.async pipeline over IG_BK-wide K slices
+ * (rows past M / columns past N / K past K zero-filled). Needs K % 8 == 0 and 16-byte
+ * aligned X and W (the host falls back to k_gemm_inv_scalar otherwise). */
+#define IG_BK 64
+#define IG_LD (IG_BK + 8) /* bf16 elements per shared-memory row (144 bytes: 16-byte aligned) */
+__device__ __forceinline__ void ig_cp16(void *smem, const void *g, int src_bytes) {
+    unsigned sa = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sa), "l"(g), "r"(src_bytes));
+}
+__device__ __forceinline__ void ig_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void ig_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+template <int WM, int WN, int FM, int FN, int STAGES> struct ig_cfg {
+    static constexpr int BM = WM * FM * 16, BN = WN * FN * 16, NT = WM * WN * 32;
+    static constexpr size_t pipe_bytes = (size_t)STAGES * (BM + BN) * IG_LD * 2;
+    static constexpr size_t c_bytes = (size_t)BM * (BN + 4) * 4;
+    static constexpr size_t smem = pipe_bytes > c_bytes ? pipe_bytes : c_bytes;
+};
+
+template <int WM, int WN, int FM, int FN, int STAGES>
+__global__ void __launch_bounds__(WM *WN * 32)
+    k_gemm_inv(const __nv_bfloat16 *__restrict__ X, const __nv_bfloat16 *__restrict__ W, float *__restrict__ Y,
+               int M, int N, int K) {
+    using namespace nvcuda;
+    typedef ig_cfg<WM, WN, FM, FN, STAGES> C;
+    constexpr int BM = C::BM, BN = C::BN, NT = C::NT, CH = IG_BK / 8; /* 16-byte chunks per row slice */
+    extern __shared__ __align__(128) unsigned char ig_smem[];
+    __nv_bfloat16 *sA = (__nv_bfloat16 *)ig_smem, *sB = sA + (size_t)STAGES * BM * IG_LD;
+    const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+    const int warp = threadIdx.x / 32, wm = warp / WN, wn = warp % WN;
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[FM][FN];
+#pragma unroll
+    for (int i = 0; i < FM; i++)
+#pragma unroll
+        for (int j = 0; j < FN; j++) wmma::fill_fragment(acc[i][j], 0.0f);
+    const int nk = (K + IG_BK - 1) / IG_BK;
+    auto load = [&](int stage, int kt) {
+        const int k0 = kt * IG_BK;
+        for (int i = threadIdx.x; i < (BM + BN) * CH; i += NT) {
+            int row = i / CH, c8 = (i % CH) * 8, k = k0 + c8;
+            const __nv_bfloat16 *src;
+            __nv_bfloat16 *dst;
+            bool ok;
+            if (row < BM) {
+                int gm = m0 + row;
+                ok = gm < M && k < K;
+                src = ok ? X + (size_t)gm * K + k : X;
+                dst = sA + ((size_t)stage * BM + row) * IG_LD + c8;
+            } else {
+                int gn = n0 + row - BM;
+                ok = gn < N && k < K;
+                src = ok ? W + (size_t)gn * K + k : W;
+                dst = sB + ((size_t)stage * BN + row - BM) * IG_LD + c8;
+            }
+            ig_cp16(dst, src, ok ? 16 : 0);
+        }
+    };
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) {
+        if (s < nk) load(s, s);
+        ig_commit();
+    }
+    for (int kt = 0; kt < nk; kt++) {
+        ig_wait<STAGES - 2>();
+        __syncthreads(); /* slice kt is in; every warp is done with slice kt-1's stage */
+        if (kt + STAGES - 1 < nk) load((kt + STAGES - 1) % STAGES, kt + STAGES - 1);
+        ig_commit();
+        const __nv_bfloat16 *a = sA + (size_t)(kt % STAGES) * BM * IG_LD, *b = sB + (size_t)(kt % STAGES) * BN * IG_LD;
+#pragma unroll
+        for (int kk = 0; kk < IG_BK; kk += 16) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa[FM];
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> fb[FN];
+#pragma unroll
+            for (int i = 0; i < FM; i++) wmma::load_matrix_sync(fa[i], a + (size_t)((wm * FM + i) * 16) * IG_LD + kk, IG_LD);
+#pragma unroll
+            for (int j = 0; j < FN; j++) wmma::load_matrix_sync(fb[j], b + (size_t)((wn * FN + j) * 16) * IG_LD + kk, IG_LD);
+#pragma unroll
+            for (int i = 0; i < FM; i++)
+#pragma unroll
+                for (int j = 0; j < FN; j++) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
+        }
+    }
+    ig_wait<0>();
+    __syncthreads();
+    float *cs = (float *)ig_smem; /* (BM, BN + 4) */
+#pragma unroll
+    for (int i = 0; i < FM; i++)
+#pragma unroll
+        for (int j = 0; j < FN; j++)
+            wmma::store_matrix_sync(cs + (size_t)((wm * FM + i) * 16) * (BN + 4) + (wn * FN + j) * 16, acc[i][j], BN + 4,
+                                    wmma::mem_row_major);
+    __syncthreads();
+    for (int i = threadIdx.x; i < BM * BN; i += NT) {
+        int r = i / BN, cc = i % BN;
+        if (m0 + r < M && n0 + cc < N) Y[(size_t)(m0 + r) * N + n0 + cc] = cs[(size_t)r * (BN + 4) + cc];
+    }
+}
+
+/* Batch-invariant fallback (f32 weights, or K % 8 != 0 / unaligned bf16): one thread per
+ * element, k = 0..K-1 in order with fmaf. Slow; invariant by construction. */
+template <typename TW>
+__global__ void k_gemm_inv_scalar(const TW *__restrict__ X, const TW *__restrict__ W, float *__restrict__ Y, int M,
+                                  int N, int K) {
+    int n = blockIdx.x * blockDim.x + threadIdx.x;
+    if (n >= N) return;
+    for (int m = blockIdx.y; m < M; m += gridDim.y) {
+        const TW *x = X + (size_t)m * K, *w = W + (size_t)n * K;
+        float acc = 0.f;
+        for (int k = 0; k < K; k++) acc = fmaf(to_f32(x[k]), to_f32(w[k]), acc);
+        Y[(size_t)m * N + n] = acc;
     }
 }
 
