@@ -113,11 +113,19 @@ kv_status backend_create(const model_t *m, const struct backend_options *opt, ba
     switch (opt->kind) {
     case BACKEND_KIND_CPU: {
         struct backend_cpu_options o = {.n_threads = opt->n_threads, .gemm = opt->gemm};
+        if (opt->deterministic) {
+            if (opt->gemm != BACKEND_CPU_GEMM_INVARIANT)
+                return kv_errf(KV_EINVAL, err, errlen,
+                               "backend cpu: deterministic mode needs the invariant gemm (not %s)",
+                               backend_cpu_gemm_name(opt->gemm) ? backend_cpu_gemm_name(opt->gemm) : "?");
+            KV_INFO("cpu backend: always batch-invariant (--deterministic changes nothing)");
+        }
         return backend_cpu_new_ex(m, &o, out, err, errlen);
     }
     case BACKEND_KIND_CUDA: {
 #ifdef KVSERVE_HAVE_CUDA
-        struct backend_cuda_options o = {.device = opt->device, .f32_weights = opt->f32_weights};
+        struct backend_cuda_options o = {
+            .device = opt->device, .f32_weights = opt->f32_weights, .deterministic = opt->deterministic};
         return backend_cuda_new(m, &o, out, err, errlen);
 #else
         return kv_errf(KV_EUNSUPPORTED, err, errlen,

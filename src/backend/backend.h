@@ -195,6 +195,11 @@ struct backend_options {
     enum backend_cpu_gemm gemm; /* cpu only */
     int device;                 /* cuda: device ordinal (0 = first GPU) */
     bool f32_weights;           /* cuda: keep weights f32 on the device (default bf16) */
+    /* Batch-invariant mode (serve --deterministic): cuda: backend_cuda_options.deterministic
+     * (our fixed-order GEMM and attention split instead of cuBLAS; slower); cpu: its default
+     * gemm mode is batch-invariant already, so this only refuses BACKEND_CPU_GEMM_OPENBLAS
+     * (KV_EINVAL) and logs "cpu backend: always batch-invariant". */
+    bool deterministic;
 };
 /* Creates the backend opt->kind names for model m (which must outlive it).
  * cpu: backend_cpu_new_ex. cuda: backend_cuda_new (cuda/backend_cuda.h): weights bf16 in

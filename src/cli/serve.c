@@ -62,6 +62,10 @@ static void serve_usage(FILE *f) {
             "  --gemm invariant|openblas  matrix kernel: 'invariant' (default) gives bitwise-identical\n"
             "                           results whatever the batch; 'openblas' is one sgemm per\n"
             "                           projection (results may differ in the last bits with batching)\n"
+            "  --deterministic          batch-invariant mode: a sequence's tokens do not depend on what\n"
+            "                           it is batched with or on cache hits (cuda: our fixed-order GEMM\n"
+            "                           instead of cuBLAS, slower, see docs/benchmarks.md; cpu: always\n"
+            "                           the case with --gemm invariant, refused with --gemm openblas)\n"
             "  --log-level LEVEL        debug | info | warn | error (default info)\n"
             "  --help                   show this help\n");
     serve_disagg_usage(f);
@@ -91,7 +95,7 @@ int cmd_serve(int argc, char **argv) {
     enum backend_kind be_kind = BACKEND_KIND_CPU;
     int kv_dtype = -1; /* -1: not given (f32 for every backend) */
     uint64_t kv_mem = 0, max_body = 16ull << 20, host_mem = 0;
-    bool kv_mem_set = false, no_prefix_cache = false;
+    bool kv_mem_set = false, no_prefix_cache = false, deterministic = false;
     int prefix_wait = 64;
     const char *hash_key_file = NULL;
     bool ptc_on = false, ptc_set = false;
@@ -112,6 +116,10 @@ int cmd_serve(int argc, char **argv) {
         }
         if (!strcmp(a, "--no-prefix-cache")) {
             no_prefix_cache = true;
+            continue;
+        }
+        if (!strcmp(a, "--deterministic")) {
+            deterministic = true;
             continue;
         }
         if (strncmp(a, "--", 2) != 0) {
@@ -260,7 +268,7 @@ int cmd_serve(int argc, char **argv) {
             kv_qtype_name(m->w.layers[0].w_down.type), m->format == MODEL_FORMAT_GGUF ? ", mapped from the file" : "",
             kv_dtype_name(kv_dtype), kv_blocks, tpb, block_bytes,
             (double)kv_blocks * (double)block_bytes / (1024.0 * 1024.0), (long long)kv_blocks * tpb, max_model_len);
-    struct backend_options bopt = {.kind = be_kind, .n_threads = threads, .gemm = gemm};
+    struct backend_options bopt = {.kind = be_kind, .n_threads = threads, .gemm = gemm, .deterministic = deterministic};
     if (backend_create(m, &bopt, &be, err, sizeof err) != KV_OK) {
         fprintf(stderr, "kvserve serve: cannot create the %s backend: %s\n", backend_kind_name(be_kind), err);
         goto out;
