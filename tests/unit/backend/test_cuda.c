@@ -20,6 +20,13 @@
  *    one sync and one logits copy per step, no host->device copy, memset or allocation once a
  *    step's graph exists), graphs captured in cudaStreamCaptureModeGlobal; graphs off shows the
  *    eager counts; graph and eager logits agree.
+ *  - batch-invariant mode (issue 10, --deterministic): test_cuda_gemm_invariant, row r of the
+ *    product bitwise the same for M = 1..64 (3 row offsets) and M = 100, 200, 320 (every tile
+ *    shape), three (K, N) shapes; the default mode's differing rows are printed.
+ *    test_cuda_deterministic: 16 sequences (1..300-token prompts, 8 greedy tokens) on a random
+ *    Llama-3-shaped model, batched / alone / alone in chunks of 7 / groups of 4 with mixed
+ *    chunks, f32 and bf16 KV: every position's logits bitwise equal and the same tokens; the
+ *    default mode's differences printed; the mode's accuracy against the CPU (compare_shape).
  *  - page copies: 64 KiB .. 512 MiB, H2D / D2H / D2D, 1..300 pages (across the 256-page launch
  *    limit and the 16-CTA split limit), zero bytes, bad sizes; checksums and memcmp against
  *    cudaMemcpy. Backend copy_to_host / copy_from_host / copy_blocks round trips.
