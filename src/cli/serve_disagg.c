@@ -145,11 +145,24 @@ kv_status serve_disagg_start(struct serve_disagg *d, engine_t *e, backend_t *be,
     } else if (kvx_transport_ucx_available()) {
         kind = KVX_TRANSPORT_UCX;
     }
+    /* the page table describes the pool as it is: its element type decides the block bytes
+     * and peers with another KV dtype are refused by kvx_page_table_match */
+    enum kvx_dtype pdt;
+    switch (be->geom.kv_dtype) {
+    case KV_DTYPE_F32: pdt = KVX_DTYPE_F32; break;
+    case KV_DTYPE_F16: pdt = KVX_DTYPE_F16; break;
+    case KV_DTYPE_BF16: pdt = KVX_DTYPE_BF16; break;
+    default:
+        return kv_errf(KV_EINVAL, err, errlen, "--role %s: KV cache dtype %d has no page-table type", d->role,
+                       be->geom.kv_dtype);
+    }
     struct kvx_page_table pt;
     kv_status st = kvx_page_table_dense_kv(&pt, 0, m->cfg.n_layers, m->cfg.n_kv_heads,
-                                           m->cfg.head_dim, tokens_per_block, KVX_DTYPE_F32, err,
-                                           errlen);
+                                           m->cfg.head_dim, tokens_per_block, pdt, err, errlen);
     if (st != KV_OK) return st;
+    if (pt.views[0].block_bytes != kv_block_bytes(&be->geom))
+        return kv_errf(KV_EINVAL, err, errlen, "--role %s: page table block of %zu bytes != KV pool block of %zu bytes",
+                       d->role, pt.views[0].block_bytes, kv_block_bytes(&be->geom));
     json_t *pj = kvx_page_table_to_json(&pt);
     d->pool_json = pj ? json_dumps(pj, JSON_COMPACT) : NULL;
     json_decref(pj);

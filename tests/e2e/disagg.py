@@ -15,6 +15,7 @@ Groups (run all, or name some on the command line):
               request succeeds
   stale       --kv-stale-ttl 2: a context-first receive with no offer fails; a generation-first
               one is dropped silently (the receiver times out); a normal transfer still works
+  kvdtype     f16 / bf16 KV pools on both workers == aggregated; mixed dtypes refused
   edges       requests that end at their first token (both styles), a prompt with room for one
               token, a leg for the other role, a disagg_request_id offered twice
   conditional --max-local-prefill-tokens: a second turn with a short uncached tail sends no
@@ -252,6 +253,44 @@ def test_flow(agg, refs, recs, transports):
         finally:
             ctx.stop()
             gen.stop()
+
+
+def test_kvdtype(recs):
+    """16-bit KV pools: f16 and bf16 context + generation workers give the aggregated f16 / bf16
+    worker's tokens (the page table carries the dtype, so blocks are the pool's real size); a
+    generation worker whose KV dtype differs from the context worker's refuses the transfer
+    with an error instead of reading mis-sized blocks (no garbage 200)."""
+    for dt in ("f16", "bf16"):
+        a = worker("aggregated", extra=["--kv-cache-dtype", dt])
+        try:
+            refs = references(a, recs[:4])
+        finally:
+            a.stop()
+        ctx = worker("context", extra=["--kv-cache-dtype", dt])
+        gen = worker("generation", extra=["--kv-cache-dtype", dt])
+        rt = router([ctx], [gen])
+        try:
+            run_flow(refs, recs[:4], rt, "kv %s" % dt, stream=False)
+            wait_idle([ctx, gen], "kv %s" % dt)
+        finally:
+            rt.stop()
+            ctx.stop()
+            gen.stop()
+    # the context worker keeps a refused offer for a matching receiver until its transfer
+    # deadline (3 s here), then frees the blocks
+    ctx = worker("context", extra=["--kv-cache-dtype", "f16", "--kv-transfer-timeout", "3"])
+    gen = worker("generation")  # f32
+    rt = router([ctx], [gen], env=dict(os.environ, KVSERVE_DISAGG_NO_RETRY="1"))
+    try:
+        st, resp = rt.post("/v1/completions", completion_body(recs[0], 8))
+        check(st >= 400, "mixed KV dtypes (f16 context, f32 generation): an error, not text (status %s)" % st)
+        check("dtype" in json.dumps(resp) or "page table" in json.dumps(resp) or st >= 500,
+              "mixed KV dtypes: the error says why: %s" % str(resp)[:300])
+        wait_idle([ctx, gen], "kv mixed")
+    finally:
+        rt.stop()
+        ctx.stop()
+        gen.stop()
 
 
 def test_scale(refs, recs):
@@ -697,7 +736,8 @@ def main():
                   ("stale", lambda: test_stale(refs, recs)),
                   ("edges", lambda: test_edges(agg, recs)),
                   ("conditional", lambda: test_conditional(agg)),
-                  ("netns", lambda: test_netns(refs, recs))]
+                  ("netns", lambda: test_netns(refs, recs)),
+                  ("kvdtype", lambda: test_kvdtype(recs))]
         for name, fn in groups:
             if not want(name):
                 continue
