@@ -1,9 +1,19 @@
 /* OpenAI response bodies: full JSON, SSE chunks, logprobs, error objects. */
 #include <stdio.h>
 #include <stdlib.h>
+#include <math.h>
 #include <string.h>
 
 #include "http_internal.h"
+
+/* A logprob as JSON: JSON has no NaN or infinity (jansson's json_real refuses them), so -inf
+ * becomes -9999.0 (vLLM's clamp) and NaN (a model whose logits overflowed) becomes null; the
+ * arrays keep one entry per token either way. */
+static json_t *lp_json(float v) {
+    if (isnan(v)) return json_null();
+    if (isinf(v)) return json_real(v < 0 ? -9999.0 : 9999.0);
+    return json_real((double)v);
+}
 
 static json_t *error_obj(const struct oai_error *e) {
     return json_pack("{s:{s:s, s:s, s:o, s:o}}", "error", "message", e->message, "type",
@@ -61,12 +71,12 @@ void resp_logprobs_append(json_t *acc, enum oai_kind kind, const tokenizer_t *t,
                 const struct token_logprob *a = &top[(size_t)i * n_top + j];
                 json_t *ab = NULL;
                 json_t *at = token_json_str(t, a->id, as_ids, &ab);
-                json_array_append_new(tops, json_pack("{s:o, s:f, s:o}", "token", at, "logprob",
-                                                      (double)a->logprob, "bytes", ab));
+                json_array_append_new(tops, json_pack("{s:o, s:o, s:o}", "token", at, "logprob",
+                                                      lp_json(a->logprob), "bytes", ab));
             }
             json_array_append_new(json_object_get(acc, "content"),
-                                  json_pack("{s:o, s:f, s:o, s:o}", "token", tok, "logprob",
-                                            (double)lp[i].logprob, "bytes", bytes,
+                                  json_pack("{s:o, s:o, s:o, s:o}", "token", tok, "logprob",
+                                            lp_json(lp[i].logprob), "bytes", bytes,
                                             "top_logprobs", tops));
         } else {
             json_t *bytes = NULL;
@@ -75,7 +85,7 @@ void resp_logprobs_append(json_t *acc, enum oai_kind kind, const tokenizer_t *t,
             json_decref(bytes);
             json_array_append_new(json_object_get(acc, "tokens"), tok);
             json_array_append_new(json_object_get(acc, "token_logprobs"),
-                                  json_real((double)lp[i].logprob));
+                                  lp_json(lp[i].logprob));
             json_array_append_new(json_object_get(acc, "text_offset"),
                                   json_integer((json_int_t)(offset ? *offset : 0)));
             /* special tokens (BOS, EOS...) are not in the returned text: they take no room */
@@ -85,7 +95,7 @@ void resp_logprobs_append(json_t *acc, enum oai_kind kind, const tokenizer_t *t,
                 const struct token_logprob *a = &top[(size_t)i * n_top + j];
                 json_t *at = token_json_str(t, a->id, as_ids, NULL);
                 if (json_is_string(at) && !json_object_get(tops, json_string_value(at)))
-                    json_object_set_new(tops, json_string_value(at), json_real((double)a->logprob));
+                    json_object_set_new(tops, json_string_value(at), lp_json(a->logprob));
                 json_decref(at);
             }
             json_array_append_new(json_object_get(acc, "top_logprobs"), tops);

@@ -152,6 +152,15 @@ void gguf_close(gguf_t *g) {
 
 #define FAIL(st, ...) do { rc = kv_errf((st), err, errlen, __VA_ARGS__); goto fail; } while (0)
 
+struct off_ix {
+    uint64_t off, nbytes;
+    uint32_t ix;
+};
+static int cmp_off_ix(const void *a, const void *b) {
+    const struct off_ix *x = a, *y = b;
+    return x->off < y->off ? -1 : x->off > y->off;
+}
+
 kv_status gguf_open(const char *path, gguf_t **out, char *err, size_t errlen) {
     kv_status rc;
     uint64_t *offs = NULL; /* tensor data offsets, relative to the data section */
@@ -330,6 +339,21 @@ kv_status gguf_open(const char *path, gguf_t **out, char *err, size_t errlen) {
                  (unsigned long long)data_size);
         }
         t->data = c.p + data_off + offs[i];
+    }
+    /* No two tensors may share bytes (llama.cpp requires them back to back): a relabelled type
+     * or an aliasing offset would otherwise be served as garbage. */
+    if (n_tensors > 1) {
+        struct off_ix *ox = kv_malloc((size_t)n_tensors * sizeof *ox);
+        if (!ox) FAIL(KV_ENOMEM, "%s: out of memory", path);
+        for (uint64_t i = 0; i < n_tensors; i++) ox[i] = (struct off_ix){offs[i], g->tensors[i].nbytes, (uint32_t)i};
+        qsort(ox, (size_t)n_tensors, sizeof *ox, cmp_off_ix);
+        for (uint64_t i = 1; i < n_tensors; i++)
+            if (ox[i - 1].nbytes && ox[i].nbytes && ox[i - 1].off + ox[i - 1].nbytes > ox[i].off) {
+                const char *a = g->tensors[ox[i - 1].ix].name, *b = g->tensors[ox[i].ix].name;
+                free(ox);
+                FAIL(KV_EFORMAT, "%s: tensor %s data overlaps tensor %s (wrong type, shape or offset)", path, a, b);
+            }
+        free(ox);
     }
     free(offs);
     *out = g;

@@ -52,6 +52,80 @@ def serve(path, extra=()):
     return H.Server(path, ["--kv-cache-blocks", str(KV_BLOCKS), "--threads", "2", *extra])
 
 
+def gguf_tensor_data(buf, name):
+    """(offset of tensor `name`'s data in the file, ne) for a GGUF v3 buffer."""
+    import struct
+    o = 24
+    nt, nkv = struct.unpack_from("<QQ", buf, 8)
+    sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+    align = 32
+
+    def skip(t, o):
+        if t == 8:
+            n, = struct.unpack_from("<Q", buf, o)
+            return o + 8 + n
+        if t == 9:
+            et, n = struct.unpack_from("<IQ", buf, o)
+            o += 12
+            for _ in range(n):
+                o = skip(et, o)
+            return o
+        return o + sizes[t]
+    for _ in range(nkv):
+        n, = struct.unpack_from("<Q", buf, o)
+        key = buf[o + 8:o + 8 + n].decode()
+        o += 8 + n
+        t, = struct.unpack_from("<I", buf, o)
+        if key == "general.alignment":
+            align, = struct.unpack_from("<I", buf, o + 4)
+        o = skip(t, o + 4)
+    info = {}
+    for _ in range(nt):
+        n, = struct.unpack_from("<Q", buf, o)
+        tn = buf[o + 8:o + 8 + n].decode()
+        o += 8 + n
+        nd, = struct.unpack_from("<I", buf, o)
+        ne = struct.unpack_from("<%dQ" % nd, buf, o + 4)
+        o += 4 + 8 * nd
+        off, = struct.unpack_from("<Q", buf, o + 4)
+        o += 12
+        info[tn] = (off, ne)
+    data = (o + align - 1) // align * align
+    off, ne = info[name]
+    return data + off, ne
+
+
+def test_nan_model():
+    """A model whose logits are NaN (an attention norm of NaNs) still answers with well-formed
+    logprobs: one entry per token (null where the value is NaN), never shorter arrays."""
+    import struct
+    import tempfile
+    src = os.path.join(QDIR, "tiny-f32.gguf")
+    buf = bytearray(open(src, "rb").read())
+    off, ne = gguf_tensor_data(buf, "blk.0.attn_norm.weight")
+    buf[off:off + 4 * ne[0]] = struct.pack("<f", float("nan")) * ne[0]
+    d = tempfile.mkdtemp(prefix="kvserve-nan-")
+    path = os.path.join(d, "nan.gguf")
+    open(path, "wb").write(buf)
+    s = serve(path)
+    try:
+        st, r, _ = s.post("/v1/completions", dict(prompt="Once upon a time", max_tokens=4, temperature=0, logprobs=1))
+        H.check(st == 200, "NaN model: status %s %s" % (st, r))
+        if st == 200:
+            lp = r["choices"][0]["logprobs"]
+            n = len(lp["tokens"])
+            H.check(n == 4 and len(lp["token_logprobs"]) == n and len(lp["top_logprobs"]) == n and
+                    len(lp["text_offset"]) == n, "NaN model: logprobs arrays have one entry per token: %s" % lp)
+        st, r, _ = s.post("/v1/chat/completions", dict(messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                                      temperature=0, logprobs=True, top_logprobs=2))
+        H.check(st == 200 and len(r["choices"][0]["logprobs"]["content"]) == 3,
+                "NaN model: chat logprobs content has one entry per token: %s" % str(r)[:300])
+    finally:
+        s.stop()
+        import shutil
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def main():
     if not os.path.exists(os.path.join(QDIR, "tiny-f32.gguf")):
         print("SKIP: test data %s not found (set KVSERVE_TEST_DATA)" % QDIR)
@@ -99,6 +173,7 @@ def main():
             H.check(len(set(tuple(a[0]) for a in got)) > 1, "%s: outputs differ between prompts" % t)
         print("kv %s: %d types ok so far (%d checks passed, %d failed)" % (kv, len(TYPES), H.passed, len(H.failures)),
               flush=True)
+    test_nan_model()
     print("%d checks passed, %d failed" % (H.passed, len(H.failures)))
     return 1 if H.failures else 0
 

@@ -157,6 +157,9 @@ static void test_gguf_bad_fields(void **s) {
     patch_u64(d, qoff + 4 + 16 + 4, 3); /* misaligned */
     CHECK(KV_EFORMAT, "not aligned");
     RESET();
+    patch_u64(d, qoff + 4 + 16 + 4, 0); /* aliases the first tensor's bytes */
+    CHECK(KV_EFORMAT, "overlaps");
+    RESET();
     patch_u32(d, qoff + 4 + 16, 99); /* unknown ggml type */
     CHECK(KV_EUNSUPPORTED, "unknown ggml type 99");
     /* wrong shape with consistent sizes: ne[1] 64 -> 32 */
