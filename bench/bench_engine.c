@@ -247,6 +247,13 @@ int main(int argc, char **argv) {
     }
     kv_log_set_level(KV_LOG_WARN);
     char err[512];
+    {
+        enum kv_matmul_isa isa;
+        if (kv_cpu_isa_env(&isa, err, sizeof err) != KV_OK) {
+            fprintf(stderr, "bench_engine: %s\n", err);
+            return 2;
+        }
+    }
     model_t *m;
     tokenizer_t *tok;
     backend_t *be;

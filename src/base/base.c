@@ -124,7 +124,8 @@ kv_status kv_read_file(const char *path, char **out, size_t *out_len, char *err,
 }
 
 kv_status kv_mmap_file(const char *path, kv_mmap_t *out, char *err, size_t errlen) {
-    int fd = open(path, O_RDONLY);
+    /* O_NONBLOCK: opening a FIFO must not wait for a writer (it is refused just below) */
+    int fd = open(path, O_RDONLY | O_NONBLOCK);
     if (fd < 0)
         return kv_errf(errno == ENOENT ? KV_ENOTFOUND : KV_EIO, err, errlen, "%s: %s", path,
                        strerror(errno));

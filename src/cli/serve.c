@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "backend/backend.h"
+#include "backend/cpu/matmul.h"
 #include "base/base.h"
 #include "cli.h"
 #include "engine/engine.h"
@@ -198,6 +199,14 @@ int cmd_serve(int argc, char **argv) {
         if (rc) return rc;
     }
     if (!*host) return bad_opt("--host", host, "must not be empty");
+    {
+        enum kv_matmul_isa isa;
+        char ierr[200];
+        if (kv_cpu_isa_env(&isa, ierr, sizeof ierr) != KV_OK) {
+            fprintf(stderr, "kvserve serve: %s\n", ierr);
+            return 2;
+        }
+    }
     if (kv_dtype < 0) kv_dtype = KV_DTYPE_F32; /* cuda too: bf16 KV missed the test tolerance (see test_cuda.c) */
     else if (be_kind == BACKEND_KIND_CUDA && kv_dtype == KV_DTYPE_F16)
         return bad_opt("--kv-cache-dtype", kv_dtype_name(kv_dtype), "the cuda backend supports f32 or bf16");
@@ -261,11 +270,13 @@ int cmd_serve(int argc, char **argv) {
         ret = 2;
         goto out;
     }
-    KV_INFO("model %s (%s, %d layers, dim %d, vocab %d; weights %.1f MiB, matrices %s/%s%s); KV cache "
+    char mtypes[256];
+    model_matrix_types(m, mtypes, sizeof mtypes);
+    KV_INFO("model %s (%s, %d layers, dim %d, vocab %d; weights %.1f MiB, matrices %s%s); KV cache "
             "(%s): %d blocks x %d tokens x %zu bytes = %.1f MiB (%lld tokens); max_model_len %d",
             m->cfg.name, model_arch_name(m->cfg.arch), m->cfg.n_layers, m->cfg.dim, m->cfg.n_vocab,
-            (double)model_weight_bytes(m) / (1024.0 * 1024.0), kv_qtype_name(m->w.layers[0].w_up.type),
-            kv_qtype_name(m->w.layers[0].w_down.type), m->format == MODEL_FORMAT_GGUF ? ", mapped from the file" : "",
+            (double)model_weight_bytes(m) / (1024.0 * 1024.0), mtypes,
+            m->format == MODEL_FORMAT_GGUF ? ", mapped from the file" : "",
             kv_dtype_name(kv_dtype), kv_blocks, tpb, block_bytes,
             (double)kv_blocks * (double)block_bytes / (1024.0 * 1024.0), (long long)kv_blocks * tpb, max_model_len);
     struct backend_options bopt = {.kind = be_kind, .n_threads = threads, .gemm = gemm, .deterministic = deterministic};

@@ -148,6 +148,27 @@ void model_free(model_t *m) {
     free(m);
 }
 
+void model_matrix_types(const model_t *m, char *out, size_t outlen) {
+    int count[64] = {0};
+    const struct kv_wmat *all[2] = {&m->w.tok_embd, &m->w.output};
+    for (int i = 0; i < (m->cfg.tied_embeddings ? 1 : 2); i++)
+        if (all[i]->type >= 0 && all[i]->type < 64) count[all[i]->type]++;
+    for (int l = 0; l < m->cfg.n_layers; l++) {
+        const struct layer_weights *L = &m->w.layers[l];
+        const struct kv_wmat *w[7] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
+        for (int i = 0; i < 7; i++)
+            if (w[i]->type >= 0 && w[i]->type < 64) count[w[i]->type]++;
+    }
+    size_t o = 0;
+    if (outlen) out[0] = 0;
+    for (int t = 0; t < 64; t++)
+        if (count[t] && o < outlen) {
+            int n = snprintf(out + o, outlen - o, "%s%s x%d", o ? ", " : "", kv_qtype_name(t), count[t]);
+            if (n < 0) break;
+            o += (size_t)n;
+        }
+}
+
 kv_status model_own(model_t *m, void *p) {
     struct model_priv *pv = m->priv;
     if (pv->n_owned == pv->cap_owned) {

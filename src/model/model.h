@@ -143,6 +143,10 @@ void model_randomize(model_t *m, uint64_t seed, float std);
  * (a tied output counted once). What `kvserve serve` logs at start. */
 size_t model_weight_bytes(const model_t *m);
 
+/* "Q4_K x13, Q6_K x3" style counts of m's matrices per stored type (tied output counted
+ * once), into out (truncated to outlen). For logs. */
+void model_matrix_types(const model_t *m, char *out, size_t outlen);
+
 /* Writes m as a GGUF v3 file (F32 tensors, matrices of other types dequantized, `llama` architecture metadata; for qwen2/qwen3
  * the matching architecture keys). tok_meta_writer (optional) may add tokenizer metadata.
  * Used by the demo model generator and by tests that need model files. */

@@ -505,18 +505,21 @@ kv_status backend_cpu_new_ex(const model_t *m, const struct backend_cpu_options 
         (cfg->qk_norm && (!m->w.layers[0].q_norm || !m->w.layers[0].k_norm)))
         return kv_errf(KV_EINVAL, err, errlen, "backend_cpu_new: model lacks bias / q-k norm weights its config enables");
     if (opt->gemm == BACKEND_CPU_GEMM_OPENBLAS) {
-        bool f32 = m->w.tok_embd.type == KV_QTYPE_F32 && m->w.output.type == KV_QTYPE_F32;
+        bool f32 = m->w.output.type == KV_QTYPE_F32; /* the embedding is only looked up, never multiplied */
         for (int l = 0; f32 && l < cfg->n_layers; l++) {
             const struct layer_weights *L = &m->w.layers[l];
             f32 = L->wq.type == KV_QTYPE_F32 && L->wk.type == KV_QTYPE_F32 && L->wv.type == KV_QTYPE_F32 &&
                   L->wo.type == KV_QTYPE_F32 && L->w_gate.type == KV_QTYPE_F32 && L->w_up.type == KV_QTYPE_F32 &&
                   L->w_down.type == KV_QTYPE_F32;
         }
-        if (!f32)
+        if (!f32) {
+            char types[256];
+            model_matrix_types(m, types, sizeof types);
             return kv_errf(KV_EINVAL, err, errlen,
-                           "backend_cpu_new: --gemm openblas needs F32 weights; this model stores %s (use the "
-                           "default --gemm invariant)",
-                           kv_qtype_name(m->w.layers[0].wq.type));
+                           "--gemm openblas needs F32 matrices; this model stores %s (use the default --gemm "
+                           "invariant)",
+                           types);
+        }
     }
     if (n_threads <= 0) {
         long n = sysconf(_SC_NPROCESSORS_ONLN);

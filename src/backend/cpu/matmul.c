@@ -26,6 +26,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -200,15 +201,30 @@ static enum kv_matmul_isa best_isa(void) {
     return KV_MATMUL_ISA_GENERIC;
 }
 
-/* KVSERVE_CPU_ISA, or AUTO. */
-static enum kv_matmul_isa env_isa(void) {
+kv_status kv_cpu_isa_env(enum kv_matmul_isa *out, char *err, size_t errlen) {
     const char *e = getenv("KVSERVE_CPU_ISA");
-    if (!e || !*e) return KV_MATMUL_ISA_AUTO;
-    if (!strcmp(e, "generic")) return KV_MATMUL_ISA_GENERIC;
-    if (!strcmp(e, "avx2")) return KV_MATMUL_ISA_AVX2;
-    if (!strcmp(e, "avx512")) return KV_MATMUL_ISA_AVX512;
-    fprintf(stderr, "kvserve: ignoring KVSERVE_CPU_ISA=%s (expected generic, avx2 or avx512)\n", e);
-    return KV_MATMUL_ISA_AUTO;
+    *out = KV_MATMUL_ISA_AUTO;
+    if (!e || !*e) return KV_OK;
+    if (!strcasecmp(e, "generic")) *out = KV_MATMUL_ISA_GENERIC;
+    else if (!strcasecmp(e, "avx2")) *out = KV_MATMUL_ISA_AVX2;
+    else if (!strcasecmp(e, "avx512")) *out = KV_MATMUL_ISA_AVX512;
+    else return kv_errf(KV_EINVAL, err, errlen, "KVSERVE_CPU_ISA=%s: expected generic, avx2 or avx512", e);
+    if (*out > best_isa())
+        return kv_errf(KV_EUNSUPPORTED, err, errlen, "KVSERVE_CPU_ISA=%s: this CPU lacks it (best: %s)", e,
+                       best_isa() == KV_MATMUL_ISA_AVX2 ? "avx2" : "generic");
+    return KV_OK;
+}
+
+/* KVSERVE_CPU_ISA, or AUTO (an invalid value: AUTO, with a warning; the CLIs refuse it first
+ * through kv_cpu_isa_env). */
+static enum kv_matmul_isa env_isa(void) {
+    enum kv_matmul_isa isa;
+    char err[160];
+    if (kv_cpu_isa_env(&isa, err, sizeof err) != KV_OK) {
+        KV_WARN("%s; using the CPU's best kernels", err);
+        return KV_MATMUL_ISA_AUTO;
+    }
+    return isa;
 }
 
 enum kv_matmul_isa kv_matmul_set_isa(enum kv_matmul_isa isa) {

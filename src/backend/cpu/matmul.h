@@ -77,6 +77,11 @@ void kv_matmul_reference(const float *X, int M, int K, const float *W, int N, co
  * Also sets the dequantization kernels' ISA (kv_quant_set_isa) to the same family. */
 enum kv_matmul_isa { KV_MATMUL_ISA_AUTO = 0, KV_MATMUL_ISA_GENERIC, KV_MATMUL_ISA_AVX2, KV_MATMUL_ISA_AVX512 };
 enum kv_matmul_isa kv_matmul_set_isa(enum kv_matmul_isa isa);
+/* Parses KVSERVE_CPU_ISA (unset or empty: AUTO; generic|avx2|avx512, any case). KV_EINVAL
+ * for another value, KV_EUNSUPPORTED for a family this CPU lacks (message in err); *out is
+ * AUTO then. `kvserve serve` / `generate` / bench_engine call it at start and refuse to run on
+ * an error, so a typo cannot silently benchmark the default kernels. */
+kv_status kv_cpu_isa_env(enum kv_matmul_isa *out, char *err, size_t errlen);
 /* The set in effect now (never AUTO: resolves it on first use). The attention kernels
  * (attention.h) follow it too. */
 enum kv_matmul_isa kv_matmul_get_isa(void);
