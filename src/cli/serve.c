@@ -246,6 +246,13 @@ int cmd_serve(int argc, char **argv) {
         fprintf(stderr, "kvserve serve: cannot load tokenizer: %s\n", err);
         goto out;
     }
+    if (tok_n_vocab(t) > m->cfg.n_vocab) { /* ids the embedding has no row for (llama.cpp refuses too) */
+        fprintf(stderr, "kvserve serve: %s: the tokenizer has %d tokens but the model's embedding only %d rows\n",
+                model_path, tok_n_vocab(t), m->cfg.n_vocab);
+        goto out;
+    }
+    if (tok_n_vocab(t) < m->cfg.n_vocab)
+        KV_INFO("tokenizer: %d tokens for %d embedding rows (padded vocabulary)", tok_n_vocab(t), m->cfg.n_vocab);
     if (max_model_len == 0) max_model_len = m->cfg.max_ctx > 1 ? m->cfg.max_ctx : 2048;
     else if (m->cfg.max_ctx > 0 && max_model_len > m->cfg.max_ctx)
         KV_WARN("--max-model-len %d is above the model's declared context length %d", max_model_len,
