@@ -17,10 +17,12 @@
  * sequence lives in block block_table[p / T], slot p % T. Attention reads K/V through the
  * block table, never through a per-request contiguous copy.
  *
- * Determinism (a hard requirement; the server's acceptance test relies on it): a sequence's
- * logits and K/V are bitwise identical whether it runs alone or batched with any other
- * sequences, and whether its prompt is computed in one chunk, several chunks or token by
- * token (same backend object, same n_threads). Backends guarantee this by computing every
+ * Determinism (a hard requirement of the CPU backend; the server's acceptance test relies on
+ * it): a sequence's logits and K/V are bitwise identical whether it runs alone or batched with
+ * any other sequences, and whether its prompt is computed in one chunk, several chunks or token
+ * by token (same backend object, same n_threads). The CUDA backend gives this guarantee only
+ * with backend_options.deterministic (`serve --deterministic`, its own fixed-order GEMM and
+ * attention splits; 1.5-2.7x slower); by default its cuBLAS GEMMs pick kernels by M. Backends guarantee this by computing every
  * row independently of the other rows of the batch. CPU backend (default gemm mode
  * BACKEND_CPU_GEMM_INVARIANT): every matrix product goes through our own kernel
  * (cpu/matmul.h) whose element (m, n) is computed with a fixed summation order that depends
