@@ -20,8 +20,8 @@
 #include "../backend.h"
 #include "matmul.h"
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
+#include "simd_internal.h"
+#ifdef KV_CPU_X86
 #define KV_ATTN_X86 1
 #endif
 
@@ -118,9 +118,53 @@ static void attn_generic(const struct kv_attn_args *a) {
     }
 }
 
+/* The softmax and value passes of the vector families (shared text; VACC is the family's
+ * register-accumulator kernel, N64..N16 its vector counts for 64..16 floats of head_dim). Uses
+ * a, hd, hd16, dt, rb, R, G, n_last of the enclosing kernel. */
+#define ATTN_SOFTMAX_VALUES(VACC, N64, N48, N32, N16) \
+    do { \
+    /* softmax per (row, head); 1/sum kept per (row, head) (recomputed from the e_i when the \
+     * tile x group exceeds the local table) */ \
+    float invs[256]; \
+    for (int jg = 0; jg < R * G; jg++) { \
+        int j = jg / G, g = jg % G; \
+        float iv = softmax_inplace(scores_of(a, j, g), a->n_pos + j); \
+        if (jg < 256) invs[jg] = iv; \
+        memset(a->out + (size_t)j * a->out_stride + (size_t)g * hd, 0, (size_t)hd * sizeof(float)); \
+    } \
+    /* values: per KV block (its rows are contiguous, so the block stays in L1 across the tile's \
+     * rows and the group's heads) */ \
+    for (int p0 = 0; p0 < n_last; p0 += a->tpb) { \
+        for (int jg = 0; jg < R * G; jg++) { \
+            int j = jg / G, g = jg % G, np = a->n_pos + j; \
+            if (p0 >= np) continue; \
+            int p1 = p0 + a->tpb < np ? p0 + a->tpb : np; \
+            const float *sc = scores_of(a, j, g); \
+            float iv; \
+            if (jg < 256) iv = invs[jg]; \
+            else { \
+                float sum = 0.0f; \
+                for (int i = 0; i < np; i++) sum += sc[i]; \
+                iv = 1.0f / sum; \
+            } \
+            float *out = a->out + (size_t)j * a->out_stride + (size_t)g * hd; \
+            int d0 = 0; \
+            for (; d0 + 64 <= hd16; d0 += 64) VACC(a, sc, iv, out, d0, p0, p1, rb, N64); \
+            if (hd16 - d0 == 48) VACC(a, sc, iv, out, d0, p0, p1, rb, N48); \
+            else if (hd16 - d0 == 32) VACC(a, sc, iv, out, d0, p0, p1, rb, N32); \
+            else if (hd16 - d0 == 16) VACC(a, sc, iv, out, d0, p0, p1, rb, N16); \
+            for (int i = p0; i < p1 && hd16 < hd; i++) { \
+                const char *v = row_ptr(a, a->v_off, i, rb); \
+                float w = sc[i] * iv; \
+                for (int e = hd16; e < hd; e++) out[e] = __builtin_fmaf(w, elem(v, e, dt), out[e]); \
+            } \
+        } \
+    } \
+    } while (0)
+
 #ifdef KV_ATTN_X86
 /* ---- AVX-512 ---- */
-#define T512 __attribute__((target("avx512f,fma")))
+#define T512 KV_T512
 
 AI T512 __m512 ld512(const char *row, int e, int dt) {
     if (dt == KV_DTYPE_F32) return _mm512_loadu_ps((const void *)(row + 4 * (size_t)e));
@@ -128,15 +172,6 @@ AI T512 __m512 ld512(const char *row, int e, int dt) {
     if (dt == KV_DTYPE_F16) return _mm512_cvtph_ps(h);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
-AI T512 float hsum512(__m512 a) {
-    __m256 lo = _mm512_castps512_ps256(a);
-    __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
-    __m256 b = _mm256_add_ps(lo, hi);
-    __m128 c = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
-    __m128 d = _mm_add_ps(c, _mm_movehl_ps(c, c));
-    return _mm_cvtss_f32(_mm_add_ss(d, _mm_shuffle_ps(d, d, 1)));
-}
-
 /* out[g][d0 .. d0 + 16*NV) += over positions [p0, p1): w_i * v_i, accumulators in registers. */
 AI T512 void vacc512(const struct kv_attn_args *a, const float *sc, float inv, float *out, int d0, int p0, int p1,
                      size_t rb, const int NV) {
@@ -163,52 +198,16 @@ static T512 void attn_avx512(const struct kv_attn_args *a) {
                 const float *q = a->q + (size_t)j * a->q_stride + (size_t)g * hd;
                 __m512 acc = _mm512_setzero_ps();
                 for (int e = 0; e < hd16; e += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + e), ld512(k, e, dt), acc);
-                float s = hsum512(acc);
+                float s = kv_hsum512(acc);
                 for (int e = hd16; e < hd; e++) s = __builtin_fmaf(q[e], elem(k, e, dt), s);
                 scores_of(a, j, g)[i] = s * a->scale;
             }
     }
-    /* softmax per (row, head); 1/sum kept per (row, head) (recomputed from the e_i when the
-     * tile x group exceeds the local table) */
-    float invs[256];
-    for (int jg = 0; jg < R * G; jg++) {
-        int j = jg / G, g = jg % G;
-        float iv = softmax_inplace(scores_of(a, j, g), a->n_pos + j);
-        if (jg < 256) invs[jg] = iv;
-        memset(a->out + (size_t)j * a->out_stride + (size_t)g * hd, 0, (size_t)hd * sizeof(float));
-    }
-    /* values: per KV block (its rows are contiguous, so the block stays in L1 across the tile's
-     * rows and the group's heads) */
-    for (int p0 = 0; p0 < n_last; p0 += a->tpb) {
-        for (int jg = 0; jg < R * G; jg++) {
-            int j = jg / G, g = jg % G, np = a->n_pos + j;
-            if (p0 >= np) continue;
-            int p1 = p0 + a->tpb < np ? p0 + a->tpb : np;
-            const float *sc = scores_of(a, j, g);
-            float iv;
-            if (jg < 256) iv = invs[jg];
-            else {
-                float sum = 0.0f;
-                for (int i = 0; i < np; i++) sum += sc[i];
-                iv = 1.0f / sum;
-            }
-            float *out = a->out + (size_t)j * a->out_stride + (size_t)g * hd;
-            int d0 = 0;
-            for (; d0 + 64 <= hd16; d0 += 64) vacc512(a, sc, iv, out, d0, p0, p1, rb, 4);
-            if (hd16 - d0 == 48) vacc512(a, sc, iv, out, d0, p0, p1, rb, 3);
-            else if (hd16 - d0 == 32) vacc512(a, sc, iv, out, d0, p0, p1, rb, 2);
-            else if (hd16 - d0 == 16) vacc512(a, sc, iv, out, d0, p0, p1, rb, 1);
-            for (int i = p0; i < p1 && hd16 < hd; i++) {
-                const char *v = row_ptr(a, a->v_off, i, rb);
-                float w = sc[i] * iv;
-                for (int e = hd16; e < hd; e++) out[e] = __builtin_fmaf(w, elem(v, e, dt), out[e]);
-            }
-        }
-    }
+    ATTN_SOFTMAX_VALUES(vacc512, 4, 3, 2, 1);
 }
 
 /* ---- AVX2 + FMA + F16C ---- */
-#define T256 __attribute__((target("avx2,fma,f16c")))
+#define T256 KV_T256
 
 AI T256 __m256 ld256(const char *row, int e, int dt) {
     if (dt == KV_DTYPE_F32) return _mm256_loadu_ps((const float *)(const void *)(row + 4 * (size_t)e));
@@ -216,13 +215,6 @@ AI T256 __m256 ld256(const char *row, int e, int dt) {
     if (dt == KV_DTYPE_F16) return _mm256_cvtph_ps(h);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
-AI T256 float hsum256x2(__m256 lo, __m256 hi) {
-    __m256 b = _mm256_add_ps(lo, hi);
-    __m128 c = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
-    __m128 d = _mm_add_ps(c, _mm_movehl_ps(c, c));
-    return _mm_cvtss_f32(_mm_add_ss(d, _mm_shuffle_ps(d, d, 1)));
-}
-
 /* As vacc512 with NV 8-lane halves (NV <= 8). */
 AI T256 void vacc256(const struct kv_attn_args *a, const float *sc, float inv, float *out, int d0, int p0, int p1,
                      size_t rb, const int NV) {
@@ -252,48 +244,12 @@ static T256 void attn_avx2(const struct kv_attn_args *a) {
                     lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + e), ld256(k, e, dt), lo);
                     hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + e + 8), ld256(k, e + 8, dt), hi);
                 }
-                float s = hsum256x2(lo, hi);
+                float s = kv_hsum256x2(lo, hi);
                 for (int e = hd16; e < hd; e++) s = __builtin_fmaf(q[e], elem(k, e, dt), s);
                 scores_of(a, j, g)[i] = s * a->scale;
             }
     }
-    /* softmax per (row, head); 1/sum kept per (row, head) (recomputed from the e_i when the
-     * tile x group exceeds the local table) */
-    float invs[256];
-    for (int jg = 0; jg < R * G; jg++) {
-        int j = jg / G, g = jg % G;
-        float iv = softmax_inplace(scores_of(a, j, g), a->n_pos + j);
-        if (jg < 256) invs[jg] = iv;
-        memset(a->out + (size_t)j * a->out_stride + (size_t)g * hd, 0, (size_t)hd * sizeof(float));
-    }
-    /* values: per KV block (its rows are contiguous, so the block stays in L1 across the tile's
-     * rows and the group's heads) */
-    for (int p0 = 0; p0 < n_last; p0 += a->tpb) {
-        for (int jg = 0; jg < R * G; jg++) {
-            int j = jg / G, g = jg % G, np = a->n_pos + j;
-            if (p0 >= np) continue;
-            int p1 = p0 + a->tpb < np ? p0 + a->tpb : np;
-            const float *sc = scores_of(a, j, g);
-            float iv;
-            if (jg < 256) iv = invs[jg];
-            else {
-                float sum = 0.0f;
-                for (int i = 0; i < np; i++) sum += sc[i];
-                iv = 1.0f / sum;
-            }
-            float *out = a->out + (size_t)j * a->out_stride + (size_t)g * hd;
-            int d0 = 0;
-            for (; d0 + 64 <= hd16; d0 += 64) vacc256(a, sc, iv, out, d0, p0, p1, rb, 8);
-            if (hd16 - d0 == 48) vacc256(a, sc, iv, out, d0, p0, p1, rb, 6);
-            else if (hd16 - d0 == 32) vacc256(a, sc, iv, out, d0, p0, p1, rb, 4);
-            else if (hd16 - d0 == 16) vacc256(a, sc, iv, out, d0, p0, p1, rb, 2);
-            for (int i = p0; i < p1 && hd16 < hd; i++) {
-                const char *v = row_ptr(a, a->v_off, i, rb);
-                float w = sc[i] * iv;
-                for (int e = hd16; e < hd; e++) out[e] = __builtin_fmaf(w, elem(v, e, dt), out[e]);
-            }
-        }
-    }
+    ATTN_SOFTMAX_VALUES(vacc256, 8, 6, 4, 2);
 }
 #endif
 

@@ -28,8 +28,8 @@
 #include <string.h>
 #include <strings.h>
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
+#include "simd_internal.h"
+#ifdef KV_CPU_X86
 #define KV_MATMUL_X86 1
 #endif
 
@@ -66,16 +66,7 @@ static void cols_generic(const struct kv_matmul_op *op, const float *Wp, size_t 
 
 #ifdef KV_MATMUL_X86
 /* ---- AVX-512 ---- */
-#define T512 __attribute__((target("avx512f,fma")))
-
-AI T512 float hsum512(__m512 a) {
-    __m256 lo = _mm512_castps512_ps256(a);
-    __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
-    __m256 b = _mm256_add_ps(lo, hi);                                            /* l8 */
-    __m128 c = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1)); /* l4 */
-    __m128 d = _mm_add_ps(c, _mm_movehl_ps(c, c));                               /* l2[0], l2[1] */
-    return _mm_cvtss_f32(_mm_add_ss(d, _mm_shuffle_ps(d, d, 1)));
-}
+#define T512 KV_T512
 
 AI T512 void tile512(const float *X, size_t ldx, const float *W, size_t ldw, int K, const float *bias, float *Y,
                      size_t ldy, const int R, const int C, const int PF) {
@@ -97,7 +88,7 @@ AI T512 void tile512(const float *X, size_t ldx, const float *W, size_t ldw, int
     }
     _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)
         _Pragma("GCC unroll 4") for (int c = 0; c < C; c++) {
-            float s = hsum512(acc[r][c]);
+            float s = kv_hsum512(acc[r][c]);
             for (int k = K16; k < K; k++) s = __builtin_fmaf(X[r * ldx + k], W[c * ldw + k], s);
             if (bias) s = s + bias[c];
             Y[r * ldy + c] = s;
@@ -128,16 +119,9 @@ static T512 void cols_avx512(const struct kv_matmul_op *op, const float *Wp, siz
 }
 
 /* ---- AVX2 + FMA ---- */
-#define T256 __attribute__((target("avx2,fma")))
+#define T256 KV_T256
 
 /* The tree over 16 lanes held as lo (lanes 0..7) and hi (8..15). */
-AI T256 float hsum256x2(__m256 lo, __m256 hi) {
-    __m256 b = _mm256_add_ps(lo, hi); /* l8 */
-    __m128 c = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
-    __m128 d = _mm_add_ps(c, _mm_movehl_ps(c, c));
-    return _mm_cvtss_f32(_mm_add_ss(d, _mm_shuffle_ps(d, d, 1)));
-}
-
 AI T256 void tile256(const float *X, size_t ldx, const float *W, size_t ldw, int K, const float *bias, float *Y,
                      size_t ldy, const int R, const int C, const int PF) {
     __m256 acc[3][4][2];
@@ -161,7 +145,7 @@ AI T256 void tile256(const float *X, size_t ldx, const float *W, size_t ldw, int
     }
     _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)
         _Pragma("GCC unroll 4") for (int c = 0; c < C; c++) {
-            float s = hsum256x2(acc[r][c][0], acc[r][c][1]);
+            float s = kv_hsum256x2(acc[r][c][0], acc[r][c][1]);
             for (int k = K16; k < K; k++) s = __builtin_fmaf(X[r * ldx + k], W[c * ldw + k], s);
             if (bias) s = s + bias[c];
             Y[r * ldy + c] = s;
@@ -196,7 +180,8 @@ static enum kv_matmul_isa best_isa(void) {
 #ifdef KV_MATMUL_X86
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma")) return KV_MATMUL_ISA_AVX512;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return KV_MATMUL_ISA_AVX2;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+        return KV_MATMUL_ISA_AVX2;
 #endif
     return KV_MATMUL_ISA_GENERIC;
 }
