@@ -24,7 +24,7 @@ llama_server=${LLAMA_SERVER:-}
 llama_server_avx2=${LLAMA_SERVER_AVX2:-}
 llama_bench=${LLAMA_BENCH:-}
 llama_bench_avx2=${LLAMA_BENCH_AVX2:-}
-isas=native threads=2 ctx=8192 parallel=16 conc=16 requests=32 single=8 prompt_words=120
+isas=native threads=$(( $(nproc) > 1 ? $(nproc) - 1 : 1 )) ctx=8192 parallel=16 conc=16 requests=32 single=8 prompt_words=120
 max_tokens=64 seed=1 engine=0 engine_only=0 pp=512 tg=64 depth=0 reps=3 health_s=600 warmup=2
 kv_dtype="" work_dir="" llama_args="" kvserve_args="" skip_llama=0 skip_kvserve=0
 
@@ -47,7 +47,10 @@ what to run:
   --engine-only             only the engine section
   --skip-llama, --skip-kvserve   leave one side out of the served section
 served section:
-  --threads N               compute threads of both servers (default 2)
+  --threads N               compute threads of both servers (default: cores - 1, so that the
+                            servers' HTTP threads and the client do not preempt a compute
+                            thread; llama.cpp's threads spin at every op and lose a scheduler
+                            slice each time one is preempted)
   --ctx N                   llama-server -c; kvserve gets the same KV size in tokens (default 8192)
   --parallel N              llama-server --parallel; kvserve --max-batch-size (default 16);
                             each request may use ctx/parallel tokens on both
