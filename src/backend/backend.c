@@ -1,6 +1,8 @@
 /* backend: shared helpers of the backend interface (see backend.h). */
 #include "backend.h"
 
+#include <math.h>
+
 #include <string.h>
 
 #ifdef KVSERVE_HAVE_CUDA
@@ -135,4 +137,27 @@ kv_status backend_create(const model_t *m, const struct backend_options *opt, ba
     }
     }
     return kv_errf(KV_EINVAL, err, errlen, "backend_create: unknown backend kind %d", (int)opt->kind);
+}
+
+void backend_rope_inv_freq(const struct model_config *cfg, float *inv_freq) {
+    int hd = cfg->head_dim;
+    const struct rope_scaling *rs = &cfg->rope_scaling;
+    for (int i = 0; i < hd / 2; i++) {
+        float f = 1.0f / powf(cfg->rope_theta, (float)(2 * i) / (float)hd);
+        if (rs->type == 2 && rs->factor > 0) {
+            f /= rs->factor;
+        } else if (rs->type == 1 && rs->factor > 0) {
+            double lo_wl = rs->original_max_pos / rs->low_freq_factor;
+            double hi_wl = rs->original_max_pos / rs->high_freq_factor;
+            double wl = 2.0 * M_PI / f;
+            if (wl > lo_wl) {
+                f = f / rs->factor;
+            } else if (wl >= hi_wl) {
+                double smooth = (rs->original_max_pos / wl - rs->low_freq_factor) /
+                                (rs->high_freq_factor - rs->low_freq_factor);
+                f = (float)((1.0 - smooth) * f / rs->factor + smooth * f);
+            }
+        }
+        inv_freq[i] = f;
+    }
 }

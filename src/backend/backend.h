@@ -83,6 +83,11 @@ struct batch {
     int n_seqs;
 };
 
+/* RoPE inverse frequencies of cfg (head_dim/2 floats into inv_freq), computed as HF
+ * transformers does in f32, with cfg.rope_scaling (linear or llama3) applied. Shared by every
+ * backend so they rotate identically. */
+void backend_rope_inv_freq(const struct model_config *cfg, float *inv_freq);
+
 /* Rows of logits a batch produces: sum over seqs of (LAST ? 1 : ALL ? n_tokens : 0). */
 int batch_n_logits(const struct batch *b);
 

@@ -444,29 +444,6 @@ static const struct backend_ops cpu_ops = {
     .free = cpu_free,
 };
 
-/* HF-style RoPE inverse frequencies (f32 like transformers), with linear / llama3 scaling. */
-static void rope_init(float *inv_freq, const struct model_config *cfg) {
-    int hd = cfg->head_dim;
-    const struct rope_scaling *rs = &cfg->rope_scaling;
-    for (int i = 0; i < hd / 2; i++) {
-        float f = 1.0f / powf(cfg->rope_theta, (float)(2 * i) / (float)hd);
-        if (rs->type == 2 && rs->factor > 0) {
-            f /= rs->factor;
-        } else if (rs->type == 1 && rs->factor > 0) {
-            double lo_wl = rs->original_max_pos / rs->low_freq_factor;
-            double hi_wl = rs->original_max_pos / rs->high_freq_factor;
-            double wl = 2.0 * M_PI / f;
-            if (wl > lo_wl) {
-                f = f / rs->factor;
-            } else if (wl >= hi_wl) {
-                double smooth = (rs->original_max_pos / wl - rs->low_freq_factor) /
-                                (rs->high_freq_factor - rs->low_freq_factor);
-                f = (float)((1.0 - smooth) * f / rs->factor + smooth * f);
-            }
-        }
-        inv_freq[i] = f;
-    }
-}
 
 kv_status backend_cpu_new(const model_t *m, int n_threads, backend_t **out, char *err, size_t errlen) {
     struct backend_cpu_options o = {.n_threads = n_threads, .gemm = BACKEND_CPU_GEMM_INVARIANT};
@@ -543,7 +520,7 @@ kv_status backend_cpu_new_ex(const model_t *m, const struct backend_cpu_options 
         cpu_free(be);
         return kv_errf(KV_ENOMEM, err, errlen, "backend_cpu_new: out of memory");
     }
-    rope_init(c->inv_freq, cfg);
+    backend_rope_inv_freq(cfg, c->inv_freq);
     openblas_set_num_threads(n_threads);
     if (c->gemm == BACKEND_CPU_GEMM_INVARIANT)
         KV_INFO("cpu backend: %d threads, gemm invariant (kernel %s; OpenBLAS core %s unused)", n_threads,

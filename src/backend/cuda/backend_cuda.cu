@@ -214,29 +214,6 @@ static kv_status alloc_w(struct cuda_ctx *c, void **p, size_t n, char *err, size
     return dev_alloc(p, n * c->wsz, err, errlen);
 }
 
-/* HF-style RoPE inverse frequencies (as the CPU backend computes them). */
-static void rope_init(float *inv_freq, const struct model_config *cfg) {
-    int hd = cfg->head_dim;
-    const struct rope_scaling *rs = &cfg->rope_scaling;
-    for (int i = 0; i < hd / 2; i++) {
-        float f = 1.0f / powf(cfg->rope_theta, (float)(2 * i) / (float)hd);
-        if (rs->type == 2 && rs->factor > 0) {
-            f /= rs->factor;
-        } else if (rs->type == 1 && rs->factor > 0) {
-            double lo_wl = rs->original_max_pos / rs->low_freq_factor;
-            double hi_wl = rs->original_max_pos / rs->high_freq_factor;
-            double wl = 2.0 * M_PI / f;
-            if (wl > lo_wl) {
-                f = f / rs->factor;
-            } else if (wl >= hi_wl) {
-                double smooth = (rs->original_max_pos / wl - rs->low_freq_factor) /
-                                (rs->high_freq_factor - rs->low_freq_factor);
-                f = (float)((1.0 - smooth) * f / rs->factor + smooth * f);
-            }
-        }
-        inv_freq[i] = f;
-    }
-}
 
 static kv_status upload_model(struct cuda_ctx *c, uint64_t seed, char *err, size_t errlen) {
     const model_t *m = c->m;
@@ -305,7 +282,7 @@ static kv_status upload_model(struct cuda_ctx *c, uint64_t seed, char *err, size
             st = kv_errf(KV_ENOMEM, err, errlen, "cuda backend: out of host memory");
             goto out;
         }
-        rope_init(f, cfg);
+        backend_rope_inv_freq(cfg, f);
         const float *srcs[1] = {f};
         size_t ns[1] = {(size_t)cfg->head_dim / 2};
         st = put_f32(c, &c->inv_freq, srcs, ns, 1, false, 0, err, errlen);
