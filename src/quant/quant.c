@@ -24,6 +24,8 @@
 
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <string.h>
+#include <strings.h>
 
 /* ---- type table ---- */
 
@@ -319,15 +321,23 @@ static enum kv_quant_isa cpu_best(void) {
     return KV_QUANT_ISA_GENERIC;
 }
 
-/* KVSERVE_CPU_ISA, read on first use: the highest set AUTO may pick. */
+int kv_quant_isa_env(void) {
+    const char *e = getenv("KVSERVE_CPU_ISA");
+    if (!e || !*e) return KV_QUANT_ISA_AUTO;
+    if (!strcasecmp(e, "generic")) return KV_QUANT_ISA_GENERIC;
+    if (!strcasecmp(e, "avx2")) return KV_QUANT_ISA_AVX2;
+    if (!strcasecmp(e, "avx512")) return KV_QUANT_ISA_AVX512;
+    return -1;
+}
+
+/* KVSERVE_CPU_ISA, read on first use: the highest set AUTO may pick (unset or invalid: no
+ * limit; the CLIs refuse an invalid value before any kernel runs). */
 static enum kv_quant_isa env_limit(void) {
     static _Atomic int cached = -1;
     int v = atomic_load_explicit(&cached, memory_order_relaxed);
     if (v >= 0) return (enum kv_quant_isa)v;
-    const char *e = getenv("KVSERVE_CPU_ISA");
-    v = KV_QUANT_ISA_AVX512;
-    if (e && strcmp(e, "generic") == 0) v = KV_QUANT_ISA_GENERIC;
-    else if (e && strcmp(e, "avx2") == 0) v = KV_QUANT_ISA_AVX2;
+    v = kv_quant_isa_env();
+    if (v <= KV_QUANT_ISA_AUTO) v = KV_QUANT_ISA_AVX512;
     atomic_store_explicit(&cached, v, memory_order_relaxed);
     return (enum kv_quant_isa)v;
 }

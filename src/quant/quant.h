@@ -86,6 +86,9 @@ enum kv_quant_isa { KV_QUANT_ISA_AUTO = 0, KV_QUANT_ISA_GENERIC, KV_QUANT_ISA_AV
 enum kv_quant_isa kv_quant_set_isa(enum kv_quant_isa isa);
 /* The set in effect now (never AUTO). */
 enum kv_quant_isa kv_quant_get_isa(void);
+/* The one parser of KVSERVE_CPU_ISA: AUTO when unset or empty, the set it names
+ * (generic|avx2|avx512, any case), -1 for another value. Reads the environment each call. */
+int kv_quant_isa_env(void);
 /* "generic", "avx2", "avx512" ("auto" for AUTO). Static string. */
 const char *kv_quant_isa_name(enum kv_quant_isa isa);
 

@@ -26,7 +26,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <strings.h>
 
 #include "simd_internal.h"
 #ifdef KV_CPU_X86
@@ -186,17 +185,19 @@ static enum kv_matmul_isa best_isa(void) {
     return KV_MATMUL_ISA_GENERIC;
 }
 
+_Static_assert((int)KV_MATMUL_ISA_GENERIC == (int)KV_QUANT_ISA_GENERIC && (int)KV_MATMUL_ISA_AVX2 == (int)KV_QUANT_ISA_AVX2 &&
+                   (int)KV_MATMUL_ISA_AVX512 == (int)KV_QUANT_ISA_AVX512,
+               "the matmul and quant ISA enums share values");
+
 kv_status kv_cpu_isa_env(enum kv_matmul_isa *out, char *err, size_t errlen) {
-    const char *e = getenv("KVSERVE_CPU_ISA");
     *out = KV_MATMUL_ISA_AUTO;
-    if (!e || !*e) return KV_OK;
-    if (!strcasecmp(e, "generic")) *out = KV_MATMUL_ISA_GENERIC;
-    else if (!strcasecmp(e, "avx2")) *out = KV_MATMUL_ISA_AVX2;
-    else if (!strcasecmp(e, "avx512")) *out = KV_MATMUL_ISA_AVX512;
-    else return kv_errf(KV_EINVAL, err, errlen, "KVSERVE_CPU_ISA=%s: expected generic, avx2 or avx512", e);
-    if (*out > best_isa())
+    int v = kv_quant_isa_env(); /* enum kv_quant_isa has kv_matmul_isa's values */
+    const char *e = getenv("KVSERVE_CPU_ISA");
+    if (v < 0) return kv_errf(KV_EINVAL, err, errlen, "KVSERVE_CPU_ISA=%s: expected generic, avx2 or avx512", e);
+    if (v > (int)best_isa())
         return kv_errf(KV_EUNSUPPORTED, err, errlen, "KVSERVE_CPU_ISA=%s: this CPU lacks it (best: %s)", e,
                        best_isa() == KV_MATMUL_ISA_AVX2 ? "avx2" : "generic");
+    *out = (enum kv_matmul_isa)v;
     return KV_OK;
 }
 
