@@ -22,18 +22,14 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "base/base.h"
+#include "bench_util.h"
 #include "backend/backend.h"
 #include "backend/cuda/backend_cuda.h"
 
-static double now_s(void) { return kv_now_s(); }
 
 static bool g_det;                 /* --deterministic */
 static int g_prefill[8], g_nprefill; /* --prefill N,... */
-
-static int cmp_d(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
 
 static int parse_list(const char *s, int *out, int cap) {
     int n = 0;
@@ -74,7 +70,7 @@ static double copy_bw(void) {
         cudaEventElapsedTime(&ms, e0, e1);
         if (i >= 3) ts[i - 3] = ms / 1e3;
     }
-    qsort(ts, 10, sizeof ts[0], cmp_d);
+    qsort(ts, 10, sizeof ts[0], bench_cmp_d);
     cudaFree(a), cudaFree(b);
     return 2.0 * (double)n / ts[5];
 }
@@ -94,14 +90,14 @@ static void bench_decode(int layers, const int *batches, int nb, const int *ctxs
     struct backend_cuda_options o = {.device = 0, .random_weights_seed = 1234, .deterministic = g_det};
     backend_t *be = NULL;
     char err[512];
-    double t0 = now_s();
+    double t0 = kv_now_s();
     if (backend_cuda_new(&m, &o, &be, err, sizeof err)) {
         fprintf(stderr, "bench_cuda: %s\n", err);
         exit(1);
     }
     double dim = 4096, qw = 4096, kw = 1024, ffn = 14336, V = 128256;
     double wbytes = 2.0 * (layers * (dim * (qw + 2 * kw) + qw * dim + 2 * ffn * dim + ffn * dim) + 2 * V * dim);
-    fprintf(stderr, "model: %d layers, weights %.2f GB bf16 (made in %.1f s)\n", layers, wbytes / 1e9, now_s() - t0);
+    fprintf(stderr, "model: %d layers, weights %.2f GB bf16 (made in %.1f s)\n", layers, wbytes / 1e9, kv_now_s() - t0);
     printf("\nKV cache: %s; mode: %s\n", kv_dtype_name(kv_dtype),
            g_det ? "deterministic (batch-invariant GEMM + attention split)" : "default (cuBLAS)");
     printf("\n| batch | context | step ms (median) | HBM floor ms | step / floor | tokens/s |\n|---|---|---|---|---|---|\n");
@@ -159,14 +155,14 @@ static void bench_decode(int layers, const int *batches, int nb, const int *ctxs
                                                  .logits = BATCH_LOGITS_LAST};
                 }
                 struct batch b = {seqs, B};
-                double a = now_s();
+                double a = kv_now_s();
                 if (be->ops->forward(be, &b, lg, err, sizeof err)) {
                     fprintf(stderr, "bench_cuda: forward: %s\n", err);
                     exit(1);
                 }
-                if (s >= 0) ts[s] = now_s() - a;
+                if (s >= 0) ts[s] = kv_now_s() - a;
             }
-            qsort(ts, (size_t)steps, sizeof ts[0], cmp_d);
+            qsort(ts, (size_t)steps, sizeof ts[0], bench_cmp_d);
             double med = ts[steps / 2];
             double kvb = (double)B * (ctx + steps / 2) * layers * 2 * kw * (double)es; /* K+V read */
             double floor_s = (wbytes + kvb) / bw;
@@ -193,14 +189,14 @@ static void bench_decode(int layers, const int *batches, int nb, const int *ctxs
             struct batch_seq sq = {.tokens = tok, .n_tokens = N, .n_past = 0, .block_table = bt, .n_blocks = per,
                                    .logits = BATCH_LOGITS_LAST};
             struct batch b = {&sq, 1};
-            double a = now_s();
+            double a = kv_now_s();
             if (be->ops->forward(be, &b, lg, err, sizeof err)) {
                 fprintf(stderr, "bench_cuda: prefill forward: %s\n", err);
                 exit(1);
             }
-            if (s >= 0) ts[s] = now_s() - a;
+            if (s >= 0) ts[s] = kv_now_s() - a;
         }
-        qsort(ts, 5, sizeof ts[0], cmp_d);
+        qsort(ts, 5, sizeof ts[0], bench_cmp_d);
         printf("| %d | %.2f | %.0f |\n", N, ts[2] * 1e3, N / ts[2]);
         fflush(stdout);
         free(bt), free(tok), free(lg);
@@ -226,24 +222,24 @@ static void bench_copy(void) {
             char err[256];
             double ours[7], theirs[7];
             for (int r = 0; r < 8; r++) {
-                double a = now_s();
+                double a = kv_now_s();
                 kv_status s = dir == 0 ? kv_cuda_copy_pages(KV_CUDA_H2D, d, (const void *const *)h, n, bytes, err, sizeof err)
                                        : kv_cuda_copy_pages(KV_CUDA_D2H, h, (const void *const *)d, n, bytes, err, sizeof err);
                 if (s) {
                     fprintf(stderr, "bench_cuda: %s\n", err);
                     exit(1);
                 }
-                double t1 = now_s() - a;
-                a = now_s();
+                double t1 = kv_now_s() - a;
+                a = kv_now_s();
                 for (int i = 0; i < n; i++)
                     CK(cudaMemcpyAsync(dir == 0 ? d[i] : h[i], dir == 0 ? h[i] : d[i], bytes,
                                        dir == 0 ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost, st));
                 CK(cudaStreamSynchronize(st));
-                double t2 = now_s() - a;
+                double t2 = kv_now_s() - a;
                 if (r) ours[r - 1] = t1, theirs[r - 1] = t2;
             }
-            qsort(ours, 7, sizeof(double), cmp_d);
-            qsort(theirs, 7, sizeof(double), cmp_d);
+            qsort(ours, 7, sizeof(double), bench_cmp_d);
+            qsort(theirs, 7, sizeof(double), bench_cmp_d);
             double tot = (double)bytes * n;
             printf("| %zu KiB | %d | %s | %.1f | %.1f | %.2fx |\n", bytes >> 10, n, dir ? "D2H" : "H2D", tot / ours[3] / 1e9,
                    tot / theirs[3] / 1e9, theirs[3] / ours[3]);

@@ -14,18 +14,9 @@
 #include <string.h>
 #include <time.h>
 
+#include "base/base.h"
+#include "bench_util.h"
 #include "quant/quant.h"
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-static int cmp_d(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
 
 /* GHz of this core: a chain of dependent adds retires one per cycle. */
 static double core_ghz(void) {
@@ -33,9 +24,9 @@ static double core_ghz(void) {
     double best = 0;
     for (int r = 0; r < 3; r++) {
         unsigned long x = 0;
-        double t0 = now_s();
+        double t0 = kv_now_s();
         for (long i = 0; i < iters; i++) __asm__ volatile("add $1, %0" : "+r"(x));
-        double t = now_s() - t0;
+        double t = kv_now_s() - t0;
         double ghz = (double)iters / t * 1e-9;
         if (ghz > best) best = ghz;
     }
@@ -120,19 +111,19 @@ int main(int argc, char **argv) {
                 size_t row = 0;
                 for (int r = 0; r < runs; r++) {
                     long calls = 0;
-                    double t0 = now_s(), el;
+                    double t0 = kv_now_s(), el;
                     do {
                         for (int j = 0; j < 64; j++) {
                             kv_dequant_row(type, src + row * rb, dst, K);
                             if (++row == nrows) row = 0;
                         }
                         calls += 64;
-                        el = now_s() - t0;
+                        el = kv_now_s() - t0;
                     } while (el < ms * 1e-3);
                     __asm__ volatile("" : : "r"(dst) : "memory");
                     t[r] = el / ((double)calls * K) * 1e9;
                 }
-                qsort(t, (size_t)runs, sizeof *t, cmp_d);
+                qsort(t, (size_t)runs, sizeof *t, bench_cmp_d);
                 double ns = t[runs / 2];
                 printf("%-8s %-6s %-7s %10.4f %10.3f %10.2f\n", kv_quant_isa_name(isa), kv_qtype_name(type),
                        mode ? "stream" : "hot", ns, ns * ghz, (double)rb / K / ns);

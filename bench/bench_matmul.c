@@ -15,18 +15,9 @@
 #include <string.h>
 #include <time.h>
 
+#include "base/base.h"
+#include "bench_util.h"
 #include "backend/cpu/matmul.h"
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-static int cmp_d(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
 
 static int parse_list(const char *s, int *out, int cap) {
     int n = 0;
@@ -116,17 +107,17 @@ int main(int argc, char **argv) {
                 for (int meth = 0; meth < 3; meth++) {
                     double t[64];
                     run_once(&c, meth); /* warm up */
-                    double t0 = now_s();
+                    double t0 = kv_now_s();
                     int reps = 1;
                     run_once(&c, meth);
-                    double one = now_s() - t0;
+                    double one = kv_now_s() - t0;
                     reps = one > 0.04 ? 1 : (int)(0.04 / (one > 1e-7 ? one : 1e-7)) + 1;
                     for (int r = 0; r < runs; r++) {
-                        t0 = now_s();
+                        t0 = kv_now_s();
                         for (int k = 0; k < reps; k++) run_once(&c, meth);
-                        t[r] = (now_s() - t0) / reps;
+                        t[r] = (kv_now_s() - t0) / reps;
                     }
-                    qsort(t, (size_t)runs, sizeof t[0], cmp_d);
+                    qsort(t, (size_t)runs, sizeof t[0], bench_cmp_d);
                     double med = t[runs / 2];
                     gf[meth] = 2.0 * c.M * N * K / med * 1e-9;
                     printf("%-7s %5d %5d %4d %3d | %9.2f %9.4f %9.2f |", method_name[meth], N, K, c.M, threads[ti],

@@ -18,14 +18,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bench_util.h"
 #include "base/base.h"
 #include "tokenizer/prefix_cache.h"
 #include "tokenizer/tokenizer.h"
-
-static int cmp_d(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
 
 int main(int argc, char **argv) {
     const char *data = getenv("KVSERVE_TEST_DATA");
@@ -103,7 +99,7 @@ int main(int argc, char **argv) {
             tok_encode(t, prompt.data, prompt.len, true, true, &full, &nf);
             samp[r] = (double)(kv_now_ns() - t0) / 1e6;
         }
-        qsort(samp, (size_t)reps, sizeof *samp, cmp_d);
+        qsort(samp, (size_t)reps, sizeof *samp, bench_cmp_d);
         double u = samp[reps / 2];
         for (long r = 0; r < reps; r++) {
             free(got);
@@ -115,7 +111,7 @@ int main(int argc, char **argv) {
                 bad = 1;
             }
         }
-        qsort(samp, (size_t)reps, sizeof *samp, cmp_d);
+        qsort(samp, (size_t)reps, sizeof *samp, bench_cmp_d);
         double c = samp[reps / 2];
         if (nf >= (size_t)from) {
             tu[measured] = u;

@@ -16,18 +16,9 @@
 #include <string.h>
 #include <time.h>
 
+#include "base/base.h"
+#include "bench_util.h"
 #include "quant/qdot.h"
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-static int cmp_d(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
 
 static uint64_t g_rng = 88172645463325252ull;
 static uint64_t rnd(void) {
@@ -88,7 +79,7 @@ static double measure(const struct ctx *c, bool fused, int runs, int ms) {
     size_t row = 0;
     for (int r = 0; r < runs; r++) {
         long groups = 0;
-        double t0 = now_s(), el;
+        double t0 = kv_now_s(), el;
         do {
             for (int j = 0; j < 8; j++) {
                 if (fused) fused_group(c, row);
@@ -97,12 +88,12 @@ static double measure(const struct ctx *c, bool fused, int runs, int ms) {
                 if (row + GROUP > c->nrows) row = 0;
             }
             groups += 8;
-            el = now_s() - t0;
+            el = kv_now_s() - t0;
         } while (el < ms * 1e-3);
         __asm__ volatile("" : : "r"(c->Y) : "memory");
         t[r] = el / ((double)groups * GROUP * c->K) * 1e9;
     }
-    qsort(t, (size_t)runs, sizeof t[0], cmp_d);
+    qsort(t, (size_t)runs, sizeof t[0], bench_cmp_d);
     return t[runs / 2];
 }
 

@@ -37,6 +37,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "bench_util.h"
 #include "base/base.h"
 #include "transfer/transfer.h"
 #include "transfer/transport.h"
@@ -157,11 +158,6 @@ static int *shuffled(int n) {
     return p;
 }
 
-static int cmp_d(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
 struct result {
     double med, lo, hi; /* GB/s; med < 0: not measured */
     bool ok;            /* bytes checked */
@@ -171,7 +167,7 @@ struct result {
 static struct result summarize(double *gbps, int n, bool ok) {
     struct result r = {.med = -1, .ok = ok};
     if (n <= 0) return r;
-    qsort(gbps, (size_t)n, sizeof *gbps, cmp_d);
+    qsort(gbps, (size_t)n, sizeof *gbps, bench_cmp_d);
     r.med = n % 2 ? gbps[n / 2] : (gbps[n / 2 - 1] + gbps[n / 2]) / 2;
     r.lo = gbps[0];
     r.hi = gbps[n - 1];
