@@ -14,28 +14,10 @@
 #include "model/gguf.h"
 #include "quant/qdot.h"
 #include "test_util.h"
-
-static const enum kv_quant_isa k_isas[] = {KV_QUANT_ISA_GENERIC, KV_QUANT_ISA_AVX2, KV_QUANT_ISA_AVX512};
-#define N_ISAS 3
-
-static bool use_isa(enum kv_quant_isa isa) {
-    static bool noted[4];
-    if (kv_quant_set_isa(isa) == isa) return true;
-    if (!noted[isa]) {
-        noted[isa] = true;
-        fprintf(stderr, "NOTE: this CPU has no %s: that ISA is not exercised\n", kv_quant_isa_name(isa));
-    }
-    kv_quant_set_isa(KV_QUANT_ISA_AUTO);
-    return false;
-}
+#include "quant_test_util.h"
 
 static uint64_t g_rng = 0x2545f4914f6cdd1dull;
-static uint64_t rnd(void) {
-    g_rng ^= g_rng << 13;
-    g_rng ^= g_rng >> 7;
-    g_rng ^= g_rng << 17;
-    return g_rng;
-}
+static uint64_t rnd(void) { return qt_xorshift(&g_rng); }
 static uint32_t f_bits(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
