@@ -192,9 +192,8 @@ static void task_attention(void *p, int t, int th) {
     int hd = cfg->head_dim, group = cfg->n_heads / cfg->n_kv_heads;
     int ti = t / cfg->n_kv_heads, kvh = t % cfg->n_kv_heads;
     int r = c->tile_row[ti];
-    int r_end = ti + 1 < c->n_tiles ? c->tile_row[ti + 1] : j->n_rows;
-    int n_rows = 1;
-    while (r + n_rows < r_end && c->row_seq[r + n_rows] == c->row_seq[r]) n_rows++;
+    /* every sequence's first row starts a tile, so a tile never spans two sequences */
+    int n_rows = (ti + 1 < c->n_tiles ? c->tile_row[ti + 1] : j->n_rows) - r;
     size_t qoff = (size_t)r * cfg->n_heads * hd + (size_t)kvh * group * hd;
     struct kv_attn_args a = {
         .q = c->q + qoff,
