@@ -253,6 +253,12 @@ int main(int argc, char **argv) {
             fprintf(stderr, "bench_engine: %s\n", err);
             return 2;
         }
+        enum kv_matmul_quant qm;
+        const char *qe = getenv("KVSERVE_CPU_QUANT_MATMUL");
+        if (qe && *qe && kv_matmul_quant_parse(qe, &qm, err, sizeof err) != KV_OK) {
+            fprintf(stderr, "bench_engine: KVSERVE_CPU_QUANT_MATMUL %s\n", err);
+            return 2;
+        }
     }
     model_t *m;
     tokenizer_t *tok;
@@ -288,9 +294,10 @@ int main(int argc, char **argv) {
     printf("model %s: %d layers, dim %d, heads %d/%d, ffn %d, vocab %d\n", m->cfg.name, m->cfg.n_layers,
            m->cfg.dim, m->cfg.n_heads, m->cfg.n_kv_heads, m->cfg.ffn_dim, m->cfg.n_vocab);
     const char *fi = getenv("KVSERVE_CPU_ISA");
-    printf("kernel %s (KVSERVE_CPU_ISA=%s), openblas core: %s (OPENBLAS_CORETYPE=%s), threads %d, KV %s\n",
-           kv_matmul_isa_name(), fi ? fi : "unset", openblas_get_corename(), ct ? ct : "unset", threads,
-           kv_dtype_name(kv_dtype));
+    printf("kernel %s (KVSERVE_CPU_ISA=%s), quantized matmul %s (KVSERVE_CPU_QUANT_MATMUL), openblas core: %s "
+           "(OPENBLAS_CORETYPE=%s), threads %d, KV %s\n",
+           kv_matmul_isa_name(), fi ? fi : "unset", kv_matmul_quant_name(kv_matmul_get_quant()),
+           openblas_get_corename(), ct ? ct : "unset", threads, kv_dtype_name(kv_dtype));
     printf("%-12s %-12s %14s %14s\n", "concurrency", "prompt_len", "prefill tok/s", "decode tok/s");
     struct run r;
     run_batch(e, 1, 32, 4, m->cfg.n_vocab, 99, &r); /* warm-up */

@@ -63,6 +63,12 @@ static void serve_usage(FILE *f) {
             "  --gemm invariant|openblas  matrix kernel: 'invariant' (default) gives bitwise-identical\n"
             "                           results whatever the batch; 'openblas' is one sgemm per\n"
             "                           projection (results may differ in the last bits with batching)\n"
+            "  --quant-matmul int8|f32  how the CPU multiplies quantized weights (Q8_0/Q4_0/Q4_K/Q5_K/\n"
+            "                           Q6_K): int8 (default) quantizes activations to 8 bits and\n"
+            "                           uses integer dot products, like llama.cpp (logits within ~2%%\n"
+            "                           of f32, docs/benchmarks.md); f32 multiplies the exactly\n"
+            "                           dequantized weights (bitwise the dequant-F32 file's logits;\n"
+            "                           slower). Both are batch-invariant. Env KVSERVE_CPU_QUANT_MATMUL\n"
             "  --deterministic          batch-invariant mode: a sequence's tokens do not depend on what\n"
             "                           it is batched with or on cache hits (cuda: our fixed-order GEMM\n"
             "                           instead of cuBLAS, slower, see docs/benchmarks.md; cpu: always\n"
@@ -96,7 +102,8 @@ int cmd_serve(int argc, char **argv) {
     enum backend_kind be_kind = BACKEND_KIND_CPU;
     int kv_dtype = -1; /* -1: not given (f32 for every backend) */
     uint64_t kv_mem = 0, max_body = 16ull << 20, host_mem = 0;
-    bool kv_mem_set = false, no_prefix_cache = false, deterministic = false;
+    bool kv_mem_set = false, no_prefix_cache = false, deterministic = false, qmode_set = false;
+    enum kv_matmul_quant qmode = KV_MATMUL_QUANT_AUTO;
     int prefix_wait = 64;
     const char *hash_key_file = NULL;
     bool ptc_on = false, ptc_set = false;
@@ -155,6 +162,11 @@ int cmd_serve(int argc, char **argv) {
         else if (!strcmp(a, "--gemm")) {
             if (backend_cpu_gemm_parse(v, &gemm) != KV_OK) rc = bad_opt(a, v, "expected invariant or openblas");
         }
+        else if (!strcmp(a, "--quant-matmul")) {
+            char qerr[160];
+            if (kv_matmul_quant_parse(v, &qmode, qerr, sizeof qerr) != KV_OK) rc = bad_opt(a, v, "expected int8 or f32");
+            qmode_set = true;
+        }
         else if (!strcmp(a, "--prefix-wait-blocks")) rc = parse_int_opt(a, v, 0, 1 << 24, &prefix_wait);
         else if (!strcmp(a, "--hash-key-file")) hash_key_file = v;
         else if (!strncmp(a, "--prefix-token-cache-", 21)) {
@@ -206,6 +218,14 @@ int cmd_serve(int argc, char **argv) {
             fprintf(stderr, "kvserve serve: %s\n", ierr);
             return 2;
         }
+        const char *qe = getenv("KVSERVE_CPU_QUANT_MATMUL");
+        if (!qmode_set && qe && *qe && kv_matmul_quant_parse(qe, &qmode, ierr, sizeof ierr) != KV_OK) {
+            fprintf(stderr, "kvserve serve: KVSERVE_CPU_QUANT_MATMUL=%s: expected int8 or f32\n", qe);
+            return 2;
+        }
+        if (qmode_set && be_kind == BACKEND_KIND_CUDA)
+            return bad_opt("--quant-matmul", kv_matmul_quant_name(qmode), "applies to the cpu backend only");
+        kv_matmul_set_quant(qmode);
     }
     if (kv_dtype < 0) kv_dtype = KV_DTYPE_F32; /* cuda too: bf16 KV missed the test tolerance (see test_cuda.c) */
     else if (be_kind == BACKEND_KIND_CUDA && kv_dtype == KV_DTYPE_F16)

@@ -3,10 +3,15 @@
 F16, BF16, Q8_0, Q4_0, Q4_K_M, Q5_K_M, Q6_K quantizations of one random model) against the
 same server on the matching dequant-f32 file (llama.cpp's own dequantization to F32).
 
-- greedy completions of the stories-vocabulary reference prompts: identical token ids and
-  identical top-5 logprobs (the kernels compute with exactly the dequantized floats, so the
-  documented tolerance is zero; see src/backend/cpu/matmul.h), also with --kv-cache-dtype f16
-  on both sides;
+- with --quant-matmul f32: greedy completions of the stories-vocabulary reference prompts give
+  identical token ids and identical top-5 logprobs (the kernels compute with exactly the
+  dequantized floats, so the documented tolerance is zero; see src/backend/cpu/matmul.h), also
+  with --kv-cache-dtype f16 on both sides;
+- with the default --quant-matmul int8 (8-bit activations, integer dot products; src/quant/q8.h):
+  the same greedy tokens as the dequant-f32 file wherever both still follow the same text, and
+  the chosen token's logprob within INT8_LOGPROB_TOL of the f32 run (the documented tolerance);
+  a divergence is allowed only where the f32 run's top two logprobs are within INT8_TIE of each
+  other (a near tie that 8-bit activations may flip);
 - memory: the server's RSS after serving is at most (file size + KV pool) x 1.15 + the
   fixed part (code, libraries -- libcublasLt alone is ~130 MiB in a CUDA build --, thread
   stacks, scratch), measured as the RSS of the same server on the smallest file minus that
@@ -23,6 +28,8 @@ DATA = os.environ.get("KVSERVE_TEST_DATA", "")
 QDIR = os.path.join(DATA, "models", "tiny-quant")
 TYPES = ["F16", "BF16", "Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K"]
 KV_BLOCKS = 64  # x 16 tokens
+INT8_LOGPROB_TOL = 0.05  # |logprob(int8) - logprob(f32)| of each agreed greedy token
+INT8_TIE = 0.25          # f32 top-2 logprob gap under which int8 may pick the other token
 
 
 def proc_status(pid):
@@ -126,6 +133,35 @@ def test_nan_model():
         shutil.rmtree(d, ignore_errors=True)
 
 
+def check_int8(t, q, prompts, want):
+    """The default integer path against the dequant-f32 run `want` (see the module doc)."""
+    s8 = serve(q, ["--kv-cache-dtype", "f32"])
+    try:
+        got = completions(s8, prompts)
+        H.check("quantized weights: int8 matmul" in s8.logtext(), "%s: the log names the int8 mode" % t)
+    finally:
+        s8.stop()
+    if got is None:
+        return
+    same_tokens = total = 0
+    worst = 0.0
+    for i, ((ia, la), (ib, lb)) in enumerate(zip(got, want)):
+        for j, (a, b) in enumerate(zip(ia, ib)):
+            total += 1
+            if a != b:
+                top = sorted(lb[j].values(), reverse=True)
+                gap = top[0] - top[1] if len(top) > 1 else 99.0
+                H.check(gap < INT8_TIE, "%s int8 prompt %d token %d: %s != f32 %s with an f32 top-2 gap of %.3f" %
+                        (t, i, j, a, b, gap))
+                break
+            same_tokens += 1
+            d = abs(max(la[j].values()) - max(lb[j].values()))
+            worst = max(worst, d)
+            H.check(d <= INT8_LOGPROB_TOL, "%s int8 prompt %d token %d: logprob differs by %.3f" % (t, i, j, d))
+    print("%-7s int8 vs dequant-f32: %d/%d greedy tokens before any divergence, worst logprob difference %.4f" %
+          (t, same_tokens, total, worst), flush=True)
+
+
 def main():
     if not os.path.exists(os.path.join(QDIR, "tiny-f32.gguf")):
         print("SKIP: test data %s not found (set KVSERVE_TEST_DATA)" % QDIR)
@@ -144,7 +180,7 @@ def main():
         for t in TYPES:
             q = os.path.join(QDIR, "tiny-%s.gguf" % t)
             f = os.path.join(QDIR, "tiny-%s.dequant-f32.gguf" % t)
-            sq = serve(q, ["--kv-cache-dtype", kv])
+            sq = serve(q, ["--kv-cache-dtype", kv, "--quant-matmul", "f32"])
             try:
                 got = completions(sq, prompts)
                 log = sq.logtext()
@@ -171,6 +207,8 @@ def main():
                 H.check(a[0] == b[0], "%s kv %s prompt %d: ids %s != dequant-f32 %s" % (t, kv, i, a[0][:8], b[0][:8]))
                 H.check(a[1] == b[1], "%s kv %s prompt %d: top-5 logprobs differ" % (t, kv, i))
             H.check(len(set(tuple(a[0]) for a in got)) > 1, "%s: outputs differ between prompts" % t)
+            if kv == "f32" and t not in ("F16", "BF16") and want is not None:
+                check_int8(t, q, prompts, want)
         print("kv %s: %d types ok so far (%d checks passed, %d failed)" % (kv, len(TYPES), H.passed, len(H.failures)),
               flush=True)
     test_nan_model()

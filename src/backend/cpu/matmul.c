@@ -11,6 +11,7 @@
  */
 #include "matmul.h"
 
+#include "../../quant/q8.h"
 #include "../../quant/qdot.h"
 
 #if defined(__GNUC__) && !defined(__clang__)
@@ -26,6 +27,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "simd_internal.h"
 #ifdef KV_CPU_X86
@@ -302,6 +304,7 @@ struct plan {
     int nb[MAX_BATCH];        /* W rows per task (multiple of 8 except the last task) */
     int first[MAX_BATCH + 1]; /* first task of op i; first[n_ops] = total */
     cols_fn fn;
+    const struct kv_q8_act *q8[MAX_BATCH]; /* op i's quantized activations (integer path), or NULL */
 };
 
 static void plan_task(void *p, int t, int th) {
@@ -318,9 +321,13 @@ static void plan_task(void *p, int t, int th) {
         pl->fn(op, (const float *)W->data + (size_t)n0 * K, K, n0, n1);
         return;
     }
-    if (op->M <= DECODE_ROWS) { /* decode: dequantize in registers, nothing written but Y */
-        kv_qdot_rows(W->type, (const char *)W->data + (size_t)n0 * W->row_bytes, W->row_bytes, n1 - n0, (int)K, op->X,
-                     K, op->M, op->Y + n0, (size_t)W->rows);
+    if (pl->q8[i] || op->M <= DECODE_ROWS) { /* decode: dequantize in registers, nothing written but Y */
+        if (pl->q8[i])
+            kv_q8_dot_rows(W->type, (const char *)W->data + (size_t)n0 * W->row_bytes, W->row_bytes, n1 - n0, pl->q8[i],
+                           0, op->M, op->Y + n0, (size_t)W->rows);
+        else
+            kv_qdot_rows(W->type, (const char *)W->data + (size_t)n0 * W->row_bytes, W->row_bytes, n1 - n0, (int)K,
+                         op->X, K, op->M, op->Y + n0, (size_t)W->rows);
         if (op->bias)
             for (int m = 0; m < op->M; m++)
                 for (int n = n0; n < n1; n++) op->Y[(size_t)m * W->rows + n] = op->Y[(size_t)m * W->rows + n] + op->bias[n];
@@ -338,9 +345,115 @@ static void plan_task(void *p, int t, int th) {
     }
 }
 
+/* ---- integer path: quantized activations, per op (shared by ops with the same X) ---- */
+
+static _Atomic int g_quant = KV_MATMUL_QUANT_AUTO;
+
+enum kv_matmul_quant kv_matmul_set_quant(enum kv_matmul_quant q) {
+    if (q == KV_MATMUL_QUANT_AUTO) {
+        const char *e = getenv("KVSERVE_CPU_QUANT_MATMUL");
+        char err[160];
+        q = KV_MATMUL_QUANT_INT8;
+        if (e && *e && kv_matmul_quant_parse(e, &q, err, sizeof err) != KV_OK) {
+            KV_WARN("KVSERVE_CPU_QUANT_MATMUL: %s; using int8", err);
+            q = KV_MATMUL_QUANT_INT8;
+        }
+    }
+    atomic_store(&g_quant, (int)q);
+    return q;
+}
+
+enum kv_matmul_quant kv_matmul_get_quant(void) {
+    int q = atomic_load_explicit(&g_quant, memory_order_relaxed);
+    return q == KV_MATMUL_QUANT_AUTO ? kv_matmul_set_quant(KV_MATMUL_QUANT_AUTO) : (enum kv_matmul_quant)q;
+}
+
+const char *kv_matmul_quant_name(enum kv_matmul_quant q) {
+    return q == KV_MATMUL_QUANT_F32 ? "f32" : q == KV_MATMUL_QUANT_INT8 ? "int8" : "auto";
+}
+
+kv_status kv_matmul_quant_parse(const char *s, enum kv_matmul_quant *out, char *err, size_t errlen) {
+    if (s && !strcasecmp(s, "int8")) *out = KV_MATMUL_QUANT_INT8;
+    else if (s && !strcasecmp(s, "f32")) *out = KV_MATMUL_QUANT_F32;
+    else return kv_errf(KV_EINVAL, err, errlen, "'%s': expected int8 or f32", s ? s : "");
+    return KV_OK;
+}
+
+/* This thread's buffer of at least n bytes, 64-byte aligned (freed at thread exit), or NULL. */
+static pthread_key_t g_q8_key;
+static pthread_once_t g_q8_once = PTHREAD_ONCE_INIT;
+struct q8buf {
+    void *p;
+    size_t cap;
+};
+static void q8buf_free(void *v) {
+    struct q8buf *b = v;
+    if (b) free(b->p);
+    free(b);
+}
+static void q8_key_init(void) {
+    if (pthread_key_create(&g_q8_key, q8buf_free)) abort();
+}
+static void *thread_q8buf(size_t n) {
+    pthread_once(&g_q8_once, q8_key_init);
+    struct q8buf *b = pthread_getspecific(g_q8_key);
+    if (!b) {
+        b = calloc(1, sizeof *b);
+        if (!b || pthread_setspecific(g_q8_key, b)) {
+            free(b);
+            return NULL;
+        }
+    }
+    if (b->cap < n) {
+        void *np = aligned_alloc(64, (n + 63) & ~(size_t)63);
+        if (!np) return NULL;
+        free(b->p);
+        b->p = np;
+        b->cap = n;
+    }
+    return b->p;
+}
+
+/* Quantizes the activations of the ops that take the integer path (pl->q8[i]); ops with the
+ * same X, M and group share one copy. acts: MAX_BATCH slots owned by the caller. */
+static void plan_q8(struct plan *pl, struct kv_q8_act *acts) {
+    const struct kv_matmul_op *ops = pl->ops;
+    size_t off[MAX_BATCH], total = 0;
+    int src[MAX_BATCH];
+    for (int i = 0; i < pl->n_ops; i++) {
+        pl->q8[i] = NULL;
+        src[i] = -1;
+        const struct kv_matmul_op *op = &ops[i];
+        int G = kv_q8_group(op->W->type);
+        if (!G || op->M < 1 || op->W->cols < 1 || op->W->rows < 1) continue;
+        src[i] = i;
+        for (int j = 0; j < i; j++)
+            if (src[j] == j && ops[j].X == op->X && ops[j].M == op->M && ops[j].W->cols == op->W->cols &&
+                kv_q8_group(ops[j].W->type) == G)
+                src[i] = j;
+        if (src[i] == i) {
+            off[i] = total;
+            total += (kv_q8_act_bytes(op->M, op->W->cols, G) + 63) & ~(size_t)63;
+        }
+    }
+    if (!total) return;
+    char *buf = thread_q8buf(total);
+    if (!buf) abort(); /* M x K bytes: out of memory here is fatal, like the panel */
+    for (int i = 0; i < pl->n_ops; i++) {
+        if (src[i] != i) continue;
+        const struct kv_matmul_op *op = &ops[i];
+        kv_q8_act_init(&acts[i], buf + off[i], op->M, op->W->cols, kv_q8_group(op->W->type));
+        kv_q8_quantize(&acts[i], 0, op->M, op->X, (size_t)op->W->cols);
+    }
+    for (int i = 0; i < pl->n_ops; i++)
+        if (src[i] >= 0) pl->q8[i] = &acts[src[i]];
+}
+
 static void run_batch(const struct kv_matmul_op *ops, int n_ops, kv_threadpool_t *tp) {
     int n_threads = tp ? kv_threadpool_size(tp) : 1;
     struct plan pl = {.ops = ops, .n_ops = n_ops, .fn = current_fn()};
+    struct kv_q8_act acts[MAX_BATCH];
+    if (kv_matmul_get_quant() == KV_MATMUL_QUANT_INT8) plan_q8(&pl, acts);
     long total_rows = 0, macs = 0;
     for (int i = 0; i < n_ops; i++) {
         int M = ops[i].M > 0 ? ops[i].M : 0;

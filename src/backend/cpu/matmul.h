@@ -88,4 +88,25 @@ enum kv_matmul_isa kv_matmul_get_isa(void);
 /* "avx512", "avx2" or "generic": the set kv_matmul uses now. */
 const char *kv_matmul_isa_name(void);
 
+/* How quantized weights (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K) are multiplied; F32/F16/BF16 weights
+ * always follow the INVARIANCE CONTRACT above.
+ *   INT8 (the default): each activation row is quantized to 8 bits (one scale per 32 or 256
+ *     elements) and multiplied with the packed blocks in integer arithmetic (src/quant/q8.h's
+ *     contract; llama.cpp's arithmetic class): a few times fewer operations than dequantizing
+ *     to f32. Y[m][n] is still a function of X[m], W[n] and K only (batch-, thread- and
+ *     ISA-invariant, bitwise), within a tolerance of the f32 product (q8.h, docs).
+ *   F32: the contract above with the exactly dequantized weights, so a quantized file gives
+ *     bitwise the results of its dequant-F32 twin.
+ * AUTO resolves to KVSERVE_CPU_QUANT_MATMUL=int8|f32 when set (read at first use), else
+ * INT8. Process-wide; set it before work starts (tests flip it between runs). Returns the
+ * mode now in effect. */
+enum kv_matmul_quant { KV_MATMUL_QUANT_AUTO = 0, KV_MATMUL_QUANT_INT8, KV_MATMUL_QUANT_F32 };
+enum kv_matmul_quant kv_matmul_set_quant(enum kv_matmul_quant q);
+/* The mode in effect (never AUTO). */
+enum kv_matmul_quant kv_matmul_get_quant(void);
+/* "int8" / "f32". */
+const char *kv_matmul_quant_name(enum kv_matmul_quant q);
+/* Parses "int8" / "f32" (any case): KV_EINVAL with a message naming s otherwise. */
+kv_status kv_matmul_quant_parse(const char *s, enum kv_matmul_quant *out, char *err, size_t errlen);
+
 #endif

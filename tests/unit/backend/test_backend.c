@@ -294,11 +294,12 @@ static void run_alone(model_t *m, const struct seqs *S, struct run *R) {
 
 static const char *const g_qtypes[] = {"F16", "BF16", "Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K"};
 
-/* A model loaded from each quantized file keeps its matrices in the stored type, and its
- * logits are bitwise those of the F32 file holding llama.cpp's dequantization of it (the
- * kernels compute with exactly the dequantized floats, matmul.h). */
+/* A model loaded from each quantized file keeps its matrices in the stored type, and in the
+ * f32 quantized-matmul mode its logits are bitwise those of the F32 file holding llama.cpp's
+ * dequantization of it (the kernels compute with exactly the dequantized floats, matmul.h). */
 static void test_quant_equals_dequant_f32(void **st) {
     (void)st;
+    kv_matmul_set_quant(KV_MATMUL_QUANT_F32);
     char p1[4096], p2[4096], rel[256], err[256];
     snprintf(rel, sizeof rel, "models/tiny-quant/tiny-%s.gguf", g_qtypes[0]);
     if (!test_data_path(p1, sizeof p1, rel)) { skip(); return; }
@@ -327,6 +328,86 @@ static void test_quant_equals_dequant_f32(void **st) {
         model_free(q);
         model_free(f);
     }
+    kv_matmul_set_quant(KV_MATMUL_QUANT_AUTO);
+}
+
+/* The int8 mode (the default; src/quant/q8.h) stays within the documented tolerance of the
+ * dequant-f32 model: per position ||d|| / ||ref|| over the logits, mean and worst, and the
+ * same argmax at (nearly) every position. F16/BF16 files have no integer path: bitwise. */
+static void test_quant_int8_close_to_f32(void **st) {
+    (void)st;
+    char p1[4096], p2[4096], rel[256], err[256];
+    snprintf(rel, sizeof rel, "models/tiny-quant/tiny-%s.gguf", g_qtypes[0]);
+    if (!test_data_path(p1, sizeof p1, rel)) { skip(); return; }
+    assert_int_equal(kv_matmul_set_quant(KV_MATMUL_QUANT_INT8), KV_MATMUL_QUANT_INT8);
+    for (size_t t = 0; t < sizeof g_qtypes / sizeof g_qtypes[0]; t++) {
+        snprintf(rel, sizeof rel, "models/tiny-quant/tiny-%s.gguf", g_qtypes[t]);
+        assert_non_null(test_data_path(p1, sizeof p1, rel));
+        snprintf(rel, sizeof rel, "models/tiny-quant/tiny-%s.dequant-f32.gguf", g_qtypes[t]);
+        assert_non_null(test_data_path(p2, sizeof p2, rel));
+        model_t *q = NULL, *f = NULL;
+        if (model_load(p1, &q, err, sizeof err)) fail_msg("%s: %s", p1, err);
+        if (model_load(p2, &f, err, sizeof err)) fail_msg("%s: %s", p2, err);
+        char p0[4096];
+        assert_non_null(test_data_path(p0, sizeof p0, "models/tiny-quant/tiny-f32.gguf"));
+        model_t *o = NULL;
+        if (model_load(p0, &o, err, sizeof err)) fail_msg("%s: %s", p0, err);
+        struct seqs S;
+        random_seqs(&S, q->cfg.n_vocab, 100 + t);
+        struct run rq = {0}, rf = {0}, ro = {0};
+        run_alone(q, &S, &rq);
+        run_alone(f, &S, &rf);
+        run_alone(o, &S, &ro);
+        int V = q->cfg.n_vocab, pos = 0, argmax_same = 0, bitwise = 1, argmax_wq = 0;
+        double sum_rel = 0, worst = 0, sum_wq = 0;
+        for (int s = 0; s < S.n; s++)
+            for (int i = 0; i < S.len[s]; i++) {
+                const float *a = rq.logits[s] + (size_t)i * V, *b = rf.logits[s] + (size_t)i * V;
+                double num = 0, den = 0;
+                int ia = 0, ib = 0;
+                for (int v = 0; v < V; v++) {
+                    num += ((double)a[v] - b[v]) * ((double)a[v] - b[v]);
+                    den += (double)b[v] * b[v];
+                    if (a[v] > a[ia]) ia = v;
+                    if (b[v] > b[ib]) ib = v;
+                }
+                if (memcmp(a, b, (size_t)V * sizeof(float))) bitwise = 0;
+                const float *c = ro.logits[s] + (size_t)i * V; /* the unquantized model */
+                double numq = 0, denq = 0;
+                int ic = 0;
+                for (int v = 0; v < V; v++) {
+                    numq += ((double)c[v] - b[v]) * ((double)c[v] - b[v]);
+                    denq += (double)c[v] * c[v];
+                    if (c[v] > c[ic]) ic = v;
+                }
+                sum_wq += sqrt(numq / denq);
+                argmax_wq += ic == ib;
+                double r = sqrt(num / den);
+                sum_rel += r;
+                if (r > worst) worst = r;
+                argmax_same += ia == ib;
+                pos++;
+            }
+        fprintf(stderr, "int8 %s vs dequant-f32: %d positions, ||d||/||ref|| mean %.2e worst %.2e, argmax equal %d/%d"
+                        " (the weight quantization itself, dequant-f32 vs f32 original: mean %.2e, argmax equal %d/%d)\n",
+                g_qtypes[t], pos, sum_rel / pos, worst, argmax_same, pos, sum_wq / pos, argmax_wq, pos);
+        if (!strcmp(g_qtypes[t], "F16") || !strcmp(g_qtypes[t], "BF16")) {
+            assert_true(bitwise);
+        } else {
+            assert_false(bitwise); /* the integer path really ran */
+            assert_true(sum_rel / pos < 2e-2);
+            assert_true(worst < 3e-2);
+            assert_true(sum_rel < sum_wq); /* smaller than the weight quantization's own error */
+            assert_true(argmax_same * 10 >= pos * 9);
+        }
+        free_run(&rq, S.n);
+        free_run(&rf, S.n);
+        free_run(&ro, S.n);
+        model_free(q);
+        model_free(f);
+        model_free(o);
+    }
+    kv_matmul_set_quant(KV_MATMUL_QUANT_AUTO);
 }
 
 /* Alone == batched == chunked, bitwise, for every stored weight type. */
@@ -340,8 +421,13 @@ static void test_quant_determinism(void **st) {
         assert_non_null(test_data_path(path, sizeof path, rel));
         model_t *m = NULL;
         if (model_load(path, &m, err, sizeof err)) fail_msg("%s: %s", path, err);
-        fprintf(stderr, "determinism with %s weights\n", g_qtypes[t]);
-        check_determinism(m, 2, 40 + t);
+        for (int mode = KV_MATMUL_QUANT_INT8; mode <= KV_MATMUL_QUANT_F32; mode++) {
+            kv_matmul_set_quant((enum kv_matmul_quant)mode);
+            fprintf(stderr, "determinism with %s weights, %s quantized matmul\n", g_qtypes[t],
+                    kv_matmul_quant_name((enum kv_matmul_quant)mode));
+            check_determinism(m, 2, 40 + t);
+        }
+        kv_matmul_set_quant(KV_MATMUL_QUANT_AUTO);
         model_free(m);
     }
 }
@@ -363,6 +449,8 @@ static void test_isa_families_agree(void **st) {
         struct seqs S;
         random_seqs(&S, m->cfg.n_vocab, 200 + t);
         S.n = 2;
+        for (int mode = KV_MATMUL_QUANT_INT8; mode <= KV_MATMUL_QUANT_F32; mode++) {
+        kv_matmul_set_quant((enum kv_matmul_quant)mode);
         struct run ref = {0};
         int have = 0;
         for (size_t i = 0; i < sizeof isas / sizeof isas[0]; i++) {
@@ -378,12 +466,15 @@ static void test_isa_families_agree(void **st) {
             }
             for (int s = 0; s < S.n; s++)
                 if (memcmp(ref.logits[s], r.logits[s], (size_t)S.len[s] * m->cfg.n_vocab * sizeof(float)))
-                    fail_msg("%s weights: kernel family %s differs from the first one", types[t], kv_matmul_isa_name());
+                    fail_msg("%s weights, %s quantized matmul: kernel family %s differs from the first one", types[t],
+                             kv_matmul_quant_name((enum kv_matmul_quant)mode), kv_matmul_isa_name());
             free_run(&r, S.n);
         }
         kv_matmul_set_isa(KV_MATMUL_ISA_AUTO);
         assert_true(have >= 2); /* generic is always there, plus at least one vector family on x86 */
         free_run(&ref, S.n);
+        }
+        kv_matmul_set_quant(KV_MATMUL_QUANT_AUTO);
         model_free(m);
     }
 }
@@ -598,6 +689,7 @@ int main(void) {
         cmocka_unit_test(test_determinism_qwen3),
         cmocka_unit_test(test_determinism_stories),
         cmocka_unit_test(test_quant_equals_dequant_f32),
+        cmocka_unit_test(test_quant_int8_close_to_f32),
         cmocka_unit_test(test_quant_determinism),
         cmocka_unit_test(test_isa_families_agree),
     };

@@ -1,0 +1,89 @@
+/*
+ * q8: the integer path for quantized weights. Activation rows are quantized to 8 bits (one
+ * f32 scale per group of 32 or 256 elements) and multiplied with the packed weight blocks in
+ * exact integer arithmetic; floats appear only once per group. This is the arithmetic class of
+ * llama.cpp's CPU backend (activations as Q8_0 for Q8_0/Q4_0 weights, as Q8_K for the K-quants,
+ * ggml-quants.c); the kernels, the lane layout and the float order below are kvserve's own.
+ *
+ * Weight types: Q8_0, Q4_0 (activation groups of 32) and Q4_K, Q5_K, Q6_K (groups of 256).
+ * F32/F16/BF16 weights have no integer path (kv_q8_group returns 0): they stay on the f32
+ * kernels (qdot.h, matmul.h).
+ *
+ * ACTIVATION QUANTIZATION (per row, per group of G = kv_q8_group(type) elements x[0..G)):
+ *   amax = max |x[i]|;  d = amax / 127;  id = (amax > 0) ? 127 / amax : 0;
+ *   q[i] = nearest-even integer to x[i] * id   (in [-127, 127]);  s32[j] = sum of q over
+ *   elements 32j .. 32j+31 of the row (the K-quants' min term uses it).
+ * in IEEE binary32 (one division each for d and id, one rounding in x * id). A group holding a
+ * NaN or an infinity gets d = NaN and q = 0, so every output that reads it is NaN.
+ *
+ * DOT CONTRACT (per output y = dot(activation row, weight row)); all integer sums are exact
+ * (no overflow for any input: bounds in q8.c), floats are IEEE binary32, round to nearest:
+ *   acc[16] = +0, mn = +0
+ *   Q8_0 / Q4_0 (w = d_w * v, v = int8 quant / nibble - 8), block b of 32 elements, in order:
+ *     P[l] = sum_{i<4} v[32b + 4l + i] * q[32b + 4l + i]          (l = 0..7)
+ *     acc[8 (b % 2) + l] = fmaf((float)P[l], d_w[b] * d[b], acc[8 (b % 2) + l])
+ *   Q4_K / Q5_K (w = d_w*sc_j*v - dmin_w*m_j, v = 4/5-bit unsigned, sub-block j = 32 elems),
+ *   Q6_K (w = d_w*sc_j*(v - 32), sub-block j = 16 elems), super-block s of 256, in order:
+ *     P[l] = sum_{c<4} sum_{i<4} sc_{j(e)} * u(e) * q[e],  e = 256s + 64c + 4l + i (l = 0..15)
+ *            with u = v (Q4_K/Q5_K) or v - 32 (Q6_K)
+ *     acc[l] = fmaf((float)P[l], d_w(s) * d[s], acc[l])
+ *     Q4_K/Q5_K only: M = sum_{j<8} m_j * s32[8s + j];  mn = fmaf((float)M, dmin_w(s) * d[s], mn)
+ *   then the 16-lane tree of matmul.h: l8[j] = acc[j] + acc[j+8], l4[j] = l8[j] + l8[j+4],
+ *   l2[j] = l4[j] + l4[j+2], y = l2[0] + l2[1]; Q4_K/Q5_K: y = y - mn.
+ * Every ISA family (generic C, AVX2, AVX-512 with or without VNNI) gives identical bits; the
+ * result depends on the activation row, the weight row and K only (not on the batch, the tile
+ * or the thread split), so the engine's batch invariance holds on this path too.
+ *
+ * Accuracy: the product of a weight row with an 8-bit activation row, like llama.cpp's; it is
+ * not bitwise the f32 product with the dequantized weights (matmul.h's contract, kept by the
+ * "f32" quantized-kernel mode, kv_matmul_set_qmode).
+ *
+ * Thread-safety: every function is pure (the ISA choice is kv_quant_get_isa()).
+ */
+#ifndef KV_QUANT_Q8_H
+#define KV_QUANT_Q8_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "quant.h"
+
+/* Activation group size of the integer path for a weight type: 32 (Q8_0, Q4_0), 256 (Q4_K,
+ * Q5_K, Q6_K), 0 when the type has none. */
+int kv_q8_group(int type);
+
+/* M quantized activation rows of K elements (K a multiple of the group). Views into memory
+ * the caller owns (kv_q8_act_bytes / kv_q8_act_init lay it out). Row m: q + m * K (int8),
+ * d + m * (K / group) (f32 scales), s32 + m * (K / 32) (int16 sums of 32 quants). */
+struct kv_q8_act {
+    int M, K, group;
+    int8_t *q;
+    float *d;
+    int16_t *s32;
+};
+
+/* Bytes of the buffer for M rows of K with that group (alignment of 64 bytes is enough). */
+size_t kv_q8_act_bytes(int M, int K, int group);
+/* Lays out a at buf (kv_q8_act_bytes(M, K, group) bytes, 64-byte aligned). Returns -1 (a
+ * untouched) when group is not 32 or 256, K is not a positive multiple of it, or M < 1. */
+int kv_q8_act_init(struct kv_q8_act *a, void *buf, int M, int K, int group);
+/* Quantizes rows m0 .. m0+n-1 of a from X (row m at X + (m - m0) * ldx, K floats) by the rule
+ * above. Any ISA gives the same bytes. Thread-safe for disjoint row ranges. */
+void kv_q8_quantize(struct kv_q8_act *a, int m0, int n, const float *X, size_t ldx);
+
+/* Y[m * ldy + r] = dot(activation row m0 + m of a, weight row r), m < M, r < n_rows, by the
+ * contract above. type: kv_q8_group(type) == a->group; w: n_rows packed rows, row r at
+ * (const char *)w + r * row_bytes (row_bytes >= kv_qtype_row_bytes(type, a->K)). Y must not
+ * overlap w or a. Invalid arguments (type without a path, group mismatch, M < 1, n_rows < 1,
+ * rows out of a) write nothing. */
+void kv_q8_dot_rows(int type, const void *w, size_t row_bytes, int n_rows, const struct kv_q8_act *a, int m0, int M,
+                    float *Y, size_t ldy);
+
+/* The contract literally, in scalar C (slow; the tests' reference). Same arguments. */
+void kv_q8_dot_rows_ref(int type, const void *w, size_t row_bytes, int n_rows, const struct kv_q8_act *a, int m0,
+                        int M, float *Y, size_t ldy);
+
+/* Tests: use the AVX-512 kernels without VNNI even where the CPU has it (process-wide). */
+void kv_q8_set_no_vnni(int on);
+
+#endif
