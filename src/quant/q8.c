@@ -2,11 +2,11 @@
  * q8: activation quantization, the scalar reference of the integer dot contract (q8.h), the
  * generic kernel and the per-ISA dispatch. The AVX2 / AVX-512 kernels are in q8_x86.c.
  *
- * Integer bounds (why no sum can overflow and every (float)P is exact, |q| <= 127):
- *   Q8_0 lane: 4 * 128 * 127 = 65,024          Q4_0 lane: 4 * 8 * 127 = 4,064
- *   Q4_K lane: 16 * 63 * 15 * 127 = 1.92e6     Q5_K lane: 16 * 63 * 31 * 127 = 3.97e6
- *   Q6_K lane: 16 * 128 * 32 * 127 = 8.32e6    min term: 8 * 63 * 32 * 127 = 2.05e6
- * all below 2^24, so the int32 -> float conversions are exact too.
+ * Integer bounds (why no sum can overflow int32, |q| <= 127):
+ *   block / sub-block sums: 32 * 128 * 127 = 520,192
+ *   K-quant super-block S: Q4_K 8 * 63 * 32 * 15 * 127 = 3.1e7, Q5_K 6.4e7, Q6_K 16 * 128 * 16 *
+ *   32 * 127 = 1.3e8; the min term 8 * 63 * 32 * 127 = 2.0e6; panel sums with the +128 offset
+ *   add at most 32 * 128 * 127 more. All below 2^31.
  */
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC optimize("fp-contract=off")
@@ -34,7 +34,7 @@ int kv_q8_group(int type) {
 size_t kv_q8_act_bytes(int M, int K, int group) {
     if (M < 1 || K < 1 || (group != 32 && group != 256) || K % group) return 0;
     size_t m = (size_t)M, k = (size_t)K;
-    return ALIGN64(m * k) + ALIGN64(m * (k / (size_t)group) * sizeof(float)) + ALIGN64(m * (k / 32) * sizeof(int16_t));
+    return ALIGN64(m * k) + ALIGN64(m * (k / (size_t)group) * sizeof(float)) + ALIGN64(m * (k / 16) * sizeof(int16_t));
 }
 
 int kv_q8_act_init(struct kv_q8_act *a, void *buf, int M, int K, int group) {
@@ -48,7 +48,7 @@ int kv_q8_act_init(struct kv_q8_act *a, void *buf, int M, int K, int group) {
     p += ALIGN64(m * k);
     a->d = (float *)(void *)p;
     p += ALIGN64(m * (k / (size_t)group) * sizeof(float));
-    a->s32 = (int16_t *)(void *)p;
+    a->s16 = (int16_t *)(void *)p;
     return 0;
 }
 
@@ -87,10 +87,10 @@ void kv_q8_quantize(struct kv_q8_act *a, int m0, int n, const float *X, size_t l
         const float *x = X + (size_t)(m - m0) * ldx;
         int8_t *q = a->q + (size_t)m * K;
         for (int g = 0; g < K / G; g++) fn(x + (size_t)g * G, G, q + (size_t)g * G, a->d + (size_t)m * (K / G) + g);
-        int16_t *s = a->s32 + (size_t)m * (K / 32);
-        for (int j = 0; j < K / 32; j++) {
+        int16_t *s = a->s16 + (size_t)m * (K / 16);
+        for (int j = 0; j < K / 16; j++) {
             int t = 0;
-            for (int i = 0; i < 32; i++) t += q[32 * j + i];
+            for (int i = 0; i < 16; i++) t += q[16 * j + i];
             s[j] = (int16_t)t;
         }
     }
@@ -99,15 +99,6 @@ void kv_q8_quantize(struct kv_q8_act *a, int m0, int n, const float *X, size_t l
 /* ---- the contract, literally ---- */
 
 static float h2f(const uint8_t *p) { return kv_quant_h2f(kv_quant_ld16(p)); }
-
-/* tree of matmul.h over 16 lanes */
-static float tree16(const float *acc) {
-    float l8[8], l4[4], l2[2];
-    for (int j = 0; j < 8; j++) l8[j] = acc[j] + acc[j + 8];
-    for (int j = 0; j < 4; j++) l4[j] = l8[j] + l8[j + 4];
-    for (int j = 0; j < 2; j++) l2[j] = l4[j] + l4[j + 2];
-    return l2[0] + l2[1];
-}
 
 /* Super-block s of a K-quant row as integers: u[e] (the unsigned quant, minus 32 for Q6_K),
  * sc[e] (the integer scale of e's sub-block), m8[j] (Q4_K/Q5_K mins), and d / dmin. */
@@ -149,24 +140,21 @@ static void kquant_ints(int type, const uint8_t *b, int u[256], int sc[256], int
 }
 
 /* One output of the contract. */
-static float ref_one(int type, const uint8_t *row, const int8_t *q, const float *dx, const int16_t *s32, int K) {
-    float acc[16] = {0}, mn = 0.0f;
+static float ref_one(int type, const uint8_t *row, const int8_t *q, const float *dx, const int16_t *s16, int K) {
+    float acc = 0.0f, mn = 0.0f;
     if (kv_q8_group(type) == 32) {
         const size_t bb = type == KV_QTYPE_Q8_0 ? 34 : 18;
         for (int b = 0; b < K / 32; b++) {
             const uint8_t *blk = row + (size_t)b * bb;
-            int v[32];
-            for (int i = 0; i < 32; i++)
-                v[i] = type == KV_QTYPE_Q8_0 ? (int8_t)blk[2 + i]
-                                             : (i < 16 ? (blk[2 + i] & 15) : (blk[2 + i - 16] >> 4)) - 8;
-            float s = h2f(blk) * dx[b];
-            for (int l = 0; l < 8; l++) {
-                int32_t P = 0;
-                for (int i = 0; i < 4; i++) P += v[4 * l + i] * q[32 * b + 4 * l + i];
-                acc[8 * (b % 2) + l] = fmaf((float)P, s, acc[8 * (b % 2) + l]);
+            int32_t S = 0;
+            for (int i = 0; i < 32; i++) {
+                int v = type == KV_QTYPE_Q8_0 ? (int8_t)blk[2 + i]
+                                              : (i < 16 ? (blk[2 + i] & 15) : (blk[2 + i - 16] >> 4)) - 8;
+                S += v * q[32 * b + i];
             }
+            acc = fmaf((float)S, h2f(blk) * dx[b], acc);
         }
-        return tree16(acc);
+        return acc;
     }
     const size_t bb = kv_qtype_block_bytes(type);
     for (int sb = 0; sb < K / 256; sb++) {
@@ -174,25 +162,21 @@ static float ref_one(int type, const uint8_t *row, const int8_t *q, const float 
         float d, dmin;
         kquant_ints(type, row + (size_t)sb * bb, u, sc, m8, &d, &dmin);
         const int8_t *qq = q + 256 * sb;
-        float s = d * dx[sb];
-        for (int l = 0; l < 16; l++) {
-            int32_t P = 0;
-            for (int c = 0; c < 4; c++)
-                for (int i = 0; i < 4; i++) {
-                    int e = 64 * c + 4 * l + i;
-                    P += sc[e] * u[e] * qq[e];
-                }
-            acc[l] = fmaf((float)P, s, acc[l]);
+        const int sub = type == KV_QTYPE_Q6_K ? 16 : 32;
+        int32_t S = 0;
+        for (int j = 0; j < 256 / sub; j++) {
+            int32_t t = 0;
+            for (int i = 0; i < sub; i++) t += u[sub * j + i] * qq[sub * j + i];
+            S += sc[sub * j] * t;
         }
+        acc = fmaf((float)S, d * dx[sb], acc);
         if (type != KV_QTYPE_Q6_K) {
             int32_t Mi = 0;
-            for (int j = 0; j < 8; j++) Mi += m8[j] * s32[8 * sb + j];
+            for (int j = 0; j < 8; j++) Mi += m8[j] * (s16[16 * sb + 2 * j] + s16[16 * sb + 2 * j + 1]);
             mn = fmaf((float)Mi, dmin * dx[sb], mn);
         }
     }
-    float y = tree16(acc);
-    if (type != KV_QTYPE_Q6_K) y = y - mn;
-    return y;
+    return type == KV_QTYPE_Q6_K ? acc : acc - mn;
 }
 
 static int args_ok(int type, int n_rows, const struct kv_q8_act *a, int m0, int M) {
@@ -207,16 +191,126 @@ void kv_q8_dot_rows_ref(int type, const void *w, size_t row_bytes, int n_rows, c
     for (int m = 0; m < M; m++) {
         const int8_t *q = a->q + (size_t)(m0 + m) * K;
         const float *dx = a->d + (size_t)(m0 + m) * (K / G);
-        const int16_t *s32 = a->s32 + (size_t)(m0 + m) * (K / 32);
+        const int16_t *s16 = a->s16 + (size_t)(m0 + m) * (K / 16);
         for (int r = 0; r < n_rows; r++)
-            Y[(size_t)m * ldy + r] = ref_one(type, (const uint8_t *)w + (size_t)r * row_bytes, q, dx, s32, K);
+            Y[(size_t)m * ldy + r] = ref_one(type, (const uint8_t *)w + (size_t)r * row_bytes, q, dx, s16, K);
+    }
+}
+
+/* ---- panels (prefill) ---- */
+
+size_t kv_q8_pack_bytes(int type, int n_rows, int K) {
+    struct kv_q8_geo g = kv_q8_geo(type);
+    if (!g.G || n_rows < 1 || K < 1 || K % g.G) return 0;
+    return (size_t)((n_rows + 15) / 16) * (size_t)(K / g.G) * g.grp;
+}
+
+int kv_q8_pack(int type, const void *w, size_t row_bytes, int n_rows, int K, void *panel) {
+    struct kv_q8_geo g = kv_q8_geo(type);
+    size_t total = kv_q8_pack_bytes(type, n_rows, K);
+    if (!total) return -1;
+    if (n_rows % 16) memset(panel, 0, total); /* pad rows (full groups are written whole) */
+#ifdef KV_QUANT_X86
+    if (kv_quant_get_isa() == KV_QUANT_ISA_AVX512) {
+        kv_q8_pack_avx512(type, w, row_bytes, n_rows, K, panel);
+        return 0;
+    }
+#endif
+    const size_t bb = kv_qtype_block_bytes(type);
+    const int ng = K / g.G;
+    for (int r = 0; r < n_rows; r++) {
+        const uint8_t *row = (const uint8_t *)w + (size_t)r * row_bytes;
+        uint8_t *rg = (uint8_t *)panel + (size_t)(r / 16) * (size_t)ng * g.grp;
+        const int n = r % 16;
+        for (int s = 0; s < ng; s++) {
+            uint8_t *grp = rg + (size_t)s * g.grp;
+            const uint8_t *blk = row + (size_t)s * bb;
+            int u[256], sc[256], m8[8];
+            float d, dmin;
+            if (!g.kq) {
+                d = h2f(blk);
+                dmin = 0.0f;
+                for (int i = 0; i < 32; i++) {
+                    u[i] = type == KV_QTYPE_Q8_0 ? (int8_t)blk[2 + i]
+                                                 : (i < 16 ? (blk[2 + i] & 15) : (blk[2 + i - 16] >> 4)) - 8;
+                    sc[i] = 1;
+                }
+            } else {
+                kquant_ints(type, blk, u, sc, m8, &d, &dmin);
+            }
+            memcpy(grp + 4 * n, &d, 4);
+            if (g.kq) memcpy(grp + 64 + 4 * n, &dmin, 4);
+            if (g.mins)
+                for (int j = 0; j < 8; j++) memcpy(grp + 128 + 64 * j + 4 * n, &m8[j], 4);
+            for (int j = 0; j < g.J; j++) {
+                uint8_t *sub = grp + g.hdr + (size_t)j * g.sub;
+                if (g.kq) {
+                    int32_t scj = sc[g.S * j];
+                    memcpy(sub + 4 * n, &scj, 4);
+                }
+                uint8_t *v = sub + (g.kq ? 64 : 0);
+                for (int i = 0; i < g.S; i++) v[(i / 4) * 64 + 4 * n + i % 4] = (uint8_t)(u[g.S * j + i] + 128);
+            }
+        }
+    }
+    return 0;
+}
+
+static int32_t ld32(const uint8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+static float ldf(const uint8_t *p) {
+    float v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* The packed contract in scalar C (the generic family's prefill kernel). */
+static void packed_generic(int type, const uint8_t *panel, int n_rows, const struct kv_q8_act *a, int m0, int M,
+                           float *Y, size_t ldy) {
+    struct kv_q8_geo g = kv_q8_geo(type);
+    const int K = a->K, ng = K / g.G;
+    for (int r = 0; r < n_rows; r++) {
+        const uint8_t *rg = panel + (size_t)(r / 16) * (size_t)ng * g.grp;
+        const int n = r % 16;
+        for (int m = 0; m < M; m++) {
+            const int8_t *q = a->q + (size_t)(m0 + m) * K;
+            const float *dx = a->d + (size_t)(m0 + m) * ng;
+            const int16_t *s16 = a->s16 + (size_t)(m0 + m) * (K / 16);
+            float acc = 0.0f, mn = 0.0f;
+            for (int s = 0; s < ng; s++) {
+                const uint8_t *grp = rg + (size_t)s * g.grp;
+                int32_t S = 0;
+                for (int j = 0; j < g.J; j++) {
+                    const uint8_t *sub = grp + g.hdr + (size_t)j * g.sub;
+                    const uint8_t *v = sub + (g.kq ? 64 : 0);
+                    const int e0 = s * g.G + j * g.S;
+                    int32_t t = 0, qs = 0;
+                    for (int i = 0; i < g.S; i++) t += v[(i / 4) * 64 + 4 * n + i % 4] * q[e0 + i];
+                    for (int i = 0; i < g.S / 16; i++) qs += s16[e0 / 16 + i];
+                    t -= 128 * qs;
+                    S += g.kq ? ld32(sub + 4 * n) * t : t;
+                }
+                acc = fmaf((float)S, ldf(grp + 4 * n) * dx[s], acc);
+                if (g.mins) {
+                    int32_t Mi = 0;
+                    for (int j = 0; j < 8; j++)
+                        Mi += ld32(grp + 128 + 64 * j + 4 * n) * (s16[16 * s + 2 * j] + s16[16 * s + 2 * j + 1]);
+                    mn = fmaf((float)Mi, ldf(grp + 64 + 4 * n) * dx[s], mn);
+                }
+            }
+            Y[(size_t)m * ldy + r] = g.mins ? acc - mn : acc;
+        }
     }
 }
 
 /* ---- dispatch ---- */
 
-static atomic_int g_no_vnni;
-void kv_q8_set_no_vnni(int on) { atomic_store(&g_no_vnni, on ? 1 : 0); }
+static atomic_int g_no_vnni; /* bit 0: no VNNI, bit 1: no AMX */
+void kv_q8_set_no_vnni(int on) { atomic_store(&g_no_vnni, on); }
+static int limits(void) { return atomic_load_explicit(&g_no_vnni, memory_order_relaxed); }
 
 void kv_q8_dot_rows(int type, const void *w, size_t row_bytes, int n_rows, const struct kv_q8_act *a, int m0, int M,
                     float *Y, size_t ldy) {
@@ -224,11 +318,37 @@ void kv_q8_dot_rows(int type, const void *w, size_t row_bytes, int n_rows, const
 #ifdef KV_QUANT_X86
     switch (kv_quant_get_isa()) {
     case KV_QUANT_ISA_AVX512:
-        kv_q8_dot_avx512(type, w, row_bytes, n_rows, a, m0, M, Y, ldy, !atomic_load_explicit(&g_no_vnni, memory_order_relaxed) && kv_q8_cpu_has_vnni());
+        kv_q8_dot_avx512(type, w, row_bytes, n_rows, a, m0, M, Y, ldy, !(limits() & 1) && kv_q8_cpu_has_vnni());
         return;
     case KV_QUANT_ISA_AVX2: kv_q8_dot_avx2(type, w, row_bytes, n_rows, a, m0, M, Y, ldy); return;
     default: break;
     }
 #endif
     kv_q8_dot_rows_ref(type, w, row_bytes, n_rows, a, m0, M, Y, ldy);
+}
+
+int kv_q8_packed_fast(void) {
+#ifdef KV_QUANT_X86
+    if (kv_quant_get_isa() == KV_QUANT_ISA_AVX512)
+        return (!(limits() & 2) && kv_q8_cpu_has_amx()) || (!(limits() & 1) && kv_q8_cpu_has_vnni());
+#endif
+    return 0;
+}
+
+void kv_q8_dot_packed(int type, const void *panel, int n_rows, const struct kv_q8_act *a, int m0, int M, float *Y,
+                      size_t ldy) {
+    if (!args_ok(type, n_rows, a, m0, M) || !panel) return;
+#ifdef KV_QUANT_X86
+    if (kv_quant_get_isa() == KV_QUANT_ISA_AVX512) {
+        if (!(limits() & 2) && kv_q8_cpu_has_amx()) {
+            kv_q8_packed_amx(type, panel, n_rows, a, m0, M, Y, ldy);
+            return;
+        }
+        if (!(limits() & 1) && kv_q8_cpu_has_vnni()) {
+            kv_q8_packed_avx512vnni(type, panel, n_rows, a, m0, M, Y, ldy);
+            return;
+        }
+    }
+#endif
+    packed_generic(type, panel, n_rows, a, m0, M, Y, ldy);
 }

@@ -11,28 +11,29 @@
  *
  * ACTIVATION QUANTIZATION (per row, per group of G = kv_q8_group(type) elements x[0..G)):
  *   amax = max |x[i]|;  d = amax / 127;  id = (amax > 0) ? 127 / amax : 0;
- *   q[i] = nearest-even integer to x[i] * id   (in [-127, 127]);  s32[j] = sum of q over
- *   elements 32j .. 32j+31 of the row (the K-quants' min term uses it).
+ *   q[i] = nearest-even integer to x[i] * id   (in [-127, 127]);  s16[j] = sum of q over
+ *   elements 16j .. 16j+15 of the row; s32[j] = s16[2j] + s16[2j+1].
  * in IEEE binary32 (one division each for d and id, one rounding in x * id). A group holding a
  * NaN or an infinity gets d = NaN and q = 0, so every output that reads it is NaN.
  *
- * DOT CONTRACT (per output y = dot(activation row, weight row)); all integer sums are exact
- * (no overflow for any input: bounds in q8.c), floats are IEEE binary32, round to nearest:
- *   acc[16] = +0, mn = +0
- *   Q8_0 / Q4_0 (w = d_w * v, v = int8 quant / nibble - 8), block b of 32 elements, in order:
- *     P[l] = sum_{i<4} v[32b + 4l + i] * q[32b + 4l + i]          (l = 0..7)
- *     acc[8 (b % 2) + l] = fmaf((float)P[l], d_w[b] * d[b], acc[8 (b % 2) + l])
- *   Q4_K / Q5_K (w = d_w*sc_j*v - dmin_w*m_j, v = 4/5-bit unsigned, sub-block j = 32 elems),
- *   Q6_K (w = d_w*sc_j*(v - 32), sub-block j = 16 elems), super-block s of 256, in order:
- *     P[l] = sum_{c<4} sum_{i<4} sc_{j(e)} * u(e) * q[e],  e = 256s + 64c + 4l + i (l = 0..15)
- *            with u = v (Q4_K/Q5_K) or v - 32 (Q6_K)
- *     acc[l] = fmaf((float)P[l], d_w(s) * d[s], acc[l])
- *     Q4_K/Q5_K only: M = sum_{j<8} m_j * s32[8s + j];  mn = fmaf((float)M, dmin_w(s) * d[s], mn)
- *   then the 16-lane tree of matmul.h: l8[j] = acc[j] + acc[j+8], l4[j] = l8[j] + l8[j+4],
- *   l2[j] = l4[j] + l4[j+2], y = l2[0] + l2[1]; Q4_K/Q5_K: y = y - mn.
- * Every ISA family (generic C, AVX2, AVX-512 with or without VNNI) gives identical bits; the
- * result depends on the activation row, the weight row and K only (not on the batch, the tile
- * or the thread split), so the engine's batch invariance holds on this path too.
+ * DOT CONTRACT (per output y = dot(activation row, weight row)); every integer sum is exact
+ * (bounds in q8.c), floats are IEEE binary32, round to nearest; one float chain per output:
+ *   acc = +0, mn = +0
+ *   Q8_0 / Q4_0 (w = d_w * v; v = the int8 quant, or nibble - 8), block b of 32, in order:
+ *     S = sum_{i<32} v[32b + i] * q[32b + i];   acc = fmaf((float)S, d_w[b] * d[b], acc)
+ *   Q4_K / Q5_K (w = d_w*sc_j*v - dmin_w*m_j, v = 4/5-bit unsigned, sub-block j = 32 elements)
+ *   and Q6_K (w = d_w*sc_j*(v - 32), sub-block j = 16 elements), super-block s of 256, in order:
+ *     S = sum_j sc_j * sum_{e in sub-block j} u[e] * q[e]   (u = v, or v - 32 for Q6_K)
+ *     acc = fmaf((float)S, d_w(s) * d[s], acc)
+ *     Q4_K/Q5_K only: Mn = sum_{j<8} m_j * s32[8s + j];  mn = fmaf((float)Mn, dmin_w(s) * d[s], mn)
+ *   y = acc (Q4_K/Q5_K: y = acc - mn).
+ * (float)S rounds to nearest even where |S| > 2^24 (possible only for the K-quants). The
+ * integer sums may be formed in any order (they are exact), so one output's bits are the same
+ * whether its block sums come from a per-row SIMD reduction (decode), from an outer product over
+ * 16 weight rows of a repacked panel (prefill), from AMX tiles, or from scalar C: every ISA
+ * family gives identical bits, and the result depends on the activation row, the weight row
+ * and K only (not on the batch, the tile, the panel or the thread split), so the engine's batch
+ * invariance holds on this path too.
  *
  * Accuracy: the product of a weight row with an 8-bit activation row, like llama.cpp's; it is
  * not bitwise the f32 product with the dequantized weights (matmul.h's contract, kept by the
@@ -54,12 +55,12 @@ int kv_q8_group(int type);
 
 /* M quantized activation rows of K elements (K a multiple of the group). Views into memory
  * the caller owns (kv_q8_act_bytes / kv_q8_act_init lay it out). Row m: q + m * K (int8),
- * d + m * (K / group) (f32 scales), s32 + m * (K / 32) (int16 sums of 32 quants). */
+ * d + m * (K / group) (f32 scales), s16 + m * (K / 16) (int16 sums of 16 quants). */
 struct kv_q8_act {
     int M, K, group;
     int8_t *q;
     float *d;
-    int16_t *s32;
+    int16_t *s16;
 };
 
 /* Bytes of the buffer for M rows of K with that group (alignment of 64 bytes is enough). */
@@ -83,7 +84,28 @@ void kv_q8_dot_rows(int type, const void *w, size_t row_bytes, int n_rows, const
 void kv_q8_dot_rows_ref(int type, const void *w, size_t row_bytes, int n_rows, const struct kv_q8_act *a, int m0,
                         int M, float *Y, size_t ldy);
 
-/* Tests: use the AVX-512 kernels without VNNI even where the CPU has it (process-wide). */
+/* ---- prefill: repacked panels ----
+ * For many activation rows the weight rows are first repacked (kv_q8_pack) into a panel of
+ * 16-row groups with the quants as int8 in VNNI order ([k/4][row][k%4]) and the scales, sums
+ * and mins beside them, so that one 4-byte broadcast of an activation times one 64-byte vector
+ * of weights adds 4 products to 16 outputs at once (vpdpbusd; AMX tiles where the CPU has
+ * them). Same contract, same bits as kv_q8_dot_rows. */
+/* Bytes of the panel of n_rows rows of K (K a multiple of kv_q8_group(type)); 0 if invalid. */
+size_t kv_q8_pack_bytes(int type, int n_rows, int K);
+/* Repacks n_rows rows (row r at w + r * row_bytes) into panel (kv_q8_pack_bytes bytes,
+ * 64-byte aligned). Returns -1 (nothing written) for invalid arguments. */
+int kv_q8_pack(int type, const void *w, size_t row_bytes, int n_rows, int K, void *panel);
+/* Y[m * ldy + r] = dot(activation row m0 + m of a, row r of the panel), m < M, r < n_rows
+ * (the n_rows and K given to kv_q8_pack; a->K == K). */
+void kv_q8_dot_packed(int type, const void *panel, int n_rows, const struct kv_q8_act *a, int m0, int M, float *Y,
+                      size_t ldy);
+
+/* True when the ISA in effect has a packed kernel faster than kv_q8_dot_rows for many rows
+ * (AVX512-VNNI, AMX); elsewhere kv_q8_dot_packed runs scalar C and callers should not pack. */
+int kv_q8_packed_fast(void);
+
+/* Tests: 1 = use the AVX-512 kernels without VNNI, 2 = without AMX, 3 = neither, even where
+ * the CPU has them (process-wide); 0 = the CPU's best. */
 void kv_q8_set_no_vnni(int on);
 
 #endif

@@ -3,17 +3,18 @@
  * (q8.h). Per-function target attributes: the file builds for baseline x86-64 and q8.c only
  * calls a set the CPU has.
  *
- * Integer products: AVX2 uses vpmaddubsw (u8 x s8 -> s16 pairs; never saturates here: the
- * unsigned side is at most 128 for Q8_0 (|w| through the sign trick), 63 otherwise) and vpmaddwd
- * (pairs x 1 or x the sub-block scale -> the contract's 4-element lanes). AVX-512 (BW) does the
- * same on 64 bytes; with VNNI, Q8_0 uses vpdpbusd on w + 128 (offset trick: the 128 * sum(q) of
- * each lane is subtracted first) and the rest vpdpwssd (pairs x scale, accumulated). Integer
- * sums are exact, so every route gives the contract's lane values, and the float steps are the
- * contract's (one fma per lane per group, the 16-lane tree): identical bits on every ISA.
- *
- * Lanes: AVX-512 holds the 16 lanes in one zmm (a chunk = 64 elements: two Q8_0/Q4_0 blocks,
- * or a quarter of a K-quant super-block); AVX2 holds lanes 0-7 and 8-15 in two ymm (a chunk =
- * 32 elements; chunk i goes to half i % 2).
+ * Decode kernels (kv_q8_dot_rows, the packed GGUF rows as they are): a tile of 16 (AVX-512)
+ * or 8 (AVX2) weight rows for one activation row. Per row, integer products into 4-element
+ * lanes: AVX2 vpmaddubsw (u8 x s8 -> s16 pairs; never saturates here: the unsigned side is at
+ * most 128 for Q8_0 (|w| through the sign trick), 63 otherwise) then vpmaddwd (x 1, or x the
+ * sub-block scale); AVX-512 the same on 64 bytes, or with VNNI vpdpbusd on w + 128 for Q8_0 (the
+ * 128 * sum(q) comes off after) and vpdpwssd for the scaled pairs. Then a transposed reduction
+ * turns the tile's lane vectors into one vector of per-row block sums, and the contract's float
+ * step runs on a vector of rows (one fma per row per group).
+ * Prefill kernel (kv_q8_dot_packed, AVX512-VNNI): outer products on a repacked panel, lanes =
+ * 16 weight rows; vpdpbusd of the panel's u8 (v + 128) with a broadcast of 4 activation bytes.
+ * Integer sums are exact, so every route gives the contract's block sums and the float steps
+ * are the contract's: identical bits on every ISA.
  */
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC optimize("fp-contract=off")
@@ -37,6 +38,13 @@
 int kv_q8_cpu_has_vnni(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512vnni");
+}
+
+int kv_q8_cpu_has_amx(void) { return 0; }
+
+void kv_q8_packed_amx(int type, const uint8_t *panel, int n_rows, const struct kv_q8_act *a, int m0, int M, float *Y,
+                      size_t ldy) {
+    kv_q8_packed_avx512vnni(type, panel, n_rows, a, m0, M, Y, ldy);
 }
 
 /* Software prefetch of the next tile's weight rows (they follow this tile's RR rows in memory):
@@ -103,97 +111,91 @@ AVX512 void kv_q8_quantize_group_avx512(const float *x, int G, int8_t *q, float 
 
 /* ---------------- AVX-512 ---------------- */
 
-/* the contract's tree over the 16 lanes of a zmm */
-AVX512 static ALWAYS float tree512(__m512 v) {
-    __m256 l8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-    __m128 l4 = _mm_add_ps(_mm256_castps256_ps128(l8), _mm256_extractf128_ps(l8, 1));
-    __m128 l2 = _mm_add_ps(l4, _mm_movehl_ps(l4, l4));
-    return _mm_cvtss_f32(_mm_add_ss(l2, _mm_shuffle_ps(l2, l2, 1)));
+/* Transposed reduction: R[r] (r < 16) hold int32 lanes; lanes 0-7 belong to group A and 8-15
+ * to group B of row r (or all 16 to one group: then *sa + *sb is the row's sum). Out: *va[r] =
+ * sum of lanes 0-7 of R[r], *vb[r] = sum of lanes 8-15. */
+AVX512 static ALWAYS void tred512(__m512i R[16], __m512i *va, __m512i *vb) {
+    __m512i S1[8], S2[4];
+    _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++)
+        S1[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(R[2 * i], R[2 * i + 1]), _mm512_unpackhi_epi32(R[2 * i], R[2 * i + 1]));
+    _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++)
+        S2[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(S1[2 * i], S1[2 * i + 1]), _mm512_unpackhi_epi64(S1[2 * i], S1[2 * i + 1]));
+    /* S2[j]: 128-bit chunk c holds rows 4j..4j+3, each the sum of its original chunk c */
+    __m512i Z0 = _mm512_add_epi32(_mm512_shuffle_i32x4(S2[0], S2[1], 0x88), _mm512_shuffle_i32x4(S2[0], S2[1], 0xdd));
+    __m512i Z1 = _mm512_add_epi32(_mm512_shuffle_i32x4(S2[2], S2[3], 0x88), _mm512_shuffle_i32x4(S2[2], S2[3], 0xdd));
+    /* Z0: [rows 0-3 A, rows 0-3 B, rows 4-7 A, rows 4-7 B] (0x88 picks chunks 0,2 / 0xdd 1,3) */
+    *va = _mm512_shuffle_i32x4(Z0, Z1, 0x88);
+    *vb = _mm512_shuffle_i32x4(Z0, Z1, 0xdd);
 }
 
-/* sum of 8 mins (u8) x 8 sums (int16) */
-AVX2 static ALWAYS int32_t min_dot(__m128i mins16, const int16_t *s) {
-    __m128i p = _mm_madd_epi16(mins16, _mm_loadu_si128((const __m128i *)s));
-    p = _mm_add_epi32(p, _mm_unpackhi_epi64(p, p));
-    p = _mm_add_epi32(p, _mm_shuffle_epi32(p, 1));
-    return _mm_cvtsi128_si32(p);
+/* The f16 at byte offset off of rows 0..nr-1 (others 0) as 16 floats. The gather reads 4
+ * bytes: off .. off+3, or off-2 .. off+1 when the f16 ends its block (Q6_K's d), so it never
+ * reads outside the block. */
+AVX512 static ALWAYS __m512 gather_h(const uint8_t *w, size_t rb, int nr, size_t off, const int at_end) {
+    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32((int)rb));
+    __mmask16 k = (__mmask16)((1u << nr) - 1);
+    __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), k, idx, (const void *)(w + off - (at_end ? 2 : 0)), 1);
+    if (at_end) g = _mm512_srli_epi32(g, 16);
+    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
 }
 
-/* Q8_0 / Q4_0: weight blocks b, b+1 as 64 signed (Q8_0) / unsigned nibble (Q4_0) bytes; the
- * two f16 scales as [dw_b x8, dw_b1 x8]. one: only block b (upper half zero). */
-AVX512 static ALWAYS __m512i g32_w(int type, const uint8_t *b0, int one, __m512 *dw) {
-    const uint8_t *b1 = b0 + (type == KV_QTYPE_Q8_0 ? 34 : 18);
-    uint16_t h0 = kv_quant_ld16(b0), h1 = one ? 0 : kv_quant_ld16(b1);
-    *dw = _mm512_cvtph_ps(_mm256_set_m128i(_mm_set1_epi16((short)h1), _mm_set1_epi16((short)h0)));
-    if (type == KV_QTYPE_Q8_0) {
-        __m256i lo = _mm256_loadu_si256((const __m256i *)(b0 + 2));
-        __m256i hi = one ? _mm256_setzero_si256() : _mm256_loadu_si256((const __m256i *)(b1 + 2));
-        return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-    }
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
-    __m128i r0 = _mm_loadu_si128((const __m128i *)(b0 + 2));
-    __m256i y0 = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(r0, 4), r0), m4);
-    __m256i y1 = _mm256_setzero_si256();
-    if (!one) {
-        __m128i r1 = _mm_loadu_si128((const __m128i *)(b1 + 2));
-        y1 = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(r1, 4), r1), m4);
-    }
-    return _mm512_inserti64x4(_mm512_castsi256_si512(y0), y1, 1);
-}
-
-AVX512 static ALWAYS void g32_tile512(int type, const uint8_t *w, size_t rb, const struct kv_q8_act *a, int m0,
-                                      float *Y, size_t ldy, const int MR, const int RR, const int VN, const int PF) {
+/* Q8_0 / Q4_0, one activation row, nr <= 16 rows. */
+AVX512 static ALWAYS void g32_row512(int type, const uint8_t *w, size_t rb, int nr, const struct kv_q8_act *a, int m,
+                                     float *Y, const int VN, const int PF) {
     const int K = a->K, nb = K / 32;
-    const __m512i k80 = _mm512_set1_epi8((char)0x80), k8 = _mm512_set1_epi8(8), ones = _mm512_set1_epi16(1);
-    __m512 acc[4][8];
-    _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++)
-        _Pragma("GCC unroll 8") for (int r = 0; r < RR; r++) acc[m][r] = _mm512_setzero_ps();
+    const size_t bb = type == KV_QTYPE_Q8_0 ? 34 : 18;
+    const int8_t *qx = a->q + (size_t)m * K;
+    const float *dx = a->d + (size_t)m * nb;
+    const int16_t *s16 = a->s16 + (size_t)m * (K / 16);
+    const __m512i k80 = _mm512_set1_epi8((char)0x80), m4 = _mm512_set1_epi8(0x0f), ones = _mm512_set1_epi16(1);
+    /* the correction per block: S = lane sum - c * sum(q) */
+    const int c = type == KV_QTYPE_Q8_0 ? (VN ? 128 : 0) : 8;
+    __m512 acc = _mm512_setzero_ps();
     for (int b = 0; b < nb; b += 2) {
         const int one = b + 1 == nb;
-        if (PF) prefetch_share(w + (size_t)RR * rb, (size_t)RR * rb, b / 2, (nb + 1) / 2);
-        const __mmask16 lanes = one ? 0x00ff : 0xffff;
-        __m512i x[4], corr[4];
-        __m512 dx[4];
-        _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++) {
-            const int8_t *qx = a->q + (size_t)(m0 + m) * K + 32 * (size_t)b;
-            x[m] = one ? _mm512_maskz_loadu_epi8(0xffffffffull, qx) : _mm512_loadu_si512((const void *)qx);
-            const float *d = a->d + (size_t)(m0 + m) * nb + b;
-            dx[m] = _mm512_mask_mov_ps(_mm512_set1_ps(d[0]), 0xff00, _mm512_set1_ps(one ? 0.0f : d[1]));
+        if (PF) prefetch_share(w + (size_t)16 * rb, (size_t)16 * rb, b / 2, (nb + 1) / 2);
+        __m512i x = one ? _mm512_maskz_loadu_epi8(0xffffffffull, qx + 32 * (size_t)b)
+                        : _mm512_loadu_si512((const void *)(qx + 32 * (size_t)b));
+        __m512i R[16];
+        _Pragma("GCC unroll 16") for (int r = 0; r < 16; r++) {
+            if (r >= nr) {
+                R[r] = _mm512_setzero_si512();
+                continue;
+            }
+            const uint8_t *b0 = w + (size_t)r * rb + (size_t)b * bb, *b1 = b0 + bb;
+            __m512i wv;
             if (type == KV_QTYPE_Q8_0) {
-                if (VN) corr[m] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), k80, x[m]));
+                __m256i lo = _mm256_loadu_si256((const __m256i *)(b0 + 2));
+                __m256i hi = one ? _mm256_setzero_si256() : _mm256_loadu_si256((const __m256i *)(b1 + 2));
+                wv = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
             } else {
-                corr[m] = VN ? _mm512_dpbusd_epi32(_mm512_setzero_si512(), k8, x[m])
-                             : _mm512_madd_epi16(_mm512_maddubs_epi16(k8, x[m]), ones);
+                __m128i r0 = _mm_loadu_si128((const __m128i *)(b0 + 2));
+                __m128i r1 = one ? _mm_setzero_si128() : _mm_loadu_si128((const __m128i *)(b1 + 2));
+                wv = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(_mm_srli_epi16(r0, 4), r0)),
+                                        _mm256_set_m128i(_mm_srli_epi16(r1, 4), r1), 1);
+                wv = _mm512_and_si512(wv, m4);
+            }
+            if (type == KV_QTYPE_Q8_0 && !VN) {
+                __m512i sx = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(wv), _mm512_setzero_si512(), x);
+                R[r] = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(wv), sx), ones);
+            } else if (VN) {
+                R[r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), type == KV_QTYPE_Q8_0 ? _mm512_xor_si512(wv, k80) : wv, x);
+            } else {
+                R[r] = _mm512_madd_epi16(_mm512_maddubs_epi16(wv, x), ones);
             }
         }
-        _Pragma("GCC unroll 8") for (int r = 0; r < RR; r++) {
-            __m512 dw;
-            __m512i wv = g32_w(type, w + (size_t)r * rb + (size_t)b * (type == KV_QTYPE_Q8_0 ? 34 : 18), one, &dw);
-            __m512i wu = wv, aw = wv;
-            if (type == KV_QTYPE_Q8_0) {
-                if (VN) wu = _mm512_xor_si512(wv, k80);
-                else aw = _mm512_abs_epi8(wv);
-            }
-            _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++) {
-                __m512i P;
-                if (type == KV_QTYPE_Q8_0) {
-                    if (VN) {
-                        P = _mm512_dpbusd_epi32(corr[m], wu, x[m]);
-                    } else {
-                        __mmask64 neg = _mm512_movepi8_mask(wv);
-                        __m512i sx = _mm512_mask_sub_epi8(x[m], neg, _mm512_setzero_si512(), x[m]);
-                        P = _mm512_madd_epi16(_mm512_maddubs_epi16(aw, sx), ones);
-                    }
-                } else {
-                    P = VN ? _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, x[m]), corr[m])
-                           : _mm512_sub_epi32(_mm512_madd_epi16(_mm512_maddubs_epi16(wv, x[m]), ones), corr[m]);
-                }
-                acc[m][r] = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(P), _mm512_mul_ps(dw, dx[m]), acc[m][r], lanes);
-            }
+        __m512i va, vb;
+        tred512(R, &va, &vb);
+        _Pragma("GCC unroll 2") for (int h = 0; h < 2 - one; h++) {
+            const int bi = b + h;
+            __m512i S = h ? vb : va;
+            if (c) S = _mm512_sub_epi32(S, _mm512_set1_epi32(c * (s16[2 * bi] + s16[2 * bi + 1])));
+            __m512 sv = _mm512_mul_ps(gather_h(w, rb, nr, (size_t)bi * bb, 0), _mm512_set1_ps(dx[bi]));
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S), sv, acc);
         }
     }
-    _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++)
-        _Pragma("GCC unroll 8") for (int r = 0; r < RR; r++) Y[(size_t)m * ldy + r] = tree512(acc[m][r]);
+    _mm512_mask_storeu_ps(Y, (__mmask16)((1u << nr) - 1), acc);
 }
 
 /* K-quants, AVX-512: chunk c (64 elements) of a super-block as 64 unsigned bytes (u of the
@@ -224,22 +226,6 @@ AVX512 static ALWAYS __m512i kq_chunk512(int type, const uint8_t *b, int c) {
     return v;
 }
 
-/* per row and super-block: the integer scales as int16 (Q4_K/Q5_K: 8, Q6_K: 16), mins, d, dmin */
-AVX512 static ALWAYS __m512i kq_scales512(int type, const uint8_t *b, __m128i *mins16, float *d, float *dmin) {
-    if (type == KV_QTYPE_Q6_K) {
-        *d = LDH(b + 208);
-        *dmin = 0.0f;
-        *mins16 = _mm_setzero_si128();
-        return _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192))));
-    }
-    *d = LDH(b);
-    *dmin = LDH(b + 2);
-    uint32_t sc[2], mn[2];
-    kv_quant_scales_k4(b + 4, sc, mn);
-    *mins16 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)mn));
-    return _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sc)));
-}
-
 /* int16 index vectors: for chunk c, the scale of each int16 lane (2 per 4-element lane) */
 AVX512 static ALWAYS __m512i kq_idx512(int type, int c) {
     if (type == KV_QTYPE_Q6_K) /* 16-element sub-blocks: int16 lane i -> scale 4c + i / 8 */
@@ -253,117 +239,94 @@ AVX512 static ALWAYS __m512i kq_idx512(int type, int c) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16((short)(2 * c))), _mm256_set1_epi16((short)(2 * c + 1)), 1);
 }
 
-AVX512 static ALWAYS void kq_tile512(int type, const uint8_t *w, size_t rb, const struct kv_q8_act *a, int m0,
-                                     float *Y, size_t ldy, const int MR, const int RR, const int VN, const int PF) {
+/* the integer scales of a super-block as int16 (Q4_K/Q5_K: 8, Q6_K: 16) in the low lanes */
+AVX512 static ALWAYS __m512i kq_scales512(int type, const uint8_t *b) {
+    if (type == KV_QTYPE_Q6_K)
+        return _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192))));
+    uint32_t sc[2], mn[2];
+    kv_quant_scales_k4(b + 4, sc, mn);
+    return _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sc)));
+}
+
+/* Q4_K/Q5_K: sum_j m_j * s32[j] of one row's super-block (s16: the activation's 16 sums) */
+AVX2 static ALWAYS int32_t min_dot(const uint8_t *b, const int16_t *s16) {
+    uint32_t sc[2], mn[2];
+    kv_quant_scales_k4(b + 4, sc, mn);
+    __m128i a = _mm_loadu_si128((const __m128i *)s16), c = _mm_loadu_si128((const __m128i *)(s16 + 8));
+    __m128i s32 = _mm_packs_epi32(_mm_madd_epi16(a, _mm_set1_epi16(1)), _mm_madd_epi16(c, _mm_set1_epi16(1)));
+    __m128i p = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)mn)), s32);
+    p = _mm_add_epi32(p, _mm_unpackhi_epi64(p, p));
+    p = _mm_add_epi32(p, _mm_shuffle_epi32(p, 1));
+    return _mm_cvtsi128_si32(p);
+}
+
+AVX512 static ALWAYS void kq_row512(int type, const uint8_t *w, size_t rb, int nr, const struct kv_q8_act *a, int m,
+                                    float *Y, const int VN, const int PF) {
     const int K = a->K, ns = K / 256;
     const size_t bb = kv_qtype_block_bytes(type);
     const int mins = type != KV_QTYPE_Q6_K;
+    const int8_t *qx = a->q + (size_t)m * K;
+    const float *dx = a->d + (size_t)m * ns;
+    const int16_t *s16 = a->s16 + (size_t)m * (K / 16);
     const __m512i k32 = _mm512_set1_epi8(32);
-    __m512 acc[4][8];
-    float mn[4][8];
-    _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++)
-        _Pragma("GCC unroll 8") for (int r = 0; r < RR; r++) {
-            acc[m][r] = _mm512_setzero_ps();
-            mn[m][r] = 0.0f;
-        }
+    __m512 acc = _mm512_setzero_ps(), mn = _mm512_setzero_ps();
     for (int s = 0; s < ns; s++) {
-        if (PF) prefetch_share(w + (size_t)RR * rb, (size_t)RR * rb, s, ns);
-        __m512i P[4][8], sc[8];
-        __m128i mins16[8];
-        float d[8], dmin[8];
-        _Pragma("GCC unroll 8") for (int r = 0; r < RR; r++)
-            sc[r] = kq_scales512(type, w + (size_t)r * rb + (size_t)s * bb, &mins16[r], &d[r], &dmin[r]);
-        _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++)
-            _Pragma("GCC unroll 8") for (int r = 0; r < RR; r++) P[m][r] = _mm512_setzero_si512();
+        if (PF) prefetch_share(w + (size_t)16 * rb, (size_t)16 * rb, s, ns);
+        __m512i x[4], x32[4];
         _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {
-            __m512i x[4], x32[4];
-            const __m512i idx = kq_idx512(type, c);
-            _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++) {
-                x[m] = _mm512_loadu_si512((const void *)(a->q + (size_t)(m0 + m) * K + 256 * (size_t)s + 64 * c));
-                if (type == KV_QTYPE_Q6_K) x32[m] = _mm512_maddubs_epi16(k32, x[m]);
-            }
-            _Pragma("GCC unroll 8") for (int r = 0; r < RR; r++) {
-                __m512i v = kq_chunk512(type, w + (size_t)r * rb + (size_t)s * bb, c);
-                __m512i scv = _mm512_permutexvar_epi16(idx, sc[r]);
-                _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++) {
-                    __m512i pr = _mm512_maddubs_epi16(v, x[m]);
-                    if (type == KV_QTYPE_Q6_K) pr = _mm512_sub_epi16(pr, x32[m]);
-                    P[m][r] = VN ? _mm512_dpwssd_epi32(P[m][r], pr, scv) : _mm512_add_epi32(P[m][r], _mm512_madd_epi16(pr, scv));
-                }
-            }
+            x[c] = _mm512_loadu_si512((const void *)(qx + 256 * (size_t)s + 64 * c));
+            if (type == KV_QTYPE_Q6_K) x32[c] = _mm512_maddubs_epi16(k32, x[c]);
         }
-        _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++) {
-            const float dx = a->d[(size_t)(m0 + m) * ns + s];
-            const int16_t *s32 = a->s32 + (size_t)(m0 + m) * (K / 32) + 8 * (size_t)s;
-            _Pragma("GCC unroll 8") for (int r = 0; r < RR; r++) {
-                acc[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(P[m][r]), _mm512_set1_ps(d[r] * dx), acc[m][r]);
-                if (mins) mn[m][r] = __builtin_fmaf((float)min_dot(mins16[r], s32), dmin[r] * dx, mn[m][r]);
+        __m512i R[16];
+        int32_t mi[16];
+        _Pragma("GCC unroll 16") for (int r = 0; r < 16; r++) {
+            if (r >= nr) {
+                R[r] = _mm512_setzero_si512();
+                mi[r] = 0;
+                continue;
             }
+            const uint8_t *b = w + (size_t)r * rb + (size_t)s * bb;
+            __m512i sc = kq_scales512(type, b), P = _mm512_setzero_si512();
+            _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {
+                __m512i pr = _mm512_maddubs_epi16(kq_chunk512(type, b, c), x[c]);
+                if (type == KV_QTYPE_Q6_K) pr = _mm512_sub_epi16(pr, x32[c]);
+                __m512i scv = _mm512_permutexvar_epi16(kq_idx512(type, c), sc);
+                P = VN ? _mm512_dpwssd_epi32(P, pr, scv) : _mm512_add_epi32(P, _mm512_madd_epi16(pr, scv));
+            }
+            R[r] = P;
+            mi[r] = mins ? min_dot(b, s16 + 16 * (size_t)s) : 0;
+        }
+        __m512i va, vb;
+        tred512(R, &va, &vb);
+        const size_t doff = type == KV_QTYPE_Q6_K ? 208 : 0;
+        __m512 sv = _mm512_mul_ps(gather_h(w, rb, nr, (size_t)s * bb + doff, type == KV_QTYPE_Q6_K), _mm512_set1_ps(dx[s]));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(va, vb)), sv, acc);
+        if (mins) {
+            __m512 mv = _mm512_mul_ps(gather_h(w, rb, nr, (size_t)s * bb + 2, 0), _mm512_set1_ps(dx[s]));
+            mn = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512((const void *)mi)), mv, mn);
         }
     }
-    _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++)
-        _Pragma("GCC unroll 8") for (int r = 0; r < RR; r++) {
-            float y = tree512(acc[m][r]);
-            if (mins) y = y - mn[m][r];
-            Y[(size_t)m * ldy + r] = y;
-        }
+    if (mins) acc = _mm512_sub_ps(acc, mn);
+    _mm512_mask_storeu_ps(Y, (__mmask16)((1u << nr) - 1), acc);
 }
 
-/* One tile shape per (type, rows of M): AVX-512 register file (32 zmm). */
-#define TILE_ROWS(MAC, type, VN, MM, RT)                                                                   \
+#define ROWS_LOOP(FN, T, VN, RT)                                                                          \
     do {                                                                                                  \
-        if (M <= 4) {                                                                                     \
-            for (; r + (RT) <= n_rows; r += (RT)) MAC(type, w8 + r * rb, rb, a, m0 + mb, y + r, ldy, MM, RT, VN, 1); \
-        } else {                                                                                          \
-            for (; r + (RT) <= n_rows; r += (RT)) MAC(type, w8 + r * rb, rb, a, m0 + mb, y + r, ldy, MM, RT, VN, 0); \
-        }                                                                                                 \
-        for (; r < n_rows; r++) MAC(type, w8 + r * rb, rb, a, m0 + mb, y + r, ldy, MM, 1, VN, 0);         \
+        for (int m = 0; m < M; m++)                                                                       \
+            for (int r = 0; r < n_rows; r += RT) {                                                        \
+                const int nr = n_rows - r < RT ? n_rows - r : RT;                                         \
+                if (M <= 4) FN(T, w8 + (size_t)r * rb, rb, nr, a, m0 + m, Y + (size_t)m * ldy + r, VN, 1); \
+                else FN(T, w8 + (size_t)r * rb, rb, nr, a, m0 + m, Y + (size_t)m * ldy + r, VN, 0);       \
+            }                                                                                             \
     } while (0)
-#define TILES512(MAC, type, VN)                                                                           \
-    do {                                                                                                  \
-        for (int mb = 0; mb < M; mb += 4) {                                                               \
-            const int mm = M - mb < 4 ? M - mb : 4;                                                       \
-            int r = 0;                                                                                    \
-            float *y = Y + (size_t)mb * ldy;                                                              \
-            if (mm == 1) TILE_ROWS(MAC, type, VN, 1, R1);                                                 \
-            else if (mm == 2) TILE_ROWS(MAC, type, VN, 2, R2);                                            \
-            else if (mm == 3) TILE_ROWS(MAC, type, VN, 3, R3);                                            \
-            else TILE_ROWS(MAC, type, VN, 4, R4);                                                         \
-        }                                                                                                 \
-    } while (0)
-
-#define R1 8
-#define R2 4
-#define R3 4
-#define R4 3
-AVX512 static ALWAYS void g32_512(int type, const uint8_t *w8, size_t rb, int n_rows, const struct kv_q8_act *a, int m0,
-                                  int M, float *Y, size_t ldy, const int VN) {
-    TILES512(g32_tile512, type, VN);
-}
-#undef R1
-#undef R2
-#undef R3
-#undef R4
-#define R1 6
-#define R2 3
-#define R3 2
-#define R4 2
-AVX512 static ALWAYS void kq_512(int type, const uint8_t *w8, size_t rb, int n_rows, const struct kv_q8_act *a, int m0,
-                                 int M, float *Y, size_t ldy, const int VN) {
-    TILES512(kq_tile512, type, VN);
-}
-#undef R1
-#undef R2
-#undef R3
-#undef R4
 
 #define DISPATCH512(VN)                                                                                    \
     switch (type) {                                                                                       \
-    case KV_QTYPE_Q8_0: g32_512(KV_QTYPE_Q8_0, w8, rb, n_rows, a, m0, M, Y, ldy, VN); break;             \
-    case KV_QTYPE_Q4_0: g32_512(KV_QTYPE_Q4_0, w8, rb, n_rows, a, m0, M, Y, ldy, VN); break;             \
-    case KV_QTYPE_Q4_K: kq_512(KV_QTYPE_Q4_K, w8, rb, n_rows, a, m0, M, Y, ldy, VN); break;              \
-    case KV_QTYPE_Q5_K: kq_512(KV_QTYPE_Q5_K, w8, rb, n_rows, a, m0, M, Y, ldy, VN); break;              \
-    default: kq_512(KV_QTYPE_Q6_K, w8, rb, n_rows, a, m0, M, Y, ldy, VN); break;                         \
+    case KV_QTYPE_Q8_0: ROWS_LOOP(g32_row512, KV_QTYPE_Q8_0, VN, 16); break;                               \
+    case KV_QTYPE_Q4_0: ROWS_LOOP(g32_row512, KV_QTYPE_Q4_0, VN, 16); break;                               \
+    case KV_QTYPE_Q4_K: ROWS_LOOP(kq_row512, KV_QTYPE_Q4_K, VN, 16); break;                                \
+    case KV_QTYPE_Q5_K: ROWS_LOOP(kq_row512, KV_QTYPE_Q5_K, VN, 16); break;                                \
+    default: ROWS_LOOP(kq_row512, KV_QTYPE_Q6_K, VN, 16); break;                                           \
     }
 
 AVX512 static void dot512_vnni(int type, const uint8_t *w8, size_t rb, int n_rows, const struct kv_q8_act *a, int m0,
@@ -381,62 +344,223 @@ void kv_q8_dot_avx512(int type, const void *w, size_t rb, int n_rows, const stru
     else dot512_plain(type, w, rb, n_rows, a, m0, M, Y, ldy);
 }
 
+/* ---------------- AVX-512 VNNI: packed panels (prefill) ---------------- */
+
+/* One 16-row group of the panel (nr rows valid) x MR activation rows. */
+AVX512 static ALWAYS void packed_tile(int type, const uint8_t *rg, int nr, const struct kv_q8_act *a, int m0,
+                                      float *Y, size_t ldy, const int MR) {
+    const struct kv_q8_geo g = kv_q8_geo(type);
+    const int K = a->K, ng = K / g.G;
+    __m512 acc[8], mn[8];
+    _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++) acc[m] = mn[m] = _mm512_setzero_ps();
+    for (int s = 0; s < ng; s++) {
+        const uint8_t *grp = rg + (size_t)s * g.grp;
+        __m512i I[8];
+        _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++) I[m] = _mm512_setzero_si512();
+        for (int j = 0; j < g.J; j++) {
+            const uint8_t *sub = grp + g.hdr + (size_t)j * g.sub;
+            const uint8_t *v = sub + (g.kq ? 64 : 0);
+            const int e0 = s * g.G + j * g.S;
+            __m512i C[8];
+            _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++) C[m] = _mm512_setzero_si512();
+            _Pragma("GCC unroll 8") for (int k4 = 0; k4 < g.S / 4; k4++) {
+                __m512i vv = _mm512_load_si512((const void *)(v + 64 * k4));
+                _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++) {
+                    int32_t x4;
+                    memcpy(&x4, a->q + (size_t)(m0 + m) * K + e0 + 4 * k4, 4);
+                    C[m] = _mm512_dpbusd_epi32(C[m], vv, _mm512_set1_epi32(x4));
+                }
+            }
+            _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++) {
+                const int16_t *s16 = a->s16 + (size_t)(m0 + m) * (K / 16) + e0 / 16;
+                int qs = g.S == 32 ? s16[0] + s16[1] : s16[0];
+                __m512i t = _mm512_sub_epi32(C[m], _mm512_set1_epi32(128 * qs));
+                I[m] = g.kq ? _mm512_add_epi32(I[m], _mm512_mullo_epi32(t, _mm512_load_si512((const void *)sub))) : t;
+            }
+        }
+        __m512 dv = _mm512_load_ps((const float *)grp);
+        _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++) {
+            const float dxs = a->d[(size_t)(m0 + m) * ng + s];
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I[m]), _mm512_mul_ps(dv, _mm512_set1_ps(dxs)), acc[m]);
+            if (g.mins) {
+                const int16_t *s16 = a->s16 + (size_t)(m0 + m) * (K / 16) + 16 * (size_t)s;
+                __m512i Mi = _mm512_setzero_si512();
+                _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++)
+                    Mi = _mm512_add_epi32(Mi, _mm512_mullo_epi32(_mm512_load_si512((const void *)(grp + 128 + 64 * j)),
+                                                                 _mm512_set1_epi32(s16[2 * j] + s16[2 * j + 1])));
+                __m512 dm = _mm512_mul_ps(_mm512_load_ps((const float *)(grp + 64)), _mm512_set1_ps(dxs));
+                mn[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(Mi), dm, mn[m]);
+            }
+        }
+    }
+    const __mmask16 k = (__mmask16)((1u << nr) - 1);
+    _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++)
+        _mm512_mask_storeu_ps(Y + (size_t)m * ldy, k, g.mins ? _mm512_sub_ps(acc[m], mn[m]) : acc[m]);
+}
+
+AVX512 static ALWAYS void packed_t(int type, const uint8_t *panel, int n_rows, const struct kv_q8_act *a, int m0,
+                                   int M, float *Y, size_t ldy) {
+    const struct kv_q8_geo g = kv_q8_geo(type);
+    const size_t rgb = (size_t)(a->K / g.G) * g.grp;
+    for (int r = 0; r < n_rows; r += 16) {
+        const int nr = n_rows - r < 16 ? n_rows - r : 16;
+        const uint8_t *rg = panel + (size_t)(r / 16) * rgb;
+        int m = 0;
+        for (; m + 8 <= M; m += 8) packed_tile(type, rg, nr, a, m0 + m, Y + (size_t)m * ldy + r, ldy, 8);
+        for (; m + 4 <= M; m += 4) packed_tile(type, rg, nr, a, m0 + m, Y + (size_t)m * ldy + r, ldy, 4);
+        for (; m < M; m++) packed_tile(type, rg, nr, a, m0 + m, Y + (size_t)m * ldy + r, ldy, 1);
+    }
+}
+
+AVX512 void kv_q8_packed_avx512vnni(int type, const uint8_t *panel, int n_rows, const struct kv_q8_act *a, int m0,
+                                    int M, float *Y, size_t ldy) {
+    switch (type) {
+    case KV_QTYPE_Q8_0: packed_t(KV_QTYPE_Q8_0, panel, n_rows, a, m0, M, Y, ldy); break;
+    case KV_QTYPE_Q4_0: packed_t(KV_QTYPE_Q4_0, panel, n_rows, a, m0, M, Y, ldy); break;
+    case KV_QTYPE_Q4_K: packed_t(KV_QTYPE_Q4_K, panel, n_rows, a, m0, M, Y, ldy); break;
+    case KV_QTYPE_Q5_K: packed_t(KV_QTYPE_Q5_K, panel, n_rows, a, m0, M, Y, ldy); break;
+    default: packed_t(KV_QTYPE_Q6_K, panel, n_rows, a, m0, M, Y, ldy); break;
+    }
+}
+
+/* Repacks rows into the panel layout (q8_internal.h) with the chunk unpackers above and dword
+ * scatters into VNNI order; the same bytes as kv_q8_pack's scalar code (test_q8). */
+AVX512 static ALWAYS void pack_t(int type, const uint8_t *w, size_t rb, int n_rows, int K, uint8_t *panel) {
+    const struct kv_q8_geo g = kv_q8_geo(type);
+    const int ng = K / g.G;
+    const size_t bb = kv_qtype_block_bytes(type), rgb = (size_t)ng * g.grp, vo = g.kq ? 64 : 0;
+    /* dword i of a 64-element chunk c -> byte offset in the group (K-quants) */
+    __m512i idxc[4];
+    _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {
+        int32_t t[16];
+        for (int i = 0; i < 16; i++) {
+            int e = 64 * c + 4 * i, j = e / g.S, k4 = (e % g.S) / 4;
+            t[i] = (int32_t)(g.hdr + (size_t)j * g.sub + vo + 64 * (size_t)k4);
+        }
+        idxc[c] = _mm512_loadu_si512((const void *)t);
+    }
+    const __m256i idx8 = _mm256_setr_epi32(0, 64, 128, 192, 256, 320, 384, 448);
+    for (int r = 0; r < n_rows; r++) {
+        const uint8_t *row = w + (size_t)r * rb;
+        uint8_t *rg = panel + (size_t)(r / 16) * rgb;
+        const int n = r % 16;
+        for (int s = 0; s < ng; s++) {
+            const uint8_t *blk = row + (size_t)s * bb;
+            uint8_t *grp = rg + (size_t)s * g.grp;
+            if (!g.kq) {
+                float d = LDH(blk);
+                memcpy(grp + 4 * n, &d, 4);
+                __m256i v;
+                if (type == KV_QTYPE_Q8_0) {
+                    v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 2)), _mm256_set1_epi8((char)0x80));
+                } else {
+                    __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 2));
+                    v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0f));
+                    v = _mm256_add_epi8(v, _mm256_set1_epi8(120)); /* nibble - 8 + 128 */
+                }
+                _mm256_i32scatter_epi32((void *)(grp + g.hdr + 4 * n), idx8, v, 1);
+                continue;
+            }
+            if (type == KV_QTYPE_Q6_K) {
+                float d = LDH(blk + 208), dmin = 0.0f;
+                memcpy(grp + 4 * n, &d, 4);
+                memcpy(grp + 64 + 4 * n, &dmin, 4);
+                for (int j = 0; j < 16; j++) {
+                    int32_t sc = (int8_t)blk[192 + j];
+                    memcpy(grp + g.hdr + (size_t)j * g.sub + 4 * n, &sc, 4);
+                }
+            } else {
+                float d = LDH(blk), dmin = LDH(blk + 2);
+                memcpy(grp + 4 * n, &d, 4);
+                memcpy(grp + 64 + 4 * n, &dmin, 4);
+                uint32_t sc[2], mn[2];
+                kv_quant_scales_k4(blk + 4, sc, mn);
+                for (int j = 0; j < 8; j++) {
+                    int32_t a = kv_quant_k4_byte(sc, j), b = kv_quant_k4_byte(mn, j);
+                    memcpy(grp + g.hdr + (size_t)j * g.sub + 4 * n, &a, 4);
+                    memcpy(grp + 128 + 64 * (size_t)j + 4 * n, &b, 4);
+                }
+            }
+            const __m512i off = _mm512_set1_epi8((char)(type == KV_QTYPE_Q6_K ? 96 : 128)); /* u + 128 */
+            _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++)
+                _mm512_i32scatter_epi32((void *)(grp + 4 * n), idxc[c], _mm512_add_epi8(kq_chunk512(type, blk, c), off), 1);
+        }
+    }
+}
+
+AVX512 void kv_q8_pack_avx512(int type, const void *w, size_t rb, int n_rows, int K, void *panel) {
+    switch (type) {
+    case KV_QTYPE_Q8_0: pack_t(KV_QTYPE_Q8_0, w, rb, n_rows, K, panel); break;
+    case KV_QTYPE_Q4_0: pack_t(KV_QTYPE_Q4_0, w, rb, n_rows, K, panel); break;
+    case KV_QTYPE_Q4_K: pack_t(KV_QTYPE_Q4_K, w, rb, n_rows, K, panel); break;
+    case KV_QTYPE_Q5_K: pack_t(KV_QTYPE_Q5_K, w, rb, n_rows, K, panel); break;
+    default: pack_t(KV_QTYPE_Q6_K, w, rb, n_rows, K, panel); break;
+    }
+}
+
 /* ---------------- AVX2 ---------------- */
 
-/* the contract's tree from lanes 0-7 (lo) and 8-15 (hi) */
-AVX2 static ALWAYS float tree256(__m256 lo, __m256 hi) {
-    __m256 l8 = _mm256_add_ps(lo, hi);
-    __m128 l4 = _mm_add_ps(_mm256_castps256_ps128(l8), _mm256_extractf128_ps(l8, 1));
-    __m128 l2 = _mm_add_ps(l4, _mm_movehl_ps(l4, l4));
-    return _mm_cvtss_f32(_mm_add_ss(l2, _mm_shuffle_ps(l2, l2, 1)));
+/* 8 rows' int32 lane vectors -> one vector of the rows' sums */
+AVX2 static ALWAYS __m256i tred256(const __m256i R[8]) {
+    __m256i h01 = _mm256_hadd_epi32(R[0], R[1]), h23 = _mm256_hadd_epi32(R[2], R[3]);
+    __m256i h45 = _mm256_hadd_epi32(R[4], R[5]), h67 = _mm256_hadd_epi32(R[6], R[7]);
+    __m256i a = _mm256_hadd_epi32(h01, h23), b = _mm256_hadd_epi32(h45, h67);
+    /* a: lane half 0 = rows 0-3 over lanes 0-3, half 1 = rows 0-3 over lanes 4-7 */
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
-/* Q8_0 / Q4_0, one block b (32 elements) into lane half b % 2 */
-AVX2 static ALWAYS void g32_block256(int type, const uint8_t *w, size_t rb, const struct kv_q8_act *a, int m0, int b,
-                                     __m256 acc[4][4][2], const int MR, const int RR) {
-    const int K = a->K, nb = K / 32, h = b & 1;
-    const size_t bb = type == KV_QTYPE_Q8_0 ? 34 : 18;
-    const __m256i ones = _mm256_set1_epi16(1), k8 = _mm256_set1_epi8(8), m4 = _mm256_set1_epi8(0x0f);
-    __m256i x[4], c8[4];
-    float dx[4];
-    _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++) {
-        x[m] = _mm256_loadu_si256((const __m256i *)(a->q + (size_t)(m0 + m) * K + 32 * (size_t)b));
-        dx[m] = a->d[(size_t)(m0 + m) * nb + b];
-        if (type == KV_QTYPE_Q4_0) c8[m] = _mm256_madd_epi16(_mm256_maddubs_epi16(k8, x[m]), ones);
-    }
-    _Pragma("GCC unroll 4") for (int r = 0; r < RR; r++) {
-        const uint8_t *blk = w + (size_t)r * rb + (size_t)b * bb;
-        const float dw = LDH(blk);
-        __m256i wv, aw;
-        if (type == KV_QTYPE_Q8_0) {
-            wv = _mm256_loadu_si256((const __m256i *)(blk + 2));
-            aw = _mm256_abs_epi8(wv);
-        } else {
-            __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 2));
-            wv = aw = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), m4);
-        }
-        _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++) {
-            __m256i P = type == KV_QTYPE_Q8_0
-                            ? _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x[m], wv)), ones)
-                            : _mm256_sub_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(aw, x[m]), ones), c8[m]);
-            acc[m][r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(P), _mm256_set1_ps(dw * dx[m]), acc[m][r][h]);
-        }
-    }
+/* the f16 at byte offset off of rows 0..nr-1 (others 0) as 8 floats */
+AVX2 static ALWAYS __m256 gather_h8(const uint8_t *w, size_t rb, int nr, size_t off) {
+    uint16_t h[8] = {0};
+    for (int r = 0; r < nr; r++) h[r] = kv_quant_ld16(w + (size_t)r * rb + off);
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
 }
 
-AVX2 static ALWAYS void g32_tile256(int type, const uint8_t *w, size_t rb, const struct kv_q8_act *a, int m0,
-                                    float *Y, size_t ldy, const int MR, const int RR, const int VN, const int PF) {
+AVX2 static ALWAYS void store8(float *Y, int nr, __m256 v) {
+    if (nr == 8) {
+        _mm256_storeu_ps(Y, v);
+        return;
+    }
+    float t[8];
+    _mm256_storeu_ps(t, v);
+    memcpy(Y, t, sizeof(float) * (size_t)nr);
+}
+
+AVX2 static ALWAYS void g32_row256(int type, const uint8_t *w, size_t rb, int nr, const struct kv_q8_act *a, int m,
+                                   float *Y, const int VN, const int PF) {
     (void)VN;
-    const int nb = a->K / 32;
-    __m256 acc[4][4][2];
-    _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++)
-        _Pragma("GCC unroll 4") for (int r = 0; r < RR; r++) acc[m][r][0] = acc[m][r][1] = _mm256_setzero_ps();
+    const int K = a->K, nb = K / 32;
+    const size_t bb = type == KV_QTYPE_Q8_0 ? 34 : 18;
+    const int8_t *qx = a->q + (size_t)m * K;
+    const float *dx = a->d + (size_t)m * nb;
+    const int16_t *s16 = a->s16 + (size_t)m * (K / 16);
+    const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0f);
+    __m256 acc = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        if (PF) prefetch_share(w + (size_t)RR * rb, (size_t)RR * rb, b, nb);
-        g32_block256(type, w, rb, a, m0, b, acc, MR, RR);
+        if (PF) prefetch_share(w + (size_t)8 * rb, (size_t)8 * rb, b, nb);
+        __m256i x = _mm256_loadu_si256((const __m256i *)(qx + 32 * (size_t)b));
+        __m256i R[8];
+        _Pragma("GCC unroll 8") for (int r = 0; r < 8; r++) {
+            if (r >= nr) {
+                R[r] = _mm256_setzero_si256();
+                continue;
+            }
+            const uint8_t *blk = w + (size_t)r * rb + (size_t)b * bb;
+            if (type == KV_QTYPE_Q8_0) {
+                __m256i wv = _mm256_loadu_si256((const __m256i *)(blk + 2));
+                R[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(x, wv)), ones);
+            } else {
+                __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 2));
+                __m256i v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), m4);
+                R[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(v, x), ones);
+            }
+        }
+        __m256i S = tred256(R);
+        if (type == KV_QTYPE_Q4_0) S = _mm256_sub_epi32(S, _mm256_set1_epi32(8 * (s16[2 * b] + s16[2 * b + 1])));
+        __m256 sv = _mm256_mul_ps(gather_h8(w, rb, nr, (size_t)b * bb), _mm256_set1_ps(dx[b]));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S), sv, acc);
     }
-    _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++)
-        _Pragma("GCC unroll 4") for (int r = 0; r < RR; r++) Y[(size_t)m * ldy + r] = tree256(acc[m][r][0], acc[m][r][1]);
+    store8(Y, nr, acc);
 }
 
 /* K-quants, AVX2: chunk c2 (0..7, 32 elements) of a super-block as unsigned bytes */
@@ -461,112 +585,70 @@ AVX2 static ALWAYS __m256i kq_chunk256(int type, const uint8_t *b, int c2) {
     return v;
 }
 
-AVX2 static ALWAYS void kq_tile256(int type, const uint8_t *w, size_t rb, const struct kv_q8_act *a, int m0,
-                                   float *Y, size_t ldy, const int MR, const int RR, const int VN, const int PF) {
+AVX2 static ALWAYS void kq_row256(int type, const uint8_t *w, size_t rb, int nr, const struct kv_q8_act *a, int m,
+                                  float *Y, const int VN, const int PF) {
     (void)VN;
     const int K = a->K, ns = K / 256;
     const size_t bb = kv_qtype_block_bytes(type);
     const int mins = type != KV_QTYPE_Q6_K;
+    const int8_t *qx = a->q + (size_t)m * K;
+    const float *dx = a->d + (size_t)m * ns;
+    const int16_t *s16 = a->s16 + (size_t)m * (K / 16);
     const __m256i k32 = _mm256_set1_epi8(32);
-    __m256 acc[4][4][2];
-    float mn[4][4];
-    _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++)
-        _Pragma("GCC unroll 4") for (int r = 0; r < RR; r++) {
-            acc[m][r][0] = acc[m][r][1] = _mm256_setzero_ps();
-            mn[m][r] = 0.0f;
-        }
+    __m256 acc = _mm256_setzero_ps(), mn = _mm256_setzero_ps();
     for (int s = 0; s < ns; s++) {
-        if (PF) prefetch_share(w + (size_t)RR * rb, (size_t)RR * rb, s, ns);
-        __m256i P[4][4][2];
-        short scs[4][16];
-        __m128i mins16[4];
-        float d[4], dmin[4];
-        _Pragma("GCC unroll 4") for (int r = 0; r < RR; r++) {
+        if (PF) prefetch_share(w + (size_t)8 * rb, (size_t)8 * rb, s, ns);
+        __m256i R[8];
+        int32_t mi[8] = {0};
+        _Pragma("GCC unroll 8") for (int r = 0; r < 8; r++) {
+            if (r >= nr) {
+                R[r] = _mm256_setzero_si256();
+                continue;
+            }
             const uint8_t *b = w + (size_t)r * rb + (size_t)s * bb;
+            short scs[16];
             if (type == KV_QTYPE_Q6_K) {
-                d[r] = LDH(b + 208);
-                dmin[r] = 0.0f;
-                mins16[r] = _mm_setzero_si128();
-                for (int j = 0; j < 16; j++) scs[r][j] = (int8_t)b[192 + j];
+                _Pragma("GCC unroll 16") for (int j = 0; j < 16; j++) scs[j] = (int8_t)b[192 + j];
             } else {
-                d[r] = LDH(b);
-                dmin[r] = LDH(b + 2);
                 uint32_t sc[2], mn2[2];
                 kv_quant_scales_k4(b + 4, sc, mn2);
-                mins16[r] = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)mn2));
-                for (int j = 0; j < 8; j++) scs[r][j] = (short)kv_quant_k4_byte(sc, j);
+                _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) scs[j] = (short)kv_quant_k4_byte(sc, j);
+                mi[r] = min_dot(b, s16 + 16 * (size_t)s);
             }
-        }
-        _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++)
-            _Pragma("GCC unroll 4") for (int r = 0; r < RR; r++) P[m][r][0] = P[m][r][1] = _mm256_setzero_si256();
-        for (int c2 = 0; c2 < 8; c2++) {
-            __m256i x[4], x32[4];
-            _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++) {
-                x[m] = _mm256_loadu_si256((const __m256i *)(a->q + (size_t)(m0 + m) * K + 256 * (size_t)s + 32 * c2));
-                if (type == KV_QTYPE_Q6_K) x32[m] = _mm256_maddubs_epi16(k32, x[m]);
-            }
-            _Pragma("GCC unroll 4") for (int r = 0; r < RR; r++) {
-                const uint8_t *b = w + (size_t)r * rb + (size_t)s * bb;
-                __m256i v = kq_chunk256(type, b, c2);
+            __m256i P = _mm256_setzero_si256();
+            _Pragma("GCC unroll 8") for (int c2 = 0; c2 < 8; c2++) {
+                __m256i x = _mm256_loadu_si256((const __m256i *)(qx + 256 * (size_t)s + 32 * c2));
+                __m256i pr = _mm256_maddubs_epi16(kq_chunk256(type, b, c2), x);
+                if (type == KV_QTYPE_Q6_K) pr = _mm256_sub_epi16(pr, _mm256_maddubs_epi16(k32, x));
                 __m256i scv = type == KV_QTYPE_Q6_K
-                                  ? _mm256_set_m128i(_mm_set1_epi16(scs[r][2 * c2 + 1]), _mm_set1_epi16(scs[r][2 * c2]))
-                                  : _mm256_set1_epi16(scs[r][c2]);
-                _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++) {
-                    __m256i pr = _mm256_maddubs_epi16(v, x[m]);
-                    if (type == KV_QTYPE_Q6_K) pr = _mm256_sub_epi16(pr, x32[m]);
-                    P[m][r][c2 & 1] = _mm256_add_epi32(P[m][r][c2 & 1], _mm256_madd_epi16(pr, scv));
-                }
+                                  ? _mm256_set_m128i(_mm_set1_epi16(scs[2 * c2 + 1]), _mm_set1_epi16(scs[2 * c2]))
+                                  : _mm256_set1_epi16(scs[c2]);
+                P = _mm256_add_epi32(P, _mm256_madd_epi16(pr, scv));
             }
+            R[r] = P;
         }
-        _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++) {
-            const float dx = a->d[(size_t)(m0 + m) * ns + s];
-            const int16_t *s32 = a->s32 + (size_t)(m0 + m) * (K / 32) + 8 * (size_t)s;
-            _Pragma("GCC unroll 4") for (int r = 0; r < RR; r++) {
-                __m256 sv = _mm256_set1_ps(d[r] * dx);
-                acc[m][r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(P[m][r][0]), sv, acc[m][r][0]);
-                acc[m][r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(P[m][r][1]), sv, acc[m][r][1]);
-                if (mins) mn[m][r] = __builtin_fmaf((float)min_dot(mins16[r], s32), dmin[r] * dx, mn[m][r]);
-            }
+        __m256i S = tred256(R);
+        const size_t doff = type == KV_QTYPE_Q6_K ? 208 : 0;
+        __m256 sv = _mm256_mul_ps(gather_h8(w, rb, nr, (size_t)s * bb + doff), _mm256_set1_ps(dx[s]));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S), sv, acc);
+        if (mins) {
+            __m256 mv = _mm256_mul_ps(gather_h8(w, rb, nr, (size_t)s * bb + 2), _mm256_set1_ps(dx[s]));
+            mn = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)mi)), mv, mn);
         }
     }
-    _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++)
-        _Pragma("GCC unroll 4") for (int r = 0; r < RR; r++) {
-            float y = tree256(acc[m][r][0], acc[m][r][1]);
-            if (mins) y = y - mn[m][r];
-            Y[(size_t)m * ldy + r] = y;
-        }
+    if (mins) acc = _mm256_sub_ps(acc, mn);
+    store8(Y, nr, acc);
 }
-
-#define R1 4
-#define R2 2
-#define R3 1
-#define R4 1
-AVX2 static ALWAYS void g32_256(int type, const uint8_t *w8, size_t rb, int n_rows, const struct kv_q8_act *a, int m0,
-                                int M, float *Y, size_t ldy) {
-    TILES512(g32_tile256, type, 0);
-}
-#undef R1
-#undef R2
-#define R1 4
-#define R2 1
-AVX2 static ALWAYS void kq_256(int type, const uint8_t *w8, size_t rb, int n_rows, const struct kv_q8_act *a, int m0,
-                               int M, float *Y, size_t ldy) {
-    TILES512(kq_tile256, type, 0);
-}
-#undef R1
-#undef R2
-#undef R3
-#undef R4
 
 AVX2 void kv_q8_dot_avx2(int type, const void *w, size_t rb, int n_rows, const struct kv_q8_act *a, int m0, int M,
                          float *Y, size_t ldy) {
     const uint8_t *w8 = w;
     switch (type) {
-    case KV_QTYPE_Q8_0: g32_256(KV_QTYPE_Q8_0, w8, rb, n_rows, a, m0, M, Y, ldy); break;
-    case KV_QTYPE_Q4_0: g32_256(KV_QTYPE_Q4_0, w8, rb, n_rows, a, m0, M, Y, ldy); break;
-    case KV_QTYPE_Q4_K: kq_256(KV_QTYPE_Q4_K, w8, rb, n_rows, a, m0, M, Y, ldy); break;
-    case KV_QTYPE_Q5_K: kq_256(KV_QTYPE_Q5_K, w8, rb, n_rows, a, m0, M, Y, ldy); break;
-    default: kq_256(KV_QTYPE_Q6_K, w8, rb, n_rows, a, m0, M, Y, ldy); break;
+    case KV_QTYPE_Q8_0: ROWS_LOOP(g32_row256, KV_QTYPE_Q8_0, 0, 8); break;
+    case KV_QTYPE_Q4_0: ROWS_LOOP(g32_row256, KV_QTYPE_Q4_0, 0, 8); break;
+    case KV_QTYPE_Q4_K: ROWS_LOOP(kq_row256, KV_QTYPE_Q4_K, 0, 8); break;
+    case KV_QTYPE_Q5_K: ROWS_LOOP(kq_row256, KV_QTYPE_Q5_K, 0, 8); break;
+    default: ROWS_LOOP(kq_row256, KV_QTYPE_Q6_K, 0, 8); break;
     }
 }
 

@@ -289,6 +289,45 @@ static float *thread_panel(size_t n) {
     return pn->p;
 }
 
+/* ---- per-thread buffers of the integer path: activations (the calling thread) and panels
+ * (each task's thread; the calling thread runs tasks too, hence two keys) ---- */
+struct q8buf {
+    void *p;
+    size_t cap;
+};
+static pthread_key_t g_q8_key[2];
+static pthread_once_t g_q8_once = PTHREAD_ONCE_INIT;
+static void q8buf_free(void *v) {
+    struct q8buf *b = v;
+    if (b) free(b->p);
+    free(b);
+}
+static void q8_key_init(void) {
+    if (pthread_key_create(&g_q8_key[0], q8buf_free) || pthread_key_create(&g_q8_key[1], q8buf_free)) abort();
+}
+/* This thread's buffer `which` of at least n bytes, 64-byte aligned (freed at thread exit), or NULL. */
+static void *thread_buf(int which, size_t n) {
+    pthread_once(&g_q8_once, q8_key_init);
+    struct q8buf *b = pthread_getspecific(g_q8_key[which]);
+    if (!b) {
+        b = calloc(1, sizeof *b);
+        if (!b || pthread_setspecific(g_q8_key[which], b)) {
+            free(b);
+            return NULL;
+        }
+    }
+    if (b->cap < n) {
+        void *np = aligned_alloc(64, (n + 63) & ~(size_t)63);
+        if (!np) return NULL;
+        free(b->p);
+        b->p = np;
+        b->cap = n;
+    }
+    return b->p;
+}
+static void *thread_q8buf(size_t n) { return thread_buf(0, n); }
+static void *thread_q8panel(size_t n) { return thread_buf(1, n); }
+
 /* ---- work split ---- */
 
 #define MAX_BATCH 8
@@ -322,7 +361,14 @@ static void plan_task(void *p, int t, int th) {
         return;
     }
     if (pl->q8[i] || op->M <= DECODE_ROWS) { /* decode: dequantize in registers, nothing written but Y */
-        if (pl->q8[i])
+        if (pl->q8[i] && op->M > DECODE_ROWS && kv_q8_packed_fast()) {
+            /* prefill: repack the task's rows once (VNNI order), then outer products for all M */
+            size_t pb = kv_q8_pack_bytes(W->type, n1 - n0, (int)K);
+            void *panel = thread_q8panel(pb);
+            if (!panel) abort(); /* ~1.3 bytes per weight of one task: out of memory here is fatal */
+            kv_q8_pack(W->type, (const char *)W->data + (size_t)n0 * W->row_bytes, W->row_bytes, n1 - n0, (int)K, panel);
+            kv_q8_dot_packed(W->type, panel, n1 - n0, pl->q8[i], 0, op->M, op->Y + n0, (size_t)W->rows);
+        } else if (pl->q8[i])
             kv_q8_dot_rows(W->type, (const char *)W->data + (size_t)n0 * W->row_bytes, W->row_bytes, n1 - n0, pl->q8[i],
                            0, op->M, op->Y + n0, (size_t)W->rows);
         else
@@ -377,41 +423,6 @@ kv_status kv_matmul_quant_parse(const char *s, enum kv_matmul_quant *out, char *
     else if (s && !strcasecmp(s, "f32")) *out = KV_MATMUL_QUANT_F32;
     else return kv_errf(KV_EINVAL, err, errlen, "'%s': expected int8 or f32", s ? s : "");
     return KV_OK;
-}
-
-/* This thread's buffer of at least n bytes, 64-byte aligned (freed at thread exit), or NULL. */
-static pthread_key_t g_q8_key;
-static pthread_once_t g_q8_once = PTHREAD_ONCE_INIT;
-struct q8buf {
-    void *p;
-    size_t cap;
-};
-static void q8buf_free(void *v) {
-    struct q8buf *b = v;
-    if (b) free(b->p);
-    free(b);
-}
-static void q8_key_init(void) {
-    if (pthread_key_create(&g_q8_key, q8buf_free)) abort();
-}
-static void *thread_q8buf(size_t n) {
-    pthread_once(&g_q8_once, q8_key_init);
-    struct q8buf *b = pthread_getspecific(g_q8_key);
-    if (!b) {
-        b = calloc(1, sizeof *b);
-        if (!b || pthread_setspecific(g_q8_key, b)) {
-            free(b);
-            return NULL;
-        }
-    }
-    if (b->cap < n) {
-        void *np = aligned_alloc(64, (n + 63) & ~(size_t)63);
-        if (!np) return NULL;
-        free(b->p);
-        b->p = np;
-        b->cap = n;
-    }
-    return b->p;
 }
 
 /* Quantizes the activations of the ops that take the integer path (pl->q8[i]); ops with the

@@ -95,7 +95,7 @@ static void quantize_all(struct kv_q8_act *a, const float *X, size_t ldx) {
         /* q and d and s32: the whole buffer except padding must agree */
         assert_memory_equal(a->q, ref, (size_t)a->M * a->K);
         for (int m = 0; m < a->M * (a->K / a->group); m++) assert_true(same(a->d[m], ((float *)((char *)ref + ((char *)a->d - (char *)a->q)))[m]));
-        assert_memory_equal(a->s32, (char *)ref + ((char *)a->s32 - (char *)a->q), sizeof(int16_t) * (size_t)a->M * (a->K / 32));
+        assert_memory_equal(a->s16, (char *)ref + ((char *)a->s16 - (char *)a->q), sizeof(int16_t) * (size_t)a->M * (a->K / 16));
     }
     kv_quant_set_isa(KV_QUANT_ISA_AUTO);
     free(ref);
@@ -127,10 +127,10 @@ static void check_rule(const struct kv_q8_act *a, const float *X, size_t ldx) {
             }
         }
     for (int m = 0; m < a->M; m++)
-        for (int j = 0; j < a->K / 32; j++) {
+        for (int j = 0; j < a->K / 16; j++) {
             int t = 0;
-            for (int i = 0; i < 32; i++) t += a->q[(size_t)m * a->K + 32 * j + i];
-            assert_int_equal(a->s32[(size_t)m * (a->K / 32) + j], t);
+            for (int i = 0; i < 16; i++) t += a->q[(size_t)m * a->K + 16 * j + i];
+            assert_int_equal(a->s16[(size_t)m * (a->K / 16) + j], t);
         }
 }
 
@@ -158,6 +158,40 @@ static int compare_all(int type, const uint8_t *w, size_t rb, int n_rows, const 
         }
         n++;
     }
+    /* the prefill path: repacked panel, every ISA and every limit (no AMX, no VNNI) */
+    size_t pb = kv_q8_pack_bytes(type, n_rows, a->K);
+    assert_true(pb > 0);
+    void *panel = aligned_alloc(64, (pb + 63) & ~(size_t)63);
+    assert_non_null(panel);
+    /* every ISA's packing gives the same bytes (the generic one is the plain transcription) */
+    void *panel2 = aligned_alloc(64, (pb + 63) & ~(size_t)63);
+    assert_non_null(panel2);
+    use_isa(KV_QUANT_ISA_GENERIC);
+    memset(panel, 0xa5, pb);
+    assert_int_equal(kv_q8_pack(type, w, rb, n_rows, a->K, panel), 0);
+    for (int i = 1; i < N_ISAS; i++) {
+        if (!use_isa(k_isas[i])) continue;
+        memset(panel2, 0x5a, pb);
+        assert_int_equal(kv_q8_pack(type, w, rb, n_rows, a->K, panel2), 0);
+        assert_memory_equal(panel, panel2, pb);
+    }
+    free(panel2);
+    for (int i = 0; i < N_ISAS; i++) {
+        if (!use_isa(k_isas[i])) continue;
+        for (int lim = 0; lim < 4; lim++) {
+            if (k_isas[i] != KV_QUANT_ISA_AVX512 && lim) break;
+            kv_q8_set_no_vnni(lim);
+            for (size_t j = 0; j < ny; j++) got[j] = -7.25f;
+            kv_q8_dot_packed(type, panel, n_rows, a, 0, M, got, ldy);
+            for (size_t j = 0; j < ny; j++)
+                if (!same(got[j], ref[j]))
+                    fail_msg("%s packed isa %s limits %d n_rows %d M %d K %d: Y[%zu] = %a, contract %a",
+                             kv_qtype_name(type), kv_quant_isa_name(k_isas[i]), lim, n_rows, M, a->K, j,
+                             (double)got[j], (double)ref[j]);
+            n++;
+        }
+    }
+    free(panel);
     kv_q8_set_no_vnni(0);
     kv_quant_set_isa(KV_QUANT_ISA_AUTO);
     /* one row at a time and one activation row at a time: the same bits (batch invariance) */
@@ -187,7 +221,10 @@ static void check_type(int type) {
             void *abuf = aligned_alloc(64, (kv_q8_act_bytes(M, K, kv_q8_group(type)) + 63) & ~(size_t)63);
             assert_non_null(abuf);
             assert_int_equal(kv_q8_act_init(&a, abuf, M, K, kv_q8_group(type)), 0);
-            for (int n_rows = 1; n_rows <= 9; n_rows += (n_rows < 4 ? 1 : 2)) {
+            static const int k_rows[] = {1, 2, 3, 5, 8, 9, 16, 17, 33};
+            for (size_t ri = 0; ri < sizeof k_rows / sizeof k_rows[0]; ri++) {
+                const int n_rows = k_rows[ri];
+                if (n_rows > 9 && M != 1 && M != 9) continue;
                 bool extreme = (n_rows + M) % 2 == 0;
                 size_t rb = kv_qtype_row_bytes(type, K) + (size_t)(rnd() % 3) * 3;
                 size_t ldx = (size_t)K + rnd() % 5, ldy = (size_t)n_rows + rnd() % 3;
@@ -319,7 +356,7 @@ static void check_file(void **state) {
                 den[m] += ref * ref;
             }
         }
-        const double lim[2] = {1e-2, 3e-2};
+        const double lim[2] = {1.5e-2, 4e-2};
         for (int m = 0; m < M; m++) {
             double rel = sqrt(num[m] / den[m]);
             if (rel > worst[m]) worst[m] = rel;
