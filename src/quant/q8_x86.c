@@ -509,11 +509,17 @@ AVX2 static ALWAYS __m256i tred256(const __m256i R[8]) {
     return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
-/* the f16 at byte offset off of rows 0..nr-1 (others 0) as 8 floats */
-AVX2 static ALWAYS __m256 gather_h8(const uint8_t *w, size_t rb, int nr, size_t off) {
-    uint16_t h[8] = {0};
-    for (int r = 0; r < nr; r++) h[r] = kv_quant_ld16(w + (size_t)r * rb + off);
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+/* the f16 at byte offset off of rows 0..nr-1 (others 0) as 8 floats: one dword gather (bytes
+ * off .. off+3, or off-2 .. off+1 when the f16 ends its block), low / high halves packed */
+AVX2 static ALWAYS __m256 gather_h8(const uint8_t *w, size_t rb, int nr, size_t off, const int at_end) {
+    const __m256i idx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)rb));
+    const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(nr), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    __m256i g = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), (const int *)(const void *)(w + off - (at_end ? 2 : 0)),
+                                            idx, live, 1);
+    if (at_end) g = _mm256_srli_epi32(g, 16);
+    g = _mm256_and_si256(g, _mm256_set1_epi32(0xffff));
+    __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(g), _mm256_extracti128_si256(g, 1));
+    return _mm256_cvtph_ps(h);
 }
 
 AVX2 static ALWAYS void store8(float *Y, int nr, __m256 v) {
@@ -526,41 +532,45 @@ AVX2 static ALWAYS void store8(float *Y, int nr, __m256 v) {
     memcpy(Y, t, sizeof(float) * (size_t)nr);
 }
 
-AVX2 static ALWAYS void g32_row256(int type, const uint8_t *w, size_t rb, int nr, const struct kv_q8_act *a, int m,
-                                   float *Y, const int VN, const int PF) {
-    (void)VN;
+/* Q8_0 / Q4_0: nr <= 8 weight rows x MR <= 4 activation rows (m0 ..), Y row m at Y + m * ldy */
+AVX2 static ALWAYS void g32_tile256(int type, const uint8_t *w, size_t rb, int nr, const struct kv_q8_act *a, int m0,
+                                    float *Y, size_t ldy, const int MR, const int PF) {
     const int K = a->K, nb = K / 32;
     const size_t bb = type == KV_QTYPE_Q8_0 ? 34 : 18;
-    const int8_t *qx = a->q + (size_t)m * K;
-    const float *dx = a->d + (size_t)m * nb;
-    const int16_t *s16 = a->s16 + (size_t)m * (K / 16);
     const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0f);
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc[4];
+    _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++) acc[m] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
         if (PF) prefetch_share(w + (size_t)8 * rb, (size_t)8 * rb, b, nb);
-        __m256i x = _mm256_loadu_si256((const __m256i *)(qx + 32 * (size_t)b));
-        __m256i R[8];
+        __m256i wv[8], aw[8];
         _Pragma("GCC unroll 8") for (int r = 0; r < 8; r++) {
-            if (r >= nr) {
-                R[r] = _mm256_setzero_si256();
-                continue;
-            }
-            const uint8_t *blk = w + (size_t)r * rb + (size_t)b * bb;
+            const uint8_t *blk = w + (size_t)(r < nr ? r : 0) * rb + (size_t)b * bb;
             if (type == KV_QTYPE_Q8_0) {
-                __m256i wv = _mm256_loadu_si256((const __m256i *)(blk + 2));
-                R[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(x, wv)), ones);
+                wv[r] = _mm256_loadu_si256((const __m256i *)(blk + 2));
+                aw[r] = _mm256_abs_epi8(wv[r]);
             } else {
                 __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 2));
-                __m256i v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), m4);
-                R[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(v, x), ones);
+                wv[r] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), m4);
             }
         }
-        __m256i S = tred256(R);
-        if (type == KV_QTYPE_Q4_0) S = _mm256_sub_epi32(S, _mm256_set1_epi32(8 * (s16[2 * b] + s16[2 * b + 1])));
-        __m256 sv = _mm256_mul_ps(gather_h8(w, rb, nr, (size_t)b * bb), _mm256_set1_ps(dx[b]));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S), sv, acc);
+        const __m256 dw = gather_h8(w, rb, nr, (size_t)b * bb, 0);
+        _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++) {
+            const int8_t *qx = a->q + (size_t)(m0 + m) * K + 32 * (size_t)b;
+            __m256i x = _mm256_loadu_si256((const __m256i *)qx), R[8];
+            _Pragma("GCC unroll 8") for (int r = 0; r < 8; r++)
+                R[r] = type == KV_QTYPE_Q8_0
+                           ? _mm256_madd_epi16(_mm256_maddubs_epi16(aw[r], _mm256_sign_epi8(x, wv[r])), ones)
+                           : _mm256_madd_epi16(_mm256_maddubs_epi16(wv[r], x), ones);
+            __m256i S = tred256(R);
+            if (type == KV_QTYPE_Q4_0) {
+                const int16_t *s16 = a->s16 + (size_t)(m0 + m) * (K / 16) + 2 * (size_t)b;
+                S = _mm256_sub_epi32(S, _mm256_set1_epi32(8 * (s16[0] + s16[1])));
+            }
+            __m256 sv = _mm256_mul_ps(dw, _mm256_set1_ps(a->d[(size_t)(m0 + m) * nb + b]));
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S), sv, acc[m]);
+        }
     }
-    store8(Y, nr, acc);
+    _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++) store8(Y + (size_t)m * ldy, nr, acc[m]);
 }
 
 /* K-quants, AVX2: chunk c2 (0..7, 32 elements) of a super-block as unsigned bytes */
@@ -585,26 +595,21 @@ AVX2 static ALWAYS __m256i kq_chunk256(int type, const uint8_t *b, int c2) {
     return v;
 }
 
-AVX2 static ALWAYS void kq_row256(int type, const uint8_t *w, size_t rb, int nr, const struct kv_q8_act *a, int m,
-                                  float *Y, const int VN, const int PF) {
-    (void)VN;
+/* K-quants: nr <= 8 weight rows x MR <= 4 activation rows. Per super-block each row's quants
+ * are unpacked once into a stack buffer and its scales into int16 vectors, then every
+ * activation row reads them from L1. */
+AVX2 static ALWAYS void kq_tile256(int type, const uint8_t *w, size_t rb, int nr, const struct kv_q8_act *a, int m0,
+                                   float *Y, size_t ldy, const int MR, const int PF) {
     const int K = a->K, ns = K / 256;
     const size_t bb = kv_qtype_block_bytes(type);
     const int mins = type != KV_QTYPE_Q6_K;
-    const int8_t *qx = a->q + (size_t)m * K;
-    const float *dx = a->d + (size_t)m * ns;
-    const int16_t *s16 = a->s16 + (size_t)m * (K / 16);
     const __m256i k32 = _mm256_set1_epi8(32);
-    __m256 acc = _mm256_setzero_ps(), mn = _mm256_setzero_ps();
+    __m256 acc[4], mn[4];
+    _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++) acc[m] = mn[m] = _mm256_setzero_ps();
+    __m256i ub[8][8], scv[8][8]; /* [row][chunk]: unpacked quants, int16 scales */
     for (int s = 0; s < ns; s++) {
         if (PF) prefetch_share(w + (size_t)8 * rb, (size_t)8 * rb, s, ns);
-        __m256i R[8];
-        int32_t mi[8] = {0};
-        _Pragma("GCC unroll 8") for (int r = 0; r < 8; r++) {
-            if (r >= nr) {
-                R[r] = _mm256_setzero_si256();
-                continue;
-            }
+        for (int r = 0; r < nr && MR > 1; r++) {
             const uint8_t *b = w + (size_t)r * rb + (size_t)s * bb;
             short scs[16];
             if (type == KV_QTYPE_Q6_K) {
@@ -613,42 +618,95 @@ AVX2 static ALWAYS void kq_row256(int type, const uint8_t *w, size_t rb, int nr,
                 uint32_t sc[2], mn2[2];
                 kv_quant_scales_k4(b + 4, sc, mn2);
                 _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) scs[j] = (short)kv_quant_k4_byte(sc, j);
-                mi[r] = min_dot(b, s16 + 16 * (size_t)s);
             }
-            __m256i P = _mm256_setzero_si256();
             _Pragma("GCC unroll 8") for (int c2 = 0; c2 < 8; c2++) {
-                __m256i x = _mm256_loadu_si256((const __m256i *)(qx + 256 * (size_t)s + 32 * c2));
-                __m256i pr = _mm256_maddubs_epi16(kq_chunk256(type, b, c2), x);
-                if (type == KV_QTYPE_Q6_K) pr = _mm256_sub_epi16(pr, _mm256_maddubs_epi16(k32, x));
-                __m256i scv = type == KV_QTYPE_Q6_K
-                                  ? _mm256_set_m128i(_mm_set1_epi16(scs[2 * c2 + 1]), _mm_set1_epi16(scs[2 * c2]))
-                                  : _mm256_set1_epi16(scs[c2]);
-                P = _mm256_add_epi32(P, _mm256_madd_epi16(pr, scv));
+                ub[r][c2] = kq_chunk256(type, b, c2);
+                scv[r][c2] = type == KV_QTYPE_Q6_K
+                                 ? _mm256_set_m128i(_mm_set1_epi16(scs[2 * c2 + 1]), _mm_set1_epi16(scs[2 * c2]))
+                                 : _mm256_set1_epi16(scs[c2]);
             }
-            R[r] = P;
         }
-        __m256i S = tred256(R);
         const size_t doff = type == KV_QTYPE_Q6_K ? 208 : 0;
-        __m256 sv = _mm256_mul_ps(gather_h8(w, rb, nr, (size_t)s * bb + doff), _mm256_set1_ps(dx[s]));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S), sv, acc);
-        if (mins) {
-            __m256 mv = _mm256_mul_ps(gather_h8(w, rb, nr, (size_t)s * bb + 2), _mm256_set1_ps(dx[s]));
-            mn = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)mi)), mv, mn);
+        const __m256 dw = gather_h8(w, rb, nr, (size_t)s * bb + doff, type == KV_QTYPE_Q6_K);
+        __m256 dmw = _mm256_setzero_ps();
+        if (mins) dmw = gather_h8(w, rb, nr, (size_t)s * bb + 2, 0);
+        _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++) {
+            const int8_t *qx = a->q + (size_t)(m0 + m) * K + 256 * (size_t)s;
+            const int16_t *s16 = a->s16 + (size_t)(m0 + m) * (K / 16) + 16 * (size_t)s;
+            __m256i R[8];
+            int32_t mi[8] = {0};
+            _Pragma("GCC unroll 8") for (int r = 0; r < 8; r++) R[r] = _mm256_setzero_si256();
+            if (MR == 1) { /* decode: unpack in registers, nothing staged */
+                for (int r = 0; r < nr; r++) {
+                    const uint8_t *b = w + (size_t)r * rb + (size_t)s * bb;
+                    short scs[16];
+                    if (type == KV_QTYPE_Q6_K) {
+                        _Pragma("GCC unroll 16") for (int j = 0; j < 16; j++) scs[j] = (int8_t)b[192 + j];
+                    } else {
+                        uint32_t sc[2], mn2[2];
+                        kv_quant_scales_k4(b + 4, sc, mn2);
+                        _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) scs[j] = (short)kv_quant_k4_byte(sc, j);
+                    }
+                    _Pragma("GCC unroll 8") for (int c2 = 0; c2 < 8; c2++) {
+                        __m256i x = _mm256_loadu_si256((const __m256i *)(qx + 32 * c2));
+                        __m256i pr = _mm256_maddubs_epi16(kq_chunk256(type, b, c2), x);
+                        if (type == KV_QTYPE_Q6_K) pr = _mm256_sub_epi16(pr, _mm256_maddubs_epi16(k32, x));
+                        __m256i sv = type == KV_QTYPE_Q6_K
+                                         ? _mm256_set_m128i(_mm_set1_epi16(scs[2 * c2 + 1]), _mm_set1_epi16(scs[2 * c2]))
+                                         : _mm256_set1_epi16(scs[c2]);
+                        R[r] = _mm256_add_epi32(R[r], _mm256_madd_epi16(pr, sv));
+                    }
+                }
+            } else {
+                _Pragma("GCC unroll 8") for (int c2 = 0; c2 < 8; c2++) {
+                    __m256i x = _mm256_loadu_si256((const __m256i *)(qx + 32 * c2));
+                    __m256i x32 = type == KV_QTYPE_Q6_K ? _mm256_maddubs_epi16(k32, x) : _mm256_setzero_si256();
+                    for (int r = 0; r < nr; r++) {
+                        __m256i pr = _mm256_maddubs_epi16(ub[r][c2], x);
+                        if (type == KV_QTYPE_Q6_K) pr = _mm256_sub_epi16(pr, x32);
+                        R[r] = _mm256_add_epi32(R[r], _mm256_madd_epi16(pr, scv[r][c2]));
+                    }
+                }
+            }
+            if (mins)
+                for (int r = 0; r < nr; r++) mi[r] = min_dot(w + (size_t)r * rb + (size_t)s * bb, s16);
+            const float dx = a->d[(size_t)(m0 + m) * ns + s];
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tred256(R)), _mm256_mul_ps(dw, _mm256_set1_ps(dx)), acc[m]);
+            if (mins)
+                mn[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)mi)),
+                                        _mm256_mul_ps(dmw, _mm256_set1_ps(dx)), mn[m]);
         }
     }
-    if (mins) acc = _mm256_sub_ps(acc, mn);
-    store8(Y, nr, acc);
+    _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++)
+        store8(Y + (size_t)m * ldy, nr, mins ? _mm256_sub_ps(acc[m], mn[m]) : acc[m]);
 }
+
+#define TILES256(FN, T)                                                                                   \
+    do {                                                                                                  \
+        const int PF = M <= 4;                                                                            \
+        for (int m = 0; m < M; m += 4) {                                                                  \
+            const int mm = M - m < 4 ? M - m : 4;                                                         \
+            for (int r = 0; r < n_rows; r += 8) {                                                         \
+                const int nr = n_rows - r < 8 ? n_rows - r : 8;                                           \
+                float *y = Y + (size_t)m * ldy + r;                                                       \
+                const uint8_t *wr = w8 + (size_t)r * rb;                                                  \
+                if (mm == 4) FN(T, wr, rb, nr, a, m0 + m, y, ldy, 4, 0);                                  \
+                else if (PF) FN(T, wr, rb, nr, a, m0 + m, y, ldy, 1, 1);                                  \
+                else FN(T, wr, rb, nr, a, m0 + m, y, ldy, 1, 0);                                          \
+                for (int k = 1; k < mm && mm < 4; k++) FN(T, wr, rb, nr, a, m0 + m + k, y + (size_t)k * ldy, ldy, 1, 0); \
+            }                                                                                             \
+        }                                                                                                 \
+    } while (0)
 
 AVX2 void kv_q8_dot_avx2(int type, const void *w, size_t rb, int n_rows, const struct kv_q8_act *a, int m0, int M,
                          float *Y, size_t ldy) {
     const uint8_t *w8 = w;
     switch (type) {
-    case KV_QTYPE_Q8_0: ROWS_LOOP(g32_row256, KV_QTYPE_Q8_0, 0, 8); break;
-    case KV_QTYPE_Q4_0: ROWS_LOOP(g32_row256, KV_QTYPE_Q4_0, 0, 8); break;
-    case KV_QTYPE_Q4_K: ROWS_LOOP(kq_row256, KV_QTYPE_Q4_K, 0, 8); break;
-    case KV_QTYPE_Q5_K: ROWS_LOOP(kq_row256, KV_QTYPE_Q5_K, 0, 8); break;
-    default: ROWS_LOOP(kq_row256, KV_QTYPE_Q6_K, 0, 8); break;
+    case KV_QTYPE_Q8_0: TILES256(g32_tile256, KV_QTYPE_Q8_0); break;
+    case KV_QTYPE_Q4_0: TILES256(g32_tile256, KV_QTYPE_Q4_0); break;
+    case KV_QTYPE_Q4_K: TILES256(kq_tile256, KV_QTYPE_Q4_K); break;
+    case KV_QTYPE_Q5_K: TILES256(kq_tile256, KV_QTYPE_Q5_K); break;
+    default: TILES256(kq_tile256, KV_QTYPE_Q6_K); break;
     }
 }
 
