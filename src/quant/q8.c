@@ -249,7 +249,7 @@ int kv_q8_pack(int type, const void *w, size_t row_bytes, int n_rows, int K, voi
                     memcpy(sub + 4 * n, &scj, 4);
                 }
                 uint8_t *v = sub + (g.kq ? 64 : 0);
-                for (int i = 0; i < g.S; i++) v[(i / 4) * 64 + 4 * n + i % 4] = (uint8_t)(u[g.S * j + i] + 128);
+                for (int i = 0; i < g.S; i++) v[(i / 4) * 64 + 4 * n + i % 4] = (uint8_t)(int8_t)u[g.S * j + i];
             }
         }
     }
@@ -287,10 +287,8 @@ static void packed_generic(int type, const uint8_t *panel, int n_rows, const str
                     const uint8_t *sub = grp + g.hdr + (size_t)j * g.sub;
                     const uint8_t *v = sub + (g.kq ? 64 : 0);
                     const int e0 = s * g.G + j * g.S;
-                    int32_t t = 0, qs = 0;
-                    for (int i = 0; i < g.S; i++) t += v[(i / 4) * 64 + 4 * n + i % 4] * q[e0 + i];
-                    for (int i = 0; i < g.S / 16; i++) qs += s16[e0 / 16 + i];
-                    t -= 128 * qs;
+                    int32_t t = 0;
+                    for (int i = 0; i < g.S; i++) t += (int8_t)v[(i / 4) * 64 + 4 * n + i % 4] * q[e0 + i];
                     S += g.kq ? ld32(sub + 4 * n) * t : t;
                 }
                 acc = fmaf((float)S, ldf(grp + 4 * n) * dx[s], acc);
@@ -333,6 +331,16 @@ int kv_q8_packed_fast(void) {
         return (!(limits() & 2) && kv_q8_cpu_has_amx()) || (!(limits() & 1) && kv_q8_cpu_has_vnni());
 #endif
     return 0;
+}
+
+const char *kv_q8_packed_name(void) {
+#ifdef KV_QUANT_X86
+    if (kv_quant_get_isa() == KV_QUANT_ISA_AVX512) {
+        if (!(limits() & 2) && kv_q8_cpu_has_amx()) return "amx";
+        if (!(limits() & 1) && kv_q8_cpu_has_vnni()) return "avx512-vnni";
+    }
+#endif
+    return "none";
 }
 
 void kv_q8_dot_packed(int type, const void *panel, int n_rows, const struct kv_q8_act *a, int m0, int M, float *Y,

@@ -103,6 +103,9 @@ void kv_q8_dot_packed(int type, const void *panel, int n_rows, const struct kv_q
 /* True when the ISA in effect has a packed kernel faster than kv_q8_dot_rows for many rows
  * (AVX512-VNNI, AMX); elsewhere kv_q8_dot_packed runs scalar C and callers should not pack. */
 int kv_q8_packed_fast(void);
+/* The prefill kernel kv_q8_dot_packed uses now: "amx", "avx512-vnni" or "none" (scalar C;
+ * kv_q8_dot_rows serves all M then). Static string. */
+const char *kv_q8_packed_name(void);
 
 /* Tests: 1 = use the AVX-512 kernels without VNNI, 2 = without AMX, 3 = neither, even where
  * the CPU has them (process-wide); 0 = the CPU's best. */

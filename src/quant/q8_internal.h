@@ -13,9 +13,9 @@
  * of `grp` bytes:
  *   float d[16]; [K-quants: float dmin[16]]; [Q4_K/Q5_K: int32 mins[8][16]]     (hdr bytes)
  *   J sub-blocks of S elements, each: [K-quants: int32 sc[16]]; uint8 v[S/4][16][4]  (sub bytes)
- * indexed [row of the group]; v in VNNI order (4 consecutive k of one row in 4 bytes), stored as
- * u + 128 where u is the contract's signed value (Q8_0: quant; Q4_0: nibble - 8; Q4_K/Q5_K:
- * v; Q6_K: v - 32). Rows past n_rows are zero. */
+ * indexed [row of the group]; v in VNNI order (4 consecutive k of one row in 4 bytes): the
+ * contract's signed value u as int8 (Q8_0: quant; Q4_0: nibble - 8; Q4_K/Q5_K: v; Q6_K: v - 32).
+ * Rows past n_rows are zero. */
 struct kv_q8_geo {
     int G, J, S, kq, mins;
     size_t hdr, sub, grp;

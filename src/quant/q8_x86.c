@@ -11,8 +11,10 @@
  * 128 * sum(q) comes off after) and vpdpwssd for the scaled pairs. Then a transposed reduction
  * turns the tile's lane vectors into one vector of per-row block sums, and the contract's float
  * step runs on a vector of rows (one fma per row per group).
- * Prefill kernel (kv_q8_dot_packed, AVX512-VNNI): outer products on a repacked panel, lanes =
- * 16 weight rows; vpdpbusd of the panel's u8 (v + 128) with a broadcast of 4 activation bytes.
+ * Prefill kernels (kv_q8_dot_packed): outer products on a repacked panel, lanes = 16 weight
+ * rows. AVX512-VNNI: vpdpbusd of the panel's u + 128 (u8) with a broadcast of 4 activation bytes,
+ * the 128 * sum(q) taken off per sub-block. AMX: TDPBSSD of a 16-row activation tile with the
+ * panel's sub-block (signed x signed, no correction), 16 x 16 sums per instruction.
  * Integer sums are exact, so every route gives the contract's block sums and the float steps
  * are the contract's: identical bits on every ISA.
  */
@@ -28,6 +30,10 @@
 
 #include <immintrin.h>
 #include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
@@ -40,11 +46,23 @@ int kv_q8_cpu_has_vnni(void) {
     return __builtin_cpu_supports("avx512vnni");
 }
 
-int kv_q8_cpu_has_amx(void) { return 0; }
-
-void kv_q8_packed_amx(int type, const uint8_t *panel, int n_rows, const struct kv_q8_act *a, int m0, int M, float *Y,
-                      size_t ldy) {
-    kv_q8_packed_avx512vnni(type, panel, n_rows, a, m0, M, Y, ldy);
+/* AMX-INT8: the CPU has it, Linux granted this process the tile data state (arch_prctl
+ * ARCH_REQ_XCOMP_PERM, Linux >= 5.16), and KVSERVE_CPU_AMX is not 0. Decided once. */
+#define KV_ARCH_REQ_XCOMP_PERM 0x1023
+#define KV_XFEATURE_XTILEDATA 18
+static int g_amx;
+static pthread_once_t g_amx_once = PTHREAD_ONCE_INIT;
+static void amx_probe(void) {
+    __builtin_cpu_init();
+    const char *e = getenv("KVSERVE_CPU_AMX");
+    if (e && !strcmp(e, "0")) return;
+    if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-int8") || !__builtin_cpu_supports("avx512vnni"))
+        return;
+    g_amx = syscall(SYS_arch_prctl, KV_ARCH_REQ_XCOMP_PERM, KV_XFEATURE_XTILEDATA) == 0;
+}
+int kv_q8_cpu_has_amx(void) {
+    pthread_once(&g_amx_once, amx_probe);
+    return g_amx;
 }
 
 /* Software prefetch of the next tile's weight rows (they follow this tile's RR rows in memory):
@@ -366,7 +384,7 @@ AVX512 static ALWAYS void packed_tile(int type, const uint8_t *rg, int nr, const
             __m512i C[8];
             _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++) C[m] = _mm512_setzero_si512();
             _Pragma("GCC unroll 8") for (int k4 = 0; k4 < g.S / 4; k4++) {
-                __m512i vv = _mm512_load_si512((const void *)(v + 64 * k4));
+                __m512i vv = _mm512_xor_si512(_mm512_load_si512((const void *)(v + 64 * k4)), _mm512_set1_epi8((char)0x80));
                 _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++) {
                     int32_t x4;
                     memcpy(&x4, a->q + (size_t)(m0 + m) * K + e0 + 4 * k4, 4);
@@ -454,11 +472,11 @@ AVX512 static ALWAYS void pack_t(int type, const uint8_t *w, size_t rb, int n_ro
                 memcpy(grp + 4 * n, &d, 4);
                 __m256i v;
                 if (type == KV_QTYPE_Q8_0) {
-                    v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 2)), _mm256_set1_epi8((char)0x80));
+                    v = _mm256_loadu_si256((const __m256i *)(blk + 2));
                 } else {
                     __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 2));
                     v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0f));
-                    v = _mm256_add_epi8(v, _mm256_set1_epi8(120)); /* nibble - 8 + 128 */
+                    v = _mm256_sub_epi8(v, _mm256_set1_epi8(8)); /* nibble - 8 */
                 }
                 _mm256_i32scatter_epi32((void *)(grp + g.hdr + 4 * n), idx8, v, 1);
                 continue;
@@ -483,9 +501,9 @@ AVX512 static ALWAYS void pack_t(int type, const uint8_t *w, size_t rb, int n_ro
                     memcpy(grp + 128 + 64 * (size_t)j + 4 * n, &b, 4);
                 }
             }
-            const __m512i off = _mm512_set1_epi8((char)(type == KV_QTYPE_Q6_K ? 96 : 128)); /* u + 128 */
+            const __m512i off = _mm512_set1_epi8((char)(type == KV_QTYPE_Q6_K ? 32 : 0)); /* u */
             _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++)
-                _mm512_i32scatter_epi32((void *)(grp + 4 * n), idxc[c], _mm512_add_epi8(kq_chunk512(type, blk, c), off), 1);
+                _mm512_i32scatter_epi32((void *)(grp + 4 * n), idxc[c], _mm512_sub_epi8(kq_chunk512(type, blk, c), off), 1);
         }
     }
 }
@@ -497,6 +515,110 @@ AVX512 void kv_q8_pack_avx512(int type, const void *w, size_t rb, int n_rows, in
     case KV_QTYPE_Q4_K: pack_t(KV_QTYPE_Q4_K, w, rb, n_rows, K, panel); break;
     case KV_QTYPE_Q5_K: pack_t(KV_QTYPE_Q5_K, w, rb, n_rows, K, panel); break;
     default: pack_t(KV_QTYPE_Q6_K, w, rb, n_rows, K, panel); break;
+    }
+}
+
+/* ---------------- AMX (prefill, 16 activation rows at a time) ---------------- */
+
+#define AMXT __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+
+/* Tile configuration (64 bytes, palette 1): tmm0 = C (16 x 16 int32), tmm1 = A (16 activation
+ * rows x S bytes), tmm2 = B (S / 4 rows x 64 bytes of the panel). Loaded per thread when the
+ * sub-block size S changes (AMX state is per thread). */
+struct amx_cfg {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+static __thread int t_amx_s; /* S of the configuration loaded on this thread, 0 = none */
+
+AMXT static void amx_config(int S) {
+    if (t_amx_s == S) return;
+    struct amx_cfg c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    c.rows[0] = 16, c.colsb[0] = 64;
+    c.rows[1] = 16, c.colsb[1] = (uint16_t)S;
+    c.rows[2] = (uint8_t)(S / 4), c.colsb[2] = 64;
+    /* GCC 12 does not see that ldtilecfg reads c and drops the stores above without this */
+    __asm__ volatile("" : : "m"(c) : "memory");
+    _tile_loadconfig(&c);
+    t_amx_s = S;
+}
+
+/* One 16-row group of the panel (nr valid) x 16 activation rows from m0. */
+AMXT static ALWAYS void amx_tile(int type, const uint8_t *rg, int nr, const struct kv_q8_act *a, int m0, float *Y,
+                                 size_t ldy) {
+    const struct kv_q8_geo g = kv_q8_geo(type);
+    const int K = a->K, ng = K / g.G;
+    int32_t cb[16][16] __attribute__((aligned(64)));
+    __m512 acc[16], mn[16];
+    _Pragma("GCC unroll 16") for (int m = 0; m < 16; m++) acc[m] = mn[m] = _mm512_setzero_ps();
+    const int8_t *q0 = a->q + (size_t)m0 * K;
+    for (int s = 0; s < ng; s++) {
+        const uint8_t *grp = rg + (size_t)s * g.grp;
+        __m512i I[16];
+        _Pragma("GCC unroll 16") for (int m = 0; m < 16; m++) I[m] = _mm512_setzero_si512();
+        for (int j = 0; j < g.J; j++) {
+            const uint8_t *sub = grp + g.hdr + (size_t)j * g.sub;
+            const int e0 = s * g.G + j * g.S;
+            _tile_zero(0);
+            _tile_loadd(1, q0 + e0, K);
+            _tile_loadd(2, sub + (g.kq ? 64 : 0), 64);
+            _tile_dpbssd(0, 1, 2);
+            _tile_stored(0, cb, 64);
+            if (g.kq) {
+                const __m512i sc = _mm512_load_si512((const void *)sub);
+                _Pragma("GCC unroll 16") for (int m = 0; m < 16; m++)
+                    I[m] = _mm512_add_epi32(I[m], _mm512_mullo_epi32(_mm512_load_si512((const void *)cb[m]), sc));
+            } else {
+                _Pragma("GCC unroll 16") for (int m = 0; m < 16; m++) I[m] = _mm512_load_si512((const void *)cb[m]);
+            }
+        }
+        const __m512 dv = _mm512_load_ps((const float *)grp);
+        __m512 dmv = _mm512_setzero_ps();
+        if (g.mins) dmv = _mm512_load_ps((const float *)(grp + 64));
+        _Pragma("GCC unroll 16") for (int m = 0; m < 16; m++) {
+            const float dxs = a->d[(size_t)(m0 + m) * ng + s];
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I[m]), _mm512_mul_ps(dv, _mm512_set1_ps(dxs)), acc[m]);
+            if (g.mins) {
+                const int16_t *s16 = a->s16 + (size_t)(m0 + m) * (K / 16) + 16 * (size_t)s;
+                __m512i Mi = _mm512_setzero_si512();
+                _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++)
+                    Mi = _mm512_add_epi32(Mi, _mm512_mullo_epi32(_mm512_load_si512((const void *)(grp + 128 + 64 * j)),
+                                                                 _mm512_set1_epi32(s16[2 * j] + s16[2 * j + 1])));
+                mn[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(Mi), _mm512_mul_ps(dmv, _mm512_set1_ps(dxs)), mn[m]);
+            }
+        }
+    }
+    const __mmask16 k = (__mmask16)((1u << nr) - 1);
+    _Pragma("GCC unroll 16") for (int m = 0; m < 16; m++)
+        _mm512_mask_storeu_ps(Y + (size_t)m * ldy, k, g.mins ? _mm512_sub_ps(acc[m], mn[m]) : acc[m]);
+}
+
+AMXT static ALWAYS void amx_t(int type, const uint8_t *panel, int n_rows, const struct kv_q8_act *a, int m0, int M,
+                              float *Y, size_t ldy) {
+    const struct kv_q8_geo g = kv_q8_geo(type);
+    const size_t rgb = (size_t)(a->K / g.G) * g.grp;
+    const int M16 = M - M % 16;
+    amx_config(g.S);
+    for (int r = 0; r < n_rows; r += 16) {
+        const int nr = n_rows - r < 16 ? n_rows - r : 16;
+        const uint8_t *rg = panel + (size_t)(r / 16) * rgb;
+        for (int m = 0; m < M16; m += 16) amx_tile(type, rg, nr, a, m0 + m, Y + (size_t)m * ldy + r, ldy);
+    }
+    /* fewer than 16 rows left: the VNNI kernel (same bits) */
+    if (M16 < M) kv_q8_packed_avx512vnni(type, panel, n_rows, a, m0 + M16, M - M16, Y + (size_t)M16 * ldy, ldy);
+}
+
+AMXT void kv_q8_packed_amx(int type, const uint8_t *panel, int n_rows, const struct kv_q8_act *a, int m0, int M,
+                           float *Y, size_t ldy) {
+    switch (type) {
+    case KV_QTYPE_Q8_0: amx_t(KV_QTYPE_Q8_0, panel, n_rows, a, m0, M, Y, ldy); break;
+    case KV_QTYPE_Q4_0: amx_t(KV_QTYPE_Q4_0, panel, n_rows, a, m0, M, Y, ldy); break;
+    case KV_QTYPE_Q4_K: amx_t(KV_QTYPE_Q4_K, panel, n_rows, a, m0, M, Y, ldy); break;
+    case KV_QTYPE_Q5_K: amx_t(KV_QTYPE_Q5_K, panel, n_rows, a, m0, M, Y, ldy); break;
+    default: amx_t(KV_QTYPE_Q6_K, panel, n_rows, a, m0, M, Y, ldy); break;
     }
 }
 

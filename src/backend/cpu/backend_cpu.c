@@ -22,6 +22,7 @@
 #include "../backend.h"
 #include "attention.h"
 #include "matmul.h"
+#include "../../quant/q8.h"
 
 struct cpu_ctx {
     const model_t *m;
@@ -522,9 +523,9 @@ kv_status backend_cpu_new_ex(const model_t *m, const struct backend_cpu_options 
     backend_rope_inv_freq(cfg, c->inv_freq);
     openblas_set_num_threads(n_threads);
     if (c->gemm == BACKEND_CPU_GEMM_INVARIANT)
-        KV_INFO("cpu backend: %d threads, gemm invariant (kernel %s, quantized weights: %s matmul; OpenBLAS core %s "
-                "unused)", n_threads, kv_matmul_isa_name(), kv_matmul_quant_name(kv_matmul_get_quant()),
-                openblas_get_corename());
+        KV_INFO("cpu backend: %d threads, gemm invariant (kernel %s, quantized weights: %s matmul, prefill %s; "
+                "OpenBLAS core %s unused)", n_threads, kv_matmul_isa_name(), kv_matmul_quant_name(kv_matmul_get_quant()),
+                kv_q8_packed_name(), openblas_get_corename());
     else
         KV_INFO("cpu backend: %d threads, gemm openblas (core %s; NOT batch-invariant)", n_threads,
                 openblas_get_corename());
