@@ -22,7 +22,11 @@
  *
  * in IEEE single precision, round-to-nearest, fma = one rounding (C fmaf). Because w is
  * exactly the dequantized float, a quantized model gives the same bits as the F32 model
- * that holds its dequantization (llama.cpp's `llama-quantize ... F32` output): tested.
+ * that holds its dequantization (llama.cpp's `llama-quantize ... F32` output): tested. This
+ * holds for F32/F16/BF16 weights always and for the quantized types in the F32 quantized-matmul
+ * mode; the default INT8 mode (kv_matmul_set_quant below) multiplies quantized weights with
+ * 8-bit activations under src/quant/q8.h's contract instead -- equally batch- and
+ * ISA-invariant, within a tolerance of this one.
  * kv_matmul_reference() is a scalar transcription of this order, used by the unit test.
  *
  * Kernels (one per ISA, each doing exactly the arithmetic above): register tiles of R X rows
@@ -31,7 +35,10 @@
  * ymm and spill); generic: scalar fmaf. Work split: W is cut into blocks of rows (about 192
  * KiB of f32, so a block stays in L2 while all rows use it; smaller for >= 4 tasks per
  * thread) and every block is one thread-pool task computing all M rows of its columns, so
- * each output element is computed entirely by one thread. Non-F32 weights: when M <= 4
+ * each output element is computed entirely by one thread. INT8 mode, quantized weights: the
+ * batch's activation rows are quantized once per distinct X (kv_q8_quantize), then a task runs
+ * kv_q8_dot_rows on its rows (M <= 4, or no AMX/VNNI) or repacks them into a per-thread panel
+ * (kv_q8_pack) and runs kv_q8_dot_packed (prefill). Otherwise, non-F32 weights: when M <= 4
  * (decode) the task calls kv_qdot_rows (src/quant/qdot.h), which dequantizes 16 weights at a
  * time into registers and FMAs them at once (nothing written but Y); for larger M the task
  * dequantizes its block into a per-thread f32 panel first (the dequantization is amortised
