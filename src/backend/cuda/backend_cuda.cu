@@ -77,6 +77,10 @@ struct cuda_ctx {
     cudaStreamCaptureMode capture_mode; /* KVSERVE_CUDA_CAPTURE=global: Global, else ThreadLocal */
     struct graph_entry *gcache;
     int gcache_next;
+    /* fault injection (KVSERVE_CUDA_FAULT=forward:N,...): forward numbers that fail */
+    long n_forward;
+    long fault_at[16];
+    int n_fault;
 };
 
 #define GRAPH_MAX_ROWS 64
@@ -707,7 +711,32 @@ static kv_status cuda_forward(backend_t *be, const struct batch *b, float *logit
         nl += b->seqs[i].logits == BATCH_LOGITS_ALL ? b->seqs[i].n_tokens : b->seqs[i].logits == BATCH_LOGITS_LAST;
     if (nl > 0 && !logits) return kv_errf(KV_EINVAL, err, errlen, "forward: logits is NULL");
     CU_TRY(cudaSetDevice(c->dev), "cudaSetDevice");
-    return c->f32w ? forward_t<float>(be, b, logits, err, errlen) : forward_t<__nv_bfloat16>(be, b, logits, err, errlen);
+    long num = ++c->n_forward;
+    st = c->f32w ? forward_t<float>(be, b, logits, err, errlen) : forward_t<__nv_bfloat16>(be, b, logits, err, errlen);
+    for (int i = 0; i < c->n_fault && !st; i++)
+        if (c->fault_at[i] == num)
+            st = kv_errf(KV_EIO, err, errlen, "cuda: forward: %s (injected by KVSERVE_CUDA_FAULT)",
+                         cudaGetErrorString(cudaErrorLaunchFailure));
+    return st;
+}
+
+/* KVSERVE_CUDA_FAULT=forward:N[,N...] -> c->fault_at; anything else is refused. */
+static kv_status parse_fault(struct cuda_ctx *c, const char *v, char *err, size_t errlen) {
+    if (!v || !*v) return KV_OK;
+    if (strncmp(v, "forward:", 8))
+        return kv_errf(KV_EINVAL, err, errlen, "KVSERVE_CUDA_FAULT=%s: expected forward:N[,N...]", v);
+    const char *p = v + 8;
+    while (*p) {
+        char *end;
+        long n = strtol(p, &end, 10);
+        if (end == p || n < 1 || c->n_fault == 16 || (*end && *end != ','))
+            return kv_errf(KV_EINVAL, err, errlen,
+                           "KVSERVE_CUDA_FAULT=%s: expected forward:N[,N...] (up to 16 numbers >= 1)", v);
+        c->fault_at[c->n_fault++] = n;
+        p = *end ? end + 1 : end;
+    }
+    KV_WARN("cuda backend: KVSERVE_CUDA_FAULT=%s: %d forward call(s) will fail on purpose", v, c->n_fault);
+    return KV_OK;
 }
 
 static kv_status cuda_copy_blocks(backend_t *be, const int32_t *src, const int32_t *dst, int n) {
@@ -949,7 +978,7 @@ extern "C" kv_status backend_cuda_new(const model_t *m, const struct backend_cud
     c->gemv_max = gm && *gm ? atoi(gm) : 1;
     if (c->gemv_max > GEMV_MAXM) c->gemv_max = GEMV_MAXM;
     c->det = opt->deterministic;
-    if ((st = cuda_init(be, c, opt, err, errlen))) {
+    if ((st = parse_fault(c, getenv("KVSERVE_CUDA_FAULT"), err, errlen)) || (st = cuda_init(be, c, opt, err, errlen))) {
         cuda_free(be);
         return st;
     }
