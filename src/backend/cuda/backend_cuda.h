@@ -58,7 +58,9 @@ extern "C" {
  * injection, tests/gpu/fault_serve.py) makes the forward calls numbered N (1 = the first of
  * this backend) run normally and then fail as if their stream sync had reported
  * cudaErrorLaunchFailure: KV_EIO and a message ending in "(injected by KVSERVE_CUDA_FAULT)";
- * the backend stays usable, as after any non-sticky CUDA error. */
+ * the backend stays usable, as after any non-sticky CUDA error; KVSERVE_CUDA_PDL=0 launches
+ * the forward's kernels without programmatic dependent launch (default on: each kernel may
+ * start launching while the previous one runs, kernels.cuh pdl_wait). */
 struct backend_cuda_options {
     int device;       /* CUDA device ordinal */
     bool f32_weights; /* keep weights f32 (exact-ish reference mode); default bf16 */
