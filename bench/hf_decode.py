@@ -51,7 +51,7 @@ def build_model(layers):
     rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 8192}
     kw = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
-              num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
+              num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
               rms_norm_eps=1e-5, tie_word_embeddings=False)
     if "rope_parameters" in inspect.signature(LlamaConfig.__init__).parameters:  # transformers >= 5
         kw["rope_parameters"] = dict(rope, rope_theta=500000.0)
