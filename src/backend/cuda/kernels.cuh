@@ -518,11 +518,6 @@ template <typename TA> __global__ void k_swiglu(const float *gu, TA *out, int T,
     }
 }
 
-/* Small-M product for decode: Y[M,N] (f32) = X[M,K] W[N,K]^T, bf16 X and W, f32
- * accumulation, M <= GEMV_MAXM, K % 8 == 0, 16-byte aligned rows. One warp per output
- * column n: each lane streams 16-byte pieces of W[n] (4 in flight), multiplies them with
- * the M rows of X (read through L1/L2), then a warp reduction per row. Each Y[m, n] is
- * computed in the same order whatever M is. grid ceil(N / GEMV_WARPS), block 32*GEMV_WARPS. */
 #define GEMV_WARPS 8
 #define GEMV_MAXM 8
 /* One output column of the small-M product, computed by one warp: acc[m] = X[m] . w for the
