@@ -3,7 +3,8 @@
 #
 #   scripts/gpu-test.sh [--bench] [--bench-args "ARGS"]       build build-gpu here, run test_cuda
 #   (environment: SERVE_SMOKE=1 one completion through serve --backend cuda; E2E=1 the HTTP API
-#   e2e suite, tests/e2e/http_api.py, against serve --backend cuda; TORCH_REF=1 the PyTorch
+#   e2e suite, tests/e2e/http_api.py, against serve --backend cuda (counted; with bf16 weights
+#   under its KVSERVE_E2E_TOL=bf16 tolerances, see its docstring); TORCH_REF=1 the PyTorch
 #   reference, bench_cuda --torch-dump + tests/gpu/torch_ref.py, after test_cuda; DET_E2E=1
 #   tests/gpu/det_serve.py: 16 concurrent greedy completions == each alone against serve
 #   --backend cuda --deterministic (its status counts), then without --deterministic (printed);
@@ -16,10 +17,14 @@
 #   scripts/gpu-test.sh --prebuilt DIR [--bench] ...          run binaries from DIR (no build)
 #   scripts/gpu-test.sh --bundle DIR [--build BUILD]          (on the build machine) put test_cuda,
 #        bench_cuda, their non-system shared libraries and the test data they read into DIR,
-#        for a GPU machine that lacks kvserve's -dev packages (then carry DIR and use --prebuilt)
+#        for a GPU machine that lacks kvserve's -dev packages (then carry DIR and use --prebuilt),
+#        and under DIR/overlay the scripts this checkout runs there (this file, http_api.py,
+#        tests/gpu/*.py, bench/hf_decode.py: `cp -r DIR/overlay/. .` when the GPU machine gets
+#        another checkout)
 #
 # Test data: $KVSERVE_TEST_DATA (default ../shared/data, or DIR/data with --prebuilt).
-# Exit status: test_cuda's (0 = every test passed or was skipped with a SKIP: line).
+# Exit status: 0 when test_cuda (every test passed or skipped with a SKIP: line) and each
+# counted suite above passed; else the first failing one's status.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 prebuilt="" bundle="" build="build-cuda" bench=0 bench_args=""
