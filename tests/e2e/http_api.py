@@ -8,6 +8,18 @@ still works), random client disconnects (KV blocks all freed afterwards), and 32
 requests == the same requests one at a time. Python stdlib only.
 
 env: KVSERVE_BIN, KVSERVE_TEST_DATA. Exit 0 = all passed, 77 = skipped (data missing).
+KVSERVE_E2E_TOL=bf16 (scripts/gpu-test.sh sets it for `--backend cuda` with bf16 weights):
+the greedy comparisons with llama.cpp's fp32 tokens (completions, chat, the HF checkpoint)
+accept a divergence at a near-tie. The tokens must equal the reference up to the first
+difference at position i, and there the reference's token must be in the server's own top-5
+with a log-probability at most BF16_NATS (0.1) below the token the server chose (its argmax):
+bf16 weights and activations move logits by ~1e-2 of their norm (docs/benchmarks.md, CUDA
+section), enough to flip a near-tie; every later token follows a different prefix and is not
+compared. Top-5 logprobs (where the reference has them) are compared before position i only,
+within BF16_NATS instead of 2e-3. 0.1 nats is 1.6x the largest difference seen on the H200
+(0.063 nats; near-tie margins 0.003-0.027; docs/benchmarks.md). Each divergence is printed with its margin. Everything else (stream == non-stream,
+concurrent == sequential, the bad-input suite, disconnects) stays exact; the chat stream is
+compared with the same server's non-stream chat instead of llama.cpp.
 """
 import concurrent.futures
 import http.client
@@ -29,6 +41,40 @@ REF = os.path.join(DATA, "references/stories260K")
 
 failures = []
 passed = 0
+TOL = os.environ.get("KVSERVE_E2E_TOL", "")  # "" (exact) or "bf16"
+BF16_NATS = 0.1  # bf16 tolerance on log-probabilities and near-ties (docstring)
+
+
+def tol_match(label, got_ids, got_top, ref_ids):
+    """Greedy ids against a reference: exact, or (TOL=bf16) equal up to a near-tie.
+    got_top[i]: {token id: logprob} of the server's top alternatives at position i.
+    Returns (ok, message)."""
+    if got_ids == ref_ids:
+        return True, "identical"
+    if TOL != "bf16":
+        return False, "got %s want %s" % (got_ids, ref_ids)
+    i = next((k for k in range(min(len(got_ids), len(ref_ids))) if got_ids[k] != ref_ids[k]),
+             min(len(got_ids), len(ref_ids)))
+    if i >= len(got_ids) or i >= len(ref_ids) or got_top is None or i >= len(got_top):
+        return False, "length differs at %d (got %d ids, want %d)" % (i, len(got_ids), len(ref_ids))
+    top = got_top[i]
+    mine, theirs = top.get(got_ids[i]), top.get(ref_ids[i])
+    if mine is None or theirs is None:
+        return False, "first difference at token %d: %d vs reference %d, not in the server's top-%d" % (
+            i, got_ids[i], ref_ids[i], len(top))
+    margin = mine - theirs
+    msg = "first difference at token %d of %d: %d vs reference %d, margin %.4f nats (tie limit %.2f)" % (
+        i, len(ref_ids), got_ids[i], ref_ids[i], margin, BF16_NATS)
+    print("  bf16 tolerance: %s: %s" % (label, msg), flush=True)
+    return margin <= BF16_NATS, msg
+
+
+def completion_top(choice_logprobs):
+    return [{int(k.split(":", 1)[1]): v for k, v in d.items()} for d in choice_logprobs["top_logprobs"]]
+
+
+def chat_top(content_logprobs):
+    return [{int(t["token"].split(":", 1)[1]): t["logprob"] for t in c["top_logprobs"]} for c in content_logprobs]
 
 
 def check(cond, what):
@@ -148,10 +194,12 @@ def test_greedy(s, label, check_logprobs=True):
         if not ok:
             continue
         ch = resp["choices"][0]
-        check(ch["text"] == r["completion_text"],
-              "%s greedy %s text:\n got %r\nwant %r" % (label, r["id"], ch["text"], r["completion_text"]))
         ids = token_ids_of(ch["logprobs"])
-        check(ids == r["completion_ids"], "%s greedy %s ids: got %s want %s" % (label, r["id"], ids, r["completion_ids"]))
+        same, msg = tol_match("%s greedy %s" % (label, r["id"]), ids, completion_top(ch["logprobs"]),
+                              r["completion_ids"])
+        check(same, "%s greedy %s ids: %s" % (label, r["id"], msg))
+        check(ch["text"] == r["completion_text"] or (same and ids != r["completion_ids"]),
+              "%s greedy %s text:\n got %r\nwant %r" % (label, r["id"], ch["text"], r["completion_text"]))
         check(ch["finish_reason"] == r["finish_reason"], "%s greedy %s finish_reason %s" % (label, r["id"], ch["finish_reason"]))
         u = resp["usage"]
         check(u["prompt_tokens"] == r["usage"]["prompt_tokens"] and u["completion_tokens"] == 64
@@ -164,17 +212,29 @@ def test_greedy(s, label, check_logprobs=True):
               and tk["max_model_len"] == 512,
               "%s /tokenize %s: %s want %s" % (label, r["id"], tk, r["prompt_ids"]))
         if check_logprobs and "top_logprobs" in r:
+            # exact mode: every position within 2e-3; bf16: the positions before the first
+            # difference from the reference ids, within BF16_NATS (an alternative missing from
+            # our top-5 must then be within BF16_NATS of our 5th: a tie at the boundary)
+            lim = BF16_NATS if TOL == "bf16" else 2e-3
+            n_cmp = next((k for k in range(min(len(ids), len(r["completion_ids"])))
+                          if ids[k] != r["completion_ids"][k]), len(r["top_logprobs"])) if TOL else len(r["top_logprobs"])
             worst = 0.0
-            for i, ref in enumerate(r["top_logprobs"]):
+            for i, ref in enumerate(r["top_logprobs"][:n_cmp]):
                 got = ch["logprobs"]["top_logprobs"][i]
                 for alt in ref["top"]:
                     key = "token_id:%d" % alt["id"]
-                    if key not in got:
-                        worst = float("inf")
-                    else:
+                    if key in got:
                         worst = max(worst, abs(got[key] - alt["logprob"]))
+                    elif TOL == "bf16" and got:
+                        worst = max(worst, max(0.0, alt["logprob"] - min(got.values())))
+                    else:
+                        worst = float("inf")
                 worst = max(worst, abs(ch["logprobs"]["token_logprobs"][i] - ref["logprob"]))
-            check(worst < 2e-3, "%s top-5 logprobs of %s within 2e-3 (max diff %g)" % (label, r["id"], worst))
+            check(worst < lim, "%s top-5 logprobs of %s within %g (max diff %g over %d positions)" % (
+                label, r["id"], lim, worst, n_cmp))
+            if TOL:
+                print("  bf16 tolerance: %s logprobs of %s: max diff %.4f over %d positions" % (
+                    label, r["id"], worst, n_cmp), flush=True)
     # /detokenize round trip
     r = greedy_records()[1]
     st, d, _ = s.post("/detokenize", {"tokens": r["completion_ids"]})
@@ -211,22 +271,35 @@ def test_stream(s):
         first = events[0]["choices"][0]
         check(first["delta"].get("role") == "assistant", "chat stream: first delta has role")
         text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1])
-        check(text == chat["content"], "chat stream text == reference: %r" % text)
+        want = chat["content"]
+        if TOL:  # the same server's non-stream answer (llama.cpp's is compared in test_chat)
+            st3, full, _ = s.post("/v1/chat/completions", {"messages": chat["messages"], "max_tokens": 64,
+                                                           "temperature": 0})
+            want = full["choices"][0]["message"]["content"] if st3 == 200 else None
+        check(text == want, "chat stream text == %s: %r" % ("non-stream" if TOL else "reference", text))
         check(all(e["object"] == "chat.completion.chunk" for e in events[:-1]), "chat chunk object")
 
 
 def test_chat(s):
     ref = json.load(open(os.path.join(REF, "llamacpp_chat.json")))
     for name, c in ref.items():
-        st, resp, _ = s.post("/v1/chat/completions", {"messages": c["messages"], "max_tokens": 64,
-                                                      "temperature": 0})
+        body = {"messages": c["messages"], "max_tokens": 64, "temperature": 0}
+        if TOL:
+            body.update(logprobs=True, top_logprobs=5, return_tokens_as_token_ids=True)
+        st, resp, _ = s.post("/v1/chat/completions", body)
         ok = st == 200
         check(ok, "chat %s status %s %s" % (name, st, str(resp)[:300]))
         if not ok:
             continue
         msg = resp["choices"][0]["message"]
-        check(msg["role"] == "assistant" and msg["content"] == c["content"],
-              "chat %s content:\n got %r\nwant %r" % (name, msg["content"], c["content"]))
+        same = msg["content"] == c["content"]
+        why = ""
+        if not same and TOL:
+            lp = resp["choices"][0]["logprobs"]["content"]
+            ids = [int(t["token"].split(":", 1)[1]) for t in lp]
+            same, why = tol_match("chat %s" % name, ids, chat_top(lp), c["completion_ids"])
+        check(msg["role"] == "assistant" and same,
+              "chat %s content:\n got %r\nwant %r %s" % (name, msg["content"], c["content"], why))
         check(resp["usage"]["prompt_tokens"] == c["usage"]["prompt_tokens"], "chat %s prompt_tokens" % name)
         check(resp["object"] == "chat.completion" and resp["id"].startswith("chatcmpl-"), "chat shape")
         st, tk, _ = s.post("/tokenize", {"messages": c["messages"]})

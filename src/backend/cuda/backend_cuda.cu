@@ -26,6 +26,14 @@
         CU_TRY(cudaGetLastError(), what);                                                          \
     } while (0)
 
+/* Launches kernel k on c->st, with programmatic dependent launch when c->pdl (kernels.cuh:
+ * pdl_wait / pdl_trigger; captured into graphs as programmatic edges). Counts the launch;
+ * returns the launch's error. */
+struct cuda_ctx;
+template <typename... KArgs, typename... Args>
+static cudaError_t klaunch(const struct cuda_ctx *c, void (*k)(KArgs...), dim3 g, dim3 b, size_t smem,
+                           Args... args);
+
 struct cuda_layer {
     void *wqkv, *wo, *wgu, *wdown; /* weight dtype */
     float *attn_norm, *ffn_norm, *bqkv, *q_norm, *k_norm;
@@ -39,6 +47,7 @@ struct cuda_ctx {
     bool attn2;   /* k_attn_part2 (lane per position; hd % 4 == 0): KVSERVE_CUDA_ATTN=1 selects k_attn_part */
     int gemv_max; /* products with M <= gemv_max rows use k_gemv_bf16 (KVSERVE_CUDA_GEMV_MAX, default 1) */
     bool det;     /* batch-invariant mode (backend_cuda_options.deterministic): inv_gemm, fixed attention split */
+    bool pdl;     /* programmatic dependent launch for the forward's own kernels (KVSERVE_CUDA_PDL=0: off) */
     size_t wsz; /* bytes per weight element */
     cudaStream_t st;
     cublasHandle_t blas;
@@ -77,7 +86,25 @@ struct cuda_ctx {
     cudaStreamCaptureMode capture_mode; /* KVSERVE_CUDA_CAPTURE=global: Global, else ThreadLocal */
     struct graph_entry *gcache;
     int gcache_next;
+    /* fault injection (KVSERVE_CUDA_FAULT=forward:N,...): forward numbers that fail */
+    long n_forward;
+    long fault_at[16];
+    int n_fault;
 };
+
+template <typename... KArgs, typename... Args>
+static cudaError_t klaunch(const struct cuda_ctx *c, void (*k)(KArgs...), dim3 g, dim3 b, size_t smem,
+                           Args... args) {
+    cudaLaunchConfig_t cf = {};
+    cf.gridDim = g, cf.blockDim = b, cf.dynamicSmemBytes = smem, cf.stream = c->st;
+    cudaLaunchAttribute at[1] = {};
+    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[0].val.programmaticStreamSerializationAllowed = 1;
+    cf.attrs = at, cf.numAttrs = c->pdl ? 1 : 0;
+    kvc_launched();
+    return cudaLaunchKernelEx(&cf, k, ((KArgs)args)...);
+}
+#define KLAUNCH(what, ...) CU_TRY(klaunch(c, __VA_ARGS__), what)
 
 #define GRAPH_MAX_ROWS 64
 #define GRAPH_CACHE 32
@@ -449,17 +476,20 @@ static kv_status gemm(struct cuda_ctx *c, const void *X, int M, int K, const voi
     if (!c->f32w && M <= c->gemv_max && K % 8 == 0) {
         unsigned g = (unsigned)((N + GEMV_WARPS - 1) / GEMV_WARPS);
         const __nv_bfloat16 *x = (const __nv_bfloat16 *)X, *w = (const __nv_bfloat16 *)W;
+#define GV(MM) klaunch(c, k_gemv_bf16<MM>, dim3(g), dim3(32 * GEMV_WARPS), 0, x, w, Y, N, K)
+        cudaError_t e;
         switch (M) {
-        case 1: k_gemv_bf16<1><<<g, 32 * GEMV_WARPS, 0, c->st>>>(x, w, Y, N, K); break;
-        case 2: k_gemv_bf16<2><<<g, 32 * GEMV_WARPS, 0, c->st>>>(x, w, Y, N, K); break;
-        case 3: k_gemv_bf16<3><<<g, 32 * GEMV_WARPS, 0, c->st>>>(x, w, Y, N, K); break;
-        case 4: k_gemv_bf16<4><<<g, 32 * GEMV_WARPS, 0, c->st>>>(x, w, Y, N, K); break;
-        case 5: k_gemv_bf16<5><<<g, 32 * GEMV_WARPS, 0, c->st>>>(x, w, Y, N, K); break;
-        case 6: k_gemv_bf16<6><<<g, 32 * GEMV_WARPS, 0, c->st>>>(x, w, Y, N, K); break;
-        case 7: k_gemv_bf16<7><<<g, 32 * GEMV_WARPS, 0, c->st>>>(x, w, Y, N, K); break;
-        default: k_gemv_bf16<8><<<g, 32 * GEMV_WARPS, 0, c->st>>>(x, w, Y, N, K); break;
+        case 1: e = GV(1); break;
+        case 2: e = GV(2); break;
+        case 3: e = GV(3); break;
+        case 4: e = GV(4); break;
+        case 5: e = GV(5); break;
+        case 6: e = GV(6); break;
+        case 7: e = GV(7); break;
+        default: e = GV(8); break;
         }
-        LAUNCHED("gemv");
+#undef GV
+        CU_TRY(e, "gemv");
         return KV_OK;
     }
     kvc_launched();
@@ -474,8 +504,8 @@ template <typename TA>
 static kv_status launch_norm(struct cuda_ctx *c, float *x, const float *add, const float *w, int n_out,
                              const int32_t *rows, int write_back, char *err, size_t errlen) {
     const struct model_config *cfg = &c->m->cfg;
-    k_add_rmsnorm<TA><<<n_out, RMS_THREADS, 0, c->st>>>(x, add, w, (TA *)c->a, cfg->dim, cfg->rms_eps, rows, write_back);
-    LAUNCHED("rmsnorm");
+    KLAUNCH("rmsnorm", k_add_rmsnorm<TA>, dim3(n_out), dim3(RMS_THREADS), 0, x, add, w, (TA *)c->a, cfg->dim,
+            cfg->rms_eps, rows, write_back);
     return KV_OK;
 }
 
@@ -646,26 +676,22 @@ template <typename TA> static kv_status enqueue_step(struct cuda_ctx *c, const s
         /* attention block: x += h (previous FFN output) then norm */
         if ((st = launch_norm<TA>(c, c->x, l ? c->h : NULL, Ly->attn_norm, T, NULL, l ? 1 : 0, err, errlen))) return st;
         if ((st = gemm(c, c->a, T, dim, Ly->wqkv, qkvw, c->h, err, errlen))) return st;
-#define QKV(TK)                                                                                            \
-    k_qkv_post<TK><<<dim3((unsigned)T, (unsigned)((nh + nkv + QKV_WARPS - 1) / QKV_WARPS)), 32 * QKV_WARPS, 0, \
-                     c->st>>>(c->h, qkvw, Ly->bqkv, Ly->q_norm, Ly->k_norm, c->inv_freq, d_pos, d_bto, d_bt, \
-                              (TK *)c->pool, c->block_floats, l, nh, nkv, hd, c->tpb, cfg->rms_eps,          \
-                              cfg->rope_neox ? 1 : 0)
+#define QKV(TK)                                                                                              \
+    KLAUNCH("qkv_post", k_qkv_post<TK>, dim3((unsigned)T, (unsigned)((nh + nkv + QKV_WARPS - 1) / QKV_WARPS)), \
+            dim3(32 * QKV_WARPS), 0, c->h, qkvw, (const float *)Ly->bqkv, (const float *)Ly->q_norm,          \
+            (const float *)Ly->k_norm, (const float *)c->inv_freq, d_pos, d_bto, d_bt, (TK *)c->pool,         \
+            c->block_floats, l, nh, nkv, hd, c->tpb, cfg->rms_eps, cfg->rope_neox ? 1 : 0)
         if (kvb) QKV(__nv_bfloat16);
         else QKV(float);
 #undef QKV
-        LAUNCHED("qkv_post");
         dim3 ag((unsigned)T, (unsigned)(nh / hc), (unsigned)max_parts);
-#define ATT2(CH, TK)                                                                                         \
-    k_attn_part2<CH, TK><<<ag, 32 * ATT_WARPS, att2_smem, c->st>>>(c->h, qkvw, (const TK *)c->pool, c->block_floats, l, nkv, hd, \
-                                                               c->tpb, group, hc, d_pos, d_bto, d_bt, split_len,  \
-                                                               max_parts, scale, c->part, c->part_ml)
-#define ATT(D, TK)                                                                                                \
-    k_attn_part<D, TK><<<ag, 32 * ATT_WARPS, att_smem, c->st>>>(c->h, qkvw, (const TK *)c->pool, c->block_floats, l, nkv, hd,   \
-                                                             c->tpb, group, hc, d_pos, d_bto, d_bt, split_len,  \
-                                                             max_parts, scale, c->part, c->part_ml)
-#define ATT_ALL(TK)                          \
-    do {                                     \
+#define ATT_ARGS(TK)                                                                                           \
+    (const float *)c->h, qkvw, (const TK *)c->pool, c->block_floats, l, nkv, hd, c->tpb, group, hc, d_pos, d_bto, \
+        d_bt, split_len, max_parts, scale, c->part, c->part_ml
+#define ATT2(CH, TK) KLAUNCH("attention", k_attn_part2<CH, TK>, ag, dim3(32 * ATT_WARPS), att2_smem, ATT_ARGS(TK))
+#define ATT(D, TK) KLAUNCH("attention", k_attn_part<D, TK>, ag, dim3(32 * ATT_WARPS), att_smem, ATT_ARGS(TK))
+#define ATT_ALL(TK)                              \
+    do {                                         \
         if (ea->attn2 && hd <= 128) ATT2(1, TK); \
         else if (ea->attn2) ATT2(2, TK);         \
         else if (hd <= 32) ATT(1, TK);           \
@@ -678,16 +704,16 @@ template <typename TA> static kv_status enqueue_step(struct cuda_ctx *c, const s
 #undef ATT_ALL
 #undef ATT
 #undef ATT2
-        LAUNCHED("attention");
-        k_attn_combine<TA><<<dim3((unsigned)T, (unsigned)nh), (unsigned)((hd + 31) / 32 * 32), 0, c->st>>>(
-            c->part, c->part_ml, d_pos, split_len, max_parts, nh, hd, (TA *)c->a);
-        LAUNCHED("attention combine");
+#undef ATT_ARGS
+        KLAUNCH("attention combine", k_attn_combine<TA>, dim3((unsigned)T, (unsigned)nh),
+                dim3((unsigned)((hd + 31) / 32 * 32)), (size_t)max_parts * sizeof(float), (const float *)c->part,
+                (const float *)c->part_ml, d_pos, split_len, max_parts, nh, hd, (TA *)c->a);
         if ((st = gemm(c, c->a, T, qw, Ly->wo, dim, c->h, err, errlen))) return st;
         /* FFN block */
         if ((st = launch_norm<TA>(c, c->x, c->h, Ly->ffn_norm, T, NULL, 1, err, errlen))) return st;
         if ((st = gemm(c, c->a, T, dim, Ly->wgu, 2 * ffn, c->h, err, errlen))) return st;
-        k_swiglu<TA><<<grid_for((size_t)T * ffn, 256), 256, 0, c->st>>>(c->h, (TA *)c->a, T, ffn);
-        LAUNCHED("swiglu");
+        KLAUNCH("swiglu", k_swiglu<TA>, dim3(grid_for((size_t)T * ffn, 256)), dim3(256), 0, (const float *)c->h,
+                (TA *)c->a, T, ffn);
         if ((st = gemm(c, c->a, T, ffn, Ly->wdown, dim, c->h, err, errlen))) return st;
     }
     if (L > 0) {
@@ -707,7 +733,32 @@ static kv_status cuda_forward(backend_t *be, const struct batch *b, float *logit
         nl += b->seqs[i].logits == BATCH_LOGITS_ALL ? b->seqs[i].n_tokens : b->seqs[i].logits == BATCH_LOGITS_LAST;
     if (nl > 0 && !logits) return kv_errf(KV_EINVAL, err, errlen, "forward: logits is NULL");
     CU_TRY(cudaSetDevice(c->dev), "cudaSetDevice");
-    return c->f32w ? forward_t<float>(be, b, logits, err, errlen) : forward_t<__nv_bfloat16>(be, b, logits, err, errlen);
+    long num = ++c->n_forward;
+    st = c->f32w ? forward_t<float>(be, b, logits, err, errlen) : forward_t<__nv_bfloat16>(be, b, logits, err, errlen);
+    for (int i = 0; i < c->n_fault && !st; i++)
+        if (c->fault_at[i] == num)
+            st = kv_errf(KV_EIO, err, errlen, "cuda: forward: %s (injected by KVSERVE_CUDA_FAULT)",
+                         cudaGetErrorString(cudaErrorLaunchFailure));
+    return st;
+}
+
+/* KVSERVE_CUDA_FAULT=forward:N[,N...] -> c->fault_at; anything else is refused. */
+static kv_status parse_fault(struct cuda_ctx *c, const char *v, char *err, size_t errlen) {
+    if (!v || !*v) return KV_OK;
+    if (strncmp(v, "forward:", 8))
+        return kv_errf(KV_EINVAL, err, errlen, "KVSERVE_CUDA_FAULT=%s: expected forward:N[,N...]", v);
+    const char *p = v + 8;
+    while (*p) {
+        char *end;
+        long n = strtol(p, &end, 10);
+        if (end == p || n < 1 || c->n_fault == 16 || (*end && *end != ','))
+            return kv_errf(KV_EINVAL, err, errlen,
+                           "KVSERVE_CUDA_FAULT=%s: expected forward:N[,N...] (up to 16 numbers >= 1)", v);
+        c->fault_at[c->n_fault++] = n;
+        p = *end ? end + 1 : end;
+    }
+    KV_WARN("cuda backend: KVSERVE_CUDA_FAULT=%s: %d forward call(s) will fail on purpose", v, c->n_fault);
+    return KV_OK;
 }
 
 static kv_status cuda_copy_blocks(backend_t *be, const int32_t *src, const int32_t *dst, int n) {
@@ -845,8 +896,8 @@ static void cuda_free(backend_t *be) {
             free(c->L);
         }
         if (c->output && c->output != c->tok_embd) kvc_free(c->output);
-        void *ps[] = {c->tok_embd, c->out_norm, c->inv_freq, c->pool, c->x, c->h, c->a, c->logits, c->part, c->part_ml,
-                      c->d_meta};
+        void *ps[] = {c->tok_embd, c->out_norm, c->inv_freq, c->pool, c->x, c->h, c->a, c->logits, c->part,
+                      c->part_ml, c->d_meta};
         for (size_t i = 0; i < sizeof ps / sizeof ps[0]; i++)
             if (ps[i]) kvc_free(ps[i]);
         if (c->h_meta) kvc_free_host(c->h_meta);
@@ -949,7 +1000,9 @@ extern "C" kv_status backend_cuda_new(const model_t *m, const struct backend_cud
     c->gemv_max = gm && *gm ? atoi(gm) : 1;
     if (c->gemv_max > GEMV_MAXM) c->gemv_max = GEMV_MAXM;
     c->det = opt->deterministic;
-    if ((st = cuda_init(be, c, opt, err, errlen))) {
+    const char *pd = getenv("KVSERVE_CUDA_PDL");
+    c->pdl = !(pd && *pd == '0');
+    if ((st = parse_fault(c, getenv("KVSERVE_CUDA_FAULT"), err, errlen)) || (st = cuda_init(be, c, opt, err, errlen))) {
         cuda_free(be);
         return st;
     }

@@ -54,7 +54,13 @@ extern "C" {
  * graphs in cudaStreamCaptureModeGlobal (then any potentially unsafe CUDA call in any thread
  * while a step is captured fails the capture and the forward, KV_EIO; the default is
  * cudaStreamCaptureModeThreadLocal, which checks this thread only, so that other threads of a
- * server, e.g. page copies, are not disturbed). */
+ * server, e.g. page copies, are not disturbed); KVSERVE_CUDA_FAULT=forward:N[,N...] (fault
+ * injection, tests/gpu/fault_serve.py) makes the forward calls numbered N (1 = the first of
+ * this backend) run normally and then fail as if their stream sync had reported
+ * cudaErrorLaunchFailure: KV_EIO and a message ending in "(injected by KVSERVE_CUDA_FAULT)";
+ * the backend stays usable, as after any non-sticky CUDA error; KVSERVE_CUDA_PDL=0 launches
+ * the forward's kernels without programmatic dependent launch (default on: each kernel may
+ * start launching while the previous one runs, kernels.cuh pdl_wait). */
 struct backend_cuda_options {
     int device;       /* CUDA device ordinal */
     bool f32_weights; /* keep weights f32 (exact-ish reference mode); default bf16 */

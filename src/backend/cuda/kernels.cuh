@@ -21,6 +21,25 @@ __host__ __device__ __forceinline__ int det_split_len(int pos) {
     return sl;
 }
 
+/* Programmatic dependent launch (sm_90; the host launches the forward's kernels with
+ * cudaLaunchAttributeProgrammaticStreamSerialization unless KVSERVE_CUDA_PDL=0):
+ * pdl_trigger() lets the next kernel of the stream start launching its CTAs now;
+ * pdl_wait() blocks until every earlier kernel of the stream has completed and its writes
+ * are visible. Every forward kernel calls pdl_wait() before it touches memory that an earlier
+ * kernel writes or reads (only read-only weights may be read before it), so a kernel that
+ * waits also orders everything before it transitively. Both are no-ops in a kernel launched
+ * without the attribute. */
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
 __device__ __forceinline__ float to_f32(float v) { return v; }
 __device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
 template <typename T> __device__ __forceinline__ T from_f32(float v);
@@ -78,6 +97,8 @@ template <typename TW> __global__ void k_fill_random(TW *dst, size_t n, uint64_t
 
 /* x[r] = emb[tok[r]] (f32). grid T, block 256. */
 template <typename TW> __global__ void k_embed(const TW *emb, const int32_t *tok, float *x, int dim) {
+    pdl_trigger();
+    pdl_wait();
     const TW *e = emb + (size_t)tok[blockIdx.x] * dim;
     float *o = x + (size_t)blockIdx.x * dim;
     for (int j = threadIdx.x; j < dim; j += blockDim.x) o[j] = to_f32(e[j]);
@@ -94,6 +115,8 @@ __global__ void __launch_bounds__(RMS_THREADS)
     k_add_rmsnorm(float *x, const float *add, const float *w, TA *out, int dim, float eps, const int32_t *rows,
                   int write_back) {
     __shared__ double sh[32];
+    pdl_trigger();
+    pdl_wait();
     int r = rows ? rows[blockIdx.x] : (int)blockIdx.x;
     float *xr = x + (size_t)r * dim;
     const float *ar = add ? add + (size_t)r * dim : nullptr;
@@ -147,6 +170,8 @@ __global__ void __launch_bounds__(32 * QKV_WARPS)
                const int32_t *row_pos, const int32_t *row_bt, const int32_t *bt, TK *pool, size_t block_floats,
                int layer, int n_heads, int n_kv, int hd, int tpb, float eps, int neox) {
     __shared__ float sh[QKV_WARPS][256];
+    pdl_trigger();
+    pdl_wait();
     int r = blockIdx.x, w = threadIdx.x / 32, lane = threadIdx.x % 32;
     int pos = row_pos[r];
     float *row = qkv + (size_t)r * stride;
@@ -204,6 +229,8 @@ __global__ void __launch_bounds__(32 * ATT_WARPS)
                 int tpb, int group, int hc, const int32_t *row_pos, const int32_t *row_bt, const int32_t *bt,
                 int split_len, int max_parts, float scale, float *part, float *part_ml) {
     extern __shared__ float smem[]; /* ATT_WARPS * hc * (hd + 2) */
+    pdl_trigger();
+    pdl_wait();
     int r = blockIdx.x, h0 = blockIdx.y * hc, z = blockIdx.z;
     int pos = row_pos[r];
     if (split_len <= 0) split_len = det_split_len(pos);
@@ -304,6 +331,8 @@ __global__ void __launch_bounds__(32 * ATT_WARPS)
                  int tpb, int group, int hc, const int32_t *row_pos, const int32_t *row_bt, const int32_t *bt,
                  int split_len, int max_parts, float scale, float *part, float *part_ml) {
     extern __shared__ float smem[]; /* q: hc*hd | weights: ATT_WARPS*ATT_HC*32 | per warp: ATT_WARPS*hc*(hd+2) */
+    pdl_trigger();
+    pdl_wait();
     int r = blockIdx.x, h0 = blockIdx.y * hc, z = blockIdx.z;
     int pos = row_pos[r];
     if (split_len <= 0) split_len = det_split_len(pos);
@@ -426,26 +455,61 @@ __global__ void __launch_bounds__(32 * ATT_WARPS)
     }
 }
 
-/* out[r, h] = sum_z acc_z * e^(m_z - M) / sum_z l_z * e^(m_z - M). grid (T, n_heads), block hd. */
+/* out[r, h] = sum_z acc_z * e^(m_z - M) / sum_z l_z * e^(m_z - M). grid (T, n_heads), block
+ * hd rounded up to 32 (<= 1024), dynamic shared memory max_parts floats. The part weights
+ * e^(m_z - M) are computed once per part (in parallel) into shared memory, M and the sum of
+ * l_z * w_z by fixed-shape block reductions (the order depends only on the row's part count),
+ * then each thread sums its dimension over the parts with 4 independent loads in flight. */
+__device__ __forceinline__ float block_reduce_f(float v, float *sh /* >= 32 */, bool is_max) {
+    for (int o = 16; o > 0; o >>= 1) {
+        float u = __shfl_xor_sync(0xffffffffu, v, o);
+        v = is_max ? fmaxf(v, u) : v + u;
+    }
+    int w = threadIdx.x / 32, l = threadIdx.x % 32, nw = (blockDim.x + 31) / 32;
+    __syncthreads();
+    if (l == 0) sh[w] = v;
+    __syncthreads();
+    float t = sh[0];
+    for (int i = 1; i < nw; i++) t = is_max ? fmaxf(t, sh[i]) : t + sh[i];
+    return t;
+}
 template <typename TA>
 __global__ void k_attn_combine(const float *part, const float *part_ml, const int32_t *row_pos, int split_len,
                                int max_parts, int n_heads, int hd, TA *out) {
+    extern __shared__ float cw[]; /* max_parts part weights */
+    __shared__ float red[32];
+    pdl_trigger();
+    pdl_wait();
     int r = blockIdx.x, h = blockIdx.y, e = threadIdx.x;
     int nparts = row_pos[r] / (split_len > 0 ? split_len : det_split_len(row_pos[r])) + 1;
     size_t slot0 = ((size_t)r * n_heads + h) * max_parts;
     float M = -INFINITY;
-    for (int z = 0; z < nparts; z++) M = fmaxf(M, part_ml[(slot0 + z) * 2]);
-    float L = 0.f, a = 0.f;
-    for (int z = 0; z < nparts; z++) {
+    for (int z = threadIdx.x; z < nparts; z += blockDim.x) M = fmaxf(M, part_ml[(slot0 + z) * 2]);
+    M = block_reduce_f(M, red, true);
+    float L = 0.f;
+    for (int z = threadIdx.x; z < nparts; z += blockDim.x) {
         float f = expf(part_ml[(slot0 + z) * 2] - M);
+        cw[z] = f;
         L += part_ml[(slot0 + z) * 2 + 1] * f;
-        if (e < hd) a += part[(slot0 + z) * hd + e] * f;
     }
-    if (e < hd) out[((size_t)r * n_heads + h) * hd + e] = from_f32<TA>(a / L);
+    L = block_reduce_f(L, red, false); /* its barriers also publish cw */
+    if (e >= hd) return;
+    const float *pp = part + slot0 * hd + e;
+    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+    int z = 0;
+    for (; z + 3 < nparts; z += 4) {
+        float p0 = pp[(size_t)z * hd], p1 = pp[(size_t)(z + 1) * hd], p2 = pp[(size_t)(z + 2) * hd],
+              p3 = pp[(size_t)(z + 3) * hd];
+        a0 += p0 * cw[z], a1 += p1 * cw[z + 1], a2 += p2 * cw[z + 2], a3 += p3 * cw[z + 3];
+    }
+    for (; z < nparts; z++) a0 += pp[(size_t)z * hd] * cw[z];
+    out[((size_t)r * n_heads + h) * hd + e] = from_f32<TA>(((a0 + a1) + (a2 + a3)) / L);
 }
 
 /* out[r, i] = silu(gu[r, i]) * gu[r, ffn + i]. */
 template <typename TA> __global__ void k_swiglu(const float *gu, TA *out, int T, int ffn) {
+    pdl_trigger();
+    pdl_wait();
     size_t n = (size_t)T * ffn;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         size_t r = i / ffn, k = i % ffn;
@@ -454,22 +518,17 @@ template <typename TA> __global__ void k_swiglu(const float *gu, TA *out, int T,
     }
 }
 
-/* Small-M product for decode: Y[M,N] (f32) = X[M,K] W[N,K]^T, bf16 X and W, f32
- * accumulation, M <= GEMV_MAXM, K % 8 == 0, 16-byte aligned rows. One warp per output
- * column n: each lane streams 16-byte pieces of W[n] (4 in flight), multiplies them with
- * the M rows of X (read through L1/L2), then a warp reduction per row. Each Y[m, n] is
- * computed in the same order whatever M is. grid ceil(N / GEMV_WARPS), block 32*GEMV_WARPS. */
 #define GEMV_WARPS 8
 #define GEMV_MAXM 8
+/* One output column of the small-M product, computed by one warp: acc[m] = X[m] . w for the
+ * M rows of X (bf16, K % 8 == 0, 16-byte aligned), f32 accumulation. Each lane streams the
+ * 16-byte pieces lane, lane + 32, ... of w, 4 in flight, multiplies them with the rows of X
+ * (read through L1/L2), then a warp reduction: on return every lane holds the sums. The order
+ * of the operations depends on K only, never on M. */
 template <int M>
-__global__ void __launch_bounds__(32 * GEMV_WARPS)
-    k_gemv_bf16(const __nv_bfloat16 *__restrict__ X, const __nv_bfloat16 *__restrict__ W, float *__restrict__ Y,
-                int N, int K) {
-    int n = blockIdx.x * GEMV_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (n >= N) return;
-    const uint4 *w = (const uint4 *)(W + (size_t)n * K);
+__device__ __forceinline__ void gemv_col(const __nv_bfloat16 *__restrict__ X, const uint4 *__restrict__ w, int K,
+                                         int lane, float acc[M]) {
     int K8 = K / 8;
-    float acc[M];
 #pragma unroll
     for (int m = 0; m < M; m++) acc[m] = 0.f;
     int i = lane;
@@ -512,13 +571,31 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS)
         }
     }
 #pragma unroll
-    for (int m = 0; m < M; m++) {
-        float v = acc[m];
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-        if (lane == 0) Y[(size_t)m * N + n] = v;
-    }
+    for (int m = 0; m < M; m++)
+        for (int o = 16; o > 0; o >>= 1) acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], o);
 }
 
+/* Small-M product for decode: Y[M,N] (f32) = X[M,K] W[N,K]^T, bf16 X and W, f32
+ * accumulation, M <= GEMV_MAXM: one warp per output column n (gemv_col), so Y[m, n] is
+ * computed in the same order whatever M is. grid ceil(N / GEMV_WARPS), block 32*GEMV_WARPS.
+ * (Tried on the H200 and not kept, 2026-12-02, Llama-3-8B step at batch 1 / 512, 5.02-5.04 ms
+ * with this kernel: two 8-piece stages per lane with the first loaded before pdl_wait, 5.9 ms
+ * at 96 registers; each column cut into 2-8 K parts for more CTAs, 5.1-6.3 ms; the gate/up
+ * product and SwiGLU in one kernel (same bits), 5.06 vs 5.03 ms.) */
+template <int M>
+__global__ void __launch_bounds__(32 * GEMV_WARPS)
+    k_gemv_bf16(const __nv_bfloat16 *__restrict__ X, const __nv_bfloat16 *__restrict__ W, float *__restrict__ Y,
+                int N, int K) {
+    pdl_trigger();
+    pdl_wait();
+    int n = blockIdx.x * GEMV_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (n >= N) return;
+    float acc[M];
+    gemv_col<M>(X, (const uint4 *)(W + (size_t)n * K), K, lane, acc);
+    if (lane == 0)
+#pragma unroll
+        for (int m = 0; m < M; m++) Y[(size_t)m * N + n] = acc[m];
+}
 
 /* ---- batch-invariant GEMM (deterministic mode) ----
  * Y[M,N] (f32) = X[M,K] W[N,K]^T, bf16 inputs, f32 accumulation on the tensor cores (wmma
