@@ -369,9 +369,9 @@ for f in "$@"; do
       [[ $isa == avx2 ]] && env_isa=(KVSERVE_CPU_ISA=avx2 OPENBLAS_CORETYPE="${OPENBLAS_CORETYPE:-Haswell}")
       env "${env_isa[@]}" "$bench_engine" --model "$f" --threads "$threads" --prompt-len "$pp" --gen-len "$tg" \
         --concurrency 1 "${engine_kv[@]}" >"$bel" 2>&1 || { echo "serve_ab: bench_engine failed (see $bel)" >&2; status=1; }
-      lpp=$(jq -r --argjson p "$pp" '[.[] | select(.n_prompt == $p and .n_gen == 0 and .n_depth == 0) | .avg_ts][0] // "n/a"' "$lbj" 2>/dev/null || echo n/a)
-      ltg=$(jq -r --argjson g "$tg" '[.[] | select(.n_prompt == 0 and .n_gen == $g and .n_depth == 0) | .avg_ts][0] // "n/a"' "$lbj" 2>/dev/null || echo n/a)
-      ltgd=$(jq -r --argjson g "$tg" --argjson d "$depth" '[.[] | select(.n_prompt == 0 and .n_gen == $g and .n_depth == $d) | .avg_ts][0] // "n/a"' "$lbj" 2>/dev/null || echo n/a)
+      lpp=$(jq -r --argjson p "$pp" '[.[] | select(.n_prompt == $p and .n_gen == 0 and ((.n_depth // 0) == 0)) | .avg_ts][0] // "n/a"' "$lbj" 2>/dev/null || echo n/a)
+      ltg=$(jq -r --argjson g "$tg" '[.[] | select(.n_prompt == 0 and .n_gen == $g and ((.n_depth // 0) == 0)) | .avg_ts][0] // "n/a"' "$lbj" 2>/dev/null || echo n/a)
+      ltgd=$(jq -r --argjson g "$tg" --argjson d "$depth" '[.[] | select(.n_prompt == 0 and .n_gen == $g and ((.n_depth // 0) == $d)) | .avg_ts][0] // "n/a"' "$lbj" 2>/dev/null || echo n/a)
       kpp=$(awk '$1 == "1" && NF == 4 { print $3 }' "$bel" | head -n1)
       ktg=$(awk '$1 == "1" && NF == 4 { print $4 }' "$bel" | head -n1)
       # "openblas core: X" (older bench_engine) or "kernel K (...), openblas core: X (...)"

@@ -719,6 +719,22 @@ AVX2 static ALWAYS __m256i kq_chunk256(int type, const uint8_t *b, int c2) {
     return v;
 }
 
+/* the integer sub-block scales of a K-quant super-block as int16 (Q4_K/Q5_K: 8, Q6_K: 16) */
+AVX2 static ALWAYS void kq_scales16(int type, const uint8_t *b, short scs[16]) {
+    if (type == KV_QTYPE_Q6_K) {
+        _Pragma("GCC unroll 16") for (int j = 0; j < 16; j++) scs[j] = (int8_t)b[192 + j];
+    } else {
+        uint32_t sc[2], mn2[2];
+        kv_quant_scales_k4(b + 4, sc, mn2);
+        _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) scs[j] = (short)kv_quant_k4_byte(sc, j);
+    }
+}
+/* the int16 scale of each pair of chunk c2 (Q6_K: 16-element sub-blocks, two per chunk) */
+AVX2 static ALWAYS __m256i kq_scv256(int type, const short scs[16], int c2) {
+    return type == KV_QTYPE_Q6_K ? _mm256_set_m128i(_mm_set1_epi16(scs[2 * c2 + 1]), _mm_set1_epi16(scs[2 * c2]))
+                                 : _mm256_set1_epi16(scs[c2]);
+}
+
 /* K-quants: nr <= 8 weight rows x MR <= 4 activation rows. Per super-block each row's quants
  * are unpacked once into a stack buffer and its scales into int16 vectors, then every
  * activation row reads them from L1. */
@@ -736,18 +752,10 @@ AVX2 static ALWAYS void kq_tile256(int type, const uint8_t *w, size_t rb, int nr
         for (int r = 0; r < nr && MR > 1; r++) {
             const uint8_t *b = w + (size_t)r * rb + (size_t)s * bb;
             short scs[16];
-            if (type == KV_QTYPE_Q6_K) {
-                _Pragma("GCC unroll 16") for (int j = 0; j < 16; j++) scs[j] = (int8_t)b[192 + j];
-            } else {
-                uint32_t sc[2], mn2[2];
-                kv_quant_scales_k4(b + 4, sc, mn2);
-                _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) scs[j] = (short)kv_quant_k4_byte(sc, j);
-            }
+            kq_scales16(type, b, scs);
             _Pragma("GCC unroll 8") for (int c2 = 0; c2 < 8; c2++) {
                 ub[r][c2] = kq_chunk256(type, b, c2);
-                scv[r][c2] = type == KV_QTYPE_Q6_K
-                                 ? _mm256_set_m128i(_mm_set1_epi16(scs[2 * c2 + 1]), _mm_set1_epi16(scs[2 * c2]))
-                                 : _mm256_set1_epi16(scs[c2]);
+                scv[r][c2] = kq_scv256(type, scs, c2);
             }
         }
         const size_t doff = type == KV_QTYPE_Q6_K ? 208 : 0;
@@ -764,21 +772,12 @@ AVX2 static ALWAYS void kq_tile256(int type, const uint8_t *w, size_t rb, int nr
                 for (int r = 0; r < nr; r++) {
                     const uint8_t *b = w + (size_t)r * rb + (size_t)s * bb;
                     short scs[16];
-                    if (type == KV_QTYPE_Q6_K) {
-                        _Pragma("GCC unroll 16") for (int j = 0; j < 16; j++) scs[j] = (int8_t)b[192 + j];
-                    } else {
-                        uint32_t sc[2], mn2[2];
-                        kv_quant_scales_k4(b + 4, sc, mn2);
-                        _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) scs[j] = (short)kv_quant_k4_byte(sc, j);
-                    }
+                    kq_scales16(type, b, scs);
                     _Pragma("GCC unroll 8") for (int c2 = 0; c2 < 8; c2++) {
                         __m256i x = _mm256_loadu_si256((const __m256i *)(qx + 32 * c2));
                         __m256i pr = _mm256_maddubs_epi16(kq_chunk256(type, b, c2), x);
                         if (type == KV_QTYPE_Q6_K) pr = _mm256_sub_epi16(pr, _mm256_maddubs_epi16(k32, x));
-                        __m256i sv = type == KV_QTYPE_Q6_K
-                                         ? _mm256_set_m128i(_mm_set1_epi16(scs[2 * c2 + 1]), _mm_set1_epi16(scs[2 * c2]))
-                                         : _mm256_set1_epi16(scs[c2]);
-                        R[r] = _mm256_add_epi32(R[r], _mm256_madd_epi16(pr, sv));
+                        R[r] = _mm256_add_epi32(R[r], _mm256_madd_epi16(pr, kq_scv256(type, scs, c2)));
                     }
                 }
             } else {

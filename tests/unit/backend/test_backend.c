@@ -294,23 +294,29 @@ static void run_alone(model_t *m, const struct seqs *S, struct run *R) {
 
 static const char *const g_qtypes[] = {"F16", "BF16", "Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K"};
 
+/* Loads tiny-<tag>.gguf into *q and its llama.cpp dequant-f32 twin into *f (both must exist). */
+static void load_quant_pair(const char *tag, model_t **q, model_t **f) {
+    char p1[4096], p2[4096], rel[256], err[256];
+    snprintf(rel, sizeof rel, "models/tiny-quant/tiny-%s.gguf", tag);
+    assert_non_null(test_data_path(p1, sizeof p1, rel));
+    snprintf(rel, sizeof rel, "models/tiny-quant/tiny-%s.dequant-f32.gguf", tag);
+    assert_non_null(test_data_path(p2, sizeof p2, rel));
+    if (model_load(p1, q, err, sizeof err)) fail_msg("%s: %s", p1, err);
+    if (model_load(p2, f, err, sizeof err)) fail_msg("%s: %s", p2, err);
+}
+
 /* A model loaded from each quantized file keeps its matrices in the stored type, and in the
  * f32 quantized-matmul mode its logits are bitwise those of the F32 file holding llama.cpp's
  * dequantization of it (the kernels compute with exactly the dequantized floats, matmul.h). */
 static void test_quant_equals_dequant_f32(void **st) {
     (void)st;
     kv_matmul_set_quant(KV_MATMUL_QUANT_F32);
-    char p1[4096], p2[4096], rel[256], err[256];
+    char p1[4096], rel[256];
     snprintf(rel, sizeof rel, "models/tiny-quant/tiny-%s.gguf", g_qtypes[0]);
     if (!test_data_path(p1, sizeof p1, rel)) { skip(); return; }
     for (size_t t = 0; t < sizeof g_qtypes / sizeof g_qtypes[0]; t++) {
-        snprintf(rel, sizeof rel, "models/tiny-quant/tiny-%s.gguf", g_qtypes[t]);
-        assert_non_null(test_data_path(p1, sizeof p1, rel));
-        snprintf(rel, sizeof rel, "models/tiny-quant/tiny-%s.dequant-f32.gguf", g_qtypes[t]);
-        assert_non_null(test_data_path(p2, sizeof p2, rel));
         model_t *q = NULL, *f = NULL;
-        if (model_load(p1, &q, err, sizeof err)) fail_msg("%s: %s", p1, err);
-        if (model_load(p2, &f, err, sizeof err)) fail_msg("%s: %s", p2, err);
+        load_quant_pair(g_qtypes[t], &q, &f);
         assert_int_not_equal(q->w.layers[0].w_up.type, KV_QTYPE_F32); /* not widened at load */
         assert_int_equal(f->w.layers[0].w_up.type, KV_QTYPE_F32);
         assert_true(model_weight_bytes(q) < model_weight_bytes(f));
@@ -336,18 +342,13 @@ static void test_quant_equals_dequant_f32(void **st) {
  * same argmax at (nearly) every position. F16/BF16 files have no integer path: bitwise. */
 static void test_quant_int8_close_to_f32(void **st) {
     (void)st;
-    char p1[4096], p2[4096], rel[256], err[256];
+    char p1[4096], rel[256], err[256];
     snprintf(rel, sizeof rel, "models/tiny-quant/tiny-%s.gguf", g_qtypes[0]);
     if (!test_data_path(p1, sizeof p1, rel)) { skip(); return; }
     assert_int_equal(kv_matmul_set_quant(KV_MATMUL_QUANT_INT8), KV_MATMUL_QUANT_INT8);
     for (size_t t = 0; t < sizeof g_qtypes / sizeof g_qtypes[0]; t++) {
-        snprintf(rel, sizeof rel, "models/tiny-quant/tiny-%s.gguf", g_qtypes[t]);
-        assert_non_null(test_data_path(p1, sizeof p1, rel));
-        snprintf(rel, sizeof rel, "models/tiny-quant/tiny-%s.dequant-f32.gguf", g_qtypes[t]);
-        assert_non_null(test_data_path(p2, sizeof p2, rel));
         model_t *q = NULL, *f = NULL;
-        if (model_load(p1, &q, err, sizeof err)) fail_msg("%s: %s", p1, err);
-        if (model_load(p2, &f, err, sizeof err)) fail_msg("%s: %s", p2, err);
+        load_quant_pair(g_qtypes[t], &q, &f);
         char p0[4096];
         assert_non_null(test_data_path(p0, sizeof p0, "models/tiny-quant/tiny-f32.gguf"));
         model_t *o = NULL;
