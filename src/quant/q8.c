@@ -325,11 +325,17 @@ void kv_q8_dot_rows(int type, const void *w, size_t row_bytes, int n_rows, const
     kv_q8_dot_rows_ref(type, w, row_bytes, n_rows, a, m0, M, Y, ldy);
 }
 
-int kv_q8_packed_fast(void) {
+int kv_q8_packed_fast(int type) {
 #ifdef KV_QUANT_X86
-    if (kv_quant_get_isa() == KV_QUANT_ISA_AVX512)
-        return (!(limits() & 2) && kv_q8_cpu_has_amx()) || (!(limits() & 1) && kv_q8_cpu_has_vnni());
+    switch (kv_quant_get_isa()) {
+    case KV_QUANT_ISA_AVX512:
+        if ((!(limits() & 2) && kv_q8_cpu_has_amx()) || (!(limits() & 1) && kv_q8_cpu_has_vnni())) return 1;
+        return type != KV_QTYPE_Q8_0 && kv_q8_group(type);
+    case KV_QUANT_ISA_AVX2: return type != KV_QTYPE_Q8_0 && kv_q8_group(type);
+    default: break;
+    }
 #endif
+    (void)type;
     return 0;
 }
 
@@ -339,6 +345,7 @@ const char *kv_q8_packed_name(void) {
         if (!(limits() & 2) && kv_q8_cpu_has_amx()) return "amx";
         if (!(limits() & 1) && kv_q8_cpu_has_vnni()) return "avx512-vnni";
     }
+    if (kv_quant_get_isa() >= KV_QUANT_ISA_AVX2) return "avx2";
 #endif
     return "none";
 }
@@ -356,6 +363,10 @@ void kv_q8_dot_packed(int type, const void *panel, int n_rows, const struct kv_q
             kv_q8_packed_avx512vnni(type, panel, n_rows, a, m0, M, Y, ldy);
             return;
         }
+    }
+    if (kv_quant_get_isa() >= KV_QUANT_ISA_AVX2 && type != KV_QTYPE_Q8_0) {
+        kv_q8_packed_avx2(type, panel, n_rows, a, m0, M, Y, ldy);
+        return;
     }
 #endif
     packed_generic(type, panel, n_rows, a, m0, M, Y, ldy);

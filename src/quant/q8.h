@@ -100,11 +100,12 @@ int kv_q8_pack(int type, const void *w, size_t row_bytes, int n_rows, int K, voi
 void kv_q8_dot_packed(int type, const void *panel, int n_rows, const struct kv_q8_act *a, int m0, int M, float *Y,
                       size_t ldy);
 
-/* True when the ISA in effect has a packed kernel faster than kv_q8_dot_rows for many rows
- * (AVX512-VNNI, AMX); elsewhere kv_q8_dot_packed runs scalar C and callers should not pack. */
-int kv_q8_packed_fast(void);
-/* The prefill kernel kv_q8_dot_packed uses now: "amx", "avx512-vnni" or "none" (scalar C;
- * kv_q8_dot_rows serves all M then). Static string. */
+/* True when the ISA in effect has a packed kernel for `type` faster than kv_q8_dot_rows for
+ * many rows (AMX, AVX512-VNNI: every type; AVX2: the 4- to 6-bit types); elsewhere
+ * kv_q8_dot_packed runs scalar C and callers should not pack. */
+int kv_q8_packed_fast(int type);
+/* The prefill kernel kv_q8_dot_packed uses now: "amx", "avx512-vnni", "avx2" (not Q8_0) or
+ * "none" (scalar C; kv_q8_dot_rows serves all M then). Static string. */
 const char *kv_q8_packed_name(void);
 
 /* Tests: 1 = use the AVX-512 kernels without VNNI, 2 = without AMX, 3 = neither, even where

@@ -52,6 +52,8 @@ void kv_q8_pack_avx512(int type, const void *w, size_t rb, int n_rows, int K, vo
 /* Packed kernels; arguments checked by kv_q8_dot_packed. */
 void kv_q8_packed_avx512vnni(int type, const uint8_t *panel, int n_rows, const struct kv_q8_act *a, int m0, int M,
                              float *Y, size_t ldy);
+void kv_q8_packed_avx2(int type, const uint8_t *panel, int n_rows, const struct kv_q8_act *a, int m0, int M,
+                       float *Y, size_t ldy);
 void kv_q8_packed_amx(int type, const uint8_t *panel, int n_rows, const struct kv_q8_act *a, int m0, int M, float *Y,
                       size_t ldy);
 #endif

@@ -361,7 +361,7 @@ static void plan_task(void *p, int t, int th) {
         return;
     }
     if (pl->q8[i] || op->M <= DECODE_ROWS) { /* decode: dequantize in registers, nothing written but Y */
-        if (pl->q8[i] && op->M > DECODE_ROWS && kv_q8_packed_fast()) {
+        if (pl->q8[i] && op->M > DECODE_ROWS && kv_q8_packed_fast(W->type)) {
             /* prefill: repack the task's rows once (VNNI order), then outer products for all M */
             size_t pb = kv_q8_pack_bytes(W->type, n1 - n0, (int)K);
             void *panel = thread_q8panel(pb);
