@@ -215,6 +215,10 @@ int kv_q8_pack(int type, const void *w, size_t row_bytes, int n_rows, int K, voi
         kv_q8_pack_avx512(type, w, row_bytes, n_rows, K, panel);
         return 0;
     }
+    if (kv_quant_get_isa() == KV_QUANT_ISA_AVX2) {
+        kv_q8_pack_avx2(type, w, row_bytes, n_rows, K, panel);
+        return 0;
+    }
 #endif
     const size_t bb = kv_qtype_block_bytes(type);
     const int ng = K / g.G;

@@ -48,6 +48,7 @@ void kv_q8_dot_avx512(int type, const void *w, size_t rb, int n_rows, const stru
                       float *Y, size_t ldy, int vnni);
 int kv_q8_cpu_has_vnni(void);
 int kv_q8_cpu_has_amx(void);
+void kv_q8_pack_avx2(int type, const void *w, size_t rb, int n_rows, int K, void *panel);
 void kv_q8_pack_avx512(int type, const void *w, size_t rb, int n_rows, int K, void *panel); /* AMX-INT8 usable (CPU + the kernel granted the tile state) */
 /* Packed kernels; arguments checked by kv_q8_dot_packed. */
 void kv_q8_packed_avx512vnni(int type, const uint8_t *panel, int n_rows, const struct kv_q8_act *a, int m0, int M,

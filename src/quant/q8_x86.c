@@ -903,6 +903,74 @@ AVX2 void kv_q8_packed_avx2(int type, const uint8_t *panel, int n_rows, const st
     }
 }
 
+/* Panel packing with AVX2 unpacking (the same bytes as kv_q8_pack's scalar code): a chunk's 32
+ * values are unpacked in a register, then moved as 8 dwords to their VNNI places. */
+AVX2 static ALWAYS void pack_t256(int type, const uint8_t *w, size_t rb, int n_rows, int K, uint8_t *panel) {
+    const struct kv_q8_geo g = kv_q8_geo(type);
+    const int ng = K / g.G;
+    const size_t bb = kv_qtype_block_bytes(type), rgb = (size_t)ng * g.grp, vo = g.kq ? 64 : 0;
+    for (int r = 0; r < n_rows; r++) {
+        const uint8_t *row = w + (size_t)r * rb;
+        uint8_t *rg = panel + (size_t)(r / 16) * rgb;
+        const int n = r % 16;
+        for (int s = 0; s < ng; s++) {
+            const uint8_t *blk = row + (size_t)s * bb;
+            uint8_t *grp = rg + (size_t)s * g.grp;
+            uint32_t t[8];
+            if (!g.kq) {
+                float d = LDH(blk);
+                memcpy(grp + 4 * n, &d, 4);
+                __m256i v;
+                if (type == KV_QTYPE_Q8_0) {
+                    v = _mm256_loadu_si256((const __m256i *)(blk + 2));
+                } else {
+                    __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 2));
+                    v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0f));
+                    v = _mm256_sub_epi8(v, _mm256_set1_epi8(8));
+                }
+                _mm256_storeu_si256((__m256i *)t, v);
+                _Pragma("GCC unroll 8") for (int k4 = 0; k4 < 8; k4++) memcpy(grp + g.hdr + 64 * k4 + 4 * n, &t[k4], 4);
+                continue;
+            }
+            float d = LDH(type == KV_QTYPE_Q6_K ? blk + 208 : blk), dmin = type == KV_QTYPE_Q6_K ? 0.0f : LDH(blk + 2);
+            memcpy(grp + 4 * n, &d, 4);
+            memcpy(grp + 64 + 4 * n, &dmin, 4);
+            if (type == KV_QTYPE_Q6_K) {
+                for (int j = 0; j < 16; j++) {
+                    int32_t sc = (int8_t)blk[192 + j];
+                    memcpy(grp + g.hdr + (size_t)j * g.sub + 4 * n, &sc, 4);
+                }
+            } else {
+                uint32_t sc[2], mn[2];
+                kv_quant_scales_k4(blk + 4, sc, mn);
+                for (int j = 0; j < 8; j++) {
+                    int32_t a = kv_quant_k4_byte(sc, j), b = kv_quant_k4_byte(mn, j);
+                    memcpy(grp + g.hdr + (size_t)j * g.sub + 4 * n, &a, 4);
+                    memcpy(grp + 128 + 64 * (size_t)j + 4 * n, &b, 4);
+                }
+            }
+            const __m256i off = _mm256_set1_epi8((char)(type == KV_QTYPE_Q6_K ? 32 : 0));
+            _Pragma("GCC unroll 8") for (int c2 = 0; c2 < 8; c2++) {
+                _mm256_storeu_si256((__m256i *)t, _mm256_sub_epi8(kq_chunk256(type, blk, c2), off));
+                _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++) {
+                    const int e = 32 * c2 + 4 * i, j = e / g.S, k4 = (e % g.S) / 4;
+                    memcpy(grp + g.hdr + (size_t)j * g.sub + vo + 64 * (size_t)k4 + 4 * n, &t[i], 4);
+                }
+            }
+        }
+    }
+}
+
+AVX2 void kv_q8_pack_avx2(int type, const void *w, size_t rb, int n_rows, int K, void *panel) {
+    switch (type) {
+    case KV_QTYPE_Q8_0: pack_t256(KV_QTYPE_Q8_0, w, rb, n_rows, K, panel); break;
+    case KV_QTYPE_Q4_0: pack_t256(KV_QTYPE_Q4_0, w, rb, n_rows, K, panel); break;
+    case KV_QTYPE_Q4_K: pack_t256(KV_QTYPE_Q4_K, w, rb, n_rows, K, panel); break;
+    case KV_QTYPE_Q5_K: pack_t256(KV_QTYPE_Q5_K, w, rb, n_rows, K, panel); break;
+    default: pack_t256(KV_QTYPE_Q6_K, w, rb, n_rows, K, panel); break;
+    }
+}
+
 AVX2 void kv_q8_dot_avx2(int type, const void *w, size_t rb, int n_rows, const struct kv_q8_act *a, int m0, int M,
                          float *Y, size_t ldy) {
     const uint8_t *w8 = w;
