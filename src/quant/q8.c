@@ -334,8 +334,8 @@ int kv_q8_packed_fast(int type) {
     switch (kv_quant_get_isa()) {
     case KV_QUANT_ISA_AVX512:
         if ((!(limits() & 2) && kv_q8_cpu_has_amx()) || (!(limits() & 1) && kv_q8_cpu_has_vnni())) return 1;
-        return type != KV_QTYPE_Q8_0 && kv_q8_group(type);
-    case KV_QUANT_ISA_AVX2: return type != KV_QTYPE_Q8_0 && kv_q8_group(type);
+        return kv_q8_group(type) != 0;
+    case KV_QUANT_ISA_AVX2: return kv_q8_group(type) != 0;
     default: break;
     }
 #endif
@@ -368,7 +368,7 @@ void kv_q8_dot_packed(int type, const void *panel, int n_rows, const struct kv_q
             return;
         }
     }
-    if (kv_quant_get_isa() >= KV_QUANT_ISA_AVX2 && type != KV_QTYPE_Q8_0) {
+    if (kv_quant_get_isa() >= KV_QUANT_ISA_AVX2) {
         kv_q8_packed_avx2(type, panel, n_rows, a, m0, M, Y, ldy);
         return;
     }

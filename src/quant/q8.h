@@ -101,10 +101,10 @@ void kv_q8_dot_packed(int type, const void *panel, int n_rows, const struct kv_q
                       size_t ldy);
 
 /* True when the ISA in effect has a packed kernel for `type` faster than kv_q8_dot_rows for
- * many rows (AMX, AVX512-VNNI: every type; AVX2: the 4- to 6-bit types); elsewhere
+ * many rows (AMX, AVX512-VNNI, AVX2: every type); elsewhere
  * kv_q8_dot_packed runs scalar C and callers should not pack. */
 int kv_q8_packed_fast(int type);
-/* The prefill kernel kv_q8_dot_packed uses now: "amx", "avx512-vnni", "avx2" (not Q8_0) or
+/* The prefill kernel kv_q8_dot_packed uses now: "amx", "avx512-vnni", "avx2" or
  * "none" (scalar C; kv_q8_dot_rows serves all M then). Static string. */
 const char *kv_q8_packed_name(void);
 

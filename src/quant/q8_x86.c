@@ -821,9 +821,10 @@ AVX2 static ALWAYS void kq_tile256(int type, const uint8_t *w, size_t rb, int nr
         }                                                                                                 \
     } while (0)
 
-/* AVX2 prefill on a panel (Q4_0, Q4_K, Q5_K, Q6_K: quants of at most 6 bits, so the panel's
- * value + off (0..63) times an activation never saturates vpmaddubsw): lanes = 8 weight rows
- * (one half of a 16-row group), MR activation rows; off * sum(q) comes off per sub-block. */
+/* AVX2 prefill on a panel: lanes = 8 weight rows (one half of a 16-row group), MR activation
+ * rows. Q4_0/Q4_K/Q5_K/Q6_K: the panel's value + off (0..63) times an activation never saturates
+ * vpmaddubsw, off * sum(q) comes off per sub-block; Q8_0: |w| times the activation with w's sign
+ * (at most 2 * 128 * 127 per pair). */
 AVX2 static ALWAYS void packed_tile256(int type, const uint8_t *rg, int half, int nr, const struct kv_q8_act *a,
                                       int m0, float *Y, size_t ldy, const int MR) {
     const struct kv_q8_geo g = kv_q8_geo(type);
@@ -844,11 +845,15 @@ AVX2 static ALWAYS void packed_tile256(int type, const uint8_t *rg, int half, in
             __m256i C[4];
             _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++) C[m] = _mm256_setzero_si256();
             _Pragma("GCC unroll 8") for (int k4 = 0; k4 < g.S / 4; k4++) {
-                __m256i vv = _mm256_add_epi8(_mm256_load_si256((const __m256i *)(v + 64 * k4 + ho)), voff);
+                __m256i vv = _mm256_load_si256((const __m256i *)(v + 64 * k4 + ho)), aw = vv;
+                if (type == KV_QTYPE_Q8_0) aw = _mm256_abs_epi8(vv); /* sign trick: |w| x sign(w) q */
+                else vv = aw = _mm256_add_epi8(vv, voff);
                 _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++) {
                     int32_t x4;
                     memcpy(&x4, a->q + (size_t)(m0 + m) * K + e0 + 4 * k4, 4);
-                    C[m] = _mm256_add_epi32(C[m], _mm256_madd_epi16(_mm256_maddubs_epi16(vv, _mm256_set1_epi32(x4)), ones));
+                    __m256i xb = _mm256_set1_epi32(x4);
+                    if (type == KV_QTYPE_Q8_0) xb = _mm256_sign_epi8(xb, vv);
+                    C[m] = _mm256_add_epi32(C[m], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xb), ones));
                 }
             }
             _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++) {
@@ -899,7 +904,7 @@ AVX2 void kv_q8_packed_avx2(int type, const uint8_t *panel, int n_rows, const st
     case KV_QTYPE_Q4_K: packed_t256(KV_QTYPE_Q4_K, panel, n_rows, a, m0, M, Y, ldy); break;
     case KV_QTYPE_Q5_K: packed_t256(KV_QTYPE_Q5_K, panel, n_rows, a, m0, M, Y, ldy); break;
     case KV_QTYPE_Q6_K: packed_t256(KV_QTYPE_Q6_K, panel, n_rows, a, m0, M, Y, ldy); break;
-    default: break; /* Q8_0: kv_q8_packed_fast says no */
+    default: packed_t256(KV_QTYPE_Q8_0, panel, n_rows, a, m0, M, Y, ldy); break;
     }
 }
 
