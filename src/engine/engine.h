@@ -254,5 +254,8 @@ int engine_kv_events(engine_t *e, uint64_t after, struct engine_kv_event *out, i
                      int cap, uint64_t *lost);
 /* Worker id (random 64-bit, fixed for the engine's life) for KV events. */
 uint64_t engine_worker_id(const engine_t *e);
+/* Public fingerprint of the block-hash secret (kv_hash_key_id, 16 hex digits): a router
+ * mirroring this worker compares it with its own (--hash-key-file) and refuses a mismatch. */
+void engine_hash_key_id(const engine_t *e, char out[17]);
 
 #endif

@@ -29,6 +29,9 @@ json_t *kvapi_server_info(engine_t *e, const char *model_name) {
     json_object_set_new(o, "model", json_string(model_name ? model_name : ""));
     json_object_set_new(o, "tokens_per_block", json_integer(c->tokens_per_block));
     json_object_set_new(o, "hash_scheme", json_string(KV_HASH_SCHEME));
+    char kid[17];
+    engine_hash_key_id(e, kid);
+    json_object_set_new(o, "hash_key_id", json_string(kid));
     json_object_set_new(o, "worker_id", json_string(wid));
     json_object_set_new(o, "prefix_cache", json_boolean(s.prefix_cache_enabled));
     json_object_set_new(o, "host_cache_blocks", json_integer(s.kv_host_blocks_total));
