@@ -42,4 +42,13 @@ kv_status http_serve(const struct http_config *cfg, engine_t *e, const model_t *
                      const tokenizer_t *t, char *err, size_t errlen);
 void http_server_stop(void);
 
+/* The prompt of a completions (chat false) or chat body as token ids, exactly as a worker with
+ * tokenizer t computes them (the router hashes these: kv_aware block hashes, conversation
+ * content keys). t may be NULL when the prompt is given as ids. *ids heap (caller frees);
+ * *cache_salt (may be NULL) gets a heap copy of the request's cache_salt or NULL.
+ * KV_EINVAL: the body is not a valid request, or a text prompt without a tokenizer (message
+ * in err); KV_ENOMEM. Thread-safe (t is read-only). */
+kv_status http_prompt_ids(const tokenizer_t *t, bool chat, const char *body, size_t len, int32_t **ids,
+                          size_t *n, char **cache_salt, char *err, size_t errlen);
+
 #endif
