@@ -134,6 +134,16 @@ void rtq_route_inputs(struct rreq *q, const char *body, size_t len) {
 
 /* ------------------------------------------------------------------ routes */
 
+/* "no live <role> worker" plus why the first one is out (refused: the mismatch, BUG-13). */
+static void no_worker_msg(const struct rt_pool *p, char *msg, size_t n) {
+    for (int i = 0; i < p->n; i++)
+        if (p->w[i]->present && p->w[i]->refused) {
+            snprintf(msg, n, "no live %s worker: %s is refused: %s", p->role, p->w[i]->url, p->w[i]->why_refused);
+            return;
+        }
+    snprintf(msg, n, "no live %s worker (%d configured, none present and healthy)", p->role, p->n);
+}
+
 static void handle_generate(struct router *r, struct evhttp_request *req, bool chat) {
     struct evbuffer *in = evhttp_request_get_input_buffer(req);
     size_t len = evbuffer_get_length(in);
@@ -191,7 +201,9 @@ static void handle_generate(struct router *r, struct evhttp_request *req, bool c
     if (!disagg) { /* aggregated pool: a plain proxy */
         q->agg_idx = rtq_place(q, POOL_AGG, -1);
         if (q->agg_idx < 0) {
-            rtq_fail_client(q, 503, "server_error", "no_worker", "no live aggregated worker", OUT_UPSTREAM_ERROR);
+            char msg[700];
+            no_worker_msg(R_AGG(r), msg, sizeof msg);
+            rtq_fail_client(q, 503, "server_error", "no_worker", msg, OUT_UPSTREAM_ERROR);
             return;
         }
         rtq_send_final(q, RT_LEG_PLAIN, R_AGG(r), q->agg_idx, q->base);
@@ -200,9 +212,9 @@ static void handle_generate(struct router *r, struct evhttp_request *req, bool c
     q->ctx_idx = rtq_place(q, POOL_CTX, -1);
     q->gen_idx = rtq_place(q, POOL_GEN, -1);
     if (q->ctx_idx < 0 || q->gen_idx < 0) {
-        rtq_fail_client(q, 503, "server_error", "no_worker",
-                        q->ctx_idx < 0 ? "no live context worker" : "no live generation worker",
-                        OUT_UPSTREAM_ERROR);
+        char msg[700];
+        no_worker_msg(q->ctx_idx < 0 ? R_CTX(r) : R_GEN(r), msg, sizeof msg);
+        rtq_fail_client(q, 503, "server_error", "no_worker", msg, OUT_UPSTREAM_ERROR);
         return;
     }
     if (r->cfg.style == ROUTER_CONTEXT_FIRST) {
