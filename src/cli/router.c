@@ -45,6 +45,9 @@ static void router_usage(FILE *f) {
             "                           as token ids exactly as the workers tokenize them\n"
             "  --predicted-prefix-ttl S kv_aware: a prefix just sent to a worker follows it for S\n"
             "                           seconds before its KV events arrive (default 5; 0 = off)\n"
+            "  --etcd URL               discover workers registered in etcd (v3 JSON gateway, e.g.\n"
+            "                           http://127.0.0.1:2379; kvserve serve --etcd registers them)\n"
+            "  --etcd-prefix P          key prefix (default kvserve/workers/)\n"
             "  --health-interval S      GET /health period; 2 failures in a row take a worker out\n"
             "                           (default 1; 0 = off)\n"
             "  --log-level LEVEL        debug | info | warn | error (default info)\n"
@@ -147,6 +150,8 @@ int cmd_router(int argc, char **argv) {
         else if (!strcmp(a, "--tokens-per-block") && parse_long(v, 1, 4096, &n)) c.tokens_per_block = (int)n;
         else if (!strcmp(a, "--hash-key-file")) c.hash_key_file = v;
         else if (!strcmp(a, "--tokenizer")) c.tokenizer = v;
+        else if (!strcmp(a, "--etcd")) c.etcd = v;
+        else if (!strcmp(a, "--etcd-prefix")) c.etcd_prefix = v;
         else if (!strcmp(a, "--predicted-prefix-ttl") && parse_double(v, 0, 3600, &d)) c.predicted_prefix_ttl_s = d;
         else if (!strcmp(a, "--health-interval") && parse_double(v, 0, 3600, &d)) c.health_interval_s = d;
         else if (!strcmp(a, "--log-level") && !strcmp(v, "debug")) kv_log_set_level(KV_LOG_DEBUG);

@@ -33,6 +33,12 @@ struct http_config {
     const char *kv_endpoint;   /* the KV-transfer agent's "host:port" (ctx_info_endpoint) */
     const char *kv_transport;  /* "tcp" | "ucx" */
     const char *kv_pool_json;  /* the KV page table as JSON text (sent as disaggregated_params.pool) */
+    /* optional hooks (loop thread): once listening (host, bound port; before the port file is
+     * written; a non-KV_OK return stops http_serve with that status and the message in err),
+     * and when stopping begins (before requests are cancelled): etcd registration */
+    kv_status (*on_listening)(const char *host, int port, void *arg, char *err, size_t errlen);
+    void (*on_stopping)(void *arg);
+    void *hook_arg;
 };
 
 /* Serves until SIGINT/SIGTERM (or http_server_stop from another thread); returns KV_OK on a

@@ -19,6 +19,7 @@
 #include <event2/buffer.h>
 
 #include "conv_index.h"
+#include "discovery_etcd.h"
 #include "kv_mirror.h"
 #include "router_state.h"
 
@@ -228,6 +229,13 @@ kv_status rt_workers_metrics(struct router *r, kv_buf *b) {
     HDR("worker_gone_failures_total", "counter", "Requests failed because their worker left the pool.");
     st |= kv_buf_printf(b, "kvserve_router_worker_gone_failures_total %llu\n",
                         (unsigned long long)r->worker_left_failures);
+    if (r->etcd) {
+        HDR("etcd_workers", "gauge", "Workers registered in etcd now.");
+        st |= kv_buf_printf(b, "kvserve_router_etcd_workers %d\n", etcd_watch_count(r->etcd));
+        HDR("etcd_events_total", "counter", "etcd PUT/DELETE events seen.");
+        st |= kv_buf_printf(b, "kvserve_router_etcd_events_total %llu\n",
+                            (unsigned long long)etcd_watch_events(r->etcd));
+    }
     HDR("reservations", "gauge", "Coordinator reservations (POST /select) not finished yet.");
     long nres = 0;
     for (const struct rt_reservation *x = r->resv; x; x = x->next) nres++;

@@ -47,6 +47,8 @@ struct router_config {
     const char *tokenizer;      /* GGUF / tokenizer.json of the served model, or NULL */
     double predicted_prefix_ttl_s; /* kv_aware in-flight awareness window (5 s; 0 = off) */
     double health_interval_s;   /* GET /health period (1 s; 0 = off) */
+    const char *etcd;           /* etcd base URL (v3 JSON gateway): discover workers, or NULL */
+    const char *etcd_prefix;    /* default ETCD_DEFAULT_PREFIX "kvserve/workers/" */
 };
 
 /* Serves until SIGINT/SIGTERM. Returns KV_OK on a clean stop; KV_EINVAL for a bad config,

@@ -44,6 +44,7 @@ struct router {
     char key_id[17];      /* kv_hash_key_id(key) */
     struct event *health; /* health-check timer */
     struct rt_reservation *resv;
+    struct etcd_watch *etcd; /* discovery_etcd.c, or NULL */
     struct rreq *live;
     int n_live;
     struct event *tick;   /* peeks quiet client connections for EOF */

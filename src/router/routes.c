@@ -424,9 +424,9 @@ kv_status router_run(const struct router_config *cfg, char *err, size_t errlen) 
     if (!disagg && (cfg->n_context > 0 || cfg->n_generation > 0))
         return kv_errf(KV_EINVAL, err, errlen,
                        "disaggregated serving needs both --context and --generation workers");
-    if (!disagg && cfg->n_workers == 0)
+    if (!disagg && cfg->n_workers == 0 && !cfg->etcd)
         return kv_errf(KV_EINVAL, err, errlen,
-                       "no workers: give --context and --generation URLs, or --workers URLs");
+                       "no workers: give --context and --generation URLs, --workers URLs or --etcd URL");
     if (cfg->tokens_per_block < 1)
         return kv_errf(KV_EINVAL, err, errlen, "--tokens-per-block must be >= 1");
     if (cfg->policy == ROUTER_KV_AWARE && !cfg->hash_key_file)
@@ -486,8 +486,8 @@ kv_status router_run(const struct router_config *cfg, char *err, size_t errlen) 
                 r->pol.max_retries, cfg->max_local_prefill_tokens >= 0 ? "on" : "off",
                 rt_policy_name((enum rt_policy_kind)cfg->policy));
     else
-        KV_INFO("router: listening on http://%s (aggregated pool of %d worker(s), policy %s, load %s)",
-                r->self_id, cfg->n_workers,
+        KV_INFO("router: listening on http://%s (aggregated pool of %d worker(s)%s, policy %s, load %s)",
+                r->self_id, cfg->n_workers, cfg->etcd ? " + etcd discovery" : "",
                 rt_policy_name((enum rt_policy_kind)cfg->policy), cfg->load_tokens ? "tokens" : "requests");
     event_base_dispatch(r->base);
     KV_INFO("router: stopped");

@@ -18,6 +18,7 @@
 #include <event2/buffer.h>
 
 #include "conv_index.h"
+#include "discovery_etcd.h"
 #include "kv_mirror.h"
 #include "router_state.h"
 
@@ -245,6 +246,7 @@ static void on_maint(evutil_socket_t fd, short what, void *arg) {
             if (kw && w->mirror && !kw->u && w->present && w->healthy && now >= kw->retry_ns) start_watch(r, pl, i);
         }
     }
+    if (r->etcd) etcd_watch_tick(r->etcd);
 }
 
 kv_status rt_workers_start(struct router *r, char *err, size_t errlen) {
@@ -255,11 +257,17 @@ kv_status rt_workers_start(struct router *r, char *err, size_t errlen) {
     struct timeval tv = {0, MAINT_US};
     evtimer_add(r->health, &tv);
     g_next_health_ns = kv_now_ns() + (uint64_t)(r->cfg.health_interval_s * 1e9);
+    if (r->cfg.etcd) {
+        kv_status st = etcd_watch_start(r, &r->etcd, err, errlen);
+        if (st) return st;
+    }
     on_maint(-1, 0, r); /* open the mirrors now */
     return KV_OK;
 }
 
 void rt_workers_stop(struct router *r) {
+    etcd_watch_stop(r->etcd);
+    r->etcd = NULL;
     if (r->health) event_free(r->health);
     r->health = NULL;
     for (int pl = 0; pl < POOL_N; pl++)

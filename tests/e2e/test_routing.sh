@@ -13,4 +13,5 @@ if ! command -v python3 >/dev/null; then
     echo "SKIP: python3 not found"
     exit 77
 fi
+if [ $# -eq 0 ]; then set -- policies sticky content burst coordinator refuse health; fi
 exec python3 "$here/routing.py" "$@"
