@@ -31,7 +31,9 @@ static void on_pool_event(const struct kv_pool_event *pe, void *user) {
     ev->seq = seq;
     ev->type = pe->type == KV_POOL_EV_STORED    ? ENGINE_KV_STORED
                : pe->type == KV_POOL_EV_REMOVED ? ENGINE_KV_REMOVED
+               : pe->type == KV_POOL_EV_TIER    ? ENGINE_KV_TIER
                                                 : ENGINE_KV_CLEARED;
+    ev->host = pe->host;
     if (pe->hash) ev->hash = *pe->hash;
     if (pe->parent_hash) ev->parent_hash = *pe->parent_hash;
     ev->parent_is_root = pe->parent_is_root;

@@ -199,6 +199,14 @@ enum kv_mirror_result kv_mirror_apply(struct kv_mirror *m, const json_t *ev,
         map_del(&m->set, h);
         return KV_MIRROR_OK;
     }
+    if (!strcmp(type, "tier")) { /* offloaded to the host tier, or back on the device */
+        const char *tier = json_string_value(json_object_get(ev, "tier"));
+        if (kv_mirror_tier(m, h) && map_put(&m->set, h, tier && !strcmp(tier, "host") ? 2 : 1, NULL, NULL)) {
+            snprintf(err, errlen, "out of memory");
+            return KV_MIRROR_BAD;
+        }
+        return KV_MIRROR_OK;
+    }
     snprintf(err, errlen, "unknown event type %s", type);
     return KV_MIRROR_BAD;
 }

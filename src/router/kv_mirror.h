@@ -49,7 +49,8 @@ enum kv_mirror_result {
 };
 /* Applies one /kv_events event object (docs/api.md): start (checks the scheme against ex,
  * remembers worker_id; a different worker_id than before clears), stored (+ "tier":"host"
- * -> host tier), removed, cleared, lost. *last_seq advances with every seq seen. */
+ * -> host tier), tier (a stored block moved to "host" or back to "device"), removed,
+ * cleared, lost. *last_seq advances with every seq seen. */
 enum kv_mirror_result kv_mirror_apply(struct kv_mirror *m, const json_t *ev,
                                       const struct kv_mirror_expect *ex, uint64_t *last_seq,
                                       char *err, size_t errlen);

@@ -207,6 +207,15 @@ static void test_mirror(void **st) {
     assert_int_equal(kv_mirror_tier(m, 11), 1);
     assert_int_equal(kv_mirror_tier(m, 22), 2);
     assert_int_equal(kv_mirror_size(m), 2);
+    /* tier moves: host <-> device; a tier event for an unknown block adds nothing */
+    assert_int_equal(apply(m, ev("{\"type\":\"tier\",\"block_hash\":\"%s\",\"tier\":\"host\"}", h1), &ex), KV_MIRROR_OK);
+    assert_int_equal(kv_mirror_tier(m, 11), 2);
+    apply(m, ev("{\"type\":\"tier\",\"block_hash\":\"%s\",\"tier\":\"device\"}", h1), &ex);
+    assert_int_equal(kv_mirror_tier(m, 11), 1);
+    char h3[65];
+    hex_of(33, h3);
+    apply(m, ev("{\"type\":\"tier\",\"block_hash\":\"%s\",\"tier\":\"host\"}", h3), &ex);
+    assert_int_equal(kv_mirror_tier(m, 33), 0);
     assert_int_equal(apply(m, ev("{\"seq\":3,\"type\":\"removed\",\"block_hash\":\"%s\"}", h1), &ex), KV_MIRROR_OK);
     assert_int_equal(kv_mirror_tier(m, 11), 0);
     /* lost: resync from scratch; final lost ends the stream */
