@@ -283,6 +283,36 @@ def round_robin_and_aggregated():
 
 
 @case("flows")
+def policy_per_role():
+    """--policy applies inside each role of a disaggregated pool: a conversation's generation
+    legs stay on one generation worker (the header names it), two conversations spread."""
+    reset()
+    r = Router(["--context", W["ctx0"], "--generation", W["gen0"], W["gen1"], "--policy", "conversation"])
+    try:
+        seen = {}
+        for i in range(6):
+            conv = "ab"[i % 2]
+            c = r.conn()
+            c.request("POST", "/v1/completions", json.dumps({"prompt": "p", "conversation_id": conv}),
+                      {"Content-Type": "application/json"})
+            resp = c.getresponse()
+            resp.read()
+            c.close()
+            assert resp.status == 200, resp.status
+            w = resp.getheader("X-Kvserve-Worker")
+            assert w in (W["gen0"], W["gen1"]), w
+            seen.setdefault(conv, set()).add(w)
+        assert len(seen["a"]) == 1 and len(seen["b"]) == 1 and seen["a"] != seen["b"], seen
+        gl = legs(W[[k for k in ("gen0", "gen1") if W[k] in seen["a"]][0]], "/v1/completions")
+        assert len(gl) == 3 and all(g["body"]["disaggregated_params"]["conversation_id"] == "a" for g in gl)
+        m = r.get("/metrics")[1].decode()
+        assert 'kvserve_router_placements_total{role="generation",reason="sticky"} 4' in m, m
+        assert 'kvserve_router_placements_total{role="context",reason="sticky"} 4' in m, m
+    finally:
+        r.stop()
+
+
+@case("flows")
 def context_checks():
     reset(("ctx0", "malformed", {}))
     r = Router(["--context", W["ctx0"], "--generation", W["gen0"]])
