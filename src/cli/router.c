@@ -48,6 +48,8 @@ static void router_usage(FILE *f) {
             "  --etcd URL               discover workers registered in etcd (v3 JSON gateway, e.g.\n"
             "                           http://127.0.0.1:2379; kvserve serve --etcd registers them)\n"
             "  --etcd-prefix P          key prefix (default kvserve/workers/)\n"
+            "  --kv-balance-threshold N kv_aware: a worker chosen for its cached blocks may run at\n"
+            "                           most N legs more than the least loaded one (default 32; 0 = off)\n"
             "  --health-interval S      GET /health period; 2 failures in a row take a worker out\n"
             "                           (default 1; 0 = off)\n"
             "  --log-level LEVEL        debug | info | warn | error (default info)\n"
@@ -93,6 +95,7 @@ int cmd_router(int argc, char **argv) {
                               .max_body_bytes = (size_t)16 << 20, .min_match_blocks = 32,
                               .max_conversations = 100000, .max_conversation_keys = 512,
                               .tokens_per_block = 16, .predicted_prefix_ttl_s = 5,
+                              .kv_balance_threshold = 32,
                               .health_interval_s = 1};
     const char **ctx = NULL, **gen = NULL, **wk = NULL;
     int nctx = 0, ngen = 0, nwk = 0, rc = 2;
@@ -153,6 +156,8 @@ int cmd_router(int argc, char **argv) {
         else if (!strcmp(a, "--etcd")) c.etcd = v;
         else if (!strcmp(a, "--etcd-prefix")) c.etcd_prefix = v;
         else if (!strcmp(a, "--predicted-prefix-ttl") && parse_double(v, 0, 3600, &d)) c.predicted_prefix_ttl_s = d;
+        else if (!strcmp(a, "--kv-balance-threshold") && parse_long(v, 0, 1 << 20, &n))
+            c.kv_balance_threshold = (int)n;
         else if (!strcmp(a, "--health-interval") && parse_double(v, 0, 3600, &d)) c.health_interval_s = d;
         else if (!strcmp(a, "--log-level") && !strcmp(v, "debug")) kv_log_set_level(KV_LOG_DEBUG);
         else if (!strcmp(a, "--log-level") && !strcmp(v, "info")) kv_log_set_level(KV_LOG_INFO);

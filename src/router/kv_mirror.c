@@ -304,8 +304,26 @@ int rt_kv_select(struct rt_pool *p, const struct rt_route *rq, int exclude, enum
         best_q = matched_q(p, best, rq, now_ms, &up);
         best_pred = up;
     }
+    /* BUG-14 guard (SGLang's balance threshold): a worker chosen for blocks it has STORED
+     * may not run more than balance legs beyond the least loaded one; past that the least
+     * loaded worker takes the request and will hold the prefix too (a hot prefix is then
+     * replicated once per worker and load decides between equals). Predicted placements are
+     * exempt: a burst on a cold prefix is prefilled once. */
+    if (best_q > 0 && !best_pred && p->balance > 0) {
+        int ll = rt_pool_least_loaded(p, exclude);
+        if (ll >= 0 && p->w[best]->active > p->w[ll]->active + p->balance) {
+            bool up;
+            best = ll;
+            best_q = matched_q(p, best, rq, now_ms, &up);
+            best_pred = up;
+            *why = RT_WHY_LOAD;
+            *predicted = best_q / 4;
+            goto record;
+        }
+    }
     *predicted = best_q / 4;
     *why = best_q == 0 ? RT_WHY_LOAD : best_pred ? RT_WHY_PREDICTED : RT_WHY_KV;
+record:
     if (p->pred && p->pred->ttl_ms > 0) { /* in-flight awareness: this prefix follows best a while */
         uint64_t v = ((now_ms + p->pred->ttl_ms) << 12) | (uint64_t)(best & 0xfff);
         for (int i = 0; i < rq->n_blocks; i++)

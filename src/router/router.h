@@ -46,6 +46,7 @@ struct router_config {
                                    optional, else a random key per router) */
     const char *tokenizer;      /* GGUF / tokenizer.json of the served model, or NULL */
     double predicted_prefix_ttl_s; /* kv_aware in-flight awareness window (5 s; 0 = off) */
+    int kv_balance_threshold;   /* kv_aware BUG-14 guard: legs beyond the least loaded (32; 0 = off) */
     double health_interval_s;   /* GET /health period (1 s; 0 = off) */
     const char *etcd;           /* etcd base URL (v3 JSON gateway): discover workers, or NULL */
     const char *etcd_prefix;    /* default ETCD_DEFAULT_PREFIX "kvserve/workers/" */

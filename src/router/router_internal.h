@@ -72,6 +72,7 @@ struct rt_pool {
     conv_index_t *conv;      /* conversation policy state (owned) or NULL */
     struct rt_predict *pred; /* kv_aware in-flight predictions (owned) or NULL */
     int max_batch;           /* kv_aware: load normaliser (spec §1.1 max_batch_size, 64) */
+    int balance;             /* kv_aware: --kv-balance-threshold (legs beyond the least loaded; 0 = off) */
     uint64_t implicit_ids;   /* counter of implicit conversation ids */
     uint64_t reasons[RT_WHY_N];
 };

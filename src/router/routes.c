@@ -403,6 +403,7 @@ static kv_status init_pool(struct router *r, int id, const char *role, const cha
     p->policy = (enum rt_policy_kind)c->policy;
     p->metric = c->load_tokens ? RT_LOAD_TOKENS : RT_LOAD_REQUESTS;
     p->max_batch = 64;
+    p->balance = c->kv_balance_threshold;
     p->min_match_keys = (c->min_match_blocks + KV_CONTENT_GROUP_BLOCKS - 1) / KV_CONTENT_GROUP_BLOCKS;
     if (p->policy == RT_POLICY_CONVERSATION &&
         !(p->conv = conv_index_new(c->max_conversations, c->max_conversation_keys)))

@@ -262,6 +262,20 @@ static void test_kv_aware(void **st) {
     assert_int_equal(rt_select(&p, &rq, -1, &why, &pred), 2);
     assert_int_equal(pred, 60); /* 5 host blocks x 16 x 0.75 */
     p.w[1]->active = 0;
+    /* BUG-14 guard: 3 legs beyond the least loaded with balance 2: the least loaded takes it */
+    p.balance = 2;
+    p.w[1]->active = 3;
+    p.max_batch = 1000000; /* the score alone would keep worker 1 */
+    rq.now_ns = t0 + 10000000000ull; /* the predictions of the placements above have expired */
+    int g = rt_select(&p, &rq, -1, &why, &pred);
+    assert_int_not_equal(g, 1);
+    assert_int_equal(why, RT_WHY_LOAD);
+    p.w[1]->active = 2; /* within the threshold: the overlap wins */
+    rq.now_ns = t0 + 20000000000ull;
+    assert_int_equal(rt_select(&p, &rq, -1, &why, &pred), 1);
+    p.balance = 0;
+    p.max_batch = 64;
+    p.w[1]->active = 0;
     /* in-flight awareness: a cold prefix sent to W follows W within the TTL */
     uint64_t cold[6];
     for (int i = 0; i < 6; i++) cold[i] = 900 + (uint64_t)i;
