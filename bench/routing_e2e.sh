@@ -8,6 +8,7 @@
 #   bench/routing_e2e.sh [--model PATH] [--workers 4] [--threads 1] [--concurrency 8]
 #                        [--sessions 16] [--traces synthetic,mtbench,hh-rlhf]
 #                        [--policies round_robin,least_loaded,kv_aware,conversation]
+#                        (kv_aware-bN: kv_aware with --kv-balance-threshold N)
 #                        [--synthetic "kvserve bench options of the agentic trace"]
 # Default model: the random-weight 12x768 Llama (made once with bench_engine), --max-model-len 2048.
 set -euo pipefail
@@ -37,18 +38,8 @@ if [[ -z $model ]]; then
 fi
 key=$out/hash.key
 rm -f "$key"
-pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; pids=(); }
-trap cleanup EXIT
-start() { # name args... -> prints the port
-  local name=$1; shift
-  rm -f "$out/$name.port"
-  "$build/kvserve" "$@" --port 0 --port-file "$out/$name.port" >"$out/$name.log" 2>&1 &
-  pids+=($!)
-  for _ in $(seq 600); do [[ -s $out/$name.port ]] && break; sleep 0.1; done
-  [[ -s $out/$name.port ]] || { echo "$name did not start: $(tail -3 "$out/$name.log")" >&2; exit 1; }
-  cat "$out/$name.port"
-}
+# shellcheck source=bench/lib_procs.sh
+source "$root/bench/lib_procs.sh"
 wopts=(--model "$model" --max-model-len "$maxlen" --threads "$threads" --hash-key-file "$key")
 trace_args() { # trace name -> kvserve bench workload options
   case $1 in
@@ -70,17 +61,20 @@ IFS=, read -ra PO <<<"$policies"
 for tr in "${TR[@]}"; do
   # shellcheck disable=SC2046
   "$build/kvserve" bench --api completions $(trace_args "$tr") --save-trace "$out/$tr.jsonl" --dry-run --quiet >/dev/null
-  p=$(start single serve "${wopts[@]}")
-  run "http://127.0.0.1:$p" single "$tr"
+  start single serve "${wopts[@]}"
+  run "http://127.0.0.1:$port" single "$tr"
   cleanup
   for pol in "${PO[@]}"; do
     urls=()
-    for i in $(seq 0 $((nw - 1))); do urls+=("http://127.0.0.1:$(start "w$i" serve "${wopts[@]}")"); done
-    extra=()
-    [[ $pol == kv_aware ]] && extra=(--tokenizer "$model")
-    [[ $pol == conversation ]] && extra=(--tokenizer "$model")
-    pr=$(start router router --workers "${urls[@]}" --policy "$pol" --hash-key-file "$key" "${extra[@]}")
-    run "http://127.0.0.1:$pr" "$pol" "$tr"
+    for i in $(seq 0 $((nw - 1))); do
+      start "w$i" serve "${wopts[@]}"
+      urls+=("http://127.0.0.1:$port")
+    done
+    extra=() name=${pol%%-b*}
+    [[ $name == kv_aware || $name == conversation ]] && extra=(--tokenizer "$model")
+    [[ $pol == kv_aware-b* ]] && extra+=(--kv-balance-threshold "${pol#kv_aware-b}")
+    start router router --workers "${urls[@]}" --policy "$name" --hash-key-file "$key" "${extra[@]}"
+    run "http://127.0.0.1:$port" "$pol" "$tr"
     cleanup
   done
   python3 - "$out" "$tr" "${PO[@]}" <<'EOF'

@@ -131,6 +131,19 @@ void kv_hash_block(const kv_hash_key *k, const kv_hash *parent, const int32_t *t
     finish(&h, out);
 }
 
+bool kv_hash_u64_from_hex(const char *s, uint64_t *out) {
+    if (!s) return false;
+    kv_hash h = {{0}};
+    for (int i = 0; i < 16; i++) {
+        char c = s[i];
+        int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+        if (d < 0) return false; /* also the NUL of a short string */
+        h.b[i / 2] = (uint8_t)(h.b[i / 2] << 4 | d);
+    }
+    *out = kv_hash_u64(&h);
+    return true;
+}
+
 void kv_hash_hex(const kv_hash *h, char out[2 * KV_HASH_LEN + 1]) {
     static const char hx[] = "0123456789abcdef";
     for (int i = 0; i < KV_HASH_LEN; i++) {

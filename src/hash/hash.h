@@ -86,6 +86,9 @@ static inline uint64_t kv_hash_u64(const kv_hash *h) {
     for (int i = 7; i >= 0; i--) x = (x << 8) | h->b[i];
     return x;
 }
+/* The 64-bit index key (kv_hash_u64) of a hash given in hex: the first 16 hex digits of s
+ * (either case; more may follow). False when s has fewer or a non-hex one among them. */
+bool kv_hash_u64_from_hex(const char *s, uint64_t *out);
 /* Lower-case hex of h (65 bytes with the NUL). */
 void kv_hash_hex(const kv_hash *h, char out[2 * KV_HASH_LEN + 1]);
 

@@ -47,23 +47,6 @@ static int role_pool(struct router *r, const char *role) {
     return id >= 0 && r->pools[id].n > 0 ? id : -1;
 }
 
-static bool hex_key(const char *s, uint64_t *out) {
-    if (!s || strlen(s) < 16) return false;
-    kv_hash h = {{0}};
-    for (int i = 0; i < 8; i++) {
-        int v = 0;
-        for (int k = 0; k < 2; k++) {
-            char c = s[2 * i + k];
-            int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
-            if (d < 0) return false;
-            v = v * 16 + d;
-        }
-        h.b[i] = (uint8_t)v;
-    }
-    *out = kv_hash_u64(&h);
-    return true;
-}
-
 static const char *req_id_str(json_t *v, char *buf, size_t n) {
     if (json_is_string(v)) return json_string_value(v);
     if (json_is_integer(v)) {
@@ -110,7 +93,7 @@ void rt_handle_select(struct router *r, struct evhttp_request *req) {
     uint64_t *keys = nk ? malloc(nk * sizeof *keys) : NULL;
     int n_keys = 0;
     for (size_t i = 0; i < nk && keys; i++)
-        if (hex_key(json_string_value(json_array_get(ck, i)), &keys[n_keys])) n_keys++;
+        if (kv_hash_u64_from_hex(json_string_value(json_array_get(ck, i)), &keys[n_keys])) n_keys++;
     long tokens = (long)n_keys * KV_CONTENT_GROUP_BLOCKS * r->cfg.tokens_per_block;
     struct rt_route rq = {conv, keys, n_keys, NULL, 0, r->cfg.tokens_per_block, tokens, kv_now_ns()};
     enum rt_reason why;

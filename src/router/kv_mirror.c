@@ -114,22 +114,9 @@ long kv_mirror_size(const struct kv_mirror *m) { return (long)m->set.n; }
 
 const char *kv_mirror_worker_id(const struct kv_mirror *m) { return m->worker_id; }
 
-/* The first 8 bytes (little endian) of a 64-hex-digit hash, as kv_hash_u64. */
+/* A 64-hex-digit block hash -> its 64-bit index key. */
 static bool hex_u64(const char *s, uint64_t *out) {
-    if (!s || strlen(s) != 2 * KV_HASH_LEN) return false;
-    kv_hash h;
-    for (int i = 0; i < 8; i++) {
-        int v = 0;
-        for (int j = 0; j < 2; j++) {
-            char c = s[2 * i + j];
-            int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
-            if (d < 0) return false;
-            v = v * 16 + d;
-        }
-        h.b[i] = (uint8_t)v;
-    }
-    *out = kv_hash_u64(&h);
-    return true;
+    return s && strlen(s) == 2 * KV_HASH_LEN && kv_hash_u64_from_hex(s, out);
 }
 
 enum kv_mirror_result kv_mirror_apply(struct kv_mirror *m, const json_t *ev,

@@ -14,33 +14,14 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from e2e_util import read_port, wait_for  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 BIN = os.environ.get("KVSERVE_BIN", os.path.join(HERE, "../../build/kvserve"))
 TMP = tempfile.mkdtemp(prefix="kvserve-router-e2e-")
 PROCS = []
 FAILS = []
-
-
-def wait_for(cond, limit=10.0, what="condition"):
-    end = time.time() + limit
-    while time.time() < end:
-        v = cond()
-        if v:
-            return v
-        time.sleep(0.02)
-    raise AssertionError("timed out waiting for " + what)
-
-
-def read_port(path, proc, limit=10.0):
-    def ok():
-        if proc.poll() is not None:
-            raise AssertionError("process exited early: rc %s" % proc.returncode)
-        try:
-            with open(path) as f:
-                return int(f.read().strip())
-        except (OSError, ValueError):
-            return None
-    return wait_for(ok, limit, "port file " + path)
 
 
 def start_fake(name, role):

@@ -37,6 +37,9 @@ import tempfile
 import threading
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from e2e_util import read_port, wait_for  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 BIN = os.environ.get("KVSERVE_BIN", os.path.join(HERE, "../../build/kvserve"))
 DATA = os.environ.get("KVSERVE_TEST_DATA", os.path.join(HERE, "../../../shared/data"))
@@ -47,28 +50,6 @@ T = 4  # tokens per block of the workers
 PROCS = []
 FAILS = []
 SKIPS = []
-
-
-def wait_for(cond, limit=15.0, what="condition"):
-    end = time.time() + limit
-    while time.time() < end:
-        v = cond()
-        if v:
-            return v
-        time.sleep(0.02)
-    raise AssertionError("timed out waiting for " + what)
-
-
-def read_port(path, proc, limit=60.0):
-    def ok():
-        if proc.poll() is not None:
-            raise AssertionError("process exited early: rc %s" % proc.returncode)
-        try:
-            with open(path) as f:
-                return int(f.read().strip())
-        except (OSError, ValueError):
-            return None
-    return wait_for(ok, limit, "port file " + path)
 
 
 def call(port, method, path, body=None, headers=None, timeout=60):
@@ -108,7 +89,7 @@ class Worker:
                                    str(T), "--hash-key-file", KEY, *extra],
                                   stdout=self.log, stderr=subprocess.STDOUT)
         PROCS.append(self.p)
-        self.port = read_port(pf, self.p)
+        self.port = read_port(pf, self.p, 60.0)
         self.url = "http://127.0.0.1:%d" % self.port
 
     def prefilled(self):
@@ -128,7 +109,7 @@ class Router:
                                    *(["--workers", *[w.url for w in workers]] if workers else []), *args],
                                   stdout=self.log, stderr=self.log)
         PROCS.append(self.p)
-        self.port = read_port(self.pf, self.p)
+        self.port = read_port(self.pf, self.p, 60.0)
 
     def complete(self, prompt, conv=None, header_conv=None, max_tokens=2, **extra):
         body = dict(prompt=prompt, max_tokens=max_tokens, temperature=0, **extra)

@@ -206,6 +206,18 @@ static void test_key_id(void **st) {
     assert_int_equal(strlen(ia), 16);
     assert_string_equal(ia, ia2);
     assert_string_not_equal(ia, ib);
+    /* hex -> index key round trip (the router parses the workers' event hashes with it) */
+    kv_hash h;
+    kv_hash_root(&a, NULL, 0, &h);
+    char hx[65];
+    kv_hash_hex(&h, hx);
+    uint64_t v = 0;
+    assert_true(kv_hash_u64_from_hex(hx, &v));
+    assert_true(v == kv_hash_u64(&h));
+    assert_true(kv_hash_u64_from_hex("0123456789ABCDEF", &v));
+    assert_true(v == 0xefcdab8967452301ull);
+    assert_false(kv_hash_u64_from_hex("0123456789abcde", &v));
+    assert_false(kv_hash_u64_from_hex("0123456789abcdeg", &v));
 }
 
 int main(void) {
