@@ -51,7 +51,7 @@ struct rt_worker {
     struct kv_mirror *mirror; /* kv_aware: the worker's cached blocks (owned), or NULL */
     void *watch;             /* the router's /kv_events stream state (workers.c), or NULL */
     struct upx *health_u;    /* the health check in flight, or NULL */
-    char why_refused[256];
+    char why_refused[400];
 };
 static inline bool rt_worker_live(const struct rt_worker *w) {
     return w->present && w->healthy && !w->refused;

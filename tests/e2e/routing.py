@@ -129,9 +129,11 @@ class Router:
     def stop(self):
         self.p.send_signal(signal.SIGTERM)
         try:
-            self.p.wait(10)
+            rc = self.p.wait(10)
         except subprocess.TimeoutExpired:
             self.p.kill()
+            raise AssertionError("the router did not stop on SIGTERM")
+        check(rc == 0, "the router exited with %s (sanitizer report or unclean stop: %s)" % (rc, self.logtext()[-800:]))
 
 
 def check(cond, what):
