@@ -95,5 +95,9 @@ for label in ["single"] + pols:
         tr, label, s["request_throughput"], s["ttft_ms"]["p50"] or 0, s["ttft_ms"]["p90"] or 0, cr, vs,
         share, len(w), vrr, s["failed"]))
 EOF
+  files=("$out/$tr-single.json")
+  for pol in "${PO[@]}"; do files+=("$out/$tr-$pol.json"); done
+  "$build/kvserve" bench --compare "${files[@]}" --plot "$out/chart-$tr" >"$out/compare-$tr.txt" ||
+    echo "# chart of $tr failed (gnuplot?): see $out/chart-$tr/gnuplot.log"
 done
-echo "# per-setup JSON (kvserve bench --compare A.json B.json): $out/<trace>-<setup>.json"
+echo "# per-setup JSON: $out/<trace>-<setup>.json; charts (kvserve bench --compare ... --plot): $out/chart-<trace>/compare.png"
