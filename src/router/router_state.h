@@ -111,7 +111,8 @@ void rt_workers_stop(struct router *r);
 /* A worker joined (discovery) or was configured: starts its mirror when kv_aware. */
 void rt_worker_joined(struct router *r, int pool, int idx);
 /* A worker left (lease gone, dead, refused): forgets its conversations and predictions and
- * fails the legs in flight on it at once. */
+ * fails the legs in flight on it within the next maintenance tick (100 ms; safe to call from
+ * inside a libcurl callback). */
 void rt_worker_left(struct router *r, int pool, int idx, const char *why);
 void rt_handle_select(struct router *r, struct evhttp_request *req);
 void rt_handle_finish(struct router *r, struct evhttp_request *req);

@@ -45,16 +45,28 @@ void rt_worker_left(struct router *r, int pool, int idx, const char *why) {
     rt_pool_worker_gone(p, idx);
     rt_predict_forget_worker(p->pred, idx);
     if (w->mirror) kv_mirror_clear(w->mirror);
-    for (struct rreq *q = r->live, *next; q; q = next) { /* fail fast: never leave them hanging */
+    /* the legs in flight on it fail on the next maintenance tick (<= 100 ms): this may run
+     * inside a libcurl data callback, where other transfers must not be removed */
+    w->fail_legs = true;
+    snprintf(w->why_left, sizeof w->why_left, "%s", why);
+}
+
+/* Fails every leg in flight on a worker that left (fail fast: never leave them hanging). */
+static void fail_legs_of(struct router *r, int pool, int idx) {
+    struct rt_pool *p = &r->pools[pool];
+    struct rt_worker *w = p->w[idx];
+    w->fail_legs = false;
+    if (rt_worker_live(w)) return; /* it came back meanwhile */
+    for (struct rreq *q = r->live, *next; q; q = next) {
         next = q->next;
         bool on = (q->final && q->final_pool == pool && q->final->worker == idx) ||
                   (q->ctx && pool == POOL_CTX && q->ctx->worker == idx) ||
                   (q->info && pool == POOL_CTX && q->info->worker == idx) ||
                   (q->probe && pool == POOL_GEN && q->probe->worker == idx);
         if (!on) continue;
-        char msg[600];
+        char msg[700];
         snprintf(msg, sizeof msg, "%s worker %s left the pool while serving this request (%s)", p->role,
-                 w->url, why);
+                 w->url, w->why_left);
         r->worker_left_failures++;
         rtq_fail_client(q, 502, "server_error", "worker_gone", msg, OUT_UPSTREAM_ERROR);
     }
@@ -234,6 +246,9 @@ static void on_maint(evutil_socket_t fd, short what, void *arg) {
     (void)what;
     struct router *r = arg;
     uint64_t now = kv_now_ns();
+    for (int pl = 0; pl < POOL_N; pl++)
+        for (int i = 0; i < r->pools[pl].n; i++)
+            if (r->pools[pl].w[i]->fail_legs) fail_legs_of(r, pl, i);
     if (r->cfg.health_interval_s > 0 && now >= g_next_health_ns) {
         g_next_health_ns = now + (uint64_t)(r->cfg.health_interval_s * 1e9);
         check_health(r);
