@@ -56,6 +56,13 @@ static void fail_legs_of(struct router *r, int pool, int idx) {
     struct rt_pool *p = &r->pools[pool];
     struct rt_worker *w = p->w[idx];
     w->fail_legs = false;
+    struct kv_watch *kw = w->watch;
+    if (kw && kw->u) { /* its mirror was cleared: rebuild it from a fresh stream when it is back */
+        upx_free(kw->u);
+        kw->u = NULL;
+        kw->have_seq = false;
+        kw->buf.len = 0;
+    }
     if (rt_worker_live(w)) return; /* it came back meanwhile */
     for (struct rreq *q = r->live, *next; q; q = next) {
         next = q->next;
