@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """e2e tests of `kvserve router` placement over real workers (issue 9 acceptance, docs/routing.md).
 
-Usage: routing.py [all|sticky|content|burst|health|refuse|coordinator|policies|etcd] (env KVSERVE_BIN,
+Usage: routing.py [all|sticky|content|burst|health|refuse|coordinator|hashes|policies|etcd] (env KVSERVE_BIN,
 KVSERVE_TEST_DATA). Four `kvserve serve` workers on stories260K (--tokens-per-block 4, one
 shared --hash-key-file, 1 thread each) serve every case; each case starts its own router.
 Prompts are token ids (exact block arithmetic) unless a case says otherwise. Waits are bounded
@@ -18,6 +18,8 @@ polls, never fixed sleeps.
                the health verdict; it comes back after SIGCONT
   refuse       kv_aware refuses a worker with another tokens-per-block or hash key, with a
                clear error (BUG-13)
+  hashes       kv_aware's prediction from its mirror equals the worker's reported cached tokens
+               for a text prompt, a salted one and a chat prompt (same ids, same block hashes)
   coordinator  POST /select + /finish: content required, no reservation, retry with the
                content key, exclusion of the pinned server
   policies     round_robin / least_loaded (requests, tokens) spread; X-Kvserve-Worker and the
@@ -278,6 +280,50 @@ def case_burst(ws):
         m = metrics(r.port)
         check(m['kvserve_router_placements_total{role="aggregated",reason="predicted"}'] >= 16,
               "fewer than 16 predicted placements: %s" % {k: v for k, v in m.items() if "placements" in k})
+    finally:
+        r.stop()
+
+
+def case_same_hashes(ws):
+    """kv_aware hashes prompts exactly as the workers do: after a text prompt and a chat prompt
+    (rendered by the chat template, BOS rule, cache_salt) are cached, the tokens the router
+    predicts from its mirror equal the cached_tokens the worker reports."""
+    r = Router(ws, ["--policy", "kv_aware", "--tokenizer", GGUF, "--predicted-prefix-ttl", "0"])
+    try:
+        wait_for(lambda: sum(v for k, v in metrics(r.port).items()
+                             if k.startswith("kvserve_router_worker_live")) == 4, 15, "4 mirrored workers")
+        story = " ".join("Lily found a red ball in the park and gave it to her friend Sam." for _ in range(8))
+        msgs = [{"role": "system", "content": "You tell short stories."},
+                {"role": "user", "content": story}]
+        cases = [("/v1/completions", {"prompt": story}),
+                 ("/v1/completions", {"prompt": story, "cache_salt": "tenant-a"}),
+                 ("/v1/chat/completions", {"messages": msgs})]
+        for path, body in cases:
+            b = dict(body, max_tokens=2, temperature=0)
+            st, resp, hd = call(r.port, "POST", path, b)
+            w = ok_answer(st, resp, hd, "first " + path)
+            # the blocks reach the router's mirror through the worker's event stream
+            key = 'kvserve_router_worker_mirrored_blocks{role="aggregated",worker="%s"}' % w
+            wait_for(lambda: metrics(r.port).get(key, 0) >= resp["usage"]["prompt_tokens"] // T - 1, 10,
+                     "the blocks in the mirror")
+            m0 = metrics(r.port)
+            st, resp2, hd2 = call(r.port, "POST", path, b)
+            check(ok_answer(st, resp2, hd2, "second " + path) == w, "the repeat left its worker")
+            m1 = metrics(r.port)
+            pk = 'kvserve_router_worker_cached_tokens_total{role="aggregated",worker="%s",source="%s"}'
+            pred = m1[pk % (w, "predicted")] - m0[pk % (w, "predicted")]
+            rep = m1[pk % (w, "reported")] - m0[pk % (w, "reported")]
+            check(rep > 0 and pred == rep, "%s %s: router predicted %d cached tokens, the worker reported %d"
+                  % (path, list(body), pred, rep))
+        # a different cache_salt shares nothing: the router predicts 0 there
+        m0 = metrics(r.port)
+        st, resp, hd = call(r.port, "POST", "/v1/completions", {"prompt": story, "cache_salt": "tenant-b",
+                                                                 "max_tokens": 2, "temperature": 0})
+        w = ok_answer(st, resp, hd, "salted")
+        m1 = metrics(r.port)
+        check(cached(resp) == 0, "another salt reused blocks")
+        pk = 'kvserve_router_worker_cached_tokens_total{role="aggregated",worker="%s",source="predicted"}' % w
+        check(m1[pk] == m0[pk], "the router predicted reuse across salts")
     finally:
         r.stop()
 
@@ -579,7 +625,7 @@ def case_etcd():
 
 def main():
     groups = sys.argv[1:] or ["all"]
-    known = {"all", "policies", "sticky", "content", "burst", "coordinator", "refuse", "health", "etcd"}
+    known = {"all", "policies", "sticky", "content", "burst", "coordinator", "refuse", "hashes", "health", "etcd"}
     if set(groups) - known:
         print("FAIL: unknown case(s) %s (known: %s)" % (sorted(set(groups) - known), sorted(known)))
         return 2
@@ -589,11 +635,12 @@ def main():
         return 77
     ws = []
     try:
-        if any(want(g) for g in ("sticky", "content", "burst", "refuse", "coordinator", "policies")):
+        if any(want(g) for g in ("sticky", "content", "burst", "refuse", "coordinator", "policies", "hashes")):
             ws = [Worker("w%d" % i) for i in range(4)]
         cases = [("policies", lambda: case_policies(ws)), ("sticky", lambda: case_sticky(ws)),
                  ("content", lambda: case_content(ws)), ("burst", lambda: case_burst(ws)),
                  ("coordinator", lambda: case_coordinator(ws)), ("refuse", lambda: case_refuse(ws)),
+                 ("hashes", lambda: case_same_hashes(ws)),
                  ("health", case_health), ("etcd", case_etcd)]
         for name, fn in cases:
             if not want(name):
