@@ -48,6 +48,9 @@ static void router_usage(FILE *f) {
             "  --etcd URL               discover workers registered in etcd (v3 JSON gateway, e.g.\n"
             "                           http://127.0.0.1:2379; kvserve serve --etcd registers them)\n"
             "  --etcd-prefix P          key prefix (default kvserve/workers/)\n"
+            "  --coordinator URL        place through another router's POST /select (same workers,\n"
+            "                           --hash-key-file, --tokens-per-block): replicas share one\n"
+            "                           placement state; local placement when it does not answer\n"
             "  --kv-balance-threshold N kv_aware: a worker chosen for its cached blocks may run at\n"
             "                           most N legs more than the least loaded one (default 32; 0 = off)\n"
             "  --health-interval S      GET /health period; 2 failures in a row take a worker out\n"
@@ -154,6 +157,7 @@ int cmd_router(int argc, char **argv) {
         else if (!strcmp(a, "--hash-key-file")) c.hash_key_file = v;
         else if (!strcmp(a, "--tokenizer")) c.tokenizer = v;
         else if (!strcmp(a, "--etcd")) c.etcd = v;
+        else if (!strcmp(a, "--coordinator")) c.coordinator = v;
         else if (!strcmp(a, "--etcd-prefix")) c.etcd_prefix = v;
         else if (!strcmp(a, "--predicted-prefix-ttl") && parse_double(v, 0, 3600, &d)) c.predicted_prefix_ttl_s = d;
         else if (!strcmp(a, "--kv-balance-threshold") && parse_long(v, 0, 1 << 20, &n))

@@ -219,6 +219,13 @@ kv_status rt_workers_metrics(struct router *r, kv_buf *b) {
         st |= kv_buf_printf(b, "kvserve_router_etcd_events_total %llu\n",
                             (unsigned long long)etcd_watch_events(r->etcd));
     }
+    if (r->cfg.coordinator) {
+        HDR("coordinator_placements_total", "counter", "Placements the coordinator (--coordinator) made.");
+        st |= kv_buf_printf(b, "kvserve_router_coordinator_placements_total %llu\n",
+                            (unsigned long long)r->coord_placements);
+        HDR("coordinator_errors_total", "counter", "Failed coordinator /select or /finish calls.");
+        st |= kv_buf_printf(b, "kvserve_router_coordinator_errors_total %llu\n", (unsigned long long)r->coord_errors);
+    }
     HDR("reservations", "gauge", "Coordinator reservations (POST /select) not finished yet.");
     long nres = 0;
     for (const struct rt_reservation *x = r->resv; x; x = x->next) nres++;

@@ -63,6 +63,17 @@ int rtq_place(struct rreq *q, int pool, int exclude) {
     return idx;
 }
 
+void rtq_assign(struct rreq *q, int pool, int idx, enum rt_reason why) {
+    struct rt_pool *p = &q->r->pools[pool];
+    if (q->charged[pool] >= 0) rt_pool_release(p, q->charged[pool], q->tokens);
+    rt_pool_charge(p, idx, q->tokens);
+    q->charged[pool] = idx;
+    p->reasons[why]++;
+    if (pool == POOL_AGG) q->agg_idx = idx;
+    else if (pool == POOL_CTX) q->ctx_idx = idx;
+    else q->gen_idx = idx;
+}
+
 void rtq_release(struct rreq *q, int pool) {
     if (q->charged[pool] < 0) return;
     rt_pool_release(&q->r->pools[pool], q->charged[pool], q->tokens);
@@ -88,10 +99,13 @@ static void credit_reported(struct rreq *q, const char *p, size_t n) {
 void rtq_count_outcome(struct rreq *q, enum outcome o) {
     if (q->counted) return;
     q->counted = true;
+    q->counted_ok = o == OUT_OK;
     q->r->requests[o]++;
 }
 
-static bool any_leg(const struct rreq *q) { return q->probe || q->info || q->ctx || q->final; }
+static bool any_leg(const struct rreq *q) {
+    return q->probe || q->info || q->ctx || q->final || q->sel_pending > 0;
+}
 
 static void unhook(struct rreq *q) {
     if (q->conn) evhttp_connection_set_closecb(q->conn, NULL, NULL);
@@ -110,7 +124,11 @@ void rtq_rreq_free(struct rreq *q) {
     else r->live = q->next;
     if (q->next) q->next->prev = q->prev;
     r->n_live--;
-    for (int i = 0; i < POOL_N; i++) rtq_release(q, i);
+    for (int i = 0; i < POOL_N; i++) {
+        upx_free(q->sel[i]);
+        rtq_release(q, i);
+    }
+    rt_coord_finish(q);
     free(q->ckeys);
     free(q->bh);
     if (q->kick) event_free(q->kick);
@@ -129,6 +147,11 @@ void rtq_maybe_free(struct rreq *q) {
 
 /* Aborts every running leg (closing its connection). */
 static void abort_legs(struct rreq *q) {
+    for (int i = 0; i < POOL_N; i++) {
+        upx_free(q->sel[i]);
+        q->sel[i] = NULL;
+    }
+    q->sel_pending = 0;
     upx_free(q->probe);
     upx_free(q->info);
     upx_free(q->ctx);

@@ -50,6 +50,7 @@ struct router_config {
     double health_interval_s;   /* GET /health period (1 s; 0 = off) */
     const char *etcd;           /* etcd base URL (v3 JSON gateway): discover workers, or NULL */
     const char *etcd_prefix;    /* default ETCD_DEFAULT_PREFIX "kvserve/workers/" */
+    const char *coordinator;    /* another router's base URL: place through its /select, or NULL */
 };
 
 /* Serves until SIGINT/SIGTERM. Returns KV_OK on a clean stop; KV_EINVAL for a bad config,

@@ -17,7 +17,8 @@
 #define RELAY_HIGH ((size_t)256 << 10) /* pause the upstream above this many unsent bytes */
 #define SSE_MAX ((size_t)16 << 20)     /* one upstream event may not exceed this */
 
-enum { UPX_PROBE = 10, UPX_INFO = 11, UPX_MODELS = 12, UPX_HEALTH = 13, UPX_EVENTS = 14, UPX_ETCD = 15 };
+enum { UPX_PROBE = 10, UPX_INFO = 11, UPX_MODELS = 12, UPX_HEALTH = 13, UPX_EVENTS = 14, UPX_ETCD = 15,
+       UPX_COORD_FINISH = 16, UPX_COORD_SELECT_BASE = 300 /* + pool */ };
 enum { POOL_AGG = 0, POOL_CTX = 1, POOL_GEN = 2, POOL_N = 3 };
 
 /* A coordinator reservation (POST /select -> POST /finish). */
@@ -45,6 +46,9 @@ struct router {
     struct event *health; /* health-check timer */
     struct rt_reservation *resv;
     struct etcd_watch *etcd; /* discovery_etcd.c, or NULL */
+    struct upx **coord_fin;  /* coordinator /finish transfers in flight (coord_client.c) */
+    int n_coord_fin, cap_coord_fin;
+    uint64_t coord_placements, coord_errors;
     struct rreq *live;
     int n_live;
     struct event *tick;   /* peeks quiet client connections for EOF */
@@ -68,7 +72,7 @@ struct rreq {
     struct evhttp_request *req;     /* NULL once answered or gone */
     struct evhttp_connection *conn; /* NULL once closed or unhooked */
     struct event *kick;             /* deferred cancel after a client close */
-    bool client_gone, headers_sent, saw_done, ctx_ok, counted;
+    bool client_gone, headers_sent, saw_done, ctx_ok, counted, counted_ok;
     bool chat, stream, include_usage;
     const char *path;
     json_t *base;                   /* the client body without disaggregated_params */
@@ -85,6 +89,9 @@ struct rreq {
     const char *served_by;          /* URL of the worker whose answer the client gets (borrowed) */
     struct rt_worker *final_worker; /* reported cached tokens are credited to it */
     int final_pool;                 /* the pool of the final leg's worker */
+    struct upx *sel[POOL_N];        /* coordinator /select in flight per pool */
+    int sel_pending;
+    bool coord[POOL_N];             /* the coordinator reserved for this request (finish owed) */
     int retries[3];                 /* per leg kind */
     json_t *gen_body;               /* the generation leg's body (kept across retries) */
     struct upx *probe, *info, *ctx, *final;
@@ -99,6 +106,18 @@ struct rreq {
 int rtq_place(struct rreq *q, int pool, int exclude);
 /* Gives back q's load charge in pools[pool] (no-op when none). */
 void rtq_release(struct rreq *q, int pool);
+/* Sets q's worker in pools[pool] to idx (chosen elsewhere: the coordinator), moving its load
+ * charge and counting the reason. */
+void rtq_assign(struct rreq *q, int pool, int idx, enum rt_reason why);
+/* routes.c: the legs of q once placed (pools whose index is still -1 are placed locally). */
+void rtq_dispatch(struct rreq *q);
+
+/* ---- coord_client.c: placement through a coordinator (--coordinator) ---- */
+/* Starts q's /select calls; true when some are in flight (rtq_dispatch follows their answers). */
+bool rt_coord_select(struct rreq *q);
+/* Sends /finish for every reservation q holds (fire and forget). */
+void rt_coord_finish(struct rreq *q);
+void rt_coord_stop(struct router *r);
 
 /* ---- routes.c ---- */
 /* Fills q's routing inputs (prompt tokens, content keys, block hashes) from the client body,

@@ -196,10 +196,15 @@ static void handle_generate(struct router *r, struct evhttp_request *req, bool c
         if (h && *h) q->conv_id = strdup(h);
     }
     rtq_route_inputs(q, body, len);
+    if (r->cfg.coordinator && rt_coord_select(q)) return; /* rtq_dispatch follows the answers */
+    rtq_dispatch(q);
+}
 
+void rtq_dispatch(struct rreq *q) {
+    struct router *r = q->r;
     bool disagg = R_CTX(r)->n && R_GEN(r)->n;
     if (!disagg) { /* aggregated pool: a plain proxy */
-        q->agg_idx = rtq_place(q, POOL_AGG, -1);
+        if (q->agg_idx < 0) q->agg_idx = rtq_place(q, POOL_AGG, -1);
         if (q->agg_idx < 0) {
             char msg[700];
             no_worker_msg(R_AGG(r), msg, sizeof msg);
@@ -209,8 +214,8 @@ static void handle_generate(struct router *r, struct evhttp_request *req, bool c
         rtq_send_final(q, RT_LEG_PLAIN, R_AGG(r), q->agg_idx, q->base);
         return;
     }
-    q->ctx_idx = rtq_place(q, POOL_CTX, -1);
-    q->gen_idx = rtq_place(q, POOL_GEN, -1);
+    if (q->ctx_idx < 0) q->ctx_idx = rtq_place(q, POOL_CTX, -1);
+    if (q->gen_idx < 0) q->gen_idx = rtq_place(q, POOL_GEN, -1);
     if (q->ctx_idx < 0 || q->gen_idx < 0) {
         char msg[700];
         no_worker_msg(q->ctx_idx < 0 ? R_CTX(r) : R_GEN(r), msg, sizeof msg);
@@ -476,6 +481,10 @@ kv_status router_run(const struct router_config *cfg, char *err, size_t errlen) 
                                       .on_request = on_request, .on_stop = on_stop, .arg = r};
     if ((st = http_listener_start(r->base, &lc, &r->lis, err, errlen))) goto done;
     snprintf(r->self_id, sizeof r->self_id, "%s:%d", http_listener_host(r->lis), http_listener_port(r->lis));
+    if (cfg->coordinator && strncmp(cfg->coordinator, "http://", 7) && strncmp(cfg->coordinator, "https://", 8)) {
+        st = kv_errf(KV_EINVAL, err, errlen, "--coordinator %s: expected a URL like http://host:port", cfg->coordinator);
+        goto done;
+    }
     if ((st = rt_workers_start(r, err, errlen))) goto done;
     if (cfg->port_file && *cfg->port_file &&
         (st = http_write_port_file(cfg->port_file, http_listener_port(r->lis), err, errlen)))

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """e2e tests of `kvserve router` placement over real workers (issue 9 acceptance, docs/routing.md).
 
-Usage: routing.py [all|sticky|content|burst|health|refuse|coordinator|hashes|policies|etcd] (env KVSERVE_BIN,
+Usage: routing.py [all|sticky|content|burst|health|refuse|coordinator|hashes|replicas|policies|etcd] (env KVSERVE_BIN,
 KVSERVE_TEST_DATA). Four `kvserve serve` workers on stories260K (--tokens-per-block 4, one
 shared --hash-key-file, 1 thread each) serve every case; each case starts its own router.
 Prompts are token ids (exact block arithmetic) unless a case says otherwise. Waits are bounded
@@ -20,6 +20,8 @@ polls, never fixed sleeps.
                clear error (BUG-13)
   hashes       kv_aware's prediction from its mirror equals the worker's reported cached tokens
                for a text prompt, a salted one and a chat prompt (same ids, same block hashes)
+  replicas     two routers placing through a third (--coordinator): conversations stay on their
+               worker across replicas, every reservation is finished, local placement without it
   coordinator  POST /select + /finish: content required, no reservation, retry with the
                content key, exclusion of the pinned server
   policies     round_robin / least_loaded (requests, tokens) spread; X-Kvserve-Worker and the
@@ -328,6 +330,46 @@ def case_same_hashes(ws):
         r.stop()
 
 
+def case_replicas(ws):
+    """Two router replicas placing through a coordinator (--coordinator) share one placement
+    state: a conversation stays on its worker whichever replica a turn goes through; every
+    reservation is finished; a coordinator that goes away leaves the replicas placing locally."""
+    c = Router(ws, ["--policy", "conversation"])
+    curl = "http://127.0.0.1:%d" % c.port
+    reps = [Router(ws, ["--policy", "conversation", "--coordinator", curl]) for _ in range(2)]
+    rng = random.Random(7)
+    try:
+        where, hist = {}, {}
+        for turn in range(3):
+            for k in range(20):
+                rep = reps[(k + turn) % 2]  # alternate replicas between turns
+                p = hist.get(k, []) + rand_ids(rng, 10)
+                st, resp, hd = rep.complete(p, conv="rep-%d" % k)
+                w = ok_answer(st, resp, hd, "replica turn %d conv %d" % (turn, k))
+                if turn:
+                    check(w == where[k], "conv %d moved from %s to %s across replicas" % (k, where[k], w))
+                    check(cached(resp) >= (len(hist[k]) - 1) // T * T, "conv %d: history not reused" % k)
+                where[k], hist[k] = w, p
+        check(len(set(where.values())) == 4, "20 conversations did not use every worker")
+        placed = sum(rep.metric("kvserve_router_coordinator_placements_total") for rep in reps)
+        check(placed == 60, "coordinator placements %s != 60" % placed)
+        wait_for(lambda: c.metric("kvserve_router_reservations") == 0, 5, "every reservation finished")
+        check(c.metric('kvserve_router_placements_total{role="aggregated",reason="sticky"}') == 40,
+              "the coordinator did not see the later turns as sticky")
+        # the coordinator goes away: the replicas place locally, no request fails
+        c.stop()
+        for k in range(8):
+            st, resp, hd = reps[k % 2].complete(rand_ids(rng, 12), conv="alone-%d" % k)
+            ok_answer(st, resp, hd, "without a coordinator")
+        check(sum(rep.metric("kvserve_router_coordinator_errors_total") for rep in reps) >= 8,
+              "coordinator errors not counted")
+    finally:
+        for rep in reps:
+            rep.stop()
+        if c.p.poll() is None:
+            c.stop()
+
+
 def case_health():
     ws = [Worker("h%d" % i) for i in range(3)]
     r = Router(ws, ["--policy", "conversation", "--health-interval", "0.25"])
@@ -625,7 +667,8 @@ def case_etcd():
 
 def main():
     groups = sys.argv[1:] or ["all"]
-    known = {"all", "policies", "sticky", "content", "burst", "coordinator", "refuse", "hashes", "health", "etcd"}
+    known = {"all", "policies", "sticky", "content", "burst", "coordinator", "refuse", "hashes", "replicas",
+             "health", "etcd"}
     if set(groups) - known:
         print("FAIL: unknown case(s) %s (known: %s)" % (sorted(set(groups) - known), sorted(known)))
         return 2
@@ -635,12 +678,13 @@ def main():
         return 77
     ws = []
     try:
-        if any(want(g) for g in ("sticky", "content", "burst", "refuse", "coordinator", "policies", "hashes")):
+        if any(want(g) for g in ("sticky", "content", "burst", "refuse", "coordinator", "policies", "hashes",
+                                 "replicas")):
             ws = [Worker("w%d" % i) for i in range(4)]
         cases = [("policies", lambda: case_policies(ws)), ("sticky", lambda: case_sticky(ws)),
                  ("content", lambda: case_content(ws)), ("burst", lambda: case_burst(ws)),
                  ("coordinator", lambda: case_coordinator(ws)), ("refuse", lambda: case_refuse(ws)),
-                 ("hashes", lambda: case_same_hashes(ws)),
+                 ("hashes", lambda: case_same_hashes(ws)), ("replicas", lambda: case_replicas(ws)),
                  ("health", case_health), ("etcd", case_etcd)]
         for name, fn in cases:
             if not want(name):
