@@ -302,12 +302,13 @@ def case_same_hashes(ws):
                  ("/v1/chat/completions", {"messages": msgs})]
         for path, body in cases:
             b = dict(body, max_tokens=2, temperature=0)
+            before = metrics(r.port)
             st, resp, hd = call(r.port, "POST", path, b)
             w = ok_answer(st, resp, hd, "first " + path)
-            # the blocks reach the router's mirror through the worker's event stream
+            # the new blocks reach the router's mirror through the worker's event stream
             key = 'kvserve_router_worker_mirrored_blocks{role="aggregated",worker="%s"}' % w
-            wait_for(lambda: metrics(r.port).get(key, 0) >= resp["usage"]["prompt_tokens"] // T - 1, 10,
-                     "the blocks in the mirror")
+            want = before.get(key, 0) + (resp["usage"]["prompt_tokens"] - 1) // T
+            wait_for(lambda: metrics(r.port).get(key, 0) >= want, 10, "the blocks in the mirror")
             m0 = metrics(r.port)
             st, resp2, hd2 = call(r.port, "POST", path, b)
             check(ok_answer(st, resp2, hd2, "second " + path) == w, "the repeat left its worker")
