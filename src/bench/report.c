@@ -264,6 +264,16 @@ static const struct { const char *label, *k1, *k2; } cmp_rows[] = {
     {"E2E p90 ms", "e2e_ms", "p90"}, {"E2E p99 ms", "e2e_ms", "p99"},
 };
 
+/* Runs script (in dir) with $GNUPLOT (default gnuplot), its output in dir/gnuplot.log. */
+static kv_status run_gnuplot(const char *dir, const char *script, char *err, size_t errlen) {
+    const char *gp = getenv("GNUPLOT");
+    char cmd[8192];
+    snprintf(cmd, sizeof cmd, "cd '%s' && '%s' %s > gnuplot.log 2>&1", dir, gp && *gp ? gp : "gnuplot", script);
+    int rc = system(cmd);
+    if (rc != 0) return kv_errf(KV_EIO, err, errlen, "gnuplot failed (status %d); see %s/gnuplot.log", rc, dir);
+    return KV_OK;
+}
+
 /* The busiest worker's requests over the mean of the workers that got any (NAN: none). */
 static double max_share(json_t *sum) {
     json_t *w = json_object_get(sum, "workers"), *v;
@@ -329,12 +339,7 @@ static kv_status compare_plot(const char *dir, const char *const *paths, json_t 
                "  unset output\n"
                "}\n");
     fclose(f);
-    const char *gp = getenv("GNUPLOT");
-    char cmd[8192];
-    snprintf(cmd, sizeof cmd, "cd '%s' && '%s' compare.gp > gnuplot.log 2>&1", dir, gp && *gp ? gp : "gnuplot");
-    int rc = system(cmd);
-    if (rc != 0) return kv_errf(KV_EIO, err, errlen, "gnuplot failed (status %d); see %s/gnuplot.log", rc, dir);
-    return KV_OK;
+    return run_gnuplot(dir, "compare.gp", err, errlen);
 }
 
 kv_status bench_compare(FILE *f, const char *const *paths, int n, const char *plot_dir, char *err,
@@ -473,11 +478,5 @@ kv_status bench_plot(const char *dir, const bench_result *r, char *err, size_t e
                "  unset output\n"
                "}\n");
     fclose(f);
-    const char *gp = getenv("GNUPLOT");
-    char cmd[8192];
-    snprintf(cmd, sizeof cmd, "cd '%s' && '%s' plots.gp > gnuplot.log 2>&1", dir, gp && *gp ? gp : "gnuplot");
-    int rc = system(cmd);
-    if (rc != 0)
-        return kv_errf(KV_EIO, err, errlen, "gnuplot failed (status %d); see %s/gnuplot.log", rc, dir);
-    return KV_OK;
+    return run_gnuplot(dir, "plots.gp", err, errlen);
 }
