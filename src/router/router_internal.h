@@ -52,6 +52,7 @@ struct rt_worker {
     void *watch;             /* the router's /kv_events stream state (workers.c), or NULL */
     struct upx *health_u;    /* the health check in flight, or NULL */
     char why_refused[400];
+    bool why_refused_final;  /* refused for a mismatch (not merely "stream not started yet") */
     bool fail_legs;          /* it left: the router fails the legs in flight on it (next tick) */
     char why_left[400];
 };

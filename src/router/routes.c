@@ -400,6 +400,23 @@ static kv_status check_urls(const char *role, const char *const *u, int n, char 
     return KV_OK;
 }
 
+/* kv_aware: up to 2 s for the configured workers' /kv_events start events before the router
+ * announces itself (port file), so that its first requests find them verified or refused
+ * rather than "not started yet". Requests that arrive meanwhile are served. */
+static void wait_mirrors(struct router *r) {
+    uint64_t end = kv_now_ns() + 2000000000ull;
+    for (;;) {
+        bool waiting = false;
+        for (int pl = 0; pl < POOL_N; pl++)
+            for (int i = 0; i < r->pools[pl].n; i++) {
+                const struct rt_worker *w = r->pools[pl].w[i];
+                waiting |= w->mirror && w->present && w->healthy && w->refused && !w->why_refused_final;
+            }
+        if (!waiting || kv_now_ns() >= end) return;
+        event_base_loop(r->base, EVLOOP_ONCE); /* the maintenance tick wakes it every 100 ms */
+    }
+}
+
 static kv_status init_pool(struct router *r, int id, const char *role, const char *const *urls, int n,
                            char *err, size_t errlen) {
     const struct router_config *c = &r->cfg;
@@ -486,6 +503,7 @@ kv_status router_run(const struct router_config *cfg, char *err, size_t errlen) 
         goto done;
     }
     if ((st = rt_workers_start(r, err, errlen))) goto done;
+    wait_mirrors(r);
     if (cfg->port_file && *cfg->port_file &&
         (st = http_write_port_file(cfg->port_file, http_listener_port(r->lis), err, errlen)))
         goto done;

@@ -88,6 +88,7 @@ void rt_worker_joined(struct router *r, int pool, int idx) {
         if (!w->mirror) w->mirror = kv_mirror_new();
         if (!w->watch) w->watch = calloc(1, sizeof(struct kv_watch));
         w->refused = true; /* until its /kv_events start event proves the same hashing (BUG-13) */
+        w->why_refused_final = false;
         snprintf(w->why_refused, sizeof w->why_refused, "its /kv_events stream has not started yet");
         if (!w->mirror || !w->watch) KV_ERROR("router: out of memory for the mirror of %s", w->url);
     }
@@ -177,6 +178,7 @@ static bool watch_event(struct router *r, int pool, int idx, const char *ev, siz
         }
         bool was_live = rt_worker_live(w);
         w->refused = true;
+        w->why_refused_final = true;
         snprintf(w->why_refused, sizeof w->why_refused, "%s", err);
         if (was_live) rt_worker_left(r, pool, idx, err);
         return false;
@@ -191,6 +193,7 @@ static bool watch_event(struct router *r, int pool, int idx, const char *ev, siz
     }
     if (start && w->refused) {
         w->refused = false;
+        w->why_refused_final = false;
         w->why_refused[0] = 0;
         KV_INFO("router: %s worker %s mirrored (worker_id %s, %d tokens per block)", p->role, w->url,
                 kv_mirror_worker_id(w->mirror), r->cfg.tokens_per_block);
