@@ -76,11 +76,16 @@ static kv_status canonical_cps(const json_t *body, bool chat, kv_buf *out) {
 
 void rtq_route_inputs(struct rreq *q, const char *body, size_t len) {
     struct router *r = q->r;
-    bool conv = false, kv = false;
+    bool conv = false, kv = false, tok_load = false;
     for (int i = 0; i < POOL_N; i++) {
         if (!r->pools[i].n) continue;
         conv |= r->pools[i].policy == RT_POLICY_CONVERSATION && r->pools[i].min_match_keys > 0;
         kv |= r->pools[i].policy == RT_POLICY_KV_AWARE;
+        tok_load |= r->pools[i].metric == RT_LOAD_TOKENS;
+    }
+    if (!conv && !kv && !tok_load) { /* round robin / least loaded by requests: nothing to hash */
+        q->tokens = (long)(len / 5 > 0 ? len / 5 : 1);
+        return;
     }
     int32_t *ids = NULL;
     size_t n = 0;
