@@ -21,17 +21,8 @@ mkdir -p "$cache"
 big=$cache/bench-llama-12x768.gguf
 [[ -f $big ]] || "$build/bench_engine" --make-model "$big" --vocab-from \
   "$data/models/llama-2-tiny-random/llama-2-tiny-random.gguf" --layers 12 --dim 768 --heads 12 --kv-heads 12 --ffn 2048
-pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
-trap cleanup EXIT
-start() { # name args... -> prints the port
-  local name=$1; shift
-  rm -f "$out/$name.port"
-  "$build/kvserve" "$@" --port 0 --port-file "$out/$name.port" >"$out/$name.log" 2>&1 &
-  pids+=($!)
-  for _ in $(seq 600); do [[ -s $out/$name.port ]] && break; sleep 0.1; done
-  cat "$out/$name.port"
-}
+# shellcheck source=bench/lib_procs.sh
+source "$root/bench/lib_procs.sh"
 common=(--model "$big" --max-model-len 4096 --threads "$threads" --kv-cache-memory 2GiB --no-prefix-cache)
 bench() { # url label
   "$build/kvserve" bench --url "$1" --api completions --dataset war-and-peace --prompt-words "$words" \
@@ -42,10 +33,12 @@ bench() { # url label
 echo "# $(date -u +%Y-%m-%dT%H:%MZ)  $(nproc) cores  $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2)  isa: $(grep -o -m1 'avx512f' /proc/cpuinfo || echo avx2)  OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-unset}"
 echo "# words/prompt $words, concurrency $conc, sessions $sessions, 64 output tokens, --threads $threads per worker, kv transport $transport"
 printf 'setup\tTTFT p50 ms\tTTFT p90 ms\tTPOT p50 ms\tITL p50 ms\toutput tok/s\tfailed\n'
-p=$(start agg serve "${common[@]}")
-bench "http://127.0.0.1:$p" aggregated
-cleanup; pids=()
-pc=$(start ctx serve "${common[@]}" --role context --kv-transport "$transport")
-pg=$(start gen serve "${common[@]}" --role generation --kv-transport "$transport")
-pr=$(start router router --context "http://127.0.0.1:$pc" --generation "http://127.0.0.1:$pg")
-bench "http://127.0.0.1:$pr" "disagg-1+1-$transport"
+start agg serve "${common[@]}"
+bench "http://127.0.0.1:$port" aggregated
+cleanup
+start ctx serve "${common[@]}" --role context --kv-transport "$transport"
+pc=$port
+start gen serve "${common[@]}" --role generation --kv-transport "$transport"
+pg=$port
+start router router --context "http://127.0.0.1:$pc" --generation "http://127.0.0.1:$pg"
+bench "http://127.0.0.1:$port" "disagg-1+1-$transport"

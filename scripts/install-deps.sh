@@ -7,7 +7,7 @@ set -euo pipefail
 want=(build-essential cmake pkg-config gnuplot-nox librust-blake3-dev libevent-dev libjansson-dev libpcre2-dev libutf8proc-dev
       libopenblas-dev libcurl4-openssl-dev libucx-dev curl ca-certificates)
 if [[ "${1:-}" == "--test" ]]; then
-  want+=(libcmocka-dev python3 python3-numpy python3-torch nodejs npm jq iproute2)
+  want+=(libcmocka-dev python3 python3-numpy python3-torch nodejs npm jq iproute2 etcd-server)
 fi
 missing=()
 for p in "${want[@]}"; do

@@ -222,8 +222,13 @@ void bench_print_summary(FILE *f, const bench_summary *s);
 /* {"config":{...},"summary":{...},"requests":[...]}; KV_EIO with a message on failure. */
 kv_status bench_write_json(const char *path, const bench_config *c, const bench_result *r,
                            const bench_summary *s, char *err, size_t errlen);
-/* Prints the summaries of two --out files side by side with B/A ratios. */
-kv_status bench_compare(FILE *f, const char *a_path, const char *b_path, char *err, size_t errlen);
+/* Prints the summaries of n (2..16) --out files side by side with ratios against the first
+ * (two files: columns A, B, B/A), plus the busiest worker's share over the mean. plot_dir
+ * (or NULL): also compare.dat, compare.gp and compare.svg/.png there (bars of req/s, cached
+ * ratio, TTFT p50/p90, busiest-worker share per file; gnuplot as bench_plot). KV_EFORMAT for
+ * a file without a summary, KV_EIO when gnuplot fails. */
+kv_status bench_compare(FILE *f, const char *const *paths, int n, const char *plot_dir, char *err,
+                        size_t errlen);
 /* Writes data files, a gnuplot script and SVG + PNG charts into dir (created) by
  * running `gnuplot` (path from $GNUPLOT, default "gnuplot"). KV_EIO if gnuplot fails
  * (the data files and script are still there). */

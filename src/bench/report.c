@@ -250,49 +250,150 @@ static double jget(json_t *sum, const char *a, const char *b) {
     return json_is_number(v) ? json_number_value(v) : NAN;
 }
 
-kv_status bench_compare(FILE *f, const char *a_path, const char *b_path, char *err, size_t errlen) {
-    json_error_t je;
-    json_t *a = json_load_file(a_path, 0, &je);
-    if (!a) return kv_errf(KV_EFORMAT, err, errlen, "%s: %s (line %d)", a_path, je.text, je.line);
-    json_t *b = json_load_file(b_path, 0, &je);
-    if (!b) {
-        json_decref(a);
-        return kv_errf(KV_EFORMAT, err, errlen, "%s: %s (line %d)", b_path, je.text, je.line);
-    }
-    json_t *sa = json_object_get(a, "summary"), *sb = json_object_get(b, "summary");
-    if (!json_is_object(sa) || !json_is_object(sb)) {
-        json_decref(a), json_decref(b);
-        return kv_errf(KV_EFORMAT, err, errlen, "--compare: both files need a \"summary\" (kvserve bench --out)");
-    }
-    static const struct { const char *label, *k1, *k2; } rows[] = {
-        {"requests", "requests", NULL}, {"failed", "failed", NULL},
-        {"duration s", "duration_s", NULL}, {"req/s", "request_throughput", NULL},
-        {"output tok/s", "output_token_throughput", NULL}, {"total tok/s", "total_token_throughput", NULL},
-        {"output tokens", "output_tokens", NULL}, {"cached ratio", "cached_ratio", NULL},
-        {"TTFT mean ms", "ttft_ms", "mean"}, {"TTFT p50 ms", "ttft_ms", "p50"},
-        {"TTFT p90 ms", "ttft_ms", "p90"}, {"TTFT p99 ms", "ttft_ms", "p99"},
-        {"TPOT mean ms", "tpot_ms", "mean"}, {"TPOT p50 ms", "tpot_ms", "p50"},
-        {"TPOT p99 ms", "tpot_ms", "p99"}, {"ITL mean ms", "itl_ms", "mean"},
-        {"ITL p50 ms", "itl_ms", "p50"}, {"ITL p99 ms", "itl_ms", "p99"},
-        {"E2E mean ms", "e2e_ms", "mean"}, {"E2E p50 ms", "e2e_ms", "p50"},
-        {"E2E p90 ms", "e2e_ms", "p90"}, {"E2E p99 ms", "e2e_ms", "p99"},
-    };
-    const char *ua = json_string_value(json_object_get(json_object_get(a, "config"), "url"));
-    const char *ub = json_string_value(json_object_get(json_object_get(b, "config"), "url"));
-    fprintf(f, "A: %s (%s)\nB: %s (%s)\n", a_path, ua ? ua : "?", b_path, ub ? ub : "?");
-    fprintf(f, "%-16s %14s %14s %10s\n", "metric", "A", "B", "B/A");
-    for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
-        double x = jget(sa, rows[i].k1, rows[i].k2), y = jget(sb, rows[i].k1, rows[i].k2);
-        char r[32] = "-";
-        if (!isnan(x) && !isnan(y) && x != 0) snprintf(r, sizeof r, "%.3f", y / x);
-        char xs[32] = "-", ys[32] = "-";
-        if (!isnan(x)) snprintf(xs, sizeof xs, "%.3f", x);
-        if (!isnan(y)) snprintf(ys, sizeof ys, "%.3f", y);
-        fprintf(f, "%-16s %14s %14s %10s\n", rows[i].label, xs, ys, r);
-    }
-    json_decref(a);
-    json_decref(b);
+static const struct { const char *label, *k1, *k2; } cmp_rows[] = {
+    {"requests", "requests", NULL}, {"failed", "failed", NULL},
+    {"duration s", "duration_s", NULL}, {"req/s", "request_throughput", NULL},
+    {"output tok/s", "output_token_throughput", NULL}, {"total tok/s", "total_token_throughput", NULL},
+    {"output tokens", "output_tokens", NULL}, {"cached ratio", "cached_ratio", NULL},
+    {"TTFT mean ms", "ttft_ms", "mean"}, {"TTFT p50 ms", "ttft_ms", "p50"},
+    {"TTFT p90 ms", "ttft_ms", "p90"}, {"TTFT p99 ms", "ttft_ms", "p99"},
+    {"TPOT mean ms", "tpot_ms", "mean"}, {"TPOT p50 ms", "tpot_ms", "p50"},
+    {"TPOT p99 ms", "tpot_ms", "p99"}, {"ITL mean ms", "itl_ms", "mean"},
+    {"ITL p50 ms", "itl_ms", "p50"}, {"ITL p99 ms", "itl_ms", "p99"},
+    {"E2E mean ms", "e2e_ms", "mean"}, {"E2E p50 ms", "e2e_ms", "p50"},
+    {"E2E p90 ms", "e2e_ms", "p90"}, {"E2E p99 ms", "e2e_ms", "p99"},
+};
+
+/* Runs script (in dir) with $GNUPLOT (default gnuplot), its output in dir/gnuplot.log. */
+static kv_status run_gnuplot(const char *dir, const char *script, char *err, size_t errlen) {
+    const char *gp = getenv("GNUPLOT");
+    char cmd[8192];
+    snprintf(cmd, sizeof cmd, "cd '%s' && '%s' %s > gnuplot.log 2>&1", dir, gp && *gp ? gp : "gnuplot", script);
+    int rc = system(cmd);
+    if (rc != 0) return kv_errf(KV_EIO, err, errlen, "gnuplot failed (status %d); see %s/gnuplot.log", rc, dir);
     return KV_OK;
+}
+
+/* The busiest worker's requests over the mean of the workers that got any (NAN: none). */
+static double max_share(json_t *sum) {
+    json_t *w = json_object_get(sum, "workers"), *v;
+    const char *k;
+    double tot = 0, mx = 0;
+    int n = 0;
+    json_object_foreach(w, k, v) {
+        double x = json_number_value(v);
+        tot += x, mx = x > mx ? x : mx, n++;
+    }
+    return n && tot > 0 ? mx / (tot / n) : NAN;
+}
+
+static const char *base_name(const char *p) {
+    const char *s = strrchr(p, '/');
+    return s ? s + 1 : p;
+}
+
+static void fmt_num(char *b, size_t n, double x) {
+    if (isnan(x)) snprintf(b, n, "-");
+    else snprintf(b, n, "%.3f", x);
+}
+
+/* The chart of an N-way comparison: bars of req/s, cached ratio, TTFT p50/p90 and the
+ * busiest worker's share per file (labels = file names without .json). */
+static kv_status compare_plot(const char *dir, const char *const *paths, json_t **sums, int n, char *err,
+                              size_t errlen) {
+    if (kv_mkdirs(dir)) return kv_errf(KV_EIO, err, errlen, "%s: cannot create directory", dir);
+    char p[4096];
+    snprintf(p, sizeof p, "%s/compare.dat", dir);
+    FILE *f = fopen(p, "w");
+    if (!f) return kv_errf(KV_EIO, err, errlen, "%s: %s", p, strerror(errno));
+    fprintf(f, "# label req_per_s cached_ratio ttft_p50_ms ttft_p90_ms max_share_over_mean workers_used\n");
+    for (int i = 0; i < n; i++) {
+        char label[256];
+        snprintf(label, sizeof label, "%s", base_name(paths[i]));
+        char *dot = strstr(label, ".json");
+        if (dot) *dot = 0;
+        fprintf(f, "\"%s\" %.6g %.6g %.6g %.6g %.6g %zu\n", label, jget(sums[i], "request_throughput", NULL),
+                jget(sums[i], "cached_ratio", NULL), jget(sums[i], "ttft_ms", "p50"),
+                jget(sums[i], "ttft_ms", "p90"), max_share(sums[i]),
+                json_object_size(json_object_get(sums[i], "workers")));
+    }
+    fclose(f);
+    snprintf(p, sizeof p, "%s/compare.gp", dir);
+    if (!(f = fopen(p, "w"))) return kv_errf(KV_EIO, err, errlen, "%s: %s", p, strerror(errno));
+    fprintf(f, "# generated by kvserve bench --compare; run from this directory: gnuplot compare.gp\n"
+               "set grid ytics; set style fill solid 0.6; set boxwidth 0.6; set xtics rotate by -30 noenhanced\n"
+               "set key off; set yrange [0:*]\n"
+               "do for [fmt in \"svg pngcairo\"] {\n"
+               "  ext = fmt eq \"svg\" ? \"svg\" : \"png\"\n"
+               "  if (fmt eq \"svg\") { set terminal svg size 1000,700 } else { set terminal pngcairo size 1000,700 }\n"
+               "  set output \"compare.\".ext\n"
+               "  set multiplot layout 2,2\n"
+               "  set title \"requests/s\"; plot \"compare.dat\" using 0:2:xtic(1) with boxes\n"
+               "  set title \"cached-token ratio\"; plot \"compare.dat\" using 0:3:xtic(1) with boxes\n"
+               "  set title \"TTFT p50 / p90 (ms)\"; set boxwidth 0.3\n"
+               "  plot \"compare.dat\" using ($0-0.15):4:xtic(1) with boxes, \"\" using ($0+0.15):5 with boxes\n"
+               "  set boxwidth 0.6\n"
+               "  set title \"busiest worker / mean share (workers used)\"\n"
+               "  plot \"compare.dat\" using 0:6:xtic(1) with boxes, \"\" using 0:6:(sprintf(\"%%d\", $7)) with labels offset 0,0.7\n"
+               "  unset multiplot\n"
+               "  unset output\n"
+               "}\n");
+    fclose(f);
+    return run_gnuplot(dir, "compare.gp", err, errlen);
+}
+
+kv_status bench_compare(FILE *f, const char *const *paths, int n, const char *plot_dir, char *err,
+                        size_t errlen) {
+    if (n < 2 || n > 16) return kv_errf(KV_EINVAL, err, errlen, "--compare takes 2 to 16 files");
+    json_t *docs[16] = {0}, *sums[16] = {0};
+    kv_status st = KV_OK;
+    for (int i = 0; i < n && !st; i++) {
+        json_error_t je;
+        docs[i] = json_load_file(paths[i], 0, &je);
+        if (!docs[i]) st = kv_errf(KV_EFORMAT, err, errlen, "%s: %s (line %d)", paths[i], je.text, je.line);
+        else if (!json_is_object(sums[i] = json_object_get(docs[i], "summary")))
+            st = kv_errf(KV_EFORMAT, err, errlen, "--compare: %s has no \"summary\" (kvserve bench --out)", paths[i]);
+    }
+    if (!st && n == 2) { /* the classic A / B / B/A table */
+        const char *ua = json_string_value(json_object_get(json_object_get(docs[0], "config"), "url"));
+        const char *ub = json_string_value(json_object_get(json_object_get(docs[1], "config"), "url"));
+        fprintf(f, "A: %s (%s)\nB: %s (%s)\n", paths[0], ua ? ua : "?", paths[1], ub ? ub : "?");
+        fprintf(f, "%-16s %14s %14s %10s\n", "metric", "A", "B", "B/A");
+    } else if (!st) { /* one column per file, ratios against the first */
+        for (int i = 0; i < n; i++) fprintf(f, "%c: %s\n", 'A' + i, paths[i]);
+        fprintf(f, "%-16s", "metric");
+        for (int i = 0; i < n; i++) fprintf(f, " %12c", 'A' + i);
+        for (int i = 1; i < n; i++) fprintf(f, " %8c/A", 'A' + i);
+        fprintf(f, "\n");
+    }
+    for (size_t r = 0; !st && r < sizeof cmp_rows / sizeof cmp_rows[0]; r++) {
+        double x0 = jget(sums[0], cmp_rows[r].k1, cmp_rows[r].k2);
+        fprintf(f, "%-16s", cmp_rows[r].label);
+        for (int i = 0; i < n; i++) {
+            char b[32];
+            fmt_num(b, sizeof b, jget(sums[i], cmp_rows[r].k1, cmp_rows[r].k2));
+            fprintf(f, n == 2 ? " %14s" : " %12s", b);
+        }
+        for (int i = 1; i < n; i++) {
+            double y = jget(sums[i], cmp_rows[r].k1, cmp_rows[r].k2);
+            char b[32] = "-";
+            if (!isnan(x0) && !isnan(y) && x0 != 0) snprintf(b, sizeof b, "%.3f", y / x0);
+            fprintf(f, n == 2 ? " %10s" : " %10s", b);
+        }
+        fprintf(f, "\n");
+    }
+    if (!st) {
+        fprintf(f, "%-16s", "max share/mean");
+        for (int i = 0; i < n; i++) {
+            char b[32];
+            fmt_num(b, sizeof b, max_share(sums[i]));
+            fprintf(f, n == 2 ? " %14s" : " %12s", b);
+        }
+        fprintf(f, "\n");
+    }
+    if (!st && plot_dir) st = compare_plot(plot_dir, paths, sums, n, err, errlen);
+    for (int i = 0; i < n; i++) json_decref(docs[i]);
+    return st;
 }
 
 /* ---- plots ---- */
@@ -377,11 +478,5 @@ kv_status bench_plot(const char *dir, const bench_result *r, char *err, size_t e
                "  unset output\n"
                "}\n");
     fclose(f);
-    const char *gp = getenv("GNUPLOT");
-    char cmd[8192];
-    snprintf(cmd, sizeof cmd, "cd '%s' && '%s' plots.gp > gnuplot.log 2>&1", dir, gp && *gp ? gp : "gnuplot");
-    int rc = system(cmd);
-    if (rc != 0)
-        return kv_errf(KV_EIO, err, errlen, "gnuplot failed (status %d); see %s/gnuplot.log", rc, dir);
-    return KV_OK;
+    return run_gnuplot(dir, "plots.gp", err, errlen);
 }

@@ -18,7 +18,7 @@ static void on_sigint(int sig) {
 static void usage(FILE *f) {
     fprintf(f,
         "usage: kvserve bench [options]\n"
-        "       kvserve bench --compare A.json B.json\n"
+        "       kvserve bench --compare A.json B.json [C.json ...] [--plot DIR]\n"
         "\nserver:\n"
         "  --url URL               base URL of the server (default http://127.0.0.1:8000)\n"
         "  --model NAME            model name (default: first id of GET /v1/models)\n"
@@ -108,11 +108,24 @@ int cmd_bench(int argc, char **argv) {
             usage(stdout);
             return 0;
         } else if (!strcmp(a, "--compare")) {
-            if (i + 2 >= argc) {
-                fprintf(stderr, "kvserve bench: --compare needs two files\n");
+            const char *files[16], *plot = NULL;
+            int nf = 0;
+            for (int j = i + 1; j < argc; j++) {
+                if (!strcmp(argv[j], "--plot") && j + 1 < argc) {
+                    plot = argv[++j];
+                } else if (nf < 16 && strncmp(argv[j], "--", 2)) {
+                    files[nf++] = argv[j];
+                } else {
+                    fprintf(stderr, "kvserve bench: --compare takes 2 to 16 files and an optional --plot DIR "
+                                    "(got %s)\n", argv[j]);
+                    return 2;
+                }
+            }
+            if (nf < 2) {
+                fprintf(stderr, "kvserve bench: --compare needs at least two files\n");
                 return 2;
             }
-            if (bench_compare(stdout, argv[i + 1], argv[i + 2], err, sizeof err)) {
+            if (bench_compare(stdout, files, nf, plot, err, sizeof err)) {
                 fprintf(stderr, "kvserve bench: %s\n", err);
                 return 1;
             }

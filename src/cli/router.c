@@ -13,9 +13,10 @@ static void router_usage(FILE *f) {
             "       kvserve router --port N --workers URL... [options]\n\n"
             "Front door of disaggregated serving: each request's context leg (prefill + first token)\n"
             "goes to a context worker, its generation leg (decode, relayed to the client) to a\n"
-            "generation worker; round robin inside each role. With only --workers it is a plain\n"
-            "round-robin proxy. Routes: POST /v1/completions, POST /v1/chat/completions,\n"
-            "GET /v1/models, GET /health, GET /metrics. Wire format: docs/disaggregation.md.\n\n"
+            "generation worker; the --policy places them inside each role. With only --workers it\n"
+            "is a proxy over one aggregated pool. Routes: POST /v1/completions, POST\n"
+            "/v1/chat/completions, GET /v1/models, GET /health, GET /metrics, POST /select and\n"
+            "POST /finish (coordinator). Docs: docs/disaggregation.md, docs/routing.md.\n\n"
             "options:\n"
             "  --host ADDR              listen address (default 127.0.0.1)\n"
             "  --port N                 listen port (default 8000; 0 = any free port)\n"
@@ -31,6 +32,29 @@ static void router_usage(FILE *f) {
             "                           tokens are not cached there (default off)\n"
             "  --timeout SECONDS        limit of one upstream leg (default 180; 0 = none)\n"
             "  --max-body-size BYTES    largest client body (default 16777216)\n"
+            "  --policy P               round_robin (default) | least_loaded | kv_aware | conversation;\n"
+            "                           applied to --workers and to each role (docs/routing.md)\n"
+            "  --load-metric M          requests (default) | tokens: the load least-loaded choices use\n"
+            "  --new-conversation-min-match-blocks N  conversation: a new conversation follows the\n"
+            "                           earlier one sharing >= N prompt blocks (default 32; 0 = off)\n"
+            "  --max-conversations N    conversation history, LRU (default 100000)\n"
+            "  --tokens-per-block N     the workers' KV block size (default 16)\n"
+            "  --hash-key-file PATH     the workers' 32-byte block-hash secret (kv_aware: required;\n"
+            "                           conversation: keys content with it, else a random key)\n"
+            "  --tokenizer PATH         the served model (GGUF or tokenizer.json): prompts are hashed\n"
+            "                           as token ids exactly as the workers tokenize them\n"
+            "  --predicted-prefix-ttl S kv_aware: a prefix just sent to a worker follows it for S\n"
+            "                           seconds before its KV events arrive (default 5; 0 = off)\n"
+            "  --etcd URL               discover workers registered in etcd (v3 JSON gateway, e.g.\n"
+            "                           http://127.0.0.1:2379; kvserve serve --etcd registers them)\n"
+            "  --etcd-prefix P          key prefix (default kvserve/workers/)\n"
+            "  --coordinator URL        place through another router's POST /select (same workers,\n"
+            "                           --hash-key-file, --tokens-per-block): replicas share one\n"
+            "                           placement state; local placement when it does not answer\n"
+            "  --kv-balance-threshold N kv_aware: a worker chosen for its cached blocks may run at\n"
+            "                           most N legs more than the least loaded one (default 32; 0 = off)\n"
+            "  --health-interval S      GET /health period; 2 failures in a row take a worker out\n"
+            "                           (default 1; 0 = off)\n"
             "  --log-level LEVEL        debug | info | warn | error (default info)\n"
             "environment: KVSERVE_DISAGG_NO_RETRY=1 disables every retry.\n");
 }
@@ -40,6 +64,15 @@ static bool parse_long(const char *s, long lo, long hi, long *out) {
     errno = 0;
     long v = strtol(s, &end, 10);
     if (errno || end == s || *end || v < lo || v > hi) return false;
+    *out = v;
+    return true;
+}
+
+static bool parse_double(const char *s, double lo, double hi, double *out) {
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno || end == s || *end || !(v >= lo && v <= hi)) return false;
     *out = v;
     return true;
 }
@@ -62,7 +95,11 @@ static int take_urls(int argc, char **argv, int i, const char ***list, int *n) {
 int cmd_router(int argc, char **argv) {
     struct router_config c = {.host = "127.0.0.1", .port = 8000, .max_retries = 1,
                               .max_local_prefill_tokens = -1, .timeout_s = 180,
-                              .max_body_bytes = (size_t)16 << 20};
+                              .max_body_bytes = (size_t)16 << 20, .min_match_blocks = 32,
+                              .max_conversations = 100000, .max_conversation_keys = 512,
+                              .tokens_per_block = 16, .predicted_prefix_ttl_s = 5,
+                              .kv_balance_threshold = 32,
+                              .health_interval_s = 1};
     const char **ctx = NULL, **gen = NULL, **wk = NULL;
     int nctx = 0, ngen = 0, nwk = 0, rc = 2;
     for (int i = 1; i < argc; i++) {
@@ -96,6 +133,7 @@ int cmd_router(int argc, char **argv) {
         }
         const char *v = argv[++i];
         long n;
+        double d;
         if (!strcmp(a, "--host")) c.host = v;
         else if (!strcmp(a, "--port") && parse_long(v, 0, 65535, &n)) c.port = (int)n;
         else if (!strcmp(a, "--port-file")) c.port_file = v;
@@ -106,6 +144,25 @@ int cmd_router(int argc, char **argv) {
         else if (!strcmp(a, "--max-body-size") && parse_long(v, 1, 1L << 40, &n)) c.max_body_bytes = (size_t)n;
         else if (!strcmp(a, "--schedule-style") && !strcmp(v, "context_first")) c.style = ROUTER_CONTEXT_FIRST;
         else if (!strcmp(a, "--schedule-style") && !strcmp(v, "generation_first")) c.style = ROUTER_GENERATION_FIRST;
+        else if (!strcmp(a, "--policy") && !strcmp(v, "round_robin")) c.policy = ROUTER_ROUND_ROBIN;
+        else if (!strcmp(a, "--policy") && !strcmp(v, "least_loaded")) c.policy = ROUTER_LEAST_LOADED;
+        else if (!strcmp(a, "--policy") && !strcmp(v, "kv_aware")) c.policy = ROUTER_KV_AWARE;
+        else if (!strcmp(a, "--policy") && !strcmp(v, "conversation")) c.policy = ROUTER_CONVERSATION;
+        else if (!strcmp(a, "--load-metric") && !strcmp(v, "requests")) c.load_tokens = false;
+        else if (!strcmp(a, "--load-metric") && !strcmp(v, "tokens")) c.load_tokens = true;
+        else if (!strcmp(a, "--new-conversation-min-match-blocks") && parse_long(v, 0, 1 << 20, &n))
+            c.min_match_blocks = (int)n;
+        else if (!strcmp(a, "--max-conversations") && parse_long(v, 1, 100000000, &n)) c.max_conversations = (int)n;
+        else if (!strcmp(a, "--tokens-per-block") && parse_long(v, 1, 4096, &n)) c.tokens_per_block = (int)n;
+        else if (!strcmp(a, "--hash-key-file")) c.hash_key_file = v;
+        else if (!strcmp(a, "--tokenizer")) c.tokenizer = v;
+        else if (!strcmp(a, "--etcd")) c.etcd = v;
+        else if (!strcmp(a, "--coordinator")) c.coordinator = v;
+        else if (!strcmp(a, "--etcd-prefix")) c.etcd_prefix = v;
+        else if (!strcmp(a, "--predicted-prefix-ttl") && parse_double(v, 0, 3600, &d)) c.predicted_prefix_ttl_s = d;
+        else if (!strcmp(a, "--kv-balance-threshold") && parse_long(v, 0, 1 << 20, &n))
+            c.kv_balance_threshold = (int)n;
+        else if (!strcmp(a, "--health-interval") && parse_double(v, 0, 3600, &d)) c.health_interval_s = d;
         else if (!strcmp(a, "--log-level") && !strcmp(v, "debug")) kv_log_set_level(KV_LOG_DEBUG);
         else if (!strcmp(a, "--log-level") && !strcmp(v, "info")) kv_log_set_level(KV_LOG_INFO);
         else if (!strcmp(a, "--log-level") && !strcmp(v, "warn")) kv_log_set_level(KV_LOG_WARN);

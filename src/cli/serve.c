@@ -10,6 +10,7 @@
 #include "engine/engine.h"
 #include "http/http.h"
 #include "model/model.h"
+#include "router/etcd.h"
 #include "serve_disagg.h"
 #include "tokenizer/prefix_cache.h"
 #include "tokenizer/tokenizer.h"
@@ -73,9 +74,37 @@ static void serve_usage(FILE *f) {
             "                           it is batched with or on cache hits (cuda: our fixed-order GEMM\n"
             "                           instead of cuBLAS, slower, see docs/benchmarks.md; cpu: always\n"
             "                           the case with --gemm invariant, refused with --gemm openblas)\n"
+            "  --etcd URL               register this worker in etcd (v3 JSON gateway) under a lease\n"
+            "                           kept alive; routers started with --etcd find it\n"
+            "  --advertise URL          the URL routers reach this worker at (default\n"
+            "                           http://HOST:PORT as bound)\n"
+            "  --etcd-prefix P          key prefix (default kvserve/workers/)\n"
+            "  --etcd-ttl S             lease TTL: a dead worker disappears after S seconds (default 5)\n"
             "  --log-level LEVEL        debug | info | warn | error (default info)\n"
             "  --help                   show this help\n");
     serve_disagg_usage(f);
+}
+
+/* etcd registration (router/etcd.h): started once the listener is bound, stopped (lease
+ * revoked) when stopping begins, so routers stop sending before requests are cancelled. */
+struct serve_etcd {
+    const char *url, *advertise, *prefix, *role;
+    int ttl_s;
+    struct etcd_registrar *reg;
+};
+
+static kv_status serve_etcd_register(const char *host, int port, void *arg, char *err, size_t errlen) {
+    struct serve_etcd *se = arg;
+    char adv[600];
+    if (se->advertise) snprintf(adv, sizeof adv, "%s", se->advertise);
+    else snprintf(adv, sizeof adv, "http://%s:%d", host, port);
+    return etcd_register_start(se->url, se->prefix, adv, se->role, se->ttl_s, &se->reg, err, errlen);
+}
+
+static void serve_etcd_deregister(void *arg) {
+    struct serve_etcd *se = arg;
+    etcd_register_stop(se->reg);
+    se->reg = NULL;
 }
 
 static int bad_opt(const char *opt, const char *val, const char *why) {
@@ -106,6 +135,7 @@ int cmd_serve(int argc, char **argv) {
     enum kv_matmul_quant qmode = KV_MATMUL_QUANT_AUTO;
     int prefix_wait = 64;
     const char *hash_key_file = NULL;
+    struct serve_etcd se = {.prefix = ETCD_DEFAULT_PREFIX, .ttl_s = 5};
     bool ptc_on = false, ptc_set = false;
     struct prefix_cache_config ptc;
     prefix_cache_config_default(&ptc);
@@ -169,6 +199,10 @@ int cmd_serve(int argc, char **argv) {
         }
         else if (!strcmp(a, "--prefix-wait-blocks")) rc = parse_int_opt(a, v, 0, 1 << 24, &prefix_wait);
         else if (!strcmp(a, "--hash-key-file")) hash_key_file = v;
+        else if (!strcmp(a, "--etcd")) se.url = v;
+        else if (!strcmp(a, "--advertise")) se.advertise = v;
+        else if (!strcmp(a, "--etcd-prefix")) se.prefix = v;
+        else if (!strcmp(a, "--etcd-ttl")) rc = parse_int_opt(a, v, 1, 3600, &se.ttl_s);
         else if (!strncmp(a, "--prefix-token-cache-", 21)) {
             const char *k = a + 21;
             size_t *f = !strcmp(k, "entries") ? &ptc.max_entries
@@ -354,6 +388,16 @@ int cmd_serve(int argc, char **argv) {
         ret = st == KV_EINVAL || st == KV_EUNSUPPORTED ? 2 : 1;
         goto out;
     }
+    if (se.url) {
+        se.role = hc.role ? hc.role : "aggregated";
+        hc.on_listening = serve_etcd_register;
+        hc.on_stopping = serve_etcd_deregister;
+        hc.hook_arg = &se;
+    } else if (se.advertise) {
+        fprintf(stderr, "kvserve serve: --advertise needs --etcd\n");
+        ret = 2;
+        goto out;
+    }
     if (m->is_demo)
         KV_WARN("serving the random-weight demo model: use `kvserve serve --model PATH` for a real one");
     st = http_serve(&hc, e, m, t, err, sizeof err);
@@ -363,6 +407,7 @@ int cmd_serve(int argc, char **argv) {
     }
     ret = 0;
 out:
+    serve_etcd_deregister(&se);
     serve_disagg_stop(&sd);
     if (e) engine_stop(e);
     if (be) backend_free(be);

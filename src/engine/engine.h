@@ -236,15 +236,16 @@ void engine_kv_transfer_done_ex(engine_t *e, uint64_t disagg_id, bool is_send, k
 uint64_t engine_tokens_hash(const int32_t *ids, int n);
 
 /* ---- KV events (for routers that mirror what this worker holds) ---- */
-enum engine_kv_event_type { ENGINE_KV_STORED = 0, ENGINE_KV_REMOVED, ENGINE_KV_CLEARED };
+enum engine_kv_event_type { ENGINE_KV_STORED = 0, ENGINE_KV_REMOVED, ENGINE_KV_CLEARED, ENGINE_KV_TIER };
 struct engine_kv_event {
     uint64_t seq;               /* 1, 2, 3, ... per engine */
     enum engine_kv_event_type type;
-    kv_hash hash;               /* STORED / REMOVED */
+    kv_hash hash;               /* STORED / REMOVED / TIER */
     kv_hash parent_hash;        /* STORED: parent block hash, or the chain root */
     bool parent_is_root;
     int n_tokens;               /* STORED: tokens_per_block, ids in tokens */
     const int32_t *tokens;      /* points into the caller's tok buffer */
+    bool host;                  /* TIER: the block moved to the host tier (false: to the device) */
 };
 #define ENGINE_KV_EVENTS_RING 4096
 /* Copies up to cap buffered events with seq > after (oldest first) into out, their token ids
@@ -254,5 +255,8 @@ int engine_kv_events(engine_t *e, uint64_t after, struct engine_kv_event *out, i
                      int cap, uint64_t *lost);
 /* Worker id (random 64-bit, fixed for the engine's life) for KV events. */
 uint64_t engine_worker_id(const engine_t *e);
+/* Public fingerprint of the block-hash secret (kv_hash_key_id, 16 hex digits): a router
+ * mirroring this worker compares it with its own (--hash-key-file) and refuses a mismatch. */
+void engine_hash_key_id(const engine_t *e, char out[17]);
 
 #endif

@@ -31,7 +31,9 @@ static void on_pool_event(const struct kv_pool_event *pe, void *user) {
     ev->seq = seq;
     ev->type = pe->type == KV_POOL_EV_STORED    ? ENGINE_KV_STORED
                : pe->type == KV_POOL_EV_REMOVED ? ENGINE_KV_REMOVED
+               : pe->type == KV_POOL_EV_TIER    ? ENGINE_KV_TIER
                                                 : ENGINE_KV_CLEARED;
+    ev->host = pe->host;
     if (pe->hash) ev->hash = *pe->hash;
     if (pe->parent_hash) ev->parent_hash = *pe->parent_hash;
     ev->parent_is_root = pe->parent_is_root;
@@ -65,6 +67,8 @@ int engine_kv_events(engine_t *e, uint64_t after, struct engine_kv_event *out, i
 }
 
 uint64_t engine_worker_id(const engine_t *e) { return e->worker_id; }
+
+void engine_hash_key_id(const engine_t *e, char out[17]) { kv_hash_key_id(&e->key, out); }
 
 /* ---------------------------------------------------------------- setup */
 
@@ -109,14 +113,12 @@ kv_status reuse_request_init(struct request *r, const struct engine_request_para
     r->bhash = kv_malloc((size_t)r->blocks_cap * sizeof *r->bhash);
     r->buid = kv_calloc((size_t)r->blocks_cap, sizeof *r->buid);
     if (!r->bhash || !r->buid) return KV_ENOMEM;
-    if (p->cache_salt) {
-        size_t n = strlen(p->cache_salt);
-        r->root_bytes = kv_malloc(5 + n);
+    if (p->cache_salt) { /* the extra keys of the chain root, serialized once (hash.h) */
+        struct kv_extra_key x = {KV_EXTRA_CACHE_SALT, p->cache_salt, strlen(p->cache_salt)};
+        r->root_len = kv_extra_keys_serialize(&x, 1, NULL);
+        r->root_bytes = kv_malloc(r->root_len);
         if (!r->root_bytes) return KV_ENOMEM;
-        r->root_bytes[0] = (uint8_t)KV_EXTRA_CACHE_SALT;
-        for (int i = 0; i < 4; i++) r->root_bytes[1 + i] = (uint8_t)((uint32_t)n >> (8 * i));
-        memcpy(r->root_bytes + 5, p->cache_salt, n);
-        r->root_len = 5 + n;
+        kv_extra_keys_serialize(&x, 1, r->root_bytes);
     }
     return KV_OK;
 }
@@ -131,15 +133,7 @@ void reuse_request_free(struct request *r) {
 
 static void ensure_root(struct engine *e, struct request *r) {
     if (!r->root_done) {
-        struct kv_extra_key x = {0};
-        int nx = 0;
-        if (r->root_len) {
-            x.kind = KV_EXTRA_CACHE_SALT;
-            x.data = r->root_bytes + 5;
-            x.len = r->root_len - 5;
-            nx = 1;
-        }
-        kv_hash_root(&e->key, &x, nx, &r->root_hash);
+        kv_hash_root_bytes(&e->key, r->root_bytes, r->root_len, &r->root_hash);
         r->root_done = true;
     }
     r->root_uid = kv_pool_root_uid(e->pool, r->root_bytes, r->root_len);

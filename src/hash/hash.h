@@ -50,8 +50,33 @@ kv_status kv_hash_key_random(kv_hash_key *k);
  * it (mode 0600). KV_EIO / KV_EINVAL (file of another size) with a message in err. */
 kv_status kv_hash_key_load_or_create(const char *path, kv_hash_key *k, char *err, size_t errlen);
 
-/* Root of a chain: the extra keys in the given order (n may be 0, extras may then be NULL). */
+/* The one serializer of extra keys (the engine's reuse index, its pool root ids and the
+ * router all use it, so router and workers hash identically): for each key, in order,
+ * kind (1 byte) || LE32 length || bytes. Writes to out (may be NULL) and returns the byte
+ * count (sum of 5 + len). */
+size_t kv_extra_keys_serialize(const struct kv_extra_key *extras, int n, uint8_t *out);
+
+/* Root of a chain: the extra keys in the given order (n may be 0, extras may then be NULL).
+ * = BLAKE3_keyed(secret, "kvserve.block.v1" || kv_extra_keys_serialize(extras)). */
 void kv_hash_root(const kv_hash_key *k, const struct kv_extra_key *extras, int n, kv_hash *out);
+/* The same root from already serialized extra keys (bytes[0..len), len may be 0). */
+void kv_hash_root_bytes(const kv_hash_key *k, const uint8_t *bytes, size_t len, kv_hash *out);
+
+/* Public fingerprint of a secret: the first 8 bytes of BLAKE3_keyed(secret, "kvserve.key-id")
+ * as 16 hex digits (+ NUL). Reveals nothing usable about the key; equal fingerprints mean the
+ * router and a worker hash blocks alike (workers publish it in /server_info and /kv_events). */
+void kv_hash_key_id(const kv_hash_key *k, char out[17]);
+
+/* Content keys of conversation routing (spec seed-features.md §1.3, decision 1):
+ *   k0  = BLAKE3_keyed(secret, "kvserve.content.v1" || salt)
+ *   k_i = BLAKE3_keyed(secret, k_{i-1} || LE32 elements of group i), i = 1, 2, ...
+ * where a group is 8 blocks x tokens_per_block elements (token ids, or UTF-32 code points
+ * when the router has no tokenizer); only complete groups are hashed. Writes k_1.. (k0 is not
+ * returned) to out, at most max of them, and returns how many: min(n / (8 * tpb), max).
+ * salt may be NULL (salt_len 0). tokens_per_block >= 1. Thread-safe. */
+#define KV_CONTENT_GROUP_BLOCKS 8
+int kv_content_keys(const kv_hash_key *k, const void *salt, size_t salt_len, const int32_t *elems,
+                    size_t n, int tokens_per_block, kv_hash *out, int max);
 /* Hash of one block: parent (the root for block 0) and its n token ids. */
 void kv_hash_block(const kv_hash_key *k, const kv_hash *parent, const int32_t *tokens, int n,
                    kv_hash *out);
@@ -61,6 +86,9 @@ static inline uint64_t kv_hash_u64(const kv_hash *h) {
     for (int i = 7; i >= 0; i--) x = (x << 8) | h->b[i];
     return x;
 }
+/* The 64-bit index key (kv_hash_u64) of a hash given in hex: the first 16 hex digits of s
+ * (either case; more may follow). False when s has fewer or a non-hex one among them. */
+bool kv_hash_u64_from_hex(const char *s, uint64_t *out);
 /* Lower-case hex of h (65 bytes with the NUL). */
 void kv_hash_hex(const kv_hash *h, char out[2 * KV_HASH_LEN + 1]);
 

@@ -30,89 +30,18 @@ static kv_status parse_body(struct evhttp_request *req, enum oai_kind kind, stru
     return KV_OK;
 }
 
-/* A copy of msgs with null contents replaced by "" (NULL if there were none, or on ENOMEM):
- * the built-in renderers (a model without a usable template) need string contents, while a
- * real template should see the null the client sent (e.g. an assistant turn that only has
- * tool_calls). */
-static json_t *msgs_null_to_empty(const json_t *msgs) {
-    bool any = false;
-    size_t i;
-    json_t *m;
-    json_array_foreach((json_t *)msgs, i, m) any = any || json_is_null(json_object_get(m, "content"));
-    if (!any) return NULL;
-    json_t *c = json_deep_copy(msgs);
-    if (!c) return NULL;
-    json_array_foreach(c, i, m) {
-        json_t *ct = json_object_get(m, "content");
-        if (json_is_null(ct)) json_object_set_new(m, "content", json_string(""));
-    }
-    return c;
-}
-
-/* Renders a parsed chat request; *out heap. Errors are answered (400 / 500). */
-static kv_status render_chat(struct evhttp_request *req, const struct oai_request *r, char **out) {
-    char err[512] = "";
-    kv_status st = tok_chat_render_json(srv.t, r->chat_msgs, r->chat_kwargs, r->add_generation_prompt,
-                                        out, err, sizeof err);
-    if (st == KV_EINVAL) {
-        json_t *alt = msgs_null_to_empty(r->chat_msgs);
-        if (alt) {
-            char err2[512] = "";
-            if (tok_chat_render_json(srv.t, alt, r->chat_kwargs, r->add_generation_prompt, out, err2,
-                                     sizeof err2) == KV_OK)
-                st = KV_OK;
-            json_decref(alt);
-        }
-    }
-    if (st == KV_ENOMEM) {
-        http_send_errf(req, 500, "server_error", NULL, NULL, "out of memory");
-        return st;
-    }
-    if (st) {
-        http_send_errf(req, 400, "invalid_request_error", "messages", NULL,
-                       *err ? err : "the messages cannot be rendered with this model's chat template");
-        return st;
-    }
-    return KV_OK;
-}
-
 /* Prompt ids of a parsed request (chat: rendered template). *ids heap; errors answered. */
 static kv_status prompt_ids(struct evhttp_request *req, const struct oai_request *r,
                             bool add_special, int32_t **ids, size_t *n) {
-    if (r->disagg.prompt_ids) { /* generation leg: the context worker's prompt, as it was run */
-        *ids = kv_malloc(r->disagg.n_prompt_ids * sizeof **ids);
-        if (!*ids) goto oom;
-        memcpy(*ids, r->disagg.prompt_ids, r->disagg.n_prompt_ids * sizeof **ids);
-        *n = r->disagg.n_prompt_ids;
-        return KV_OK;
-    }
-    if (r->ids) {
-        *ids = kv_malloc(r->n_ids * sizeof **ids);
-        if (!*ids) goto oom;
-        memcpy(*ids, r->ids, r->n_ids * sizeof **ids);
-        *n = r->n_ids;
-        return KV_OK;
-    }
-    char *rendered = NULL;
-    const char *text = r->text;
-    size_t len = r->text_len;
-    if (r->chat_msgs) {
-        kv_status st = render_chat(req, r, &rendered);
-        if (st) return st;
-        text = rendered;
-        len = strlen(rendered);
-        /* the template may write BOS itself: then no second one (tokenizer.h, llama.cpp) */
-        if (add_special && tok_text_starts_with_bos(srv.t, text, len)) add_special = false;
-    }
+    char err[512] = "";
     struct prefix_cache *pc = srv.cfg ? srv.cfg->prefix_cache : NULL;
-    kv_status st = pc ? prefix_cache_encode(pc, text ? text : "", len, add_special, true, ids, n)
-                      : tok_encode(srv.t, text ? text : "", len, add_special, true, ids, n);
-    free(rendered);
-    if (st) goto oom;
-    return KV_OK;
-oom:
-    http_send_errf(req, 500, "server_error", NULL, NULL, "out of memory");
-    return KV_ENOMEM;
+    kv_status st = oai_prompt_ids(srv.t, pc, r, add_special, ids, n, err, sizeof err);
+    if (st == KV_EINVAL)
+        http_send_errf(req, 400, "invalid_request_error", "messages", NULL,
+                       *err ? err : "the messages cannot be rendered with this model's chat template");
+    else if (st)
+        http_send_errf(req, 500, "server_error", NULL, NULL, "out of memory");
+    return st;
 }
 
 static void generate(struct evhttp_request *req, enum oai_kind kind, bool probe) {

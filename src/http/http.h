@@ -33,6 +33,12 @@ struct http_config {
     const char *kv_endpoint;   /* the KV-transfer agent's "host:port" (ctx_info_endpoint) */
     const char *kv_transport;  /* "tcp" | "ucx" */
     const char *kv_pool_json;  /* the KV page table as JSON text (sent as disaggregated_params.pool) */
+    /* optional hooks (loop thread): once listening (host, bound port; before the port file is
+     * written; a non-KV_OK return stops http_serve with that status and the message in err),
+     * and when stopping begins (before requests are cancelled): etcd registration */
+    kv_status (*on_listening)(const char *host, int port, void *arg, char *err, size_t errlen);
+    void (*on_stopping)(void *arg);
+    void *hook_arg;
 };
 
 /* Serves until SIGINT/SIGTERM (or http_server_stop from another thread); returns KV_OK on a
@@ -41,5 +47,14 @@ struct http_config {
 kv_status http_serve(const struct http_config *cfg, engine_t *e, const model_t *m,
                      const tokenizer_t *t, char *err, size_t errlen);
 void http_server_stop(void);
+
+/* The prompt of a completions (chat false) or chat body as token ids, exactly as a worker with
+ * tokenizer t computes them (the router hashes these: kv_aware block hashes, conversation
+ * content keys). t may be NULL when the prompt is given as ids. *ids heap (caller frees);
+ * *cache_salt (may be NULL) gets a heap copy of the request's cache_salt or NULL.
+ * KV_EINVAL: the body is not a valid request, or a text prompt without a tokenizer (message
+ * in err); KV_ENOMEM. Thread-safe (t is read-only). */
+kv_status http_prompt_ids(const tokenizer_t *t, bool chat, const char *body, size_t len, int32_t **ids,
+                          size_t *n, char **cache_salt, char *err, size_t errlen);
 
 #endif

@@ -107,6 +107,14 @@ void oai_request_free(struct oai_request *r);
 void oai_engine_params(const struct oai_request *r, const int32_t *ids, size_t n_ids,
                        int max_model_len, struct engine_request_params *p);
 
+/* ---- prompt.c ---- */
+struct prefix_cache;
+/* The prompt of r as token ids, the worker's path (chat: template render with the null-content
+ * fallback; BOS once; pc = prefix token cache or NULL; pre-tokenized prompts copied). *ids
+ * heap. KV_EINVAL: the messages cannot be rendered (message in err); KV_ENOMEM. */
+kv_status oai_prompt_ids(const tokenizer_t *t, struct prefix_cache *pc, const struct oai_request *r,
+                         bool add_special, int32_t **ids, size_t *n, char *err, size_t errlen);
+
 /* ---- responses.c ---- */
 
 /* {"error":{"message","type","param","code"}} as a heap string (caller frees). */

@@ -29,6 +29,9 @@ json_t *kvapi_server_info(engine_t *e, const char *model_name) {
     json_object_set_new(o, "model", json_string(model_name ? model_name : ""));
     json_object_set_new(o, "tokens_per_block", json_integer(c->tokens_per_block));
     json_object_set_new(o, "hash_scheme", json_string(KV_HASH_SCHEME));
+    char kid[17];
+    engine_hash_key_id(e, kid);
+    json_object_set_new(o, "hash_key_id", json_string(kid));
     json_object_set_new(o, "worker_id", json_string(wid));
     json_object_set_new(o, "prefix_cache", json_boolean(s.prefix_cache_enabled));
     json_object_set_new(o, "host_cache_blocks", json_integer(s.kv_host_blocks_total));
@@ -72,13 +75,14 @@ kv_status kvapi_parse_query(const char *query, struct kvapi_query *q, char *err,
 }
 
 json_t *kvapi_event_json(const struct engine_kv_event *ev, const char *worker_id) {
-    static const char *const names[] = {"stored", "removed", "cleared"};
+    static const char *const names[] = {"stored", "removed", "cleared", "tier"};
     json_t *x = json_object();
     if (!x) return NULL;
     int bad = json_object_set_new(x, "seq", json_integer((json_int_t)ev->seq));
     bad |= json_object_set_new(x, "type", json_string(names[ev->type]));
     if (worker_id) bad |= json_object_set_new(x, "worker_id", json_string(worker_id));
     if (ev->type != ENGINE_KV_CLEARED) bad |= json_object_set_new(x, "block_hash", hex_hash(&ev->hash));
+    if (ev->type == ENGINE_KV_TIER) bad |= json_object_set_new(x, "tier", json_string(ev->host ? "host" : "device"));
     if (ev->type == ENGINE_KV_STORED) {
         bad |= json_object_set_new(x, "parent_hash", hex_hash(&ev->parent_hash));
         bad |= json_object_set_new(x, "parent_is_root", json_boolean(ev->parent_is_root));

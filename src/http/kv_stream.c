@@ -189,9 +189,11 @@ void kvstream_start(struct evhttp_request *req, bool has_after, uint64_t after) 
     kv_buf b;
     kv_buf_init(&b);
     kvapi_worker_id(srv.e, g_wid);
-    json_t *hello = json_pack("{s:s, s:s, s:i, s:s, s:I}", "type", "start", "worker_id", g_wid,
-                              "tokens_per_block", T, "hash_scheme", KV_HASH_SCHEME, "after",
-                              (json_int_t)after);
+    char kid[17];
+    engine_hash_key_id(srv.e, kid);
+    json_t *hello = json_pack("{s:s, s:s, s:i, s:s, s:s, s:I}", "type", "start", "worker_id", g_wid,
+                              "tokens_per_block", T, "hash_scheme", KV_HASH_SCHEME, "hash_key_id",
+                              kid, "after", (json_int_t)after);
     struct evbuffer *eb = evbuffer_new();
     if (!g_ev || !g_tok || !g_tick || !s || !eb || put_json(&b, hello)) {
         free(s);

@@ -99,6 +99,7 @@ static void begin_stop(void *arg) {
     (void)arg;
     if (srv.stopping) return;
     srv.stopping = true;
+    if (srv.cfg && srv.cfg->on_stopping) srv.cfg->on_stopping(srv.cfg->hook_arg);
     KV_INFO("http: stopping (%d live request(s) cancelled)", srv.n_live);
     gen_cancel_all();
     bool had_streams = srv.n_subs > 0;
@@ -170,6 +171,7 @@ kv_status http_serve(const struct http_config *cfg, engine_t *e, const model_t *
     int port = http_listener_port(srv.listener);
     if (wid && *wid) snprintf(srv.worker_id, sizeof srv.worker_id, "%s", wid);
     else snprintf(srv.worker_id, sizeof srv.worker_id, "%s:%d", host, port);
+    if (cfg->on_listening && (st = cfg->on_listening(host, port, cfg->hook_arg, err, errlen))) goto done;
     if (cfg->port_file && *cfg->port_file &&
         (st = http_write_port_file(cfg->port_file, port, err, errlen)))
         goto done;

@@ -195,6 +195,12 @@ static void emit_removed(kv_pool_t *p, int e) {
     p->ev_cb(&ev, p->ev_user);
 }
 
+static void emit_tier(kv_pool_t *p, int e, bool host) {
+    if (!p->ev_cb) return;
+    struct kv_pool_event ev = {.type = KV_POOL_EV_TIER, .hash = &p->hash[e], .host = host};
+    p->ev_cb(&ev, p->ev_user);
+}
+
 /* Drops an entry from the index (it must not be in an LRU list). */
 static void unindex(kv_pool_t *p, int e, bool event) {
     index_remove(p, e);
@@ -251,6 +257,7 @@ static int evict_one(kv_pool_t *p) {
         move_entry(p, b, e);
         lru_push(p, 1, e);
         p->st.offloads++;
+        emit_tier(p, e, true);
     } else {
         if (slot >= 0) p->host_free[p->n_host_free++] = slot;
         unindex(p, b, true);
@@ -372,6 +379,7 @@ int kv_pool_acquire(kv_pool_t *p, int e) {
     move_entry(p, e, b);
     p->host_free[p->n_host_free++] = slot; /* reusable: later copies run after this one */
     p->st.hits_host++;
+    emit_tier(p, b, false);
     return b;
 }
 

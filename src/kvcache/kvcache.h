@@ -94,7 +94,12 @@ void kv_pool_clear_copies(kv_pool_t *p);
 /* Checksum slot of a host entry (for debug round-trip checks by the copier). */
 uint64_t *kv_pool_host_checksum(kv_pool_t *p, int host_slot);
 
-enum kv_pool_event_type { KV_POOL_EV_STORED = 0, KV_POOL_EV_REMOVED, KV_POOL_EV_CLEARED };
+enum kv_pool_event_type {
+    KV_POOL_EV_STORED = 0,
+    KV_POOL_EV_REMOVED,
+    KV_POOL_EV_CLEARED,
+    KV_POOL_EV_TIER, /* a cached block moved between tiers (offloaded to host, or back) */
+};
 struct kv_pool_event {
     enum kv_pool_event_type type;
     const kv_hash *hash;        /* STORED / REMOVED */
@@ -102,9 +107,11 @@ struct kv_pool_event {
     bool parent_is_root;
     const int32_t *tokens;      /* STORED: (n_tokens) */
     int n_tokens;
+    bool host;                  /* TIER: now in the host tier (false: back on the device) */
 };
 /* Called synchronously from pool calls (stored: register; removed: an entry leaves every
- * tier; cleared: kv_pool_clear_cache). Event data is valid during the call. */
+ * tier; cleared: kv_pool_clear_cache; tier: an eviction offloaded the block to the host tier,
+ * or a hit brought it back to the device). Event data is valid during the call. */
 typedef void (*kv_pool_event_cb)(const struct kv_pool_event *ev, void *user);
 void kv_pool_set_event_cb(kv_pool_t *p, kv_pool_event_cb cb, void *user);
 

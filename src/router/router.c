@@ -34,6 +34,7 @@
 #include "upstream.h"
 
 #include "router_state.h"
+#include "kv_mirror.h"
 
 /* ------------------------------------------------------------------ helpers */
 
@@ -44,13 +45,67 @@ uint64_t rtq_new_id(struct router *r) {
     return x ? x : 1;
 }
 
+int rtq_place(struct rreq *q, int pool, int exclude) {
+    struct router *r = q->r;
+    struct rt_pool *p = &r->pools[pool];
+    struct rt_route rq = {q->conv_id, q->ckeys, q->n_ckeys, q->bh, q->n_blocks,
+                          r->cfg.tokens_per_block, q->tokens, kv_now_ns()};
+    enum rt_reason why;
+    long predicted;
+    int idx = rt_select(p, &rq, exclude, &why, &predicted);
+    if (idx < 0) return -1;
+    if (q->charged[pool] >= 0) rt_pool_release(p, q->charged[pool], q->tokens);
+    rt_pool_charge(p, idx, q->tokens);
+    q->charged[pool] = idx;
+    p->w[idx]->predicted_tokens += (uint64_t)predicted;
+    KV_DEBUG("router: request %llu -> %s worker %s (%s, %ld cached tokens predicted)",
+             (unsigned long long)q->id, p->role, p->w[idx]->url, rt_reason_name(why), predicted);
+    return idx;
+}
+
+void rtq_assign(struct rreq *q, int pool, int idx, enum rt_reason why) {
+    struct rt_pool *p = &q->r->pools[pool];
+    if (q->charged[pool] >= 0) rt_pool_release(p, q->charged[pool], q->tokens);
+    rt_pool_charge(p, idx, q->tokens);
+    q->charged[pool] = idx;
+    p->reasons[why]++;
+    if (pool == POOL_AGG) q->agg_idx = idx;
+    else if (pool == POOL_CTX) q->ctx_idx = idx;
+    else q->gen_idx = idx;
+}
+
+void rtq_release(struct rreq *q, int pool) {
+    if (q->charged[pool] < 0) return;
+    rt_pool_release(&q->r->pools[pool], q->charged[pool], q->tokens);
+    q->charged[pool] = -1;
+}
+
+/* Credits the cached_tokens a worker reported in a response or a usage chunk. */
+static void credit_reported(struct rreq *q, const char *p, size_t n) {
+    static const char pat[] = "\"cached_tokens\":";
+    if (!q->final_worker) return;
+    for (size_t i = 0; i + sizeof pat - 1 < n; i++) {
+        if (p[i] != '"' || memcmp(p + i, pat, sizeof pat - 1) != 0) continue;
+        size_t j = i + sizeof pat - 1;
+        while (j < n && p[j] == ' ') j++;
+        long v = 0;
+        while (j < n && p[j] >= '0' && p[j] <= '9') v = v * 10 + (p[j++] - '0');
+        q->final_worker->reported_tokens += (uint64_t)v;
+        q->final_worker = NULL; /* once per request */
+        return;
+    }
+}
+
 void rtq_count_outcome(struct rreq *q, enum outcome o) {
     if (q->counted) return;
     q->counted = true;
+    q->counted_ok = o == OUT_OK;
     q->r->requests[o]++;
 }
 
-static bool any_leg(const struct rreq *q) { return q->probe || q->info || q->ctx || q->final; }
+static bool any_leg(const struct rreq *q) {
+    return q->probe || q->info || q->ctx || q->final || q->sel_pending > 0;
+}
 
 static void unhook(struct rreq *q) {
     if (q->conn) evhttp_connection_set_closecb(q->conn, NULL, NULL);
@@ -69,6 +124,13 @@ void rtq_rreq_free(struct rreq *q) {
     else r->live = q->next;
     if (q->next) q->next->prev = q->prev;
     r->n_live--;
+    for (int i = 0; i < POOL_N; i++) {
+        upx_free(q->sel[i]);
+        rtq_release(q, i);
+    }
+    rt_coord_finish(q);
+    free(q->ckeys);
+    free(q->bh);
     if (q->kick) event_free(q->kick);
     json_decref(q->base);
     json_decref(q->gen_body);
@@ -85,6 +147,11 @@ void rtq_maybe_free(struct rreq *q) {
 
 /* Aborts every running leg (closing its connection). */
 static void abort_legs(struct rreq *q) {
+    for (int i = 0; i < POOL_N; i++) {
+        upx_free(q->sel[i]);
+        q->sel[i] = NULL;
+    }
+    q->sel_pending = 0;
     upx_free(q->probe);
     upx_free(q->info);
     upx_free(q->ctx);
@@ -93,8 +160,14 @@ static void abort_legs(struct rreq *q) {
 }
 
 /* Takes the client request out of q for a final reply. */
+static void worker_header(struct rreq *q, struct evhttp_request *req) {
+    if (req) evhttp_add_header(evhttp_request_get_output_headers(req), "X-Kvserve-Worker",
+                               q->served_by ? q->served_by : "none");
+}
+
 struct evhttp_request *rtq_take_req(struct rreq *q) {
     struct evhttp_request *req = q->req;
+    if (!q->headers_sent) worker_header(q, req);
     unhook(q);
     q->req = NULL;
     return req;
@@ -106,11 +179,11 @@ struct evhttp_request *rtq_take_req(struct rreq *q) {
  * restarted context worker listens on a new transfer port): ask /server_info again next time. */
 static void forget_ctx_endpoint(struct rreq *q) {
     struct router *r = q->r;
-    if (r->cfg.style != ROUTER_GENERATION_FIRST || r->ctx.n == 0 || q->ctx_idx < 0 ||
-        q->ctx_idx >= r->ctx.n || !r->ctx_endpoint[q->ctx_idx])
+    if (r->cfg.style != ROUTER_GENERATION_FIRST || R_CTX(r)->n == 0 || q->ctx_idx < 0 ||
+        q->ctx_idx >= R_CTX(r)->n || !R_CTX(r)->w[q->ctx_idx]->ctx_endpoint)
         return;
-    free(r->ctx_endpoint[q->ctx_idx]);
-    r->ctx_endpoint[q->ctx_idx] = NULL;
+    free(R_CTX(r)->w[q->ctx_idx]->ctx_endpoint);
+    R_CTX(r)->w[q->ctx_idx]->ctx_endpoint = NULL;
 }
 
 void rtq_fail_client(struct rreq *q, int status, const char *type, const char *code,
@@ -261,6 +334,7 @@ static void send_chunk(struct rreq *q, const char *p, size_t n) {
         http_reply_count(&q->r->reply, 200);
         http_reply_headers(&q->r->reply, q->req, "text/event-stream");
         evhttp_add_header(evhttp_request_get_output_headers(q->req), "Cache-Control", "no-cache");
+        worker_header(q, q->req);
         evhttp_send_reply_start(q->req, 200, "OK");
         q->headers_sent = true;
     }
@@ -281,7 +355,7 @@ struct upx *rtq_leg_send(struct rreq *q, const struct rt_pool *pool, int idx, co
                             const json_t *body, upx_done_fn done, int kind) {
     struct router *r = q->r;
     char url[2048];
-    snprintf(url, sizeof url, "%s%s", pool->urls[idx], path);
+    snprintf(url, sizeof url, "%s%s", pool->w[idx]->url, path);
     char *s = body ? json_dumps(body, JSON_COMPACT) : NULL;
     if (body && !s) return NULL;
     struct upx *u = upx_start(&r->up, url, s, s ? strlen(s) : 0, r->cfg.timeout_s, q);
@@ -306,6 +380,7 @@ static size_t on_relay_data(struct upx *u, const char *p, size_t n) {
     size_t k = rt_sse_complete(q->sse.data, q->sse.len);
     if (k > 0) {
         if (rt_sse_has_done(q->sse.data, k)) q->saw_done = true;
+        credit_reported(q, q->sse.data, k);
         send_chunk(q, q->sse.data, k);
         memmove(q->sse.data, q->sse.data + k, q->sse.len - k);
         q->sse.len -= k;
@@ -313,14 +388,25 @@ static size_t on_relay_data(struct upx *u, const char *p, size_t n) {
     return n;
 }
 
-static const struct rt_pool *pool_of(struct router *r, enum rt_leg_kind k) {
-    return k == RT_LEG_CONTEXT ? &r->ctx : k == RT_LEG_GENERATION ? &r->gen : &r->agg;
+/* The pool a leg kind draws from (a plain leg: the aggregated pool, or the generation pool
+ * when it prefills locally). */
+static int pool_id_of(struct rreq *q, enum rt_leg_kind k) {
+    struct router *r = q->r;
+    if (k == RT_LEG_CONTEXT) return POOL_CTX;
+    if (k == RT_LEG_GENERATION || R_AGG(r)->n == 0 || (R_CTX(r)->n && R_GEN(r)->n)) return POOL_GEN;
+    return POOL_AGG;
+}
+static const struct rt_pool *pool_of(struct rreq *q, enum rt_leg_kind k) {
+    return &q->r->pools[pool_id_of(q, k)];
 }
 
 /* Sends the relayed leg (kind generation or plain) to pool worker idx with body. */
 void rtq_send_final(struct rreq *q, enum rt_leg_kind kind, const struct rt_pool *pool, int idx,
                        const json_t *body) {
     q->final_kind = kind;
+    q->served_by = pool->w[idx]->url;
+    q->final_worker = pool->w[idx];
+    q->final_pool = (int)(pool - q->r->pools);
     q->final = rtq_leg_send(q, pool, idx, q->path, body, on_final_done, kind);
     if (!q->final) {
         rtq_fail_client(q, 500, "server_error", NULL, "out of memory", OUT_UPSTREAM_ERROR);
@@ -361,6 +447,7 @@ static void on_final_done(struct upx *u, const struct rt_outcome *o, CURLcode rc
             return;
         }
         rtq_count_outcome(q, OUT_OK);
+        credit_reported(q, u->resp.data ? u->resp.data : "", u->resp.len);
         struct evhttp_request *req = rtq_take_req(q);
         http_reply_body(&r->reply, req, (int)o->http_status,
                         u->ctype[0] ? u->ctype : "application/json", u->resp.data, u->resp.len);
@@ -374,11 +461,14 @@ static void on_final_done(struct upx *u, const struct rt_outcome *o, CURLcode rc
     if (rt_should_retry(k, o, &r->pol, q->retries[k], streamed)) {
         q->retries[k]++;
         count_retry(r, k, o);
-        const struct rt_pool *pool = pool_of(r, k);
-        int idx = rt_pool_pick((struct rt_pool *)pool, u->worker);
+        int pid = pool_id_of(q, k);
+        const struct rt_pool *pool = &r->pools[pid];
+        int idx = rtq_place(q, pid, u->worker); /* the policy again, without the failed worker */
+        if (idx < 0) idx = u->worker;
         KV_WARN("router: %s leg of %llu failed on %s (%s, %s); retry %d on %s", rt_leg_name(k),
-                (unsigned long long)q->id, pool->urls[u->worker], rtq_curl_reason(u, rc),
-                rt_delivery_name(d), q->retries[k], pool->urls[idx]);
+                (unsigned long long)q->id, pool->w[u->worker]->url, rtq_curl_reason(u, rc),
+                rt_delivery_name(d), q->retries[k], pool->w[idx]->url);
+        if (k == RT_LEG_GENERATION) q->gen_idx = idx;
         upx_free(u);
         q->final = NULL;
         if (k == RT_LEG_GENERATION && q->gen_body) rtq_send_final(q, k, pool, idx, q->gen_body);
@@ -392,7 +482,7 @@ static void on_final_done(struct upx *u, const struct rt_outcome *o, CURLcode rc
     }
     char msg[700];
     snprintf(msg, sizeof msg, "%s leg failed on %s: %s (%s)", rt_leg_name(k),
-             pool_of(r, k)->urls[u->worker], rtq_curl_reason(u, rc), rt_delivery_name(d));
+             pool_of(q, k)->w[u->worker]->url, rtq_curl_reason(u, rc), rt_delivery_name(d));
     KV_WARN("router: request %llu: %s", (unsigned long long)q->id, msg);
     int status = rc == CURLE_OPERATION_TIMEDOUT ? 504 : 502;
     upx_free(u);
@@ -405,7 +495,7 @@ static void send_context(struct rreq *q) {
     struct router *r = q->r;
     const char *style = r->cfg.style == ROUTER_GENERATION_FIRST ? "generation_first" : "context_first";
     json_t *body = rt_context_leg(q->base, q->id, style, q->conv_id);
-    q->ctx = body ? rtq_leg_send(q, &r->ctx, q->ctx_idx, q->path, body, on_ctx_done, RT_LEG_CONTEXT) : NULL;
+    q->ctx = body ? rtq_leg_send(q, R_CTX(r), q->ctx_idx, q->path, body, on_ctx_done, RT_LEG_CONTEXT) : NULL;
     json_decref(body);
     if (!q->ctx) {
         rtq_fail_client(q, 500, "server_error", NULL, "out of memory", OUT_UPSTREAM_ERROR);
@@ -446,6 +536,7 @@ static void on_ctx_done(struct upx *u, const struct rt_outcome *o, CURLcode rc) 
     struct rreq *q = u->owner;
     struct router *r = q->r;
     q->ctx = NULL;
+    if (r->cfg.style == ROUTER_CONTEXT_FIRST) rtq_release(q, POOL_CTX); /* its part is done */
     if (q->client_gone || !q->req) {
         upx_free(u);
         rtq_maybe_free(q);
@@ -460,10 +551,11 @@ static void on_ctx_done(struct upx *u, const struct rt_outcome *o, CURLcode rc) 
         if (rt_should_retry(pk, o, &r->pol, q->retries[RT_LEG_CONTEXT], false)) {
             q->retries[RT_LEG_CONTEXT]++;
             count_retry(r, RT_LEG_CONTEXT, o);
-            int idx = rt_pool_pick(&r->ctx, u->worker);
+            int idx = gen_first ? q->ctx_idx : rtq_place(q, POOL_CTX, u->worker);
+            if (idx < 0) idx = u->worker;
             KV_WARN("router: context leg of %llu failed on %s (%s, %s); retry %d on %s",
-                    (unsigned long long)q->id, r->ctx.urls[u->worker], rtq_curl_reason(u, rc),
-                    rt_delivery_name(d), q->retries[RT_LEG_CONTEXT], r->ctx.urls[idx]);
+                    (unsigned long long)q->id, R_CTX(r)->w[u->worker]->url, rtq_curl_reason(u, rc),
+                    rt_delivery_name(d), q->retries[RT_LEG_CONTEXT], R_CTX(r)->w[idx]->url);
             upx_free(u);
             if (gen_first && idx != q->ctx_idx) idx = q->ctx_idx; /* its endpoint is in the gen leg */
             q->ctx_idx = idx;
@@ -477,7 +569,7 @@ static void on_ctx_done(struct upx *u, const struct rt_outcome *o, CURLcode rc) 
             return;
         }
         char msg[700];
-        snprintf(msg, sizeof msg, "context leg failed on %s: %s (%s)", r->ctx.urls[u->worker],
+        snprintf(msg, sizeof msg, "context leg failed on %s: %s (%s)", R_CTX(r)->w[u->worker]->url,
                  rtq_curl_reason(u, rc), rt_delivery_name(d));
         KV_WARN("router: request %llu: %s", (unsigned long long)q->id, msg);
         int status = rc == CURLE_OPERATION_TIMEDOUT ? 504 : 502;
@@ -505,6 +597,7 @@ static void on_ctx_done(struct upx *u, const struct rt_outcome *o, CURLcode rc) 
         return;
     }
     if (rt_context_finished(resp, q->base)) {
+        q->served_by = R_CTX(r)->w[q->ctx_idx]->url;
         ctx_answer_finished(q, resp);
         json_decref(resp);
         rtq_maybe_free(q);
@@ -516,7 +609,7 @@ static void on_ctx_done(struct upx *u, const struct rt_outcome *o, CURLcode rc) 
         rtq_fail_client(q, 500, "server_error", NULL, "out of memory", OUT_UPSTREAM_ERROR);
         return;
     }
-    rtq_send_final(q, RT_LEG_GENERATION, &r->gen, q->gen_idx, q->gen_body);
+    rtq_send_final(q, RT_LEG_GENERATION, R_GEN(r), q->gen_idx, q->gen_body);
 }
 
 static void on_probe_done(struct upx *u, const struct rt_outcome *o, CURLcode rc) {
@@ -535,12 +628,12 @@ static void on_probe_done(struct upx *u, const struct rt_outcome *o, CURLcode rc
         json_decref(j);
     } else {
         KV_DEBUG("router: /kv_probe on %s failed (%s, HTTP %ld): disaggregated flow",
-                 r->gen.urls[u->worker], rtq_curl_reason(u, rc), o->http_status);
+                 R_GEN(r)->w[u->worker]->url, rtq_curl_reason(u, rc), o->http_status);
     }
     upx_free(u);
     if (local) {
         r->local_prefills++;
-        rtq_send_final(q, RT_LEG_PLAIN, &r->gen, q->gen_idx, q->base);
+        rtq_send_final(q, RT_LEG_PLAIN, R_GEN(r), q->gen_idx, q->base);
         return;
     }
     send_context(q);
@@ -549,7 +642,7 @@ static void on_probe_done(struct upx *u, const struct rt_outcome *o, CURLcode rc
 void rtq_start_context(struct rreq *q) {
     struct router *r = q->r;
     if (r->cfg.max_local_prefill_tokens >= 0) {
-        q->probe = rtq_leg_send(q, &r->gen, q->gen_idx, "/kv_probe", q->base, on_probe_done, UPX_PROBE);
+        q->probe = rtq_leg_send(q, R_GEN(r), q->gen_idx, "/kv_probe", q->base, on_probe_done, UPX_PROBE);
         if (q->probe) return;
     }
     send_context(q);
@@ -559,12 +652,12 @@ void rtq_start_context(struct rreq *q) {
 
 void rtq_start_gen_first(struct rreq *q) {
     struct router *r = q->r;
-    q->gen_body = rt_generation_first_leg(q->base, q->id, r->ctx_endpoint[q->ctx_idx], q->conv_id);
+    q->gen_body = rt_generation_first_leg(q->base, q->id, R_CTX(r)->w[q->ctx_idx]->ctx_endpoint, q->conv_id);
     if (!q->gen_body) {
         rtq_fail_client(q, 500, "server_error", NULL, "out of memory", OUT_UPSTREAM_ERROR);
         return;
     }
-    rtq_send_final(q, RT_LEG_GENERATION, &r->gen, q->gen_idx, q->gen_body);
+    rtq_send_final(q, RT_LEG_GENERATION, R_GEN(r), q->gen_idx, q->gen_body);
     if (q->final) send_context(q);
 }
 
@@ -586,7 +679,7 @@ void rtq_on_info_done(struct upx *u, const struct rt_outcome *o, CURLcode rc) {
     if (!ep) {
         char msg[600];
         snprintf(msg, sizeof msg, "cannot get ctx_info_endpoint from %s/server_info: %s",
-                 r->ctx.urls[u->worker],
+                 R_CTX(r)->w[u->worker]->url,
                  o->http_status >= 200 && o->http_status < 300 ? "no disaggregated_params.ctx_info_endpoint"
                                                                  : rtq_curl_reason(u, rc));
         json_decref(j);
@@ -595,11 +688,11 @@ void rtq_on_info_done(struct upx *u, const struct rt_outcome *o, CURLcode rc) {
         rtq_fail_client(q, 502, "server_error", NULL, msg, OUT_UPSTREAM_ERROR);
         return;
     }
-    free(r->ctx_endpoint[u->worker]);
-    r->ctx_endpoint[u->worker] = strdup(ep);
+    free(R_CTX(r)->w[u->worker]->ctx_endpoint);
+    R_CTX(r)->w[u->worker]->ctx_endpoint = strdup(ep);
     json_decref(j);
     upx_free(u);
-    if (!r->ctx_endpoint[q->ctx_idx]) {
+    if (!R_CTX(r)->w[q->ctx_idx]->ctx_endpoint) {
         rtq_fail_client(q, 500, "server_error", NULL, "out of memory", OUT_UPSTREAM_ERROR);
         return;
     }

@@ -17,6 +17,8 @@
 #include "../base/base.h"
 
 enum router_style { ROUTER_CONTEXT_FIRST = 0, ROUTER_GENERATION_FIRST };
+/* Placement policies (docs/routing.md); the values equal router_internal.h's rt_policy_kind. */
+enum router_policy { ROUTER_ROUND_ROBIN = 0, ROUTER_LEAST_LOADED, ROUTER_KV_AWARE, ROUTER_CONVERSATION };
 
 struct router_config {
     const char *host;           /* default 127.0.0.1 */
@@ -33,6 +35,22 @@ struct router_config {
     long max_local_prefill_tokens; /* < 0 = conditional disaggregation off */
     double timeout_s;           /* per upstream leg, 0 = none (default 180) */
     size_t max_body_bytes;      /* client bodies; default 16 MiB */
+    /* placement (docs/routing.md); applied to the aggregated pool and to each role */
+    enum router_policy policy;  /* default round robin */
+    bool load_tokens;           /* --load-metric tokens (default requests) */
+    int min_match_blocks;       /* conversation: --new-conversation-min-match-blocks (32; 0 = off) */
+    int max_conversations;      /* conversation history (100000) */
+    int max_conversation_keys;  /* content keys kept per conversation (512) */
+    int tokens_per_block;       /* the workers' block size (16); checked against kv_aware workers */
+    const char *hash_key_file;  /* the workers' --hash-key-file (kv_aware: required; conversation:
+                                   optional, else a random key per router) */
+    const char *tokenizer;      /* GGUF / tokenizer.json of the served model, or NULL */
+    double predicted_prefix_ttl_s; /* kv_aware in-flight awareness window (5 s; 0 = off) */
+    int kv_balance_threshold;   /* kv_aware BUG-14 guard: legs beyond the least loaded (32; 0 = off) */
+    double health_interval_s;   /* GET /health period (1 s; 0 = off) */
+    const char *etcd;           /* etcd base URL (v3 JSON gateway): discover workers, or NULL */
+    const char *etcd_prefix;    /* default ETCD_DEFAULT_PREFIX "kvserve/workers/" */
+    const char *coordinator;    /* another router's base URL: place through its /select, or NULL */
 };
 
 /* Serves until SIGINT/SIGTERM. Returns KV_OK on a clean stop; KV_EINVAL for a bad config,

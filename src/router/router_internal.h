@@ -13,16 +13,117 @@
 
 #include "../base/base.h"
 
-/* ---- policy.c ---- */
+/* ---- policy.c: workers, pools and the placement policies ---- */
 
-/* A round-robin pool of worker base URLs (spec §1.1 RoundRobin). urls borrowed. */
-struct rt_pool {
-    const char *const *urls;
-    int n;
-    unsigned next;
+enum rt_policy_kind { RT_POLICY_ROUND_ROBIN = 0, RT_POLICY_LEAST_LOADED, RT_POLICY_KV_AWARE, RT_POLICY_CONVERSATION };
+enum rt_load_metric { RT_LOAD_REQUESTS = 0, RT_LOAD_TOKENS };
+/* Why a worker was chosen (metrics: kvserve_router_placements_total{role,reason}). */
+enum rt_reason {
+    RT_WHY_ROUND_ROBIN = 0, /* round_robin policy, or a retry moved to the next worker */
+    RT_WHY_LOAD,            /* least loaded (ties round robin) */
+    RT_WHY_STICKY,          /* a known conversation_id stayed on its worker */
+    RT_WHY_CONTENT,         /* a new conversation followed the longest shared content prefix */
+    RT_WHY_KV,              /* kv_aware: the best overlap-minus-load score from mirrored blocks */
+    RT_WHY_PREDICTED,       /* kv_aware: a prefix the router just sent there (not yet reported) */
+    RT_WHY_N
 };
-/* The next index; if it equals exclude (>= 0) and n > 1 the one after. -1 when n == 0. */
+const char *rt_reason_name(enum rt_reason r);
+const char *rt_policy_name(enum rt_policy_kind k);
+
+struct kv_mirror; /* kv_mirror.h */
+
+/* One worker of a pool. Workers are never removed from their pool (indices stay valid for
+ * legs in flight): one that leaves (etcd lease gone) is marked !present, one that fails two
+ * health checks in a row !healthy, one whose block hashing differs from the router's refused.
+ * Only live workers (rt_worker_live) are chosen. Loop thread only. */
+struct rt_worker {
+    char *url;               /* owned: base URL "http://host:port" */
+    bool present;            /* configured, or registered in etcd */
+    bool healthy;            /* false after 2 failed health checks in a row, until one passes */
+    bool refused;            /* tokens_per_block / hash scheme / hash key differ (kv_aware) */
+    int health_fails;        /* consecutive failed health checks */
+    bool health_busy;        /* a health check is in flight */
+    long active;             /* legs in flight (requests load) */
+    long tokens;             /* prompt tokens of the legs in flight (tokens load) */
+    uint64_t requests;       /* legs sent */
+    uint64_t predicted_tokens, reported_tokens; /* cached prompt tokens: router's guess, worker's usage */
+    char *ctx_endpoint;      /* owned: cached ctx_info_endpoint (context workers), or NULL */
+    struct kv_mirror *mirror; /* kv_aware: the worker's cached blocks (owned), or NULL */
+    void *watch;             /* the router's /kv_events stream state (workers.c), or NULL */
+    struct upx *health_u;    /* the health check in flight, or NULL */
+    char why_refused[400];
+    bool why_refused_final;  /* refused for a mismatch (not merely "stream not started yet") */
+    bool fail_legs;          /* it left: the router fails the legs in flight on it (next tick) */
+    char why_left[400];
+};
+static inline bool rt_worker_live(const struct rt_worker *w) {
+    return w->present && w->healthy && !w->refused;
+}
+
+typedef struct conv_index conv_index_t;
+struct rt_predict;
+
+/* A pool of workers of one role (aggregated, context or generation) and its policy. */
+struct rt_pool {
+    const char *role;        /* "aggregated" | "context" | "generation" (static) */
+    struct rt_worker **w;    /* (n) owned */
+    int n, cap;
+    unsigned next;           /* round-robin cursor */
+    enum rt_policy_kind policy;
+    enum rt_load_metric metric;
+    int min_match_keys;      /* conversation: --new-conversation-min-match-blocks / 8, rounded up; 0 = off */
+    conv_index_t *conv;      /* conversation policy state (owned) or NULL */
+    struct rt_predict *pred; /* kv_aware in-flight predictions (owned) or NULL */
+    int max_batch;           /* kv_aware: load normaliser (spec §1.1 max_batch_size, 64) */
+    int balance;             /* kv_aware: --kv-balance-threshold (legs beyond the least loaded; 0 = off) */
+    uint64_t implicit_ids;   /* counter of implicit conversation ids */
+    uint64_t reasons[RT_WHY_N];
+};
+
+/* Adds url (copied) or revives the worker that has it (present = true). Returns its index or
+ * -1 on ENOMEM. A new worker starts healthy with load 0. */
+int rt_pool_add(struct rt_pool *p, const char *url);
+/* Index of the worker with url, or -1. */
+int rt_pool_find(const struct rt_pool *p, const char *url);
+/* Frees the workers (not their mirrors: the caller stops those first) and the policy state. */
+void rt_pool_free(struct rt_pool *p);
+int rt_pool_n_live(const struct rt_pool *p);
+/* Round robin over live workers (spec §1.1 RoundRobin): the next live index; if it equals
+ * exclude (>= 0) and another live worker exists, the one after. -1 when none is live. */
 int rt_pool_pick(struct rt_pool *p, int exclude);
+/* Least loaded live worker other than exclude (spec §1.0): minimum of the pool's metric, ties
+ * round robin (tied[next % n_tied], next++). With only the excluded worker live it is
+ * returned (a single worker is retried on itself). -1 when none is live. */
+int rt_pool_least_loaded(struct rt_pool *p, int exclude);
+long rt_pool_load(const struct rt_pool *p, int idx);
+/* Load bookkeeping of one leg: +1 request / +tokens at placement, the same back at its end. */
+void rt_pool_charge(struct rt_pool *p, int idx, long tokens);
+void rt_pool_release(struct rt_pool *p, int idx, long tokens);
+/* A worker left the pool (dead, lease gone, refused): its conversations are forgotten. */
+void rt_pool_worker_gone(struct rt_pool *p, int idx);
+
+/* What the policies see of one request. */
+struct rt_route {
+    const char *conv_id;     /* explicit conversation id (request field / X-Conversation-Id) or NULL */
+    const uint64_t *ckeys;   /* (n_ckeys) content keys (conversation policy), first 8 bytes each */
+    int n_ckeys;
+    const uint64_t *bh;      /* (n_blocks) block hashes of the prompt's full blocks (kv_aware) */
+    int n_blocks;
+    int tokens_per_block;
+    long tokens;             /* prompt tokens (or an estimate) */
+    uint64_t now_ns;
+};
+
+/* Places one request in pool p (not exclude, when another worker is live) by the pool's
+ * policy; records the placement in the policy state (conversation pin, kv prediction) and
+ * counts the reason. *predicted = cached prompt tokens the router expects there (0 if it has
+ * no idea). -1 when no worker is live. KV_ENOMEM inside the policy state degrades to a
+ * least-loaded choice (never fails a request). */
+int rt_select(struct rt_pool *p, const struct rt_route *rq, int exclude, enum rt_reason *why,
+              long *predicted);
+/* Coordinator path (spec §1.3): may an id-only request be placed without content? True when
+ * the id is routable (tracked, worker live, not exclude) or content placement is off. */
+bool rt_conv_routable(struct rt_pool *p, const char *conv_id, int exclude);
 
 /* What libcurl told us about one finished upstream attempt. */
 struct rt_outcome {

@@ -8,14 +8,26 @@
 #include <event2/event.h>
 #include <event2/http.h>
 
+#include "hash/hash.h"
 #include "http/listener.h"
 #include "router.h"
+#include "tokenizer/tokenizer.h"
 #include "upstream.h"
 
 #define RELAY_HIGH ((size_t)256 << 10) /* pause the upstream above this many unsent bytes */
 #define SSE_MAX ((size_t)16 << 20)     /* one upstream event may not exceed this */
 
-enum { UPX_PROBE = 10, UPX_INFO = 11, UPX_MODELS = 12 };
+enum { UPX_PROBE = 10, UPX_INFO = 11, UPX_MODELS = 12, UPX_HEALTH = 13, UPX_EVENTS = 14, UPX_ETCD = 15,
+       UPX_COORD_FINISH = 16, UPX_COORD_SELECT_BASE = 300 /* + pool */ };
+enum { POOL_AGG = 0, POOL_CTX = 1, POOL_GEN = 2, POOL_N = 3 };
+
+/* A coordinator reservation (POST /select -> POST /finish). */
+struct rt_reservation {
+    struct rt_reservation *next;
+    char *req_id;      /* owned */
+    int pool, idx;
+    long tokens;
+};
 enum outcome { OUT_OK = 0, OUT_CLIENT_ERROR, OUT_UPSTREAM_ERROR, OUT_CANCELLED, OUT_N };
 
 struct router {
@@ -26,9 +38,17 @@ struct router {
     struct http_reply_ctx reply;
     char self_id[300];
     struct upstream up;
-    struct rt_pool ctx, gen, agg;
+    struct rt_pool pools[POOL_N]; /* aggregated, context, generation */
     struct rt_retry_policy pol;
-    char **ctx_endpoint;  /* per context worker: cached ctx_info_endpoint (heap) or NULL */
+    tokenizer_t *tok;     /* --tokenizer, or NULL */
+    kv_hash_key key;      /* --hash-key-file (or random) */
+    char key_id[17];      /* kv_hash_key_id(key) */
+    struct event *health; /* health-check timer */
+    struct rt_reservation *resv;
+    struct etcd_watch *etcd; /* discovery_etcd.c, or NULL */
+    struct upx **coord_fin;  /* coordinator /finish transfers in flight (coord_client.c) */
+    int n_coord_fin, cap_coord_fin;
+    uint64_t coord_placements, coord_errors;
     struct rreq *live;
     int n_live;
     struct event *tick;   /* peeks quiet client connections for EOF */
@@ -40,7 +60,11 @@ struct router {
     uint64_t context_legs, generation_legs, plain_legs, local_prefills;
     uint64_t retries[3][3];   /* [leg kind][delivery class] */
     uint64_t upstream_errors[3];
+    uint64_t health_failures, workers_refused, worker_left_failures;
 };
+#define R_AGG(r) (&(r)->pools[POOL_AGG])
+#define R_CTX(r) (&(r)->pools[POOL_CTX])
+#define R_GEN(r) (&(r)->pools[POOL_GEN])
 
 struct rreq {
     struct router *r;
@@ -48,13 +72,26 @@ struct rreq {
     struct evhttp_request *req;     /* NULL once answered or gone */
     struct evhttp_connection *conn; /* NULL once closed or unhooked */
     struct event *kick;             /* deferred cancel after a client close */
-    bool client_gone, headers_sent, saw_done, ctx_ok, counted;
+    bool client_gone, headers_sent, saw_done, ctx_ok, counted, counted_ok;
     bool chat, stream, include_usage;
     const char *path;
     json_t *base;                   /* the client body without disaggregated_params */
     char *conv_id;
     uint64_t id;
-    int gen_idx, ctx_idx;
+    int gen_idx, ctx_idx, agg_idx;
+    /* placement: the worker each pool charged for this request (-1 none) */
+    int charged[POOL_N];
+    long tokens;                    /* prompt tokens (or an estimate), the tokens load */
+    uint64_t *ckeys;                /* (n_ckeys) content keys, heap */
+    int n_ckeys;
+    uint64_t *bh;                   /* (n_blocks) block hashes of the full prompt blocks, heap */
+    int n_blocks;
+    const char *served_by;          /* URL of the worker whose answer the client gets (borrowed) */
+    struct rt_worker *final_worker; /* reported cached tokens are credited to it */
+    int final_pool;                 /* the pool of the final leg's worker */
+    struct upx *sel[POOL_N];        /* coordinator /select in flight per pool */
+    int sel_pending;
+    bool coord[POOL_N];             /* the coordinator reserved for this request (finish owed) */
     int retries[3];                 /* per leg kind */
     json_t *gen_body;               /* the generation leg's body (kept across retries) */
     struct upx *probe, *info, *ctx, *final;
@@ -62,6 +99,43 @@ struct rreq {
     kv_buf sse;                     /* upstream bytes of an incomplete SSE event */
     uint64_t last_peek_ns;
 };
+
+/* ---- router.c: placement ---- */
+/* Places q in pools[pool] by its policy (not exclude when another worker is live), moving
+ * q's load charge there. -1 when no worker of the pool is live. */
+int rtq_place(struct rreq *q, int pool, int exclude);
+/* Gives back q's load charge in pools[pool] (no-op when none). */
+void rtq_release(struct rreq *q, int pool);
+/* Sets q's worker in pools[pool] to idx (chosen elsewhere: the coordinator), moving its load
+ * charge and counting the reason. */
+void rtq_assign(struct rreq *q, int pool, int idx, enum rt_reason why);
+/* routes.c: the legs of q once placed (pools whose index is still -1 are placed locally). */
+void rtq_dispatch(struct rreq *q);
+
+/* ---- coord_client.c: placement through a coordinator (--coordinator) ---- */
+/* Starts q's /select calls; true when some are in flight (rtq_dispatch follows their answers). */
+bool rt_coord_select(struct rreq *q);
+/* Sends /finish for every reservation q holds (fire and forget). */
+void rt_coord_finish(struct rreq *q);
+void rt_coord_stop(struct router *r);
+
+/* ---- routes.c ---- */
+/* Fills q's routing inputs (prompt tokens, content keys, block hashes) from the client body,
+ * as far as the pools' policies need them. Never fails a request (ENOMEM = no keys). */
+void rtq_route_inputs(struct rreq *q, const char *body, size_t len);
+
+/* ---- workers.c: health checks, /kv_events mirrors, coordinator, worker metrics ---- */
+kv_status rt_workers_start(struct router *r, char *err, size_t errlen);
+void rt_workers_stop(struct router *r);
+/* A worker joined (discovery) or was configured: starts its mirror when kv_aware. */
+void rt_worker_joined(struct router *r, int pool, int idx);
+/* A worker left (lease gone, dead, refused): forgets its conversations and predictions and
+ * fails the legs in flight on it within the next maintenance tick (100 ms; safe to call from
+ * inside a libcurl callback). */
+void rt_worker_left(struct router *r, int pool, int idx, const char *why);
+void rt_handle_select(struct router *r, struct evhttp_request *req);
+void rt_handle_finish(struct router *r, struct evhttp_request *req);
+kv_status rt_workers_metrics(struct router *r, kv_buf *b);
 
 /* ---- router.c: request lifetime, client side, legs, the two flows (routes.c calls these) ---- */
 void rtq_client_gone(struct rreq *q);

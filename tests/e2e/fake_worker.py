@@ -75,7 +75,8 @@ class Handler(BaseHTTPRequestHandler):
                 self._send(200, {"requests": STATE["requests"], "events": STATE["events"],
                                  "written": STATE["written"]})
             return
-        record("requests", {"path": self.path, "method": "GET"})
+        if self.path != "/health":  # the router polls it (health checks)
+            record("requests", {"path": self.path, "method": "GET"})
         if self.path == "/server_info":
             info = {"role": ARGS.role, "tokens_per_block": 16, "model": "fake", "worker_id": ARGS.name}
             if ARGS.role == "context":

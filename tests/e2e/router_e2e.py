@@ -14,33 +14,14 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from e2e_util import read_port, wait_for  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 BIN = os.environ.get("KVSERVE_BIN", os.path.join(HERE, "../../build/kvserve"))
 TMP = tempfile.mkdtemp(prefix="kvserve-router-e2e-")
 PROCS = []
 FAILS = []
-
-
-def wait_for(cond, limit=10.0, what="condition"):
-    end = time.time() + limit
-    while time.time() < end:
-        v = cond()
-        if v:
-            return v
-        time.sleep(0.02)
-    raise AssertionError("timed out waiting for " + what)
-
-
-def read_port(path, proc, limit=10.0):
-    def ok():
-        if proc.poll() is not None:
-            raise AssertionError("process exited early: rc %s" % proc.returncode)
-        try:
-            with open(path) as f:
-                return int(f.read().strip())
-        except (OSError, ValueError):
-            return None
-    return wait_for(ok, limit, "port file " + path)
 
 
 def start_fake(name, role):
@@ -278,6 +259,36 @@ def round_robin_and_aggregated():
             assert r.post("/v1/completions", {"prompt": "p"})[0] == 200
         assert len(legs(W["gen0"], "/v1/completions")) == 2
         assert len(legs(W["gen1"], "/v1/completions")) == 2
+    finally:
+        r.stop()
+
+
+@case("flows")
+def policy_per_role():
+    """--policy applies inside each role of a disaggregated pool: a conversation's generation
+    legs stay on one generation worker (the header names it), two conversations spread."""
+    reset()
+    r = Router(["--context", W["ctx0"], "--generation", W["gen0"], W["gen1"], "--policy", "conversation"])
+    try:
+        seen = {}
+        for i in range(6):
+            conv = "ab"[i % 2]
+            c = r.conn()
+            c.request("POST", "/v1/completions", json.dumps({"prompt": "p", "conversation_id": conv}),
+                      {"Content-Type": "application/json"})
+            resp = c.getresponse()
+            resp.read()
+            c.close()
+            assert resp.status == 200, resp.status
+            w = resp.getheader("X-Kvserve-Worker")
+            assert w in (W["gen0"], W["gen1"]), w
+            seen.setdefault(conv, set()).add(w)
+        assert len(seen["a"]) == 1 and len(seen["b"]) == 1 and seen["a"] != seen["b"], seen
+        gl = legs(W[[k for k in ("gen0", "gen1") if W[k] in seen["a"]][0]], "/v1/completions")
+        assert len(gl) == 3 and all(g["body"]["disaggregated_params"]["conversation_id"] == "a" for g in gl)
+        m = r.get("/metrics")[1].decode()
+        assert 'kvserve_router_placements_total{role="generation",reason="sticky"} 4' in m, m
+        assert 'kvserve_router_placements_total{role="context",reason="sticky"} 4' in m, m
     finally:
         r.stop()
 

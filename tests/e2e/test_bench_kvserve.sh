@@ -76,7 +76,13 @@ echo "ok: 60 requests reported, TTFT <= E2E, tokens == usage; cached ratio $(jq 
 # --compare a run with itself: ratios 1
 "$bin" bench --compare "$j" "$j" > "$tmp/cmp.txt"
 grep -q "^TTFT p50 ms .* 1.000$" "$tmp/cmp.txt" || { cat "$tmp/cmp.txt"; fail "--compare"; }
+# three files: one column each, ratios against the first; --plot draws the comparison
+"$bin" bench --compare "$j" "$j" "$j" > "$tmp/cmp3.txt"
+grep -q "^req/s .* 1.000 *1.000$" "$tmp/cmp3.txt" || { cat "$tmp/cmp3.txt"; fail "--compare of 3 files"; }
+"$bin" bench --compare "$j" 2>/dev/null && fail "--compare of one file accepted"
 if command -v gnuplot >/dev/null; then
+  "$bin" bench --compare "$j" "$j" "$j" --plot "$tmp/cmpplot" > /dev/null || fail "--compare --plot"
+  [[ -s "$tmp/cmpplot/compare.png" && -s "$tmp/cmpplot/compare.svg" ]] || fail "--compare --plot did not draw"
   for f in ttft_cdf throughput latency workers; do
     [[ -s "$tmp/plots/$f.svg" && -s "$tmp/plots/$f.png" ]] || fail "--plot did not write $f"
   done

@@ -125,11 +125,107 @@ static void test_key_file(void **st) {
     unlink(path);
 }
 
+/* One serializer: the bytes kv_hash_root hashes are kv_extra_keys_serialize's (the engine
+ * hashes serialized bytes, the router calls kv_hash_root: both must agree). */
+static void test_extra_serializer_shared(void **st) {
+    (void)st;
+    kv_hash_key k = key_of(3);
+    char big[300];
+    memset(big, 'z', sizeof big);
+    struct kv_extra_key x[2] = {{KV_EXTRA_CACHE_SALT, "tenant", 6}, {KV_EXTRA_ADAPTER, big, sizeof big}};
+    size_t n = kv_extra_keys_serialize(x, 2, NULL);
+    assert_int_equal(n, 5 + 6 + 5 + 300);
+    uint8_t *buf = malloc(n);
+    assert_non_null(buf);
+    assert_int_equal(kv_extra_keys_serialize(x, 2, buf), n);
+    assert_int_equal(buf[0], 1);
+    assert_int_equal(buf[1], 6);
+    assert_int_equal(buf[11], 2);
+    assert_int_equal(buf[12] | buf[13] << 8, 300);
+    kv_hash a, b;
+    kv_hash_root(&k, x, 2, &a);
+    kv_hash_root_bytes(&k, buf, n, &b);
+    assert_memory_equal(a.b, b.b, 32);
+    kv_hash_root(&k, NULL, 0, &a);
+    kv_hash_root_bytes(&k, NULL, 0, &b);
+    assert_memory_equal(a.b, b.b, 32);
+    free(buf);
+}
+
+/* Content keys (decision 1): k0 from the salt, one key per complete group of 8 blocks,
+ * chained; independent computation with the BLAKE3 reference API. */
+static void test_content_keys(void **st) {
+    (void)st;
+    kv_hash_key k = key_of(9);
+    int32_t ids[200];
+    for (int i = 0; i < 200; i++) ids[i] = 1000 + i * 37;
+    kv_hash out[8];
+    /* tpb 4: a group = 32 ids; 200 ids = 6 complete groups (the partial one is not hashed) */
+    assert_int_equal(kv_content_keys(&k, NULL, 0, ids, 200, 4, out, 8), 6);
+    assert_int_equal(kv_content_keys(&k, NULL, 0, ids, 31, 4, out, 8), 0);
+    assert_int_equal(kv_content_keys(&k, NULL, 0, ids, 200, 4, out, 2), 2);
+    kv_hash all[8];
+    assert_int_equal(kv_content_keys(&k, "s", 1, ids, 200, 4, all, 8), 6);
+    blake3_hasher h;
+    uint8_t prev[32], want[32];
+    blake3_hasher_init_keyed(&h, k.key);
+    blake3_hasher_update(&h, "kvserve.content.v1s", 19);
+    blake3_hasher_finalize(&h, prev, 32);
+    for (int g = 0; g < 6; g++) {
+        blake3_hasher_init_keyed(&h, k.key);
+        blake3_hasher_update(&h, prev, 32);
+        for (int i = 0; i < 32; i++) {
+            uint32_t v = (uint32_t)ids[g * 32 + i];
+            uint8_t le[4] = {(uint8_t)v, (uint8_t)(v >> 8), (uint8_t)(v >> 16), (uint8_t)(v >> 24)};
+            blake3_hasher_update(&h, le, 4);
+        }
+        blake3_hasher_finalize(&h, want, 32);
+        assert_memory_equal(all[g].b, want, 32);
+        memcpy(prev, want, 32);
+    }
+    /* the salt changes every key; a shared prefix gives shared leading keys */
+    assert_memory_not_equal(all[0].b, out[0].b, 32);
+    int32_t ids2[200];
+    memcpy(ids2, ids, sizeof ids);
+    ids2[100] = 7; /* group 3 */
+    kv_hash o2[8];
+    assert_int_equal(kv_content_keys(&k, NULL, 0, ids2, 200, 4, o2, 8), 6);
+    kv_content_keys(&k, NULL, 0, ids, 200, 4, out, 8);
+    assert_memory_equal(o2[2].b, out[2].b, 32);
+    assert_memory_not_equal(o2[3].b, out[3].b, 32);
+    assert_memory_not_equal(o2[5].b, out[5].b, 32);
+}
+
+static void test_key_id(void **st) {
+    (void)st;
+    kv_hash_key a = key_of(1), b = key_of(2);
+    char ia[17], ia2[17], ib[17];
+    kv_hash_key_id(&a, ia);
+    kv_hash_key_id(&a, ia2);
+    kv_hash_key_id(&b, ib);
+    assert_int_equal(strlen(ia), 16);
+    assert_string_equal(ia, ia2);
+    assert_string_not_equal(ia, ib);
+    /* hex -> index key round trip (the router parses the workers' event hashes with it) */
+    kv_hash h;
+    kv_hash_root(&a, NULL, 0, &h);
+    char hx[65];
+    kv_hash_hex(&h, hx);
+    uint64_t v = 0;
+    assert_true(kv_hash_u64_from_hex(hx, &v));
+    assert_true(v == kv_hash_u64(&h));
+    assert_true(kv_hash_u64_from_hex("0123456789ABCDEF", &v));
+    assert_true(v == 0xefcdab8967452301ull);
+    assert_false(kv_hash_u64_from_hex("0123456789abcde", &v));
+    assert_false(kv_hash_u64_from_hex("0123456789abcdeg", &v));
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_matches_blake3_keyed), cmocka_unit_test(test_sensitivity),
         cmocka_unit_test(test_extra_keys_type_tagged), cmocka_unit_test(test_truncation_and_hex),
-        cmocka_unit_test(test_key_file),
+        cmocka_unit_test(test_key_file), cmocka_unit_test(test_extra_serializer_shared),
+        cmocka_unit_test(test_content_keys), cmocka_unit_test(test_key_id),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

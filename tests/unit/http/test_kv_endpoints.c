@@ -70,6 +70,18 @@ static void test_event_json(void **state) {
     assert_null(json_object_get(o, "parent_hash"));
     assert_non_null(json_object_get(o, "block_hash"));
     json_decref(o);
+    ev.type = ENGINE_KV_TIER;
+    ev.host = true;
+    o = kvapi_event_json(&ev, NULL);
+    assert_string_equal(json_string_value(json_object_get(o, "type")), "tier");
+    assert_string_equal(json_string_value(json_object_get(o, "tier")), "host");
+    assert_non_null(json_object_get(o, "block_hash"));
+    assert_null(json_object_get(o, "tokens"));
+    json_decref(o);
+    ev.host = false;
+    o = kvapi_event_json(&ev, NULL);
+    assert_string_equal(json_string_value(json_object_get(o, "tier")), "device");
+    json_decref(o);
     ev.type = ENGINE_KV_CLEARED;
     o = kvapi_event_json(&ev, NULL);
     assert_string_equal(json_string_value(json_object_get(o, "type")), "cleared");

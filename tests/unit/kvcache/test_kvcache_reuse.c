@@ -19,11 +19,12 @@ static kv_hash hh(int x) {
     return h;
 }
 
-static int n_stored, n_removed, n_cleared;
+static int n_stored, n_removed, n_cleared, n_to_host, n_to_device;
 static void on_ev(const struct kv_pool_event *ev, void *u) {
     (void)u;
     if (ev->type == KV_POOL_EV_STORED) n_stored++;
     else if (ev->type == KV_POOL_EV_REMOVED) n_removed++;
+    else if (ev->type == KV_POOL_EV_TIER) *(ev->host ? &n_to_host : &n_to_device) += 1;
     else n_cleared++;
 }
 
@@ -113,6 +114,8 @@ static void test_host_tier(void **st) {
     (void)st;
     kv_pool_t *p = kv_pool_new(2, T);
     assert_int_equal(kv_pool_enable_reuse(p, 2), KV_OK);
+    kv_pool_set_event_cb(p, on_ev, NULL);
+    n_stored = n_removed = n_cleared = n_to_host = n_to_device = 0;
     uint64_t root = kv_pool_root_uid(p, NULL, 0);
     kv_hash r = hh(0), h[4] = {hh(1), hh(2), hh(3), hh(4)};
     int32_t t[4][T] = {{1, 1, 1, 1}, {2, 2, 2, 2}, {3, 3, 3, 3}, {4, 4, 4, 4}};
@@ -131,6 +134,9 @@ static void test_host_tier(void **st) {
     assert_int_equal(kv_pool_n_host_cached(p), 2);
     int e0 = kv_pool_lookup(p, root, &h[0], t[0], NULL);
     assert_true(e0 >= 2); /* a host entry */
+    /* offloads are tier events (routers score host blocks lower), not removals */
+    assert_int_equal(n_to_host, 2);
+    assert_int_equal(n_removed, 0);
     kv_pool_clear_copies(p);
     kv_pool_release(p, a); /* a is unindexed: free */
     int d = kv_pool_acquire(p, e0);
@@ -140,6 +146,7 @@ static void test_host_tier(void **st) {
     assert_false(ops[0].to_host);
     assert_int_equal(ops[0].block, a);
     assert_int_equal(kv_pool_lookup(p, root, &h[0], t[0], NULL), a); /* back on the device */
+    assert_int_equal(n_to_device, 1);
     assert_int_equal(kv_pool_n_host_cached(p), 1);
     struct kv_pool_stats s;
     kv_pool_get_stats(p, &s);

@@ -7,22 +7,73 @@
 #include <cmocka.h>
 #include <curl/curl.h>
 
+#include <string.h>
+
 #include "router/router_internal.h"
+
+static void pool_of(struct rt_pool *p, int n) {
+    static const char *const u[] = {"http://a", "http://b", "http://c", "http://d"};
+    memset(p, 0, sizeof *p);
+    p->role = "aggregated";
+    for (int i = 0; i < n; i++) assert_int_equal(rt_pool_add(p, u[i]), i);
+}
 
 static void test_round_robin(void **st) {
     (void)st;
-    const char *u[] = {"a", "b", "c"};
-    struct rt_pool p = {u, 3, 0};
+    struct rt_pool p;
+    pool_of(&p, 3);
     assert_int_equal(rt_pool_pick(&p, -1), 0);
     assert_int_equal(rt_pool_pick(&p, -1), 1);
     assert_int_equal(rt_pool_pick(&p, -1), 2);
     assert_int_equal(rt_pool_pick(&p, -1), 0);
     /* the next pick (1) is excluded: skip to 2 */
     assert_int_equal(rt_pool_pick(&p, 1), 2);
-    struct rt_pool one = {u, 1, 0};
+    /* a worker out of the pool (unhealthy) is skipped */
+    p.w[0]->healthy = false;
+    for (int i = 0; i < 6; i++) assert_int_not_equal(rt_pool_pick(&p, -1), 0);
+    assert_int_equal(rt_pool_add(&p, "http://a"), 0); /* re-adding revives, same index */
+    rt_pool_free(&p);
+    struct rt_pool one;
+    pool_of(&one, 1);
     assert_int_equal(rt_pool_pick(&one, 0), 0); /* a single worker is retried on itself */
-    struct rt_pool none = {u, 0, 0};
+    one.w[0]->present = false;
+    assert_int_equal(rt_pool_pick(&one, -1), -1);
+    rt_pool_free(&one);
+    struct rt_pool none;
+    pool_of(&none, 0);
     assert_int_equal(rt_pool_pick(&none, -1), -1);
+}
+
+static void test_least_loaded(void **st) {
+    (void)st;
+    struct rt_pool p;
+    pool_of(&p, 3);
+    p.policy = RT_POLICY_LEAST_LOADED;
+    struct rt_route rq = {0};
+    enum rt_reason why;
+    long pred;
+    /* ties round robin */
+    int seen[3] = {0};
+    for (int i = 0; i < 3; i++) seen[rt_select(&p, &rq, -1, &why, &pred)]++;
+    assert_int_equal(seen[0] + seen[1] + seen[2], 3);
+    assert_true(seen[0] == 1 && seen[1] == 1 && seen[2] == 1);
+    assert_int_equal(why, RT_WHY_LOAD);
+    rt_pool_charge(&p, 0, 100);
+    rt_pool_charge(&p, 1, 10);
+    assert_int_equal(rt_select(&p, &rq, -1, &why, &pred), 2);
+    rt_pool_charge(&p, 2, 10);
+    /* requests: 1 and 2 tie (one each) below... all three have one: exclusion decides */
+    assert_int_not_equal(rt_select(&p, &rq, 1, &why, &pred), 1);
+    /* tokens metric: worker 0 carries 100 tokens */
+    p.metric = RT_LOAD_TOKENS;
+    for (int i = 0; i < 4; i++) assert_int_not_equal(rt_select(&p, &rq, -1, &why, &pred), 0);
+    rt_pool_release(&p, 0, 100);
+    rt_pool_release(&p, 0, 100); /* clamped at 0 */
+    assert_int_equal(p.w[0]->active, 0);
+    assert_int_equal(p.w[0]->tokens, 0);
+    assert_int_equal(rt_select(&p, &rq, -1, &why, &pred), 0);
+    assert_int_equal(p.reasons[RT_WHY_LOAD], 10);
+    rt_pool_free(&p);
 }
 
 static struct rt_outcome oc(int code, long status, bool written, bool any, bool got) {
@@ -113,7 +164,7 @@ static void test_context_retries(void **st) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_round_robin),
+        cmocka_unit_test(test_round_robin), cmocka_unit_test(test_least_loaded),
         cmocka_unit_test(test_classify),
         cmocka_unit_test(test_generation_retries),
         cmocka_unit_test(test_context_retries),
