@@ -249,15 +249,8 @@ int main(int argc, char **argv) {
     kv_log_set_level(KV_LOG_WARN);
     char err[512];
     {
-        enum kv_matmul_isa isa;
-        if (kv_cpu_isa_env(&isa, err, sizeof err) != KV_OK) {
+        if (kv_cpu_env_check(err, sizeof err) != KV_OK) {
             fprintf(stderr, "bench_engine: %s\n", err);
-            return 2;
-        }
-        enum kv_matmul_quant qm;
-        const char *qe = getenv("KVSERVE_CPU_QUANT_MATMUL");
-        if (qe && *qe && kv_matmul_quant_parse(qe, &qm, err, sizeof err) != KV_OK) {
-            fprintf(stderr, "bench_engine: KVSERVE_CPU_QUANT_MATMUL %s\n", err);
             return 2;
         }
     }

@@ -6,11 +6,13 @@
  */
 #include <math.h>
 #include <pthread.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "backend/backend.h"
+#include "backend/cpu/matmul.h"
 #include "cli.h"
 #include "engine/engine.h"
 #include "model/model.h"
@@ -32,6 +34,8 @@ static void usage(FILE *f) {
             "  --seed S              RNG seed for temperature > 0 (default: random)\n"
             "  --backend cpu|cuda    compute backend (default cpu)\n"
             "  --threads N           compute threads, 0 = all cores (default 0)\n"
+            "  --quant-matmul int8|f32  how the CPU multiplies quantized weights (default int8;\n"
+            "                        see kvserve serve --help)\n"
             "  --ctx-size N          max prompt + generated tokens (default: the model's context)\n"
             "  --ignore-eos          keep generating after end-of-generation tokens\n"
             "  --verbose             print token ids and the finish reason to stderr\n"
@@ -109,6 +113,8 @@ int cmd_generate(int argc, char **argv) {
     bool has_seed = false, ignore_eos = false, verbose = false;
     uint64_t seed = 0;
     enum backend_kind be_kind = BACKEND_KIND_CPU;
+    enum kv_matmul_quant qmode = KV_MATMUL_QUANT_AUTO;
+    bool qmode_set = false;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -144,6 +150,14 @@ int cmd_generate(int argc, char **argv) {
                 rc = -1;
             }
         }
+        else if (!strcmp(a, "--quant-matmul")) {
+            char qerr[160];
+            if (kv_matmul_quant_parse(v, &qmode, qerr, sizeof qerr) != KV_OK) {
+                fprintf(stderr, "kvserve generate: --quant-matmul needs int8 or f32, got '%s'\n", v);
+                rc = -1;
+            }
+            qmode_set = true;
+        }
         else if (!strcmp(a, "--seed")) {
             int64_t s;
             if (kv_parse_i64(v, 0, INT64_MAX, &s) != KV_OK) {
@@ -164,6 +178,18 @@ int cmd_generate(int argc, char **argv) {
         fprintf(stderr, "kvserve generate: --model and --prompt are required\n");
         usage(stderr);
         return 2;
+    }
+    {
+        char cerr[200];
+        if (kv_cpu_env_check(cerr, sizeof cerr) != KV_OK) {
+            fprintf(stderr, "kvserve generate: %s\n", cerr);
+            return 2;
+        }
+        if (qmode_set && be_kind == BACKEND_KIND_CUDA) {
+            fprintf(stderr, "kvserve generate: --quant-matmul applies to the cpu backend only\n");
+            return 2;
+        }
+        kv_matmul_set_quant(qmode);
     }
 
     char err[512] = "";

@@ -246,20 +246,14 @@ int cmd_serve(int argc, char **argv) {
     }
     if (!*host) return bad_opt("--host", host, "must not be empty");
     {
-        enum kv_matmul_isa isa;
         char ierr[200];
-        if (kv_cpu_isa_env(&isa, ierr, sizeof ierr) != KV_OK) {
+        if (kv_cpu_env_check(ierr, sizeof ierr) != KV_OK) {
             fprintf(stderr, "kvserve serve: %s\n", ierr);
-            return 2;
-        }
-        const char *qe = getenv("KVSERVE_CPU_QUANT_MATMUL");
-        if (!qmode_set && qe && *qe && kv_matmul_quant_parse(qe, &qmode, ierr, sizeof ierr) != KV_OK) {
-            fprintf(stderr, "kvserve serve: KVSERVE_CPU_QUANT_MATMUL=%s: expected int8 or f32\n", qe);
             return 2;
         }
         if (qmode_set && be_kind == BACKEND_KIND_CUDA)
             return bad_opt("--quant-matmul", kv_matmul_quant_name(qmode), "applies to the cpu backend only");
-        kv_matmul_set_quant(qmode);
+        kv_matmul_set_quant(qmode); /* AUTO: KVSERVE_CPU_QUANT_MATMUL, else int8 */
     }
     if (kv_dtype < 0) kv_dtype = KV_DTYPE_F32; /* cuda too: bf16 KV missed the test tolerance (see test_cuda.c) */
     else if (be_kind == BACKEND_KIND_CUDA && kv_dtype == KV_DTYPE_F16)

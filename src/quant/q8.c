@@ -18,6 +18,7 @@
 #include "q8_internal.h"
 
 #include <math.h>
+#include <stdlib.h>
 #include <stdatomic.h>
 #include <string.h>
 
@@ -306,6 +307,12 @@ static void packed_generic(int type, const uint8_t *panel, int n_rows, const str
             Y[(size_t)m * ldy + r] = g.mins ? acc - mn : acc;
         }
     }
+}
+
+int kv_q8_amx_env(void) {
+    const char *e = getenv("KVSERVE_CPU_AMX");
+    if (!e || !*e || !strcmp(e, "1")) return 1;
+    return !strcmp(e, "0") ? 0 : -1;
 }
 
 /* ---- dispatch ---- */

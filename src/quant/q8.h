@@ -108,6 +108,11 @@ int kv_q8_packed_fast(int type);
  * "none" (scalar C; kv_q8_dot_rows serves all M then). Static string. */
 const char *kv_q8_packed_name(void);
 
+/* The one parser of KVSERVE_CPU_AMX: 1 when unset, empty or "1" (AMX allowed where the CPU and
+ * the kernel have it), 0 for "0" (off), -1 for any other value (the CLIs refuse it at start;
+ * the kernels then keep AMX allowed). Reads the environment each call. */
+int kv_q8_amx_env(void);
+
 /* Tests: 1 = use the AVX-512 kernels without VNNI, 2 = without AMX, 3 = neither, even where
  * the CPU has them (process-wide); 0 = the CPU's best. */
 void kv_q8_set_no_vnni(int on);

@@ -54,8 +54,7 @@ static int g_amx;
 static pthread_once_t g_amx_once = PTHREAD_ONCE_INIT;
 static void amx_probe(void) {
     __builtin_cpu_init();
-    const char *e = getenv("KVSERVE_CPU_AMX");
-    if (e && !strcmp(e, "0")) return;
+    if (kv_q8_amx_env() == 0) return;
     if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-int8") || !__builtin_cpu_supports("avx512vnni"))
         return;
     g_amx = syscall(SYS_arch_prctl, KV_ARCH_REQ_XCOMP_PERM, KV_XFEATURE_XTILEDATA) == 0;

@@ -102,6 +102,26 @@ def gguf_tensor_data(buf, name):
     return data + off, ne
 
 
+def test_cli_env():
+    """Bad kernel settings are refused at start by serve and generate (exit 2, the variable named)."""
+    import subprocess
+    q = os.path.join(QDIR, "tiny-Q4_K_M.gguf")
+    cases = [({"KVSERVE_CPU_QUANT_MATMUL": "bogus"}, [], "KVSERVE_CPU_QUANT_MATMUL"),
+             ({"KVSERVE_CPU_ISA": "bogus"}, [], "KVSERVE_CPU_ISA"),
+             ({"KVSERVE_CPU_AMX": "no"}, [], "KVSERVE_CPU_AMX"),
+             ({}, ["--quant-matmul", "int4"], "--quant-matmul")]
+    for env, extra, name in cases:
+        for cmd in (["serve", "--model", q, "--port", "0"], ["generate", "--model", q, "--prompt", "Once", "--max-tokens", "2"]):
+            e = dict(os.environ, **env)
+            p = subprocess.run([os.environ["KVSERVE_BIN"], *cmd, *extra], env=e, capture_output=True, text=True, timeout=60)
+            H.check(p.returncode == 2 and name in p.stderr, "%s %s %s: exit %d, stderr %r" %
+                    (cmd[0], env, extra, p.returncode, p.stderr[-300:]))
+    p = subprocess.run([os.environ["KVSERVE_BIN"], "generate", "--model", q, "--prompt", "Once", "--max-tokens", "2",
+                        "--quant-matmul", "F32"], env=dict(os.environ, KVSERVE_CPU_AMX="0"), capture_output=True,
+                       text=True, timeout=60)
+    H.check(p.returncode == 0, "generate --quant-matmul F32 with KVSERVE_CPU_AMX=0: exit %d %r" % (p.returncode, p.stderr[-300:]))
+
+
 def test_nan_model():
     """A model whose logits are NaN (an attention norm of NaNs) still answers with well-formed
     logprobs: one entry per token (null where the value is NaN), never shorter arrays."""
@@ -212,6 +232,7 @@ def main():
         print("kv %s: %d types ok so far (%d checks passed, %d failed)" % (kv, len(TYPES), H.passed, len(H.failures)),
               flush=True)
     test_nan_model()
+    test_cli_env()
     print("%d checks passed, %d failed" % (H.passed, len(H.failures)))
     return 1 if H.failures else 0
 

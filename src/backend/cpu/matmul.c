@@ -418,6 +418,19 @@ const char *kv_matmul_quant_name(enum kv_matmul_quant q) {
     return q == KV_MATMUL_QUANT_F32 ? "f32" : q == KV_MATMUL_QUANT_INT8 ? "int8" : "auto";
 }
 
+kv_status kv_cpu_env_check(char *err, size_t errlen) {
+    enum kv_matmul_isa isa;
+    enum kv_matmul_quant q;
+    kv_status st = kv_cpu_isa_env(&isa, err, errlen);
+    if (st != KV_OK) return st;
+    const char *e = getenv("KVSERVE_CPU_QUANT_MATMUL");
+    if (e && *e && kv_matmul_quant_parse(e, &q, err, errlen) != KV_OK)
+        return kv_errf(KV_EINVAL, err, errlen, "KVSERVE_CPU_QUANT_MATMUL=%s: expected int8 or f32", e);
+    if (kv_q8_amx_env() < 0)
+        return kv_errf(KV_EINVAL, err, errlen, "KVSERVE_CPU_AMX=%s: expected 0 (off) or 1", getenv("KVSERVE_CPU_AMX"));
+    return KV_OK;
+}
+
 kv_status kv_matmul_quant_parse(const char *s, enum kv_matmul_quant *out, char *err, size_t errlen) {
     if (s && !strcasecmp(s, "int8")) *out = KV_MATMUL_QUANT_INT8;
     else if (s && !strcasecmp(s, "f32")) *out = KV_MATMUL_QUANT_F32;
