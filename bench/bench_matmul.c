@@ -6,8 +6,12 @@
  * for M = 1, 4, 16, 64, 256 and 1 and 2 threads. Weights are cycled through enough copies to
  * exceed the last-level cache (as in a real forward, where every layer's weights come from
  * DRAM), unless --hot. Each number is the median of 5 timed runs of >= 40 ms each.
+ * --type f16|bf16 stores the weights in that precision (the kernel's dequantization panel
+ * path; the OpenBLAS methods are skipped then), --shapes NxK,... picks the shapes, --inv-only
+ * skips the OpenBLAS methods.
  *
- *   bench_matmul [--threads 1,2] [--m 1,4,16,64,256] [--hot] [--runs 5]
+ *   bench_matmul [--threads 1,2] [--m 1,4,16,64,256] [--hot] [--runs 5] [--shapes 2048x768,...]
+ *                [--type f32|f16|bf16] [--inv-only]
  */
 #include <cblas.h>
 #include <stdio.h>
@@ -18,6 +22,7 @@
 #include "base/base.h"
 #include "bench_util.h"
 #include "backend/cpu/matmul.h"
+#include "quant/quant.h"
 
 static int parse_list(const char *s, int *out, int cap) {
     int n = 0;
@@ -36,6 +41,7 @@ static const char *method_name[] = {"inv", "blas", "tile16"};
 struct ctx {
     float *X, *Xpad, *Y;
     float **W;
+    struct kv_wmat *Wm; /* per copy: the weights as the kernel sees them (F32 views or F16/BF16) */
     int n_copies, cur;
     int M, N, K;
     kv_threadpool_t *tp;
@@ -43,9 +49,10 @@ struct ctx {
 
 static void run_once(struct ctx *c, enum method m) {
     const float *W = c->W[c->cur];
+    const struct kv_wmat *Wm = &c->Wm[c->cur];
     c->cur = (c->cur + 1) % c->n_copies;
     if (m == M_INV) {
-        kv_matmul(c->X, c->M, c->K, W, c->N, NULL, c->Y, c->tp);
+        kv_matmul_w(c->X, c->M, Wm, NULL, c->Y, c->tp);
     } else if (m == M_BLAS) {
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, c->M, c->N, c->K, 1.0f, c->X, c->K, W, c->K, 0.0f,
                     c->Y, c->N);
@@ -60,33 +67,61 @@ static void run_once(struct ctx *c, enum method m) {
 }
 
 int main(int argc, char **argv) {
-    int threads[4] = {1, 2}, n_threads = 2, Ms[16] = {1, 4, 16, 64, 256}, n_m = 5, runs = 5, hot = 0;
+    int threads[4] = {1, 2}, n_threads = 2, Ms[16] = {1, 4, 16, 64, 256}, n_m = 5, runs = 5, hot = 0, inv_only = 0;
+    int shapes[16][2] = {{2048, 768}, {768, 768}, {768, 2048}, {32000, 768}}, n_shapes = 4; /* N x K */
+    int wtype = KV_QTYPE_F32;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--threads") && i + 1 < argc) n_threads = parse_list(argv[++i], threads, 4);
         else if (!strcmp(argv[i], "--m") && i + 1 < argc) n_m = parse_list(argv[++i], Ms, 16);
         else if (!strcmp(argv[i], "--runs") && i + 1 < argc) runs = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--hot")) hot = 1;
+        else if (!strcmp(argv[i], "--inv-only")) inv_only = 1;
+        else if (!strcmp(argv[i], "--type") && i + 1 < argc) {
+            const char *t = argv[++i];
+            wtype = !strcmp(t, "f32") ? KV_QTYPE_F32 : !strcmp(t, "f16") ? KV_QTYPE_F16 : !strcmp(t, "bf16") ? KV_QTYPE_BF16 : -1;
+            if (wtype < 0) {
+                fprintf(stderr, "bench_matmul: --type %s: expected f32, f16 or bf16\n", t);
+                return 2;
+            }
+        } else if (!strcmp(argv[i], "--shapes") && i + 1 < argc) {
+            n_shapes = 0;
+            for (const char *p = argv[++i]; *p && n_shapes < 16;) {
+                if (sscanf(p, "%dx%d", &shapes[n_shapes][0], &shapes[n_shapes][1]) != 2 || shapes[n_shapes][0] < 1 ||
+                    shapes[n_shapes][1] < 1) {
+                    fprintf(stderr, "bench_matmul: --shapes: expected NxK,... (e.g. 2048x768)\n");
+                    return 2;
+                }
+                n_shapes++;
+                p = strchr(p, ',');
+                if (!p) break;
+                p++;
+            }
+        }
         else {
-            fprintf(stderr, "usage: bench_matmul [--threads 1,2] [--m 1,4,16,64,256] [--hot] [--runs 5]\n");
+            fprintf(stderr, "usage: bench_matmul [--threads 1,2] [--m 1,4,16,64,256] [--hot] [--runs 5] "
+                            "[--shapes NxK,...] [--type f32|f16|bf16] [--inv-only]\n");
             return 2;
         }
     }
     if (runs < 1 || runs > 64) runs = 5;
-    const int shapes[][2] = {{2048, 768}, {768, 768}, {768, 2048}, {32000, 768}}; /* N x K */
+    if (wtype != KV_QTYPE_F32) inv_only = 1; /* OpenBLAS takes f32 only */
     int maxM = 0;
     for (int i = 0; i < n_m; i++) maxM = Ms[i] > maxM ? Ms[i] : maxM;
     if (maxM < 1) return 2;
-    printf("# openblas core %s, kernel isa %s, weights %s, median of %d runs\n", openblas_get_corename(),
-           kv_matmul_isa_name(), hot ? "hot (one copy)" : "cold (copies > 64 MiB cycled)", runs);
+    const char *ct = getenv("OPENBLAS_CORETYPE");
+    printf("# openblas core %s (OPENBLAS_CORETYPE=%s), kernel isa %s, weights %s %s, median of %d runs\n",
+           openblas_get_corename(), ct ? ct : "unset", kv_matmul_isa_name(), kv_qtype_name(wtype),
+           hot ? "hot (one copy)" : "cold (copies > 64 MiB cycled)", runs);
     printf("%-7s %5s %5s %4s %3s | %9s %9s %9s | %6s %6s\n", "method", "N", "K", "M", "thr", "GFLOP/s", "ms/call",
            "GB/s(W)", "vsblas", "vstile");
     srand(1);
-    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+    for (int s = 0; s < n_shapes; s++) {
         int N = shapes[s][0], K = shapes[s][1];
         size_t wbytes = (size_t)N * K * sizeof(float);
         int n_copies = hot ? 1 : (int)((64u << 20) / wbytes + 1);
         struct ctx c = {.N = N, .K = K, .n_copies = n_copies};
         c.W = calloc((size_t)n_copies, sizeof *c.W);
+        c.Wm = calloc((size_t)n_copies, sizeof *c.Wm);
         int Mp = (maxM + 15) / 16 * 16;
         c.X = malloc((size_t)maxM * K * sizeof(float));
         c.Xpad = malloc((size_t)Mp * K * sizeof(float));
@@ -96,6 +131,17 @@ int main(int argc, char **argv) {
             c.W[i] = malloc(wbytes);
             if (!c.W[i]) return 1;
             for (size_t k = 0; k < (size_t)N * K; k++) c.W[i][k] = (float)rand() / RAND_MAX - 0.5f;
+            c.Wm[i] = kv_wmat_from_f32(c.W[i], N, K);
+            if (wtype != KV_QTYPE_F32) { /* 16-bit copy in place: the first half of the f32 buffer */
+                uint16_t *h = (uint16_t *)c.W[i];
+                for (size_t k = 0; k < (size_t)N * K; k++) {
+                    float f = c.W[i][k];
+                    uint32_t u;
+                    memcpy(&u, &f, 4);
+                    h[k] = wtype == KV_QTYPE_F16 ? kv_f32_to_f16(f) : (uint16_t)(u >> 16);
+                }
+                c.Wm[i] = (struct kv_wmat){c.W[i], wtype, N, K, kv_qtype_row_bytes(wtype, K)};
+            }
         }
         for (size_t k = 0; k < (size_t)maxM * K; k++) c.X[k] = (float)rand() / RAND_MAX - 0.5f;
         for (int ti = 0; ti < n_threads; ti++) {
@@ -104,7 +150,7 @@ int main(int argc, char **argv) {
             for (int mi = 0; mi < n_m; mi++) {
                 c.M = Ms[mi];
                 double gf[3];
-                for (int meth = 0; meth < 3; meth++) {
+                for (int meth = 0; meth < (inv_only ? 1 : 3); meth++) {
                     double t[64];
                     run_once(&c, meth); /* warm up */
                     double t0 = kv_now_s();
@@ -131,7 +177,7 @@ int main(int argc, char **argv) {
             kv_threadpool_free(c.tp);
         }
         for (int i = 0; i < n_copies; i++) free(c.W[i]);
-        free(c.W), free(c.X), free(c.Xpad), free(c.Y);
+        free(c.W), free(c.Wm), free(c.X), free(c.Xpad), free(c.Y);
     }
     return 0;
 }

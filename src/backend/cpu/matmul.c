@@ -65,111 +65,251 @@ static void cols_generic(const struct kv_matmul_op *op, const float *Wp, size_t 
         }
 }
 
+/* ---- per-thread buffer of the tiles' saved 16-lane partial sums (between K blocks) ---- */
+
+struct tile_sums {
+    float *p;
+    size_t cap; /* floats */
+};
+static pthread_key_t g_sums_key;
+static pthread_once_t g_sums_once = PTHREAD_ONCE_INIT;
+static void tile_sums_free(void *v) {
+    struct tile_sums *ts = v;
+    if (ts) free(ts->p);
+    free(ts);
+}
+static void tile_sums_key_init(void) {
+    if (pthread_key_create(&g_sums_key, tile_sums_free)) abort();
+}
+/* This thread's partial-sum buffer of at least n floats, 64-byte aligned (freed when the thread
+ * exits). Out of memory aborts: a few tens of KiB per thread. */
+static float *thread_sums(size_t n) {
+    pthread_once(&g_sums_once, tile_sums_key_init);
+    struct tile_sums *ts = pthread_getspecific(g_sums_key);
+    if (!ts) {
+        ts = calloc(1, sizeof *ts);
+        if (!ts || pthread_setspecific(g_sums_key, ts)) abort();
+    }
+    if (n < 16) n = 16;
+    if (ts->cap < n) {
+        free(ts->p);
+        ts->p = aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64);
+        if (!ts->p) abort();
+        ts->cap = n;
+    }
+    return ts->p;
+}
+
 #ifdef KV_MATMUL_X86
+/* ---- blocking shared by the SIMD families ----
+ *
+ * A task's columns [n0, n1) (its W rows, from L2) are computed for all M rows in register
+ * tiles of R X rows x C W rows. Loop nest (BLIS-like, in dot form):
+ *
+ *   for each group of up to R X rows:              (the X tile: R rows x one K block, in L1)
+ *     for each K block [k0, k1) (<= KC_STEPS steps of 16):
+ *       for each group of C W rows of the task:    (streams W from L2)
+ *         acc = first block ? 0 : the tile's saved 16-lane partial sums
+ *         acc += the block's products, 16 lanes per output, k increasing
+ *         last block ? finish (tree, K % 16 tail, bias, store Y) : save acc
+ *
+ * The partial sums are the contract's 16 lanes themselves, saved between K blocks in a
+ * per-thread buffer (R x C x 16 floats per tile): each lane still adds its products in
+ * increasing k, so the blocking changes no bit. The tree runs on 16 (AVX2: 8) outputs at
+ * once with lane shuffles (tree16_512 / tree8_256) doing the contract's additions. */
+#define KC_STEPS 48 /* K block of at most 48 x 16 floats: an 8-row X tile of 24 KiB stays in L1 */
+
+/* Number of K blocks and the bounds of block b (in floats; multiples of 16 below K16). */
+static inline int k_blocks(int K16) {
+    int steps = K16 / 16;
+    return steps > KC_STEPS ? (steps + KC_STEPS - 1) / KC_STEPS : 1;
+}
+static inline int k_bound(int K16, int nkb, int b) { return (int)((long)(K16 / 16) * b / nkb) * 16; }
+
+/* Finishes one output from its tree sum s: the K % 16 tail in fma, then the bias. */
+AI float finish(float s, const float *x, const float *w, int K16, int K, const float *bias) {
+    for (int k = K16; k < K; k++) s = __builtin_fmaf(x[k], w[k], s);
+    if (bias) s = s + *bias;
+    return s;
+}
+
 /* ---- AVX-512 ---- */
 #define T512 KV_T512
+#define R512 8 /* X rows per tile */
+#define C512 3 /* W rows per tile: 24 accumulators + 3 W + 1 X of the 32 zmm */
 
-AI T512 void tile512(const float *X, size_t ldx, const float *W, size_t ldw, int K, const float *bias, float *Y,
-                     size_t ldy, const int R, const int C, const int PF) {
-    __m512 acc[4][4];
-    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)
-        _Pragma("GCC unroll 4") for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
-    int K16 = K - K % 16;
-    for (int k = 0; k < K16; k += 16) {
-        __m512 w[4];
-        _Pragma("GCC unroll 4") for (int c = 0; c < C; c++) w[c] = _mm512_loadu_ps(W + c * ldw + k);
-        if (PF) {
-            _Pragma("GCC unroll 4") for (int c = 0; c < C; c++)
-                __builtin_prefetch((const void *)((uintptr_t)(W + k) + (C + c) * ldw * sizeof(float)), 0, 3);
-        }
-        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {
+/* The contract's tree over 16 accumulators at once: out[i] = tree(a[i]), i < n (n <= 16;
+ * a[n..16) are not read). Each step adds the same lane pairs as kv_hsum512:
+ * l8 (halves of one zmm), l4 (quarters), l2 and s (pairs inside a quarter). */
+AI T512 void tree16_512(const __m512 *a, int n, float *out) {
+    __m512 v[16], p[8], q[4], r[2];
+    for (int i = 0; i < 16; i++) v[i] = i < n ? a[i] : _mm512_setzero_ps();
+    for (int i = 0; i < 8; i++) /* quarters: l8 of v[2i] (0, 1), of v[2i+1] (2, 3) */
+        p[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++) /* quarter t: l4 of v[4i + t] */
+        q[i] = _mm512_add_ps(_mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++) /* quarter t: l2 of v[8i + t], l2 of v[8i + 4 + t] */
+        r[i] = _mm512_add_ps(_mm512_shuffle_ps(q[2 * i], q[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(q[2 * i], q[2 * i + 1], 0xEE));
+    /* float 4t + u: s of v[4u + t] */
+    __m512 z = _mm512_add_ps(_mm512_shuffle_ps(r[0], r[1], 0x88), _mm512_shuffle_ps(r[0], r[1], 0xDD));
+    float t[16] __attribute__((aligned(64)));
+    _mm512_store_ps(t, z);
+    for (int i = 0; i < n; i++) out[i] = t[4 * (i & 3) + (i >> 2)];
+}
+
+/* One R x C tile over K block [k0, k1): see the loop nest above. buf: the tile's R*C*16
+ * saved lanes. */
+AI T512 void tile512(const float *X, size_t ldx, const float *W, size_t ldw, int k0, int k1, float *buf, int first,
+                     int last, int K, const float *bias, float *Y, size_t ldy, const int R, const int C) {
+    __m512 acc[R512 * C512];
+    _Pragma("GCC unroll 24") for (int i = 0; i < R * C; i++)
+        acc[i] = first ? _mm512_setzero_ps() : _mm512_load_ps(buf + 16 * i);
+    for (int k = k0; k < k1; k += 16) {
+        __m512 w[C512];
+        _Pragma("GCC unroll 3") for (int c = 0; c < C; c++) w[c] = _mm512_loadu_ps(W + c * ldw + k);
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {
             __m512 x = _mm512_loadu_ps(X + r * ldx + k);
-            _Pragma("GCC unroll 4") for (int c = 0; c < C; c++) acc[r][c] = _mm512_fmadd_ps(x, w[c], acc[r][c]);
+            /* one load per X vector: GCC would fold it into each of the C fmas (load-bound) */
+            __asm__("" : "+v"(x));
+            _Pragma("GCC unroll 3") for (int c = 0; c < C; c++) acc[r * C + c] = _mm512_fmadd_ps(x, w[c], acc[r * C + c]);
         }
     }
-    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)
-        _Pragma("GCC unroll 4") for (int c = 0; c < C; c++) {
-            float s = kv_hsum512(acc[r][c]);
-            for (int k = K16; k < K; k++) s = __builtin_fmaf(X[r * ldx + k], W[c * ldw + k], s);
-            if (bias) s = s + bias[c];
-            Y[r * ldy + c] = s;
-        }
+    if (!last) {
+        _Pragma("GCC unroll 24") for (int i = 0; i < R * C; i++) _mm512_store_ps(buf + 16 * i, acc[i]);
+        return;
+    }
+    float s[R512 * C512];
+    tree16_512(acc, R * C < 16 ? R * C : 16, s);
+    if (R * C > 16) tree16_512(acc + 16, R * C - 16, s + 16);
+    int K16 = K - K % 16;
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)
+        _Pragma("GCC unroll 3") for (int c = 0; c < C; c++)
+            Y[r * ldy + c] = finish(s[r * C + c], X + r * ldx, W + c * ldw, K16, K, bias ? bias + c : NULL);
+}
+
+/* R rows (compile-time) of X against the task's columns, over every K block. */
+AI T512 void rows512(const struct kv_matmul_op *op, const float *Wp, size_t ldw, int n0, int n1, int m, float *buf,
+                     const int R) {
+    const size_t K = (size_t)op->W->cols, N = (size_t)op->W->rows;
+    const int K16 = (int)K - (int)K % 16, nkb = k_blocks(K16);
+    const float *x = op->X + m * K, *b = op->bias;
+    float *y = op->Y + m * N;
+    for (int kb = 0; kb < nkb; kb++) {
+        int k0 = k_bound(K16, nkb, kb), k1 = k_bound(K16, nkb, kb + 1), first = kb == 0, last = kb == nkb - 1;
+        float *tb = buf;
+        int n = n0;
+        for (; n + C512 <= n1; n += C512, tb += 16 * R512 * C512)
+            tile512(x, K, Wp + (n - n0) * ldw, ldw, k0, k1, tb, first, last, (int)K, b ? b + n : NULL, y + n, N, R, C512);
+        if (n1 - n == 2) tile512(x, K, Wp + (n - n0) * ldw, ldw, k0, k1, tb, first, last, (int)K, b ? b + n : NULL, y + n, N, R, 2);
+        if (n1 - n == 1) tile512(x, K, Wp + (n - n0) * ldw, ldw, k0, k1, tb, first, last, (int)K, b ? b + n : NULL, y + n, N, R, 1);
+    }
 }
 
 static T512 void cols_avx512(const struct kv_matmul_op *op, const float *Wp, size_t ldw, int n0, int n1) {
-    const size_t K = (size_t)op->W->cols, N = (size_t)op->W->rows;
-    const float *b = op->bias;
+    int K = op->W->cols, nkb = k_blocks(K - K % 16);
+    float *buf = thread_sums((size_t)16 * R512 * C512 * ((n1 - n0) / C512 + 1) * (nkb > 1));
     int m = 0;
-#define ROWS(R, PF)                                                                                           \
-    do {                                                                                                    \
-        const float *x = op->X + m * K;                                                                     \
-        float *y = op->Y + m * N;                                                                           \
-        int n = n0;                                                                                         \
-        for (; n + 4 <= n1; n += 4)                                                                         \
-            tile512(x, K, Wp + (n - n0) * ldw, ldw, (int)K, b ? b + n : NULL, y + n, N, R, 4, PF);          \
-        for (; n < n1; n++) tile512(x, K, Wp + (n - n0) * ldw, ldw, (int)K, b ? b + n : NULL, y + n, N, R, 1, 0); \
-    } while (0)
-    if (op->M < 16)
-        for (; m + 4 <= op->M; m += 4) ROWS(4, 1);
-    else
-        for (; m + 4 <= op->M; m += 4) ROWS(4, 0);
-    if (op->M - m == 3) ROWS(3, 1);
-    else if (op->M - m == 2) ROWS(2, 1);
-    else if (op->M - m == 1) ROWS(1, 0);
-#undef ROWS
+    for (; m + R512 <= op->M; m += R512) rows512(op, Wp, ldw, n0, n1, m, buf, R512);
+    switch (op->M - m) {
+    case 7: rows512(op, Wp, ldw, n0, n1, m, buf, 7); break;
+    case 6: rows512(op, Wp, ldw, n0, n1, m, buf, 6); break;
+    case 5: rows512(op, Wp, ldw, n0, n1, m, buf, 5); break;
+    case 4: rows512(op, Wp, ldw, n0, n1, m, buf, 4); break;
+    case 3: rows512(op, Wp, ldw, n0, n1, m, buf, 3); break;
+    case 2: rows512(op, Wp, ldw, n0, n1, m, buf, 2); break;
+    case 1: rows512(op, Wp, ldw, n0, n1, m, buf, 1); break;
+    default: break;
+    }
 }
 
-/* ---- AVX2 + FMA ---- */
+/* ---- AVX2 + FMA ----
+ * A 16-lane accumulator is two independent 8-lane halves (lanes 0-7: k % 16 < 8, lanes 8-15),
+ * so each K block runs twice over the tile, once per half, with one ymm per (row, column):
+ * R256 x C256 = 12 accumulators + C256 W + 1 X of the 16 ymm. The second pass finds the
+ * block's X and W lines in L1. */
 #define T256 KV_T256
+#define R256 4
+#define C256 3
 
-/* The tree over 16 lanes held as lo (lanes 0..7) and hi (8..15). */
-AI T256 void tile256(const float *X, size_t ldx, const float *W, size_t ldw, int K, const float *bias, float *Y,
-                     size_t ldy, const int R, const int C, const int PF) {
-    __m256 acc[3][4][2];
-    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)
-        _Pragma("GCC unroll 4") for (int c = 0; c < C; c++) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
-    int K16 = K - K % 16;
-    for (int k = 0; k < K16; k += 16) {
-        if (PF) {
-            _Pragma("GCC unroll 4") for (int c = 0; c < C; c++)
-                __builtin_prefetch((const void *)((uintptr_t)(W + k) + (C + c) * ldw * sizeof(float)), 0, 3);
-        }
-        _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
-            __m256 w[4];
-            _Pragma("GCC unroll 4") for (int c = 0; c < C; c++) w[c] = _mm256_loadu_ps(W + c * ldw + k + 8 * h);
+/* The tree from l8 (lanes j + lanes j+8, one ymm per output) for n <= 8 outputs at once. */
+AI T256 void tree8_256(const __m256 *a, int n, float *out) {
+    __m256 v[8], p[4], q[2];
+    for (int i = 0; i < 8; i++) v[i] = i < n ? a[i] : _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) /* lane half h: l4 of v[2i + h] */
+        p[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20),
+                             _mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x31));
+    for (int i = 0; i < 2; i++) /* half h: l2 of v[4i + h], l2 of v[4i + 2 + h] */
+        q[i] = _mm256_add_ps(_mm256_shuffle_ps(p[2 * i], p[2 * i + 1], 0x44),
+                             _mm256_shuffle_ps(p[2 * i], p[2 * i + 1], 0xEE));
+    /* float 4h + u: s of v[2u + h] */
+    __m256 z = _mm256_add_ps(_mm256_shuffle_ps(q[0], q[1], 0x88), _mm256_shuffle_ps(q[0], q[1], 0xDD));
+    float t[8] __attribute__((aligned(32)));
+    _mm256_store_ps(t, z);
+    for (int i = 0; i < n; i++) out[i] = t[4 * (i & 1) + (i >> 1)];
+}
+
+AI T256 void tile256(const float *X, size_t ldx, const float *W, size_t ldw, int k0, int k1, float *buf, int first,
+                     int last, int K, const float *bias, float *Y, size_t ldy, const int R, const int C) {
+    __m256 acc[R256 * C256];
+    _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
+        _Pragma("GCC unroll 12") for (int i = 0; i < R * C; i++)
+            acc[i] = first ? _mm256_setzero_ps() : _mm256_load_ps(buf + 16 * i + 8 * h);
+        for (int k = k0 + 8 * h; k < k1; k += 16) {
+            __m256 w[C256];
+            _Pragma("GCC unroll 3") for (int c = 0; c < C; c++) w[c] = _mm256_loadu_ps(W + c * ldw + k);
             _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {
-                __m256 x = _mm256_loadu_ps(X + r * ldx + k + 8 * h);
-                _Pragma("GCC unroll 4") for (int c = 0; c < C; c++)
-                    acc[r][c][h] = _mm256_fmadd_ps(x, w[c], acc[r][c][h]);
+                __m256 x = _mm256_loadu_ps(X + r * ldx + k);
+                _Pragma("GCC unroll 3") for (int c = 0; c < C; c++)
+                    acc[r * C + c] = _mm256_fmadd_ps(x, w[c], acc[r * C + c]);
             }
         }
-    }
-    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)
-        _Pragma("GCC unroll 4") for (int c = 0; c < C; c++) {
-            float s = kv_hsum256x2(acc[r][c][0], acc[r][c][1]);
-            for (int k = K16; k < K; k++) s = __builtin_fmaf(X[r * ldx + k], W[c * ldw + k], s);
-            if (bias) s = s + bias[c];
-            Y[r * ldy + c] = s;
+        if (!last || h == 0) {
+            _Pragma("GCC unroll 12") for (int i = 0; i < R * C; i++) _mm256_store_ps(buf + 16 * i + 8 * h, acc[i]);
         }
+    }
+    if (!last) return;
+    /* l8 = lanes 0-7 (saved) + lanes 8-15 (in registers) */
+    _Pragma("GCC unroll 12") for (int i = 0; i < R * C; i++) acc[i] = _mm256_add_ps(_mm256_load_ps(buf + 16 * i), acc[i]);
+    float s[R256 * C256];
+    tree8_256(acc, R * C < 8 ? R * C : 8, s);
+    if (R * C > 8) tree8_256(acc + 8, R * C - 8, s + 8);
+    int K16 = K - K % 16;
+    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)
+        _Pragma("GCC unroll 3") for (int c = 0; c < C; c++)
+            Y[r * ldy + c] = finish(s[r * C + c], X + r * ldx, W + c * ldw, K16, K, bias ? bias + c : NULL);
+}
+
+AI T256 void rows256(const struct kv_matmul_op *op, const float *Wp, size_t ldw, int n0, int n1, int m, float *buf,
+                     const int R) {
+    const size_t K = (size_t)op->W->cols, N = (size_t)op->W->rows;
+    const int K16 = (int)K - (int)K % 16, nkb = k_blocks(K16);
+    const float *x = op->X + m * K, *b = op->bias;
+    float *y = op->Y + m * N;
+    for (int kb = 0; kb < nkb; kb++) {
+        int k0 = k_bound(K16, nkb, kb), k1 = k_bound(K16, nkb, kb + 1), first = kb == 0, last = kb == nkb - 1;
+        float *tb = buf;
+        int n = n0;
+        for (; n + C256 <= n1; n += C256, tb += 16 * R256 * C256)
+            tile256(x, K, Wp + (n - n0) * ldw, ldw, k0, k1, tb, first, last, (int)K, b ? b + n : NULL, y + n, N, R, C256);
+        if (n1 - n == 2) tile256(x, K, Wp + (n - n0) * ldw, ldw, k0, k1, tb, first, last, (int)K, b ? b + n : NULL, y + n, N, R, 2);
+        if (n1 - n == 1) tile256(x, K, Wp + (n - n0) * ldw, ldw, k0, k1, tb, first, last, (int)K, b ? b + n : NULL, y + n, N, R, 1);
+    }
 }
 
 static T256 void cols_avx2(const struct kv_matmul_op *op, const float *Wp, size_t ldw, int n0, int n1) {
-    const size_t K = (size_t)op->W->cols, N = (size_t)op->W->rows;
-    const float *b = op->bias;
+    /* the AVX2 tile always saves the low halves: a buffer even for one K block */
+    float *buf = thread_sums((size_t)16 * R256 * C256 * ((n1 - n0) / C256 + 1));
     int m = 0;
-#define ROWS(R, C, PF)                                                                                        \
-    do {                                                                                                    \
-        const float *x = op->X + m * K;                                                                     \
-        float *y = op->Y + m * N;                                                                           \
-        int n = n0;                                                                                         \
-        for (; n + C <= n1; n += C)                                                                         \
-            tile256(x, K, Wp + (n - n0) * ldw, ldw, (int)K, b ? b + n : NULL, y + n, N, R, C, PF);          \
-        for (; n < n1; n++) tile256(x, K, Wp + (n - n0) * ldw, ldw, (int)K, b ? b + n : NULL, y + n, N, R, 1, 0); \
-    } while (0)
-    for (; m + 3 <= op->M; m += 3) ROWS(3, 2, op->M < 16);
-    if (op->M - m == 2) ROWS(2, 2, 1);
-    else if (op->M - m == 1) ROWS(1, 4, 0);
-#undef ROWS
+    for (; m + R256 <= op->M; m += R256) rows256(op, Wp, ldw, n0, n1, m, buf, R256);
+    switch (op->M - m) {
+    case 3: rows256(op, Wp, ldw, n0, n1, m, buf, 3); break;
+    case 2: rows256(op, Wp, ldw, n0, n1, m, buf, 2); break;
+    case 1: rows256(op, Wp, ldw, n0, n1, m, buf, 1); break;
+    default: break;
+    }
 }
 #endif /* KV_MATMUL_X86 */
 
