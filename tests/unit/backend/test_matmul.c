@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "backend/cpu/matmul.h"
+#include "quant/quant.h"
 
 static uint64_t g_rng = 88172645463325252ull;
 static float frand(void) { /* xorshift64, uniform in [-1, 1) */
@@ -115,31 +116,83 @@ static void test_batch_equals_single(void **st) {
     kv_threadpool_free(tp);
 }
 
-/* Each ISA instantiation the CPU supports gives the same bits as the scalar transcription. */
+/* Each ISA instantiation the CPU supports gives the same bits as the scalar transcription,
+ * for shapes that reach every edge of the kernels' blocking: K split into several K blocks
+ * (the blocks hold at most 768 floats; K 1553 and 2000 need 3, 2048 3 equal ones) with and
+ * without a K % 16 tail, M not a multiple of the register tiles' rows (AVX-512 8, AVX2 4)
+ * and every remainder of them, N not a multiple of the tiles' columns (3), with and without
+ * bias, on no pool and on a 2-thread pool (each row also checked against itself alone). */
 static void test_isas_identical(void **st) {
     (void)st;
     kv_threadpool_t *tp = kv_threadpool_new(2);
-    int M = 11, N = 45, K = 777;
-    float *X = rnd_buf((size_t)M * K), *W = rnd_buf((size_t)N * K), *b = rnd_buf((size_t)N);
-    float *ref = malloc((size_t)M * N * sizeof(float)), *Y = malloc((size_t)M * N * sizeof(float));
-    kv_matmul_reference(X, M, K, W, N, b, ref);
-    check_close_to_double(X, M, K, W, N, b, ref);
+    static const int cases[][3] = {/* M, N, K */
+                                   {11, 45, 777}, {23, 38, 1553}, {17, 7, 2000}, {9, 29, 2048}, {15, 13, 768},
+                                   {31, 5, 784},  {7, 52, 16},    {12, 4, 33},   {5, 101, 800}};
     enum kv_matmul_isa isas[] = {KV_MATMUL_ISA_GENERIC, KV_MATMUL_ISA_AVX2, KV_MATMUL_ISA_AVX512};
     int tested = 0;
-    for (int i = 0; i < 3; i++) {
-        if (kv_matmul_set_isa(isas[i]) != isas[i]) {
-            fprintf(stderr, "NOTE: ISA %d not supported by this CPU, not tested\n", (int)isas[i]);
-            continue;
+    for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+        int M = cases[ci][0], N = cases[ci][1], K = cases[ci][2];
+        float *X = rnd_buf((size_t)M * K), *W = rnd_buf((size_t)N * K), *b = ci % 2 ? NULL : rnd_buf((size_t)N);
+        float *ref = malloc((size_t)M * N * sizeof(float)), *Y = malloc((size_t)M * N * sizeof(float));
+        kv_matmul_reference(X, M, K, W, N, b, ref);
+        check_close_to_double(X, M, K, W, N, b, ref);
+        for (int i = 0; i < 3; i++) {
+            if (kv_matmul_set_isa(isas[i]) != isas[i]) {
+                if (ci == 0) fprintf(stderr, "NOTE: ISA %d not supported by this CPU, not tested\n", (int)isas[i]);
+                continue;
+            }
+            if (ci == 0) fprintf(stderr, "checking kernel ISA %s\n", kv_matmul_isa_name());
+            for (int pool = 0; pool < 2; pool++) {
+                memset(Y, 0, (size_t)M * N * sizeof(float));
+                kv_matmul(X, M, K, W, N, b, Y, pool ? tp : NULL);
+                if (memcmp(Y, ref, (size_t)M * N * sizeof(float)))
+                    fail_msg("ISA %s, M %d N %d K %d, pool %d: differs from the reference", kv_matmul_isa_name(), M, N,
+                             K, pool);
+            }
+            for (int m = 0; m < M; m += 3) { /* a row alone (decode-sized M = 1) */
+                kv_matmul(X + (size_t)m * K, 1, K, W, N, b, Y, NULL);
+                if (memcmp(Y, ref + (size_t)m * N, (size_t)N * sizeof(float)))
+                    fail_msg("ISA %s, N %d K %d: row %d alone differs from the reference", kv_matmul_isa_name(), N, K, m);
+            }
+            tested++;
         }
-        fprintf(stderr, "checking kernel ISA %s\n", kv_matmul_isa_name());
-        memset(Y, 0, (size_t)M * N * sizeof(float));
-        kv_matmul(X, M, K, W, N, b, Y, tp);
-        if (memcmp(Y, ref, (size_t)M * N * sizeof(float))) fail_msg("ISA %s differs from the reference", kv_matmul_isa_name());
-        tested++;
+        free(X), free(W), free(b), free(ref), free(Y);
     }
     kv_matmul_set_isa(KV_MATMUL_ISA_AUTO);
     assert_true(tested >= 1);
-    free(X), free(W), free(b), free(ref), free(Y);
+    kv_threadpool_free(tp);
+}
+
+/* Weights stored as F16 / BF16 (prefill: dequantized into the per-thread panel, then the same
+ * tiles): every ISA gives the bits of the reference on the widened weights. */
+static void test_isas_identical_f16_panel(void **st) {
+    (void)st;
+    kv_threadpool_t *tp = kv_threadpool_new(2);
+    int M = 21, N = 50, K = 1040; /* 65 steps: 2 K blocks */
+    float *X = rnd_buf((size_t)M * K), *Wf = rnd_buf((size_t)N * K), *ref = malloc((size_t)M * N * sizeof(float));
+    float *Y = malloc((size_t)M * N * sizeof(float));
+    uint16_t *h = malloc((size_t)N * K * sizeof(uint16_t));
+    for (int type = 0; type < 2; type++) {
+        for (size_t i = 0; i < (size_t)N * K; i++) { /* store, then widen: Wf holds exactly the stored weights */
+            uint32_t u;
+            memcpy(&u, &Wf[i], 4);
+            h[i] = type == 0 ? kv_f32_to_f16(Wf[i]) : (uint16_t)(u >> 16);
+            Wf[i] = type == 0 ? kv_f16_to_f32(h[i]) : kv_bf16_to_f32(h[i]);
+        }
+        int qt = type == 0 ? KV_QTYPE_F16 : KV_QTYPE_BF16;
+        struct kv_wmat w = {h, qt, N, K, kv_qtype_row_bytes(qt, K)};
+        kv_matmul_reference(X, M, K, Wf, N, NULL, ref);
+        enum kv_matmul_isa isas[] = {KV_MATMUL_ISA_GENERIC, KV_MATMUL_ISA_AVX2, KV_MATMUL_ISA_AVX512};
+        for (int i = 0; i < 3; i++) {
+            if (kv_matmul_set_isa(isas[i]) != isas[i]) continue;
+            memset(Y, 0, (size_t)M * N * sizeof(float));
+            kv_matmul_w(X, M, &w, NULL, Y, tp);
+            if (memcmp(Y, ref, (size_t)M * N * sizeof(float)))
+                fail_msg("%s weights, ISA %s: differs from the reference", type == 0 ? "F16" : "BF16", kv_matmul_isa_name());
+        }
+    }
+    kv_matmul_set_isa(KV_MATMUL_ISA_AUTO);
+    free(X), free(Wf), free(ref), free(Y), free(h);
     kv_threadpool_free(tp);
 }
 
@@ -148,6 +201,7 @@ int main(void) {
         cmocka_unit_test(test_rows_equal_alone),
         cmocka_unit_test(test_batch_equals_single),
         cmocka_unit_test(test_isas_identical),
+        cmocka_unit_test(test_isas_identical_f16_panel),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
