@@ -119,9 +119,12 @@ static void attn_generic(const struct kv_attn_args *a) {
 }
 
 /* The softmax and value passes of the vector families (shared text; VACC is the family's
- * register-accumulator kernel, N64..N16 its vector counts for 64..16 floats of head_dim). Uses
- * a, hd, hd16, dt, rb, R, G, n_last of the enclosing kernel. */
-#define ATTN_SOFTMAX_VALUES(VACC, N64, N48, N32, N16) \
+ * register-accumulator kernel, N64..N16 its vector counts for 64..16 floats of head_dim;
+ * VACCM the same for NPM (row, head) pairs at once over chunks of DCH floats of NVM vectors,
+ * NVM2 for a DCH/2 remainder). Uses a, hd, hd16, dt, rb, R, G, n_last of the enclosing kernel.
+ * Every out element still adds its positions' terms in increasing position: the pairs share
+ * the V loads of their common positions, the remaining positions of a pair follow alone. */
+#define ATTN_SOFTMAX_VALUES(VACC, N64, N48, N32, N16, VACCM, NPM, DCH, NVM, NVM2) \
     do { \
     /* softmax per (row, head); 1/sum kept per (row, head) (recomputed from the e_i when the \
      * tile x group exceeds the local table) */ \
@@ -135,32 +138,66 @@ static void attn_generic(const struct kv_attn_args *a) {
     /* values: per KV block (its rows are contiguous, so the block stays in L1 across the tile's \
      * rows and the group's heads) */ \
     for (int p0 = 0; p0 < n_last; p0 += a->tpb) { \
-        for (int jg = 0; jg < R * G; jg++) { \
+        int jg = 0; \
+        for (; jg + NPM <= R * G && (DCH) <= hd16 && hd16 % ((DCH) / 2) == 0; jg += NPM) { \
+            int npa = a->n_pos + jg / G; /* the smallest position count of the NPM pairs */ \
+            if (p0 >= npa) break; \
+            int pc = p0 + a->tpb < npa ? p0 + a->tpb : npa; \
+            const float *scs[NPM]; \
+            float ivs[NPM], *outs[NPM]; \
+            for (int x = 0; x < NPM; x++) { \
+                int j = (jg + x) / G, g = (jg + x) % G; \
+                scs[x] = scores_of(a, j, g); \
+                ivs[x] = attn_inv(invs, jg + x, scs[x], a->n_pos + j); \
+                outs[x] = a->out + (size_t)j * a->out_stride + (size_t)g * hd; \
+            } \
+            int d0 = 0; \
+            for (; d0 + (DCH) <= hd16; d0 += (DCH)) VACCM(a, scs, ivs, outs, d0, p0, pc, rb, NVM, NPM); \
+            if (hd16 - d0 == (DCH) / 2) VACCM(a, scs, ivs, outs, d0, p0, pc, rb, NVM2, NPM); \
+            for (int x = 0; x < NPM; x++) { \
+                int np = a->n_pos + (jg + x) / G, p1 = p0 + a->tpb < np ? p0 + a->tpb : np; \
+                attn_v_tail(a, scs[x], ivs[x], outs[x], p0, pc, rb, hd16); \
+                int e0 = 0; \
+                for (; e0 < hd16 && hd16 - e0 >= 64; e0 += 64) VACC(a, scs[x], ivs[x], outs[x], e0, pc, p1, rb, N64); \
+                if (hd16 - e0 == 48) VACC(a, scs[x], ivs[x], outs[x], e0, pc, p1, rb, N48); \
+                else if (hd16 - e0 == 32) VACC(a, scs[x], ivs[x], outs[x], e0, pc, p1, rb, N32); \
+                else if (hd16 - e0 == 16) VACC(a, scs[x], ivs[x], outs[x], e0, pc, p1, rb, N16); \
+                attn_v_tail(a, scs[x], ivs[x], outs[x], pc, p1, rb, hd16); \
+            } \
+        } \
+        for (; jg < R * G; jg++) { \
             int j = jg / G, g = jg % G, np = a->n_pos + j; \
             if (p0 >= np) continue; \
             int p1 = p0 + a->tpb < np ? p0 + a->tpb : np; \
             const float *sc = scores_of(a, j, g); \
-            float iv; \
-            if (jg < 256) iv = invs[jg]; \
-            else { \
-                float sum = 0.0f; \
-                for (int i = 0; i < np; i++) sum += sc[i]; \
-                iv = 1.0f / sum; \
-            } \
+            float iv = attn_inv(invs, jg, sc, np); \
             float *out = a->out + (size_t)j * a->out_stride + (size_t)g * hd; \
             int d0 = 0; \
             for (; d0 + 64 <= hd16; d0 += 64) VACC(a, sc, iv, out, d0, p0, p1, rb, N64); \
             if (hd16 - d0 == 48) VACC(a, sc, iv, out, d0, p0, p1, rb, N48); \
             else if (hd16 - d0 == 32) VACC(a, sc, iv, out, d0, p0, p1, rb, N32); \
             else if (hd16 - d0 == 16) VACC(a, sc, iv, out, d0, p0, p1, rb, N16); \
-            for (int i = p0; i < p1 && hd16 < hd; i++) { \
-                const char *v = row_ptr(a, a->v_off, i, rb); \
-                float w = sc[i] * iv; \
-                for (int e = hd16; e < hd; e++) out[e] = __builtin_fmaf(w, elem(v, e, dt), out[e]); \
-            } \
+            attn_v_tail(a, sc, iv, out, p0, p1, rb, hd16); \
         } \
     } \
     } while (0)
+
+/* 1 / sum of (row, head) jg: from the table, or recomputed in order from its e_i. */
+AI float attn_inv(const float *invs, int jg, const float *sc, int np) {
+    if (jg < 256) return invs[jg];
+    float sum = 0.0f;
+    for (int i = 0; i < np; i++) sum += sc[i];
+    return 1.0f / sum;
+}
+/* The head_dim % 16 tail of out over positions [p0, p1). */
+AI void attn_v_tail(const struct kv_attn_args *a, const float *sc, float iv, float *out, int p0, int p1, size_t rb,
+                    int hd16) {
+    for (int i = p0; i < p1 && hd16 < a->head_dim; i++) {
+        const char *v = row_ptr(a, a->v_off, i, rb);
+        float w = sc[i] * iv;
+        for (int e = hd16; e < a->head_dim; e++) out[e] = __builtin_fmaf(w, elem(v, e, a->kv_dtype), out[e]);
+    }
+}
 
 #ifdef KV_ATTN_X86
 /* ---- AVX-512 ---- */
@@ -186,24 +223,69 @@ AI T512 void vacc512(const struct kv_attn_args *a, const float *sc, float inv, f
     _Pragma("GCC unroll 4") for (int u = 0; u < NV; u++) _mm512_storeu_ps(out + d0 + 16 * u, acc[u]);
 }
 
+/* Scores of positions [i0, i0 + 16) (at most ni of them; rows past n_last are never read)
+ * for every row and head of the tile: one accumulator per position, the 16 trees at once. */
+AI T512 void scores512(const struct kv_attn_args *a, int i0, int ni, size_t rb, const int dt) {
+    const int hd = a->head_dim, hd16 = hd - hd % 16;
+    const char *kr[16];
+    for (int t = 0; t < 16; t++) kr[t] = row_ptr(a, a->k_off, i0 + (t < ni ? t : ni - 1), rb);
+    for (int j = 0; j < a->n_rows; j++) {
+        int cnt = a->n_pos + j - i0; /* positions of this chunk row j sees */
+        if (cnt <= 0) continue;
+        if (cnt > ni) cnt = ni;
+        for (int g = 0; g < a->n_group; g++) {
+            const float *q = a->q + (size_t)j * a->q_stride + (size_t)g * hd;
+            __m512 acc[16];
+            _Pragma("GCC unroll 16") for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps();
+            for (int e = 0; e < hd16; e += 16) {
+                __m512 qv = _mm512_loadu_ps(q + e);
+                _Pragma("GCC unroll 16") for (int t = 0; t < 16; t++)
+                    acc[t] = _mm512_fmadd_ps(qv, ld512(kr[t], e, dt), acc[t]);
+            }
+            float s[16];
+            kv_tree16_512(acc, cnt, s);
+            float *sc = scores_of(a, j, g) + i0;
+            for (int t = 0; t < cnt; t++) {
+                float v = s[t];
+                for (int e = hd16; e < hd; e++) v = __builtin_fmaf(q[e], elem(kr[t], e, dt), v);
+                sc[t] = v * a->scale;
+            }
+        }
+    }
+}
+
+/* vacc512 for NP (row, head) pairs at once over their common positions [p0, p1): the V
+ * vectors are loaded once for all pairs (NP * NV <= 16 accumulators). */
+AI T512 void vaccm512(const struct kv_attn_args *a, const float *const *sc, const float *inv, float *const *out, int d0,
+                      int p0, int p1, size_t rb, const int NV, const int NP) {
+    __m512 acc[4][4];
+    _Pragma("GCC unroll 4") for (int x = 0; x < NP; x++)
+        _Pragma("GCC unroll 4") for (int u = 0; u < NV; u++) acc[x][u] = _mm512_loadu_ps(out[x] + d0 + 16 * u);
+    for (int i = p0; i < p1; i++) {
+        const char *v = row_ptr(a, a->v_off, i, rb);
+        __m512 vv[4];
+        _Pragma("GCC unroll 4") for (int u = 0; u < NV; u++) vv[u] = ld512(v, d0 + 16 * u, a->kv_dtype);
+        _Pragma("GCC unroll 4") for (int x = 0; x < NP; x++) {
+            __m512 w = _mm512_set1_ps(sc[x][i] * inv[x]);
+            _Pragma("GCC unroll 4") for (int u = 0; u < NV; u++) acc[x][u] = _mm512_fmadd_ps(w, vv[u], acc[x][u]);
+        }
+    }
+    _Pragma("GCC unroll 4") for (int x = 0; x < NP; x++)
+        _Pragma("GCC unroll 4") for (int u = 0; u < NV; u++) _mm512_storeu_ps(out[x] + d0 + 16 * u, acc[x][u]);
+}
+
 static T512 void attn_avx512(const struct kv_attn_args *a) {
     const int hd = a->head_dim, dt = a->kv_dtype, hd16 = hd - hd % 16, R = a->n_rows, G = a->n_group;
     const int n_last = a->n_pos + R - 1; /* positions the last row attends */
     const size_t rb = (size_t)hd * kv_dtype_size(dt);
-    for (int i = 0; i < n_last; i++) { /* scores: each K row read once for the tile and the group */
-        const char *k = row_ptr(a, a->k_off, i, rb);
-        int j0 = i < a->n_pos ? 0 : i - a->n_pos + 1; /* rows that see position i */
-        for (int j = j0; j < R; j++)
-            for (int g = 0; g < G; g++) {
-                const float *q = a->q + (size_t)j * a->q_stride + (size_t)g * hd;
-                __m512 acc = _mm512_setzero_ps();
-                for (int e = 0; e < hd16; e += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + e), ld512(k, e, dt), acc);
-                float s = kv_hsum512(acc);
-                for (int e = hd16; e < hd; e++) s = __builtin_fmaf(q[e], elem(k, e, dt), s);
-                scores_of(a, j, g)[i] = s * a->scale;
-            }
+    /* scores: each K row read once for the tile and the group */
+    for (int i0 = 0; i0 < n_last; i0 += 16) {
+        int ni = n_last - i0 < 16 ? n_last - i0 : 16;
+        if (dt == KV_DTYPE_F16) scores512(a, i0, ni, rb, KV_DTYPE_F16);
+        else if (dt == KV_DTYPE_BF16) scores512(a, i0, ni, rb, KV_DTYPE_BF16);
+        else scores512(a, i0, ni, rb, KV_DTYPE_F32);
     }
-    ATTN_SOFTMAX_VALUES(vacc512, 4, 3, 2, 1);
+    ATTN_SOFTMAX_VALUES(vacc512, 4, 3, 2, 1, vaccm512, 4, 64, 4, 2);
 }
 
 /* ---- AVX2 + FMA + F16C ---- */
@@ -229,27 +311,69 @@ AI T256 void vacc256(const struct kv_attn_args *a, const float *sc, float inv, f
     _Pragma("GCC unroll 8") for (int u = 0; u < NV; u++) _mm256_storeu_ps(out + d0 + 8 * u, acc[u]);
 }
 
+/* As scores512 with 8 positions per chunk (16 lanes as two ymm halves per position). */
+AI T256 void scores256(const struct kv_attn_args *a, int i0, int ni, size_t rb, const int dt) {
+    const int hd = a->head_dim, hd16 = hd - hd % 16;
+    const char *kr[8];
+    for (int t = 0; t < 8; t++) kr[t] = row_ptr(a, a->k_off, i0 + (t < ni ? t : ni - 1), rb);
+    for (int j = 0; j < a->n_rows; j++) {
+        int cnt = a->n_pos + j - i0;
+        if (cnt <= 0) continue;
+        if (cnt > ni) cnt = ni;
+        for (int g = 0; g < a->n_group; g++) {
+            const float *q = a->q + (size_t)j * a->q_stride + (size_t)g * hd;
+            __m256 lo[8], hi[8];
+            _Pragma("GCC unroll 8") for (int t = 0; t < 8; t++) lo[t] = hi[t] = _mm256_setzero_ps();
+            for (int e = 0; e < hd16; e += 16) {
+                __m256 ql = _mm256_loadu_ps(q + e), qh = _mm256_loadu_ps(q + e + 8);
+                _Pragma("GCC unroll 8") for (int t = 0; t < 8; t++) {
+                    lo[t] = _mm256_fmadd_ps(ql, ld256(kr[t], e, dt), lo[t]);
+                    hi[t] = _mm256_fmadd_ps(qh, ld256(kr[t], e + 8, dt), hi[t]);
+                }
+            }
+            _Pragma("GCC unroll 8") for (int t = 0; t < 8; t++) lo[t] = _mm256_add_ps(lo[t], hi[t]); /* l8 */
+            float s[8];
+            kv_tree8_256(lo, cnt, s);
+            float *sc = scores_of(a, j, g) + i0;
+            for (int t = 0; t < cnt; t++) {
+                float v = s[t];
+                for (int e = hd16; e < hd; e++) v = __builtin_fmaf(q[e], elem(kr[t], e, dt), v);
+                sc[t] = v * a->scale;
+            }
+        }
+    }
+}
+
+/* As vaccm512 with 8-lane halves (NP * NV <= 8 accumulators). */
+AI T256 void vaccm256(const struct kv_attn_args *a, const float *const *sc, const float *inv, float *const *out, int d0,
+                      int p0, int p1, size_t rb, const int NV, const int NP) {
+    __m256 acc[2][4];
+    _Pragma("GCC unroll 2") for (int x = 0; x < NP; x++)
+        _Pragma("GCC unroll 4") for (int u = 0; u < NV; u++) acc[x][u] = _mm256_loadu_ps(out[x] + d0 + 8 * u);
+    for (int i = p0; i < p1; i++) {
+        const char *v = row_ptr(a, a->v_off, i, rb);
+        __m256 vv[4];
+        _Pragma("GCC unroll 4") for (int u = 0; u < NV; u++) vv[u] = ld256(v, d0 + 8 * u, a->kv_dtype);
+        _Pragma("GCC unroll 2") for (int x = 0; x < NP; x++) {
+            __m256 w = _mm256_set1_ps(sc[x][i] * inv[x]);
+            _Pragma("GCC unroll 4") for (int u = 0; u < NV; u++) acc[x][u] = _mm256_fmadd_ps(w, vv[u], acc[x][u]);
+        }
+    }
+    _Pragma("GCC unroll 2") for (int x = 0; x < NP; x++)
+        _Pragma("GCC unroll 4") for (int u = 0; u < NV; u++) _mm256_storeu_ps(out[x] + d0 + 8 * u, acc[x][u]);
+}
+
 static T256 void attn_avx2(const struct kv_attn_args *a) {
     const int hd = a->head_dim, dt = a->kv_dtype, hd16 = hd - hd % 16, R = a->n_rows, G = a->n_group;
     const int n_last = a->n_pos + R - 1;
     const size_t rb = (size_t)hd * kv_dtype_size(dt);
-    for (int i = 0; i < n_last; i++) {
-        const char *k = row_ptr(a, a->k_off, i, rb);
-        int j0 = i < a->n_pos ? 0 : i - a->n_pos + 1;
-        for (int j = j0; j < R; j++)
-            for (int g = 0; g < G; g++) {
-                const float *q = a->q + (size_t)j * a->q_stride + (size_t)g * hd;
-                __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
-                for (int e = 0; e < hd16; e += 16) {
-                    lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + e), ld256(k, e, dt), lo);
-                    hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + e + 8), ld256(k, e + 8, dt), hi);
-                }
-                float s = kv_hsum256x2(lo, hi);
-                for (int e = hd16; e < hd; e++) s = __builtin_fmaf(q[e], elem(k, e, dt), s);
-                scores_of(a, j, g)[i] = s * a->scale;
-            }
+    for (int i0 = 0; i0 < n_last; i0 += 8) {
+        int ni = n_last - i0 < 8 ? n_last - i0 : 8;
+        if (dt == KV_DTYPE_F16) scores256(a, i0, ni, rb, KV_DTYPE_F16);
+        else if (dt == KV_DTYPE_BF16) scores256(a, i0, ni, rb, KV_DTYPE_BF16);
+        else scores256(a, i0, ni, rb, KV_DTYPE_F32);
     }
-    ATTN_SOFTMAX_VALUES(vacc256, 8, 6, 4, 2);
+    ATTN_SOFTMAX_VALUES(vacc256, 8, 6, 4, 2, vaccm256, 2, 32, 4, 2);
 }
 #endif
 

@@ -116,7 +116,7 @@ static float *thread_sums(size_t n) {
  * The partial sums are the contract's 16 lanes themselves, saved between K blocks in a
  * per-thread buffer (R x C x 16 floats per tile): each lane still adds its products in
  * increasing k, so the blocking changes no bit. The tree runs on 16 (AVX2: 8) outputs at
- * once with lane shuffles (tree16_512 / tree8_256) doing the contract's additions. */
+ * once with lane shuffles (kv_tree16_512 / kv_tree8_256, simd_internal.h) doing the contract's additions. */
 #define KC_STEPS 48 /* K block of at most 48 x 16 floats: an 8-row X tile of 24 KiB stays in L1 */
 
 /* Number of K blocks and the bounds of block b (in floats; multiples of 16 below K16). */
@@ -137,28 +137,6 @@ AI float finish(float s, const float *x, const float *w, int K16, int K, const f
 #define T512 KV_T512
 #define R512 8 /* X rows per tile */
 #define C512 3 /* W rows per tile: 24 accumulators + 3 W + 1 X of the 32 zmm */
-
-/* The contract's tree over 16 accumulators at once: out[i] = tree(a[i]), i < n (n <= 16;
- * a[n..16) are not read). Each step adds the same lane pairs as kv_hsum512:
- * l8 (halves of one zmm), l4 (quarters), l2 and s (pairs inside a quarter). */
-AI T512 void tree16_512(const __m512 *a, int n, float *out) {
-    __m512 v[16], p[8], q[4], r[2];
-    for (int i = 0; i < 16; i++) v[i] = i < n ? a[i] : _mm512_setzero_ps();
-    for (int i = 0; i < 8; i++) /* quarters: l8 of v[2i] (0, 1), of v[2i+1] (2, 3) */
-        p[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-    for (int i = 0; i < 4; i++) /* quarter t: l4 of v[4i + t] */
-        q[i] = _mm512_add_ps(_mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0xDD));
-    for (int i = 0; i < 2; i++) /* quarter t: l2 of v[8i + t], l2 of v[8i + 4 + t] */
-        r[i] = _mm512_add_ps(_mm512_shuffle_ps(q[2 * i], q[2 * i + 1], 0x44),
-                             _mm512_shuffle_ps(q[2 * i], q[2 * i + 1], 0xEE));
-    /* float 4t + u: s of v[4u + t] */
-    __m512 z = _mm512_add_ps(_mm512_shuffle_ps(r[0], r[1], 0x88), _mm512_shuffle_ps(r[0], r[1], 0xDD));
-    float t[16] __attribute__((aligned(64)));
-    _mm512_store_ps(t, z);
-    for (int i = 0; i < n; i++) out[i] = t[4 * (i & 3) + (i >> 2)];
-}
 
 /* One R x C tile over K block [k0, k1): see the loop nest above. buf: the tile's R*C*16
  * saved lanes. */
@@ -182,8 +160,8 @@ AI T512 void tile512(const float *X, size_t ldx, const float *W, size_t ldw, int
         return;
     }
     float s[R512 * C512];
-    tree16_512(acc, R * C < 16 ? R * C : 16, s);
-    if (R * C > 16) tree16_512(acc + 16, R * C - 16, s + 16);
+    kv_tree16_512(acc, R * C < 16 ? R * C : 16, s);
+    if (R * C > 16) kv_tree16_512(acc + 16, R * C - 16, s + 16);
     int K16 = K - K % 16;
     _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)
         _Pragma("GCC unroll 3") for (int c = 0; c < C; c++)
@@ -234,23 +212,6 @@ static T512 void cols_avx512(const struct kv_matmul_op *op, const float *Wp, siz
 #define R256 4
 #define C256 3
 
-/* The tree from l8 (lanes j + lanes j+8, one ymm per output) for n <= 8 outputs at once. */
-AI T256 void tree8_256(const __m256 *a, int n, float *out) {
-    __m256 v[8], p[4], q[2];
-    for (int i = 0; i < 8; i++) v[i] = i < n ? a[i] : _mm256_setzero_ps();
-    for (int i = 0; i < 4; i++) /* lane half h: l4 of v[2i + h] */
-        p[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20),
-                             _mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x31));
-    for (int i = 0; i < 2; i++) /* half h: l2 of v[4i + h], l2 of v[4i + 2 + h] */
-        q[i] = _mm256_add_ps(_mm256_shuffle_ps(p[2 * i], p[2 * i + 1], 0x44),
-                             _mm256_shuffle_ps(p[2 * i], p[2 * i + 1], 0xEE));
-    /* float 4h + u: s of v[2u + h] */
-    __m256 z = _mm256_add_ps(_mm256_shuffle_ps(q[0], q[1], 0x88), _mm256_shuffle_ps(q[0], q[1], 0xDD));
-    float t[8] __attribute__((aligned(32)));
-    _mm256_store_ps(t, z);
-    for (int i = 0; i < n; i++) out[i] = t[4 * (i & 1) + (i >> 1)];
-}
-
 AI T256 void tile256(const float *X, size_t ldx, const float *W, size_t ldw, int k0, int k1, float *buf, int first,
                      int last, int K, const float *bias, float *Y, size_t ldy, const int R, const int C) {
     __m256 acc[R256 * C256];
@@ -274,8 +235,8 @@ AI T256 void tile256(const float *X, size_t ldx, const float *W, size_t ldw, int
     /* l8 = lanes 0-7 (saved) + lanes 8-15 (in registers) */
     _Pragma("GCC unroll 12") for (int i = 0; i < R * C; i++) acc[i] = _mm256_add_ps(_mm256_load_ps(buf + 16 * i), acc[i]);
     float s[R256 * C256];
-    tree8_256(acc, R * C < 8 ? R * C : 8, s);
-    if (R * C > 8) tree8_256(acc + 8, R * C - 8, s + 8);
+    kv_tree8_256(acc, R * C < 8 ? R * C : 8, s);
+    if (R * C > 8) kv_tree8_256(acc + 8, R * C - 8, s + 8);
     int K16 = K - K % 16;
     _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)
         _Pragma("GCC unroll 3") for (int c = 0; c < C; c++)

@@ -32,6 +32,46 @@ static inline __attribute__((always_inline)) KV_T256 float kv_hsum256x2(__m256 l
     __m128 d = _mm_add_ps(c, _mm_movehl_ps(c, c));
     return _mm_cvtss_f32(_mm_add_ss(d, _mm_shuffle_ps(d, d, 1)));
 }
+
+/* The contract's tree over 16 accumulators at once: out[i] = tree(a[i]), i < n (n <= 16;
+ * a[n..16) are not read). Each step adds the same lane pairs as kv_hsum512:
+ * l8 (halves of one zmm), l4 (quarters), l2 and s (pairs inside a quarter). */
+static inline __attribute__((always_inline)) KV_T512 void kv_tree16_512(const __m512 *a, int n, float *out) {
+    __m512 v[16], p[8], q[4], r[2];
+    for (int i = 0; i < 16; i++) v[i] = i < n ? a[i] : _mm512_setzero_ps();
+    for (int i = 0; i < 8; i++) /* quarters: l8 of v[2i] (0, 1), of v[2i+1] (2, 3) */
+        p[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++) /* quarter t: l4 of v[4i + t] */
+        q[i] = _mm512_add_ps(_mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++) /* quarter t: l2 of v[8i + t], l2 of v[8i + 4 + t] */
+        r[i] = _mm512_add_ps(_mm512_shuffle_ps(q[2 * i], q[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(q[2 * i], q[2 * i + 1], 0xEE));
+    /* float 4t + u: s of v[4u + t] */
+    __m512 z = _mm512_add_ps(_mm512_shuffle_ps(r[0], r[1], 0x88), _mm512_shuffle_ps(r[0], r[1], 0xDD));
+    float t[16] __attribute__((aligned(64)));
+    _mm512_store_ps(t, z);
+    for (int i = 0; i < n; i++) out[i] = t[4 * (i & 3) + (i >> 2)];
+}
+
+/* The tree from l8 (lanes j + lanes j+8, one ymm per output) for n <= 8 outputs at once. */
+static inline __attribute__((always_inline)) KV_T256 void kv_tree8_256(const __m256 *a, int n, float *out) {
+    __m256 v[8], p[4], q[2];
+    for (int i = 0; i < 8; i++) v[i] = i < n ? a[i] : _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) /* lane half h: l4 of v[2i + h] */
+        p[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20),
+                             _mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x31));
+    for (int i = 0; i < 2; i++) /* half h: l2 of v[4i + h], l2 of v[4i + 2 + h] */
+        q[i] = _mm256_add_ps(_mm256_shuffle_ps(p[2 * i], p[2 * i + 1], 0x44),
+                             _mm256_shuffle_ps(p[2 * i], p[2 * i + 1], 0xEE));
+    /* float 4h + u: s of v[2u + h] */
+    __m256 z = _mm256_add_ps(_mm256_shuffle_ps(q[0], q[1], 0x88), _mm256_shuffle_ps(q[0], q[1], 0xDD));
+    float t[8] __attribute__((aligned(32)));
+    _mm256_store_ps(t, z);
+    for (int i = 0; i < n; i++) out[i] = t[4 * (i & 1) + (i >> 1)];
+}
+
 #endif
 
 #endif

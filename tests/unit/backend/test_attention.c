@@ -1,0 +1,130 @@
+/*
+ * CPU attention kernel (src/backend/cpu/attention.h): every kernel family the CPU has (AVX-512,
+ * AVX2) gives bitwise the output of the generic one (the contract in scalar C), for head
+ * sizes with and without a head_dim % 16 tail, GQA groups, prefill tiles of several rows,
+ * position counts around the vector kernels' 16- and 8-position score chunks and the block
+ * size, f32 / f16 / bf16 KV elements and a block table that is not in order; and the
+ * generic output is within 1e-5 of a double-precision softmax-attention.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/backend.h"
+#include "backend/cpu/attention.h"
+#include "backend/cpu/matmul.h"
+
+static uint64_t g_rng = 0x9E3779B97F4A7C15ull;
+static float frand(void) { /* xorshift64, uniform in [-1, 1) */
+    g_rng ^= g_rng << 13, g_rng ^= g_rng >> 7, g_rng ^= g_rng << 17;
+    return (float)((g_rng >> 40) / (double)(1ull << 24) * 2.0 - 1.0);
+}
+
+#define TPB 16
+
+/* One case: returns the generic output in ref (n_rows * n_group * hd) and checks the other
+ * families against it. */
+static void run_case(int hd, int G, int R, int n_pos, int dt) {
+    int n_last = n_pos + R - 1, n_blocks = (n_last + TPB - 1) / TPB + 2;
+    size_t esz = kv_dtype_size(dt), run = (size_t)TPB * hd * esz, bb = 2 * run;
+    char *pool = calloc((size_t)n_blocks, bb);
+    int32_t *bt = malloc(sizeof(int32_t) * (size_t)n_blocks);
+    for (int b = 0; b < n_blocks; b++) bt[b] = n_blocks - 1 - b; /* not in order */
+    float row[256];
+    for (int p = 0; p < n_last; p++)
+        for (int kv = 0; kv < 2; kv++) {
+            for (int e = 0; e < hd; e++) row[e] = frand() * 2.0f;
+            kv_store_row(pool + (size_t)bt[p / TPB] * bb + kv * run + (size_t)(p % TPB) * hd * esz, row, hd, dt);
+        }
+    size_t qs = (size_t)G * hd;
+    float *q = malloc(sizeof(float) * qs * R), *ref = malloc(sizeof(float) * qs * R), *out = malloc(sizeof(float) * qs * R);
+    for (size_t i = 0; i < qs * R; i++) q[i] = frand();
+    float *scores = malloc(sizeof(float) * (size_t)R * G * (size_t)(n_pos + R - 1));
+    struct kv_attn_args a = {.q = q, .n_group = G, .head_dim = hd, .n_rows = R, .q_stride = qs, .out_stride = qs,
+                             .n_pos = n_pos, .block_table = bt, .tpb = TPB, .pool = pool, .block_bytes = bb,
+                             .k_off = 0, .v_off = run, .kv_dtype = dt, .scale = 1.0f / sqrtf((float)hd),
+                             .scores = scores, .out = ref};
+    assert_int_equal(kv_matmul_set_isa(KV_MATMUL_ISA_GENERIC), KV_MATMUL_ISA_GENERIC);
+    kv_attention(&a);
+    /* the generic output against double precision */
+    for (int j = 0; j < R; j++)
+        for (int g = 0; g < G; g++) {
+            int np = n_pos + j;
+            double *s = malloc(sizeof(double) * (size_t)np), mx = -1e300, sum = 0;
+            const float *qq = q + (size_t)j * qs + (size_t)g * hd;
+            for (int p = 0; p < np; p++) {
+                const char *kr = pool + (size_t)bt[p / TPB] * bb + (size_t)(p % TPB) * hd * esz;
+                double d = 0;
+                for (int e = 0; e < hd; e++) {
+                    float kf;
+                    if (dt == KV_DTYPE_F32) memcpy(&kf, kr + 4 * (size_t)e, 4);
+                    else {
+                        uint16_t h;
+                        memcpy(&h, kr + 2 * (size_t)e, 2);
+                        kf = dt == KV_DTYPE_F16 ? kv_f16_to_f32(h) : kv_bf16_to_f32(h);
+                    }
+                    d += (double)qq[e] * kf;
+                }
+                s[p] = d / sqrt((double)hd);
+                if (s[p] > mx) mx = s[p];
+            }
+            for (int p = 0; p < np; p++) sum += (s[p] = exp(s[p] - mx));
+            for (int e = 0; e < hd; e++) {
+                double o = 0;
+                for (int p = 0; p < np; p++) {
+                    const char *vr = pool + (size_t)bt[p / TPB] * bb + run + (size_t)(p % TPB) * hd * esz;
+                    float vf;
+                    if (dt == KV_DTYPE_F32) memcpy(&vf, vr + 4 * (size_t)e, 4);
+                    else {
+                        uint16_t h;
+                        memcpy(&h, vr + 2 * (size_t)e, 2);
+                        vf = dt == KV_DTYPE_F16 ? kv_f16_to_f32(h) : kv_bf16_to_f32(h);
+                    }
+                    o += s[p] / sum * vf;
+                }
+                double got = ref[(size_t)j * qs + (size_t)g * hd + e];
+                if (fabs(got - o) > 1e-5 * 2.0)
+                    fail_msg("hd %d G %d R %d n_pos %d dt %d: out[%d][%d][%d] = %.9g, double %.9g", hd, G, R, n_pos, dt,
+                             j, g, e, got, o);
+            }
+            free(s);
+        }
+    enum kv_matmul_isa isas[] = {KV_MATMUL_ISA_AVX2, KV_MATMUL_ISA_AVX512};
+    for (int i = 0; i < 2; i++) {
+        if (kv_matmul_set_isa(isas[i]) != isas[i]) continue;
+        a.out = out;
+        memset(out, 0xff, sizeof(float) * qs * R);
+        kv_attention(&a);
+        if (memcmp(out, ref, sizeof(float) * qs * R))
+            fail_msg("hd %d G %d R %d n_pos %d dt %s: family %s differs from generic", hd, G, R, n_pos,
+                     kv_dtype_name(dt), kv_matmul_isa_name());
+    }
+    kv_matmul_set_isa(KV_MATMUL_ISA_AUTO);
+    free(pool), free(bt), free(q), free(ref), free(out), free(scores);
+}
+
+static void test_families_equal_generic(void **st) {
+    (void)st;
+    static const int hds[] = {64, 40, 16, 24, 128, 8, 80, 96};
+    static const int npos[] = {1, 5, 16, 17, 40, 100};
+    static const int rows[] = {1, 3, 8};
+    int dts[] = {KV_DTYPE_F32, KV_DTYPE_F16, KV_DTYPE_BF16};
+    for (size_t h = 0; h < sizeof hds / sizeof hds[0]; h++)
+        for (int G = 1; G <= 4; G += 3)
+            for (size_t r = 0; r < sizeof rows / sizeof rows[0]; r++)
+                for (size_t p = 0; p < sizeof npos / sizeof npos[0]; p++)
+                    for (int d = 0; d < 3; d++) run_case(hds[h], G, rows[r], npos[p], dts[d]);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_families_equal_generic),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
