@@ -41,12 +41,36 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+#ifdef KV_ATTN_X86
+/* f32 -> f16 with F16C, 8 at a time: IEEE round-to-nearest-even, as kv_f32_to_f16 for every
+ * non-NaN value (including subnormal results, overflow to inf and f32 subnormals, with the
+ * default MXCSR); a group holding a NaN goes through kv_f32_to_f16 (its NaN is canonical). */
+static KV_T256 void store_f16_f16c(uint16_t *d, const float *src, int n) {
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_loadu_ps(src + i);
+        if (_mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q))) {
+            for (int t = 0; t < 8; t++) d[i + t] = kv_f32_to_f16(src[i + t]);
+            continue;
+        }
+        _mm_storeu_si128((__m128i *)(void *)(d + i), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+    }
+    for (; i < n; i++) d[i] = kv_f32_to_f16(src[i]);
+}
+#endif
+
 void kv_store_row(void *dst, const float *src, int n, int kv_dtype) {
     if (kv_dtype == KV_DTYPE_F32) {
         memcpy(dst, src, (size_t)n * sizeof(float));
         return;
     }
     uint16_t *d = dst;
+#ifdef KV_ATTN_X86
+    if (kv_dtype == KV_DTYPE_F16 && kv_matmul_get_isa() >= KV_MATMUL_ISA_AVX2) {
+        store_f16_f16c(d, src, n);
+        return;
+    }
+#endif
     for (int i = 0; i < n; i++) d[i] = kv_dtype == KV_DTYPE_F16 ? kv_f32_to_f16(src[i]) : f32_to_bf16(src[i]);
 }
 

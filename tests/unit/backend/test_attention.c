@@ -4,7 +4,8 @@
  * sizes with and without a head_dim % 16 tail, GQA groups, prefill tiles of several rows,
  * position counts around the vector kernels' 16- and 8-position score chunks and the block
  * size, f32 / f16 / bf16 KV elements and a block table that is not in order; and the
- * generic output is within 1e-5 of a double-precision softmax-attention.
+ * generic output is within 1e-5 of a double-precision softmax-attention. kv_store_row to f16
+ * gives kv_f32_to_f16's bits on every family.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -122,9 +123,50 @@ static void test_families_equal_generic(void **st) {
                     for (int d = 0; d < 3; d++) run_case(hds[h], G, rows[r], npos[p], dts[d]);
 }
 
+/* kv_store_row to f16 gives kv_f32_to_f16's bits on every family: random values over the
+ * whole exponent range (normal, subnormal and overflowing results, ties), f32 subnormals,
+ * zeros, infinities and NaNs (with payloads) in groups of 8 and in the scalar tail. */
+static void test_store_f16_every_family(void **st) {
+    (void)st;
+    enum { N = 4099 };
+    float *src = malloc(sizeof(float) * N);
+    uint16_t *got = malloc(2 * N), *want = malloc(2 * N);
+    for (int i = 0; i < N; i++) {
+        uint32_t u;
+        g_rng ^= g_rng << 13, g_rng ^= g_rng >> 7, g_rng ^= g_rng << 17;
+        u = (uint32_t)(g_rng >> 20);
+        /* exponents 0x60..0x9f (2^-31 .. 2^32): f16 subnormals, normals and overflow */
+        u = (u & 0x807fffffu) | ((uint32_t)(0x60 + (g_rng >> 58)) << 23);
+        if (i % 7 == 0) u &= ~0x1fffu, u |= 0x1000u; /* a tie at f16 precision */
+        memcpy(&src[i], &u, 4);
+    }
+    const uint32_t special[] = {0, 0x80000000u, 0x7f800000u, 0xff800000u, 0x7fc00000u, 0x7f800001u, 0xffc12345u,
+                                0x00000001u, 0x807fffffu, 0x477fefffu, 0x477ff000u, 0x33000000u, 0x33000001u};
+    for (size_t k = 0; k < sizeof special / sizeof special[0]; k++) {
+        memcpy(&src[37 * k + 5], &special[k], 4);
+        memcpy(&src[N - 1 - k], &special[k], 4);
+    }
+    for (int i = 0; i < N; i++) want[i] = kv_f32_to_f16(src[i]);
+    enum kv_matmul_isa isas[] = {KV_MATMUL_ISA_GENERIC, KV_MATMUL_ISA_AVX2, KV_MATMUL_ISA_AVX512};
+    for (int f = 0; f < 3; f++) {
+        if (kv_matmul_set_isa(isas[f]) != isas[f]) continue;
+        for (int n = N; n > N - 9; n--) {
+            memset(got, 0, 2 * N);
+            kv_store_row(got, src, n, KV_DTYPE_F16);
+            for (int i = 0; i < n; i++)
+                if (got[i] != want[i])
+                    fail_msg("family %s, n %d: element %d (%a) stored as 0x%04x, kv_f32_to_f16 gives 0x%04x",
+                             kv_matmul_isa_name(), n, i, (double)src[i], got[i], want[i]);
+        }
+    }
+    kv_matmul_set_isa(KV_MATMUL_ISA_AUTO);
+    free(src), free(got), free(want);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_families_equal_generic),
+        cmocka_unit_test(test_store_f16_every_family),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
