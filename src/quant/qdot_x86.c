@@ -59,6 +59,18 @@ static ALWAYS size_t step_bytes(int type) {
 }
 static ALWAYS bool has_scales(int type) { return step_elems(type) > 16; }
 
+/* F32/F16/BF16 rows (no scales): while a tile reads step st of its R rows, prefetch (into L2)
+ * the matching share of the next R rows, which follow contiguously when rb is the packed row
+ * size (GGUF, model_alloc): a decode step's rows are short (768 f16 = 24 lines), too short
+ * for the hardware prefetcher to ramp up per row. Only for rows of at most 2 KiB: longer ones
+ * stream well on their own and measured no faster (bench_qdot --k 2048/4096) with it. A
+ * prefetch past the matrix is harmless. */
+static ALWAYS void float_prefetch(const uint8_t *w, size_t rb, int R, int st, size_t SB) {
+    if (rb > 2048) return;
+    const uint8_t *next = w + (size_t)R * rb + (size_t)st * R * SB;
+    for (size_t b = 0; b < (size_t)R * SB; b += 64) __builtin_prefetch(next + b, 0, 2);
+}
+
 /* weight k of an F32/F16/BF16 row (the K % 16 tail) */
 AVX2 static ALWAYS float w_scalar(int type, const uint8_t *row, int k) {
     float f;
@@ -233,6 +245,7 @@ AVX2 static ALWAYS void y_tile(const int type, const uint8_t *w, size_t rb, int 
     uint8_t qb[4][256] __attribute__((aligned(32)));
     for (int st = 0; st < nst; st++) {
         const uint8_t *blk = w + (size_t)st * SB;
+        if (!has_scales(type)) float_prefetch(w, rb, R, st, SB);
         if (has_scales(type))
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
@@ -368,6 +381,7 @@ AVX512 static ALWAYS void z_tile(const int type, const uint8_t *w, size_t rb, in
     uint8_t qb[8][256] __attribute__((aligned(64)));
     for (int st = 0; st < nst; st++) {
         const uint8_t *blk = w + (size_t)st * SB;
+        if (!has_scales(type)) float_prefetch(w, rb, R, st, SB);
         if (has_scales(type))
 #pragma GCC unroll 8
             for (int r = 0; r < R; r++) {

@@ -457,10 +457,11 @@ static void plan_task(void *p, int t, int th) {
     int n0 = (t - pl->first[i]) * pl->nb[i];
     int n1 = n0 + pl->nb[i] < W->rows ? n0 + pl->nb[i] : W->rows;
     size_t K = (size_t)W->cols;
-    if (W->type == KV_QTYPE_F32) {
+    if (W->type == KV_QTYPE_F32 && op->M > DECODE_ROWS) {
         pl->fn(op, (const float *)W->data + (size_t)n0 * K, K, n0, n1);
         return;
     }
+    /* decode rows of every type, F32 included (qdot's GEMV tiles: 8 weight rows per X row) */
     if (pl->q8[i] || op->M <= DECODE_ROWS) { /* decode: dequantize in registers, nothing written but Y */
         if (pl->q8[i] && op->M > DECODE_ROWS && kv_q8_packed_fast(W->type)) {
             /* prefill: repack the task's rows once (VNNI order), then outer products for all M */

@@ -29,20 +29,25 @@
  * ISA-invariant, within a tolerance of this one.
  * kv_matmul_reference() is a scalar transcription of this order, used by the unit test.
  *
- * Kernels (one per ISA, each doing exactly the arithmetic above): register tiles of R X rows
- * x C W rows, each accumulator one 16-lane vector: AVX-512 (32 zmm) 4x4 tiles, one zmm per
- * accumulator; AVX2 (16 ymm) 3x2 tiles, two ymm per accumulator (the 4x4 tile would need 32
- * ymm and spill); generic: scalar fmaf. Work split: W is cut into blocks of rows (about 192
- * KiB of f32, so a block stays in L2 while all rows use it; smaller for >= 4 tasks per
- * thread) and every block is one thread-pool task computing all M rows of its columns, so
- * each output element is computed entirely by one thread. INT8 mode, quantized weights: the
- * batch's activation rows are quantized once per distinct X (kv_q8_quantize), then a task runs
- * kv_q8_dot_rows on its rows (M <= 4, or no AMX/VNNI) or repacks them into a per-thread panel
- * (kv_q8_pack) and runs kv_q8_dot_packed (prefill). Otherwise, non-F32 weights: when M <= 4
- * (decode) the task calls kv_qdot_rows (src/quant/qdot.h), which dequantizes 16 weights at a
- * time into registers and FMAs them at once (nothing written but Y); for larger M the task
- * dequantizes its block into a per-thread f32 panel first (the dequantization is amortised
- * over M rows). Both follow the contract above, so the split point changes no bits.
+ * Kernels (one per ISA, each doing exactly the arithmetic above), for M > 4 (prefill): register
+ * tiles of R X rows x C W rows, each accumulator the 16 lanes of one output: AVX-512 (32 zmm)
+ * 8x3 tiles, one zmm per accumulator; AVX2 (16 ymm) 4x3 tiles of one ymm, run once per 8-lane
+ * half of the 16 lanes (lanes 0-7 and 8-15 are independent lanes of the contract); generic:
+ * scalar fmaf. K is cut into blocks of at most 768 floats so the X tile stays in L1 while the
+ * task's W rows stream past it; between K blocks the 16 lanes are saved in a per-thread buffer
+ * and reloaded (each lane still adds in increasing k), and after the last block a shuffle
+ * network runs the fixed tree on 16 (AVX2: 8) outputs at once. Work split: W is cut into
+ * blocks of rows (about 192 KiB of f32, so a block stays in L2 while all rows use it; smaller
+ * for >= 4 tasks per thread) and every block is one thread-pool task computing all M rows of
+ * its columns, so each output element is computed entirely by one thread. INT8 mode, quantized
+ * weights: the batch's activation rows are quantized once per distinct X (kv_q8_quantize), then
+ * a task runs kv_q8_dot_rows on its rows (M <= 4, or no AMX/VNNI) or repacks them into a
+ * per-thread panel (kv_q8_pack) and runs kv_q8_dot_packed (prefill). Otherwise, when M <= 4
+ * (decode; every weight type, F32 included) the task calls kv_qdot_rows (src/quant/qdot.h),
+ * which dequantizes 16 weights at a time into registers and FMAs them at once (nothing
+ * written but Y); for larger M and non-F32 weights the task dequantizes its block into a
+ * per-thread f32 panel first (the dequantization is amortised over M rows). All follow the
+ * contract above, so the split points change no bits.
  *
  * Example:
  *   kv_matmul_w(x, n_rows, &lw->wq, lw->bq, q, tp);  // q = x wq^T (+ bq), wq in any type
