@@ -91,6 +91,30 @@ AI const char *row_ptr(const struct kv_attn_args *a, size_t off, int p, size_t r
     return a->pool + (size_t)a->block_table[p / a->tpb] * a->block_bytes + off + (size_t)(p % a->tpb) * row_bytes;
 }
 
+/* Rows of positions [p, p + n) of the run at byte offset off (n <= 16), one division per
+ * block instead of one per row. */
+AI void rows_of(const struct kv_attn_args *a, size_t off, int p, int n, size_t rb, const char **out) {
+    int blk = p / a->tpb, slot = p - blk * a->tpb;
+    const char *base = a->pool + (size_t)a->block_table[blk] * a->block_bytes + off;
+    for (int t = 0; t < n; t++, slot++) {
+        if (slot == a->tpb) base = a->pool + (size_t)a->block_table[++blk] * a->block_bytes + off, slot = 0;
+        out[t] = base + (size_t)slot * rb;
+    }
+}
+
+/* Prefetches (into L2) the rows of positions [p, min(p + n, end)) of the run at off: a run
+ * of one block is only tpb rows long (2 KiB for 16 f16 rows of 64), too short for the
+ * hardware prefetcher, and the next block's run is elsewhere in the pool. */
+AI void prefetch_rows(const struct kv_attn_args *a, size_t off, int p, int n, int end, size_t rb) {
+    int e = p + n < end ? p + n : end;
+    while (p < e) {
+        int blk = p / a->tpb, slot = p - blk * a->tpb, in = a->tpb - slot < e - p ? a->tpb - slot : e - p;
+        const char *r = a->pool + (size_t)a->block_table[blk] * a->block_bytes + off + (size_t)slot * rb;
+        for (size_t b = 0; b < (size_t)in * rb; b += 64) __builtin_prefetch(r + b, 0, 2);
+        p += in;
+    }
+}
+
 /* The softmax part of the contract over scores[0..n), in place: e_i; returns 1 / sum. */
 static float softmax_inplace(float *s, int n) {
     float mx = -INFINITY;
@@ -162,6 +186,7 @@ static void attn_generic(const struct kv_attn_args *a) {
     /* values: per KV block (its rows are contiguous, so the block stays in L1 across the tile's \
      * rows and the group's heads) */ \
     for (int p0 = 0; p0 < n_last; p0 += a->tpb) { \
+        prefetch_rows(a, a->v_off, p0 + a->tpb, a->tpb, n_last, rb); \
         int jg = 0; \
         for (; jg + NPM <= R * G && (DCH) <= hd16 && hd16 % ((DCH) / 2) == 0; jg += NPM) { \
             int npa = a->n_pos + jg / G; /* the smallest position count of the NPM pairs */ \
@@ -233,13 +258,14 @@ AI T512 __m512 ld512(const char *row, int e, int dt) {
     if (dt == KV_DTYPE_F16) return _mm512_cvtph_ps(h);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
-/* out[g][d0 .. d0 + 16*NV) += over positions [p0, p1): w_i * v_i, accumulators in registers. */
+/* out[g][d0 .. d0 + 16*NV) += over positions [p0, p1) (inside one block: its rows are
+ * contiguous): w_i * v_i, accumulators in registers. */
 AI T512 void vacc512(const struct kv_attn_args *a, const float *sc, float inv, float *out, int d0, int p0, int p1,
                      size_t rb, const int NV) {
     __m512 acc[4];
     _Pragma("GCC unroll 4") for (int u = 0; u < NV; u++) acc[u] = _mm512_loadu_ps(out + d0 + 16 * u);
-    for (int i = p0; i < p1; i++) {
-        const char *v = row_ptr(a, a->v_off, i, rb);
+    const char *v = p0 < p1 ? row_ptr(a, a->v_off, p0, rb) : NULL; /* [p0, p1) lies in one block */
+    for (int i = p0; i < p1; i++, v += rb) {
         __m512 w = _mm512_set1_ps(sc[i] * inv);
         _Pragma("GCC unroll 4") for (int u = 0; u < NV; u++)
             acc[u] = _mm512_fmadd_ps(w, ld512(v, d0 + 16 * u, a->kv_dtype), acc[u]);
@@ -252,7 +278,9 @@ AI T512 void vacc512(const struct kv_attn_args *a, const float *sc, float inv, f
 AI T512 void scores512(const struct kv_attn_args *a, int i0, int ni, size_t rb, const int dt) {
     const int hd = a->head_dim, hd16 = hd - hd % 16;
     const char *kr[16];
-    for (int t = 0; t < 16; t++) kr[t] = row_ptr(a, a->k_off, i0 + (t < ni ? t : ni - 1), rb);
+    rows_of(a, a->k_off, i0, ni, rb, kr);
+    for (int t = ni; t < 16; t++) kr[t] = kr[ni - 1];
+    prefetch_rows(a, a->k_off, i0 + 16, 16, a->n_pos + a->n_rows - 1, rb);
     for (int j = 0; j < a->n_rows; j++) {
         int cnt = a->n_pos + j - i0; /* positions of this chunk row j sees */
         if (cnt <= 0) continue;
@@ -285,8 +313,8 @@ AI T512 void vaccm512(const struct kv_attn_args *a, const float *const *sc, cons
     __m512 acc[4][4];
     _Pragma("GCC unroll 4") for (int x = 0; x < NP; x++)
         _Pragma("GCC unroll 4") for (int u = 0; u < NV; u++) acc[x][u] = _mm512_loadu_ps(out[x] + d0 + 16 * u);
-    for (int i = p0; i < p1; i++) {
-        const char *v = row_ptr(a, a->v_off, i, rb);
+    const char *v = p0 < p1 ? row_ptr(a, a->v_off, p0, rb) : NULL; /* [p0, p1) lies in one block */
+    for (int i = p0; i < p1; i++, v += rb) {
         __m512 vv[4];
         _Pragma("GCC unroll 4") for (int u = 0; u < NV; u++) vv[u] = ld512(v, d0 + 16 * u, a->kv_dtype);
         _Pragma("GCC unroll 4") for (int x = 0; x < NP; x++) {
@@ -326,8 +354,8 @@ AI T256 void vacc256(const struct kv_attn_args *a, const float *sc, float inv, f
                      size_t rb, const int NV) {
     __m256 acc[8];
     _Pragma("GCC unroll 8") for (int u = 0; u < NV; u++) acc[u] = _mm256_loadu_ps(out + d0 + 8 * u);
-    for (int i = p0; i < p1; i++) {
-        const char *v = row_ptr(a, a->v_off, i, rb);
+    const char *v = p0 < p1 ? row_ptr(a, a->v_off, p0, rb) : NULL; /* [p0, p1) lies in one block */
+    for (int i = p0; i < p1; i++, v += rb) {
         __m256 w = _mm256_set1_ps(sc[i] * inv);
         _Pragma("GCC unroll 8") for (int u = 0; u < NV; u++)
             acc[u] = _mm256_fmadd_ps(w, ld256(v, d0 + 8 * u, a->kv_dtype), acc[u]);
@@ -339,7 +367,9 @@ AI T256 void vacc256(const struct kv_attn_args *a, const float *sc, float inv, f
 AI T256 void scores256(const struct kv_attn_args *a, int i0, int ni, size_t rb, const int dt) {
     const int hd = a->head_dim, hd16 = hd - hd % 16;
     const char *kr[8];
-    for (int t = 0; t < 8; t++) kr[t] = row_ptr(a, a->k_off, i0 + (t < ni ? t : ni - 1), rb);
+    rows_of(a, a->k_off, i0, ni, rb, kr);
+    for (int t = ni; t < 8; t++) kr[t] = kr[ni - 1];
+    prefetch_rows(a, a->k_off, i0 + 8, 8, a->n_pos + a->n_rows - 1, rb);
     for (int j = 0; j < a->n_rows; j++) {
         int cnt = a->n_pos + j - i0;
         if (cnt <= 0) continue;
@@ -374,8 +404,8 @@ AI T256 void vaccm256(const struct kv_attn_args *a, const float *const *sc, cons
     __m256 acc[2][4];
     _Pragma("GCC unroll 2") for (int x = 0; x < NP; x++)
         _Pragma("GCC unroll 4") for (int u = 0; u < NV; u++) acc[x][u] = _mm256_loadu_ps(out[x] + d0 + 8 * u);
-    for (int i = p0; i < p1; i++) {
-        const char *v = row_ptr(a, a->v_off, i, rb);
+    const char *v = p0 < p1 ? row_ptr(a, a->v_off, p0, rb) : NULL; /* [p0, p1) lies in one block */
+    for (int i = p0; i < p1; i++, v += rb) {
         __m256 vv[4];
         _Pragma("GCC unroll 4") for (int u = 0; u < NV; u++) vv[u] = ld256(v, d0 + 8 * u, a->kv_dtype);
         _Pragma("GCC unroll 2") for (int x = 0; x < NP; x++) {
