@@ -29,6 +29,18 @@ static float frand(void) { /* xorshift64, uniform in [-1, 1) */
 
 #define TPB 16
 
+/* Element e of a stored K/V row, widened. */
+static float stored(const char *row, int e, int dt) {
+    float f;
+    if (dt == KV_DTYPE_F32) {
+        memcpy(&f, row + 4 * (size_t)e, 4);
+        return f;
+    }
+    uint16_t h;
+    memcpy(&h, row + 2 * (size_t)e, 2);
+    return dt == KV_DTYPE_F16 ? kv_f16_to_f32(h) : kv_bf16_to_f32(h);
+}
+
 /* One case: returns the generic output in ref (n_rows * n_group * hd) and checks the other
  * families against it. */
 static void run_case(int hd, int G, int R, int n_pos, int dt) {
@@ -62,16 +74,7 @@ static void run_case(int hd, int G, int R, int n_pos, int dt) {
             for (int p = 0; p < np; p++) {
                 const char *kr = pool + (size_t)bt[p / TPB] * bb + (size_t)(p % TPB) * hd * esz;
                 double d = 0;
-                for (int e = 0; e < hd; e++) {
-                    float kf;
-                    if (dt == KV_DTYPE_F32) memcpy(&kf, kr + 4 * (size_t)e, 4);
-                    else {
-                        uint16_t h;
-                        memcpy(&h, kr + 2 * (size_t)e, 2);
-                        kf = dt == KV_DTYPE_F16 ? kv_f16_to_f32(h) : kv_bf16_to_f32(h);
-                    }
-                    d += (double)qq[e] * kf;
-                }
+                for (int e = 0; e < hd; e++) d += (double)qq[e] * stored(kr, e, dt);
                 s[p] = d / sqrt((double)hd);
                 if (s[p] > mx) mx = s[p];
             }
@@ -80,14 +83,7 @@ static void run_case(int hd, int G, int R, int n_pos, int dt) {
                 double o = 0;
                 for (int p = 0; p < np; p++) {
                     const char *vr = pool + (size_t)bt[p / TPB] * bb + run + (size_t)(p % TPB) * hd * esz;
-                    float vf;
-                    if (dt == KV_DTYPE_F32) memcpy(&vf, vr + 4 * (size_t)e, 4);
-                    else {
-                        uint16_t h;
-                        memcpy(&h, vr + 2 * (size_t)e, 2);
-                        vf = dt == KV_DTYPE_F16 ? kv_f16_to_f32(h) : kv_bf16_to_f32(h);
-                    }
-                    o += s[p] / sum * vf;
+                    o += s[p] / sum * stored(vr, e, dt);
                 }
                 double got = ref[(size_t)j * qs + (size_t)g * hd + e];
                 if (fabs(got - o) > 1e-5 * 2.0)
