@@ -2,11 +2,11 @@
  * matmul: batch-invariant Y = X W^T (see matmul.h for the arithmetic contract).
  *
  * Three kernel families do the same IEEE operations in the same order: AVX-512 and AVX2
- * (intrinsics, fused multiply-add) and generic (scalar fmaf). Only the register blocking
- * differs, chosen per ISA so the accumulators fit the register file: AVX-512 has 32 zmm
- * (4x4 tile: 16 accumulators + 4 W vectors + 1 X vector), AVX2 16 ymm (3x2 tile: 6
- * accumulators of two ymm each = 12, + 2 W halves + 1 X half; the same 16-lane accumulator
- * is processed as its low and high 8 lanes, which are independent lanes of the contract).
+ * (intrinsics, fused multiply-add) and generic (scalar fmaf). Only the blocking differs,
+ * chosen per ISA so the accumulators fit the register file: AVX-512 has 32 zmm (8x3 tile: 24
+ * accumulators + 3 W vectors + 1 X vector), AVX2 16 ymm (4x3 tile of one ymm per output, run
+ * once for lanes 0-7 and once for lanes 8-15 of the contract's 16: 12 accumulators + 3 W + 1
+ * X). Both cut K into blocks so the X tile stays in L1 (see "blocking" below).
  * The file is compiled with fp-contract off so that only the explicit fmas fuse.
  */
 #include "matmul.h"
