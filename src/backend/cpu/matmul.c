@@ -67,37 +67,13 @@ static void cols_generic(const struct kv_matmul_op *op, const float *Wp, size_t 
 
 /* ---- per-thread buffer of the tiles' saved 16-lane partial sums (between K blocks) ---- */
 
-struct tile_sums {
-    float *p;
-    size_t cap; /* floats */
-};
-static pthread_key_t g_sums_key;
-static pthread_once_t g_sums_once = PTHREAD_ONCE_INIT;
-static void tile_sums_free(void *v) {
-    struct tile_sums *ts = v;
-    if (ts) free(ts->p);
-    free(ts);
-}
-static void tile_sums_key_init(void) {
-    if (pthread_key_create(&g_sums_key, tile_sums_free)) abort();
-}
-/* This thread's partial-sum buffer of at least n floats, 64-byte aligned (freed when the thread
- * exits). Out of memory aborts: a few tens of KiB per thread. */
+static void *thread_buf(int which, size_t n); /* below, with the integer path's buffers */
+/* This thread's partial-sum buffer of at least n floats, 64-byte aligned. Out of memory
+ * aborts: a few tens of KiB per thread. */
 static float *thread_sums(size_t n) {
-    pthread_once(&g_sums_once, tile_sums_key_init);
-    struct tile_sums *ts = pthread_getspecific(g_sums_key);
-    if (!ts) {
-        ts = calloc(1, sizeof *ts);
-        if (!ts || pthread_setspecific(g_sums_key, ts)) abort();
-    }
-    if (n < 16) n = 16;
-    if (ts->cap < n) {
-        free(ts->p);
-        ts->p = aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64);
-        if (!ts->p) abort();
-        ts->cap = n;
-    }
-    return ts->p;
+    float *p = thread_buf(2, (n < 16 ? 16 : n) * sizeof(float));
+    if (!p) abort();
+    return p;
 }
 
 #ifdef KV_MATMUL_X86
@@ -168,23 +144,29 @@ AI T512 void tile512(const float *X, size_t ldx, const float *W, size_t ldw, int
             Y[r * ldy + c] = finish(s[r * C + c], X + r * ldx, W + c * ldw, K16, K, bias ? bias + c : NULL);
 }
 
-/* R rows (compile-time) of X against the task's columns, over every K block. */
-AI T512 void rows512(const struct kv_matmul_op *op, const float *Wp, size_t ldw, int n0, int n1, int m, float *buf,
-                     const int R) {
-    const size_t K = (size_t)op->W->cols, N = (size_t)op->W->rows;
-    const int K16 = (int)K - (int)K % 16, nkb = k_blocks(K16);
-    const float *x = op->X + m * K, *b = op->bias;
-    float *y = op->Y + m * N;
-    for (int kb = 0; kb < nkb; kb++) {
-        int k0 = k_bound(K16, nkb, kb), k1 = k_bound(K16, nkb, kb + 1), first = kb == 0, last = kb == nkb - 1;
-        float *tb = buf;
-        int n = n0;
-        for (; n + C512 <= n1; n += C512, tb += 16 * R512 * C512)
-            tile512(x, K, Wp + (n - n0) * ldw, ldw, k0, k1, tb, first, last, (int)K, b ? b + n : NULL, y + n, N, R, C512);
-        if (n1 - n == 2) tile512(x, K, Wp + (n - n0) * ldw, ldw, k0, k1, tb, first, last, (int)K, b ? b + n : NULL, y + n, N, R, 2);
-        if (n1 - n == 1) tile512(x, K, Wp + (n - n0) * ldw, ldw, k0, k1, tb, first, last, (int)K, b ? b + n : NULL, y + n, N, R, 1);
+/* R rows (compile-time) of X against the task's columns, over every K block: the loop nest
+ * above, for a family's TILE function of at most RMAX x CMAX (shared text of both families). */
+#define ROWS_FN(NAME, TARGET, TILE, RMAX, CMAX)                                                                   \
+    AI TARGET void NAME(const struct kv_matmul_op *op, const float *Wp, size_t ldw, int n0, int n1, int m,         \
+                        float *buf, const int R) {                                                                 \
+        const size_t K = (size_t)op->W->cols, N = (size_t)op->W->rows;                                             \
+        const int K16 = (int)K - (int)K % 16, nkb = k_blocks(K16);                                                 \
+        const float *x = op->X + m * K, *b = op->bias;                                                             \
+        float *y = op->Y + m * N;                                                                                  \
+        for (int kb = 0; kb < nkb; kb++) {                                                                         \
+            int k0 = k_bound(K16, nkb, kb), k1 = k_bound(K16, nkb, kb + 1), first = kb == 0, last = kb == nkb - 1; \
+            float *tb = buf;                                                                                       \
+            int n = n0;                                                                                            \
+            for (; n + (CMAX) <= n1; n += (CMAX), tb += 16 * (RMAX) * (CMAX))                                      \
+                TILE(x, K, Wp + (n - n0) * ldw, ldw, k0, k1, tb, first, last, (int)K, b ? b + n : NULL, y + n, N, R, \
+                     CMAX);                                                                                        \
+            if (n1 - n == 2)                                                                                       \
+                TILE(x, K, Wp + (n - n0) * ldw, ldw, k0, k1, tb, first, last, (int)K, b ? b + n : NULL, y + n, N, R, 2); \
+            if (n1 - n == 1)                                                                                       \
+                TILE(x, K, Wp + (n - n0) * ldw, ldw, k0, k1, tb, first, last, (int)K, b ? b + n : NULL, y + n, N, R, 1); \
+        }                                                                                                          \
     }
-}
+ROWS_FN(rows512, T512, tile512, R512, C512)
 
 static T512 void cols_avx512(const struct kv_matmul_op *op, const float *Wp, size_t ldw, int n0, int n1) {
     int K = op->W->cols, nkb = k_blocks(K - K % 16);
@@ -243,22 +225,7 @@ AI T256 void tile256(const float *X, size_t ldx, const float *W, size_t ldw, int
             Y[r * ldy + c] = finish(s[r * C + c], X + r * ldx, W + c * ldw, K16, K, bias ? bias + c : NULL);
 }
 
-AI T256 void rows256(const struct kv_matmul_op *op, const float *Wp, size_t ldw, int n0, int n1, int m, float *buf,
-                     const int R) {
-    const size_t K = (size_t)op->W->cols, N = (size_t)op->W->rows;
-    const int K16 = (int)K - (int)K % 16, nkb = k_blocks(K16);
-    const float *x = op->X + m * K, *b = op->bias;
-    float *y = op->Y + m * N;
-    for (int kb = 0; kb < nkb; kb++) {
-        int k0 = k_bound(K16, nkb, kb), k1 = k_bound(K16, nkb, kb + 1), first = kb == 0, last = kb == nkb - 1;
-        float *tb = buf;
-        int n = n0;
-        for (; n + C256 <= n1; n += C256, tb += 16 * R256 * C256)
-            tile256(x, K, Wp + (n - n0) * ldw, ldw, k0, k1, tb, first, last, (int)K, b ? b + n : NULL, y + n, N, R, C256);
-        if (n1 - n == 2) tile256(x, K, Wp + (n - n0) * ldw, ldw, k0, k1, tb, first, last, (int)K, b ? b + n : NULL, y + n, N, R, 2);
-        if (n1 - n == 1) tile256(x, K, Wp + (n - n0) * ldw, ldw, k0, k1, tb, first, last, (int)K, b ? b + n : NULL, y + n, N, R, 1);
-    }
-}
+ROWS_FN(rows256, T256, tile256, R256, C256)
 
 static T256 void cols_avx2(const struct kv_matmul_op *op, const float *Wp, size_t ldw, int n0, int n1) {
     /* the AVX2 tile always saves the low halves: a buffer even for one K block */
@@ -390,13 +357,14 @@ static float *thread_panel(size_t n) {
     return pn->p;
 }
 
-/* ---- per-thread buffers of the integer path: activations (the calling thread) and panels
- * (each task's thread; the calling thread runs tasks too, hence two keys) ---- */
+/* ---- per-thread buffers: the integer path's activations (the calling thread) and panels
+ * (each task's thread; the calling thread runs tasks too, hence two keys), and the float
+ * tiles' partial sums (thread_sums) ---- */
 struct q8buf {
     void *p;
     size_t cap;
 };
-static pthread_key_t g_q8_key[2];
+static pthread_key_t g_q8_key[3];
 static pthread_once_t g_q8_once = PTHREAD_ONCE_INIT;
 static void q8buf_free(void *v) {
     struct q8buf *b = v;
@@ -404,7 +372,8 @@ static void q8buf_free(void *v) {
     free(b);
 }
 static void q8_key_init(void) {
-    if (pthread_key_create(&g_q8_key[0], q8buf_free) || pthread_key_create(&g_q8_key[1], q8buf_free)) abort();
+    for (int i = 0; i < 3; i++)
+        if (pthread_key_create(&g_q8_key[i], q8buf_free)) abort();
 }
 /* This thread's buffer `which` of at least n bytes, 64-byte aligned (freed at thread exit), or NULL. */
 static void *thread_buf(int which, size_t n) {
