@@ -76,6 +76,19 @@ static ALWAYS void prefetch_share(const uint8_t *next, size_t span, int i, int n
     for (size_t o = 0; o < per; o += 64) __builtin_prefetch(p + o, 0, 2); /* to L2 (t1) */
 }
 
+/* Calls FN(T, args...) with T the weight type as a compile-time constant (one instantiation of
+ * the always-inline kernels per type). */
+#define Q8_DISPATCH(type, FN, ...)                                                                     \
+    do {                                                                                              \
+        switch (type) {                                                                               \
+        case KV_QTYPE_Q8_0: FN(KV_QTYPE_Q8_0, __VA_ARGS__); break;                                     \
+        case KV_QTYPE_Q4_0: FN(KV_QTYPE_Q4_0, __VA_ARGS__); break;                                     \
+        case KV_QTYPE_Q4_K: FN(KV_QTYPE_Q4_K, __VA_ARGS__); break;                                     \
+        case KV_QTYPE_Q5_K: FN(KV_QTYPE_Q5_K, __VA_ARGS__); break;                                     \
+        default: FN(KV_QTYPE_Q6_K, __VA_ARGS__); break;                                                \
+        }                                                                                             \
+    } while (0)
+
 /* ---------------- quantization ---------------- */
 
 /* Shared tail: d, id from amax (the same scalar operations as the generic code). */
@@ -433,12 +446,32 @@ AVX512 static ALWAYS void packed_t(int type, const uint8_t *panel, int n_rows, c
 
 AVX512 void kv_q8_packed_avx512vnni(int type, const uint8_t *panel, int n_rows, const struct kv_q8_act *a, int m0,
                                     int M, float *Y, size_t ldy) {
-    switch (type) {
-    case KV_QTYPE_Q8_0: packed_t(KV_QTYPE_Q8_0, panel, n_rows, a, m0, M, Y, ldy); break;
-    case KV_QTYPE_Q4_0: packed_t(KV_QTYPE_Q4_0, panel, n_rows, a, m0, M, Y, ldy); break;
-    case KV_QTYPE_Q4_K: packed_t(KV_QTYPE_Q4_K, panel, n_rows, a, m0, M, Y, ldy); break;
-    case KV_QTYPE_Q5_K: packed_t(KV_QTYPE_Q5_K, panel, n_rows, a, m0, M, Y, ldy); break;
-    default: packed_t(KV_QTYPE_Q6_K, panel, n_rows, a, m0, M, Y, ldy); break;
+    Q8_DISPATCH(type, packed_t, panel, n_rows, a, m0, M, Y, ldy);
+}
+
+/* The scalar part of packing one row's group: d (and dmin), sub-block scales, mins. */
+AVX2 static ALWAYS void pack_scales(int type, const struct kv_q8_geo *g, const uint8_t *blk, uint8_t *grp, int n) {
+    if (!g->kq) {
+        float d = LDH(blk);
+        memcpy(grp + 4 * n, &d, 4);
+        return;
+    }
+    float d = LDH(type == KV_QTYPE_Q6_K ? blk + 208 : blk), dmin = type == KV_QTYPE_Q6_K ? 0.0f : LDH(blk + 2);
+    memcpy(grp + 4 * n, &d, 4);
+    memcpy(grp + 64 + 4 * n, &dmin, 4);
+    if (type == KV_QTYPE_Q6_K) {
+        for (int j = 0; j < 16; j++) {
+            int32_t sc = (int8_t)blk[192 + j];
+            memcpy(grp + g->hdr + (size_t)j * g->sub + 4 * n, &sc, 4);
+        }
+        return;
+    }
+    uint32_t sc[2], mn[2];
+    kv_quant_scales_k4(blk + 4, sc, mn);
+    for (int j = 0; j < 8; j++) {
+        int32_t a = kv_quant_k4_byte(sc, j), b = kv_quant_k4_byte(mn, j);
+        memcpy(grp + g->hdr + (size_t)j * g->sub + 4 * n, &a, 4);
+        memcpy(grp + 128 + 64 * (size_t)j + 4 * n, &b, 4);
     }
 }
 
@@ -466,9 +499,8 @@ AVX512 static ALWAYS void pack_t(int type, const uint8_t *w, size_t rb, int n_ro
         for (int s = 0; s < ng; s++) {
             const uint8_t *blk = row + (size_t)s * bb;
             uint8_t *grp = rg + (size_t)s * g.grp;
+            pack_scales(type, &g, blk, grp, n);
             if (!g.kq) {
-                float d = LDH(blk);
-                memcpy(grp + 4 * n, &d, 4);
                 __m256i v;
                 if (type == KV_QTYPE_Q8_0) {
                     v = _mm256_loadu_si256((const __m256i *)(blk + 2));
@@ -480,26 +512,6 @@ AVX512 static ALWAYS void pack_t(int type, const uint8_t *w, size_t rb, int n_ro
                 _mm256_i32scatter_epi32((void *)(grp + g.hdr + 4 * n), idx8, v, 1);
                 continue;
             }
-            if (type == KV_QTYPE_Q6_K) {
-                float d = LDH(blk + 208), dmin = 0.0f;
-                memcpy(grp + 4 * n, &d, 4);
-                memcpy(grp + 64 + 4 * n, &dmin, 4);
-                for (int j = 0; j < 16; j++) {
-                    int32_t sc = (int8_t)blk[192 + j];
-                    memcpy(grp + g.hdr + (size_t)j * g.sub + 4 * n, &sc, 4);
-                }
-            } else {
-                float d = LDH(blk), dmin = LDH(blk + 2);
-                memcpy(grp + 4 * n, &d, 4);
-                memcpy(grp + 64 + 4 * n, &dmin, 4);
-                uint32_t sc[2], mn[2];
-                kv_quant_scales_k4(blk + 4, sc, mn);
-                for (int j = 0; j < 8; j++) {
-                    int32_t a = kv_quant_k4_byte(sc, j), b = kv_quant_k4_byte(mn, j);
-                    memcpy(grp + g.hdr + (size_t)j * g.sub + 4 * n, &a, 4);
-                    memcpy(grp + 128 + 64 * (size_t)j + 4 * n, &b, 4);
-                }
-            }
             const __m512i off = _mm512_set1_epi8((char)(type == KV_QTYPE_Q6_K ? 32 : 0)); /* u */
             _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++)
                 _mm512_i32scatter_epi32((void *)(grp + 4 * n), idxc[c], _mm512_sub_epi8(kq_chunk512(type, blk, c), off), 1);
@@ -508,13 +520,7 @@ AVX512 static ALWAYS void pack_t(int type, const uint8_t *w, size_t rb, int n_ro
 }
 
 AVX512 void kv_q8_pack_avx512(int type, const void *w, size_t rb, int n_rows, int K, void *panel) {
-    switch (type) {
-    case KV_QTYPE_Q8_0: pack_t(KV_QTYPE_Q8_0, w, rb, n_rows, K, panel); break;
-    case KV_QTYPE_Q4_0: pack_t(KV_QTYPE_Q4_0, w, rb, n_rows, K, panel); break;
-    case KV_QTYPE_Q4_K: pack_t(KV_QTYPE_Q4_K, w, rb, n_rows, K, panel); break;
-    case KV_QTYPE_Q5_K: pack_t(KV_QTYPE_Q5_K, w, rb, n_rows, K, panel); break;
-    default: pack_t(KV_QTYPE_Q6_K, w, rb, n_rows, K, panel); break;
-    }
+    Q8_DISPATCH(type, pack_t, w, rb, n_rows, K, panel);
 }
 
 /* ---------------- AMX (prefill, 16 activation rows at a time) ---------------- */
@@ -612,13 +618,7 @@ AMXT static ALWAYS void amx_t(int type, const uint8_t *panel, int n_rows, const 
 
 AMXT void kv_q8_packed_amx(int type, const uint8_t *panel, int n_rows, const struct kv_q8_act *a, int m0, int M,
                            float *Y, size_t ldy) {
-    switch (type) {
-    case KV_QTYPE_Q8_0: amx_t(KV_QTYPE_Q8_0, panel, n_rows, a, m0, M, Y, ldy); break;
-    case KV_QTYPE_Q4_0: amx_t(KV_QTYPE_Q4_0, panel, n_rows, a, m0, M, Y, ldy); break;
-    case KV_QTYPE_Q4_K: amx_t(KV_QTYPE_Q4_K, panel, n_rows, a, m0, M, Y, ldy); break;
-    case KV_QTYPE_Q5_K: amx_t(KV_QTYPE_Q5_K, panel, n_rows, a, m0, M, Y, ldy); break;
-    default: amx_t(KV_QTYPE_Q6_K, panel, n_rows, a, m0, M, Y, ldy); break;
-    }
+    Q8_DISPATCH(type, amx_t, panel, n_rows, a, m0, M, Y, ldy);
 }
 
 /* ---------------- AVX2 ---------------- */
@@ -898,13 +898,7 @@ AVX2 static ALWAYS void packed_t256(int type, const uint8_t *panel, int n_rows, 
 
 AVX2 void kv_q8_packed_avx2(int type, const uint8_t *panel, int n_rows, const struct kv_q8_act *a, int m0, int M,
                             float *Y, size_t ldy) {
-    switch (type) {
-    case KV_QTYPE_Q4_0: packed_t256(KV_QTYPE_Q4_0, panel, n_rows, a, m0, M, Y, ldy); break;
-    case KV_QTYPE_Q4_K: packed_t256(KV_QTYPE_Q4_K, panel, n_rows, a, m0, M, Y, ldy); break;
-    case KV_QTYPE_Q5_K: packed_t256(KV_QTYPE_Q5_K, panel, n_rows, a, m0, M, Y, ldy); break;
-    case KV_QTYPE_Q6_K: packed_t256(KV_QTYPE_Q6_K, panel, n_rows, a, m0, M, Y, ldy); break;
-    default: packed_t256(KV_QTYPE_Q8_0, panel, n_rows, a, m0, M, Y, ldy); break;
-    }
+    Q8_DISPATCH(type, packed_t256, panel, n_rows, a, m0, M, Y, ldy);
 }
 
 /* Panel packing with AVX2 unpacking (the same bytes as kv_q8_pack's scalar code): a chunk's 32
@@ -921,9 +915,8 @@ AVX2 static ALWAYS void pack_t256(int type, const uint8_t *w, size_t rb, int n_r
             const uint8_t *blk = row + (size_t)s * bb;
             uint8_t *grp = rg + (size_t)s * g.grp;
             uint32_t t[8];
+            pack_scales(type, &g, blk, grp, n);
             if (!g.kq) {
-                float d = LDH(blk);
-                memcpy(grp + 4 * n, &d, 4);
                 __m256i v;
                 if (type == KV_QTYPE_Q8_0) {
                     v = _mm256_loadu_si256((const __m256i *)(blk + 2));
@@ -935,23 +928,6 @@ AVX2 static ALWAYS void pack_t256(int type, const uint8_t *w, size_t rb, int n_r
                 _mm256_storeu_si256((__m256i *)t, v);
                 _Pragma("GCC unroll 8") for (int k4 = 0; k4 < 8; k4++) memcpy(grp + g.hdr + 64 * k4 + 4 * n, &t[k4], 4);
                 continue;
-            }
-            float d = LDH(type == KV_QTYPE_Q6_K ? blk + 208 : blk), dmin = type == KV_QTYPE_Q6_K ? 0.0f : LDH(blk + 2);
-            memcpy(grp + 4 * n, &d, 4);
-            memcpy(grp + 64 + 4 * n, &dmin, 4);
-            if (type == KV_QTYPE_Q6_K) {
-                for (int j = 0; j < 16; j++) {
-                    int32_t sc = (int8_t)blk[192 + j];
-                    memcpy(grp + g.hdr + (size_t)j * g.sub + 4 * n, &sc, 4);
-                }
-            } else {
-                uint32_t sc[2], mn[2];
-                kv_quant_scales_k4(blk + 4, sc, mn);
-                for (int j = 0; j < 8; j++) {
-                    int32_t a = kv_quant_k4_byte(sc, j), b = kv_quant_k4_byte(mn, j);
-                    memcpy(grp + g.hdr + (size_t)j * g.sub + 4 * n, &a, 4);
-                    memcpy(grp + 128 + 64 * (size_t)j + 4 * n, &b, 4);
-                }
             }
             const __m256i off = _mm256_set1_epi8((char)(type == KV_QTYPE_Q6_K ? 32 : 0));
             _Pragma("GCC unroll 8") for (int c2 = 0; c2 < 8; c2++) {
@@ -966,13 +942,7 @@ AVX2 static ALWAYS void pack_t256(int type, const uint8_t *w, size_t rb, int n_r
 }
 
 AVX2 void kv_q8_pack_avx2(int type, const void *w, size_t rb, int n_rows, int K, void *panel) {
-    switch (type) {
-    case KV_QTYPE_Q8_0: pack_t256(KV_QTYPE_Q8_0, w, rb, n_rows, K, panel); break;
-    case KV_QTYPE_Q4_0: pack_t256(KV_QTYPE_Q4_0, w, rb, n_rows, K, panel); break;
-    case KV_QTYPE_Q4_K: pack_t256(KV_QTYPE_Q4_K, w, rb, n_rows, K, panel); break;
-    case KV_QTYPE_Q5_K: pack_t256(KV_QTYPE_Q5_K, w, rb, n_rows, K, panel); break;
-    default: pack_t256(KV_QTYPE_Q6_K, w, rb, n_rows, K, panel); break;
-    }
+    Q8_DISPATCH(type, pack_t256, w, rb, n_rows, K, panel);
 }
 
 AVX2 void kv_q8_dot_avx2(int type, const void *w, size_t rb, int n_rows, const struct kv_q8_act *a, int m0, int M,
