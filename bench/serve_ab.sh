@@ -223,8 +223,13 @@ run_llama() {
   local f=$1 isa=$2 tag=$3 bin=$4 port log
   port=$(free_port)
   log=$work_dir/$tag.log
+  # flash attention off: newer llama-server takes `-fa off`; older ones (before the on|off|auto
+  # form, e.g. early 2025) take `-fa` as an on switch and are off without it
+  local fa=() help
+  help=$("$bin" --help 2>&1 || true)
+  [[ "$help" == *"--flash-attn [on|off"* || "$help" == *"--flash-attn FA"* ]] && fa=(-fa off)
   # shellcheck disable=SC2086  # llama_args is split on purpose
-  nice -n 0 "$bin" -m "$f" -t "$threads" -c "$ctx" --parallel "$parallel" -fa off \
+  nice -n 0 "$bin" -m "$f" -t "$threads" -c "$ctx" --parallel "$parallel" "${fa[@]}" \
     --host 127.0.0.1 --port "$port" "${llama_kv[@]}" $llama_args >"$log" 2>&1 &
   server_pid=$!
   wait_health "http://127.0.0.1:$port" "$server_pid" "$log" || { stop_server; return 1; }
