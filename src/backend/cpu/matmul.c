@@ -67,11 +67,12 @@ static void cols_generic(const struct kv_matmul_op *op, const float *Wp, size_t 
 
 /* ---- per-thread buffer of the tiles' saved 16-lane partial sums (between K blocks) ---- */
 
-static void *thread_buf(int which, size_t n); /* below, with the integer path's buffers */
+static void *thread_buf(int which, size_t n); /* below, with the other per-thread buffers */
+enum { BUF_ACT, BUF_PANEL, BUF_SUMS, BUF_N };
 /* This thread's partial-sum buffer of at least n floats, 64-byte aligned. Out of memory
  * aborts: a few tens of KiB per thread. */
 static float *thread_sums(size_t n) {
-    float *p = thread_buf(2, (n < 16 ? 16 : n) * sizeof(float));
+    float *p = thread_buf(BUF_SUMS, (n < 16 ? 16 : n) * sizeof(float));
     if (!p) abort();
     return p;
 }
@@ -320,68 +321,32 @@ const char *kv_matmul_isa_name(void) {
     return "generic";
 }
 
-/* ---- per-thread dequantization panel ---- */
-
-struct panel {
-    float *p;
-    size_t cap; /* floats */
-};
-static pthread_key_t g_panel_key;
-static pthread_once_t g_panel_once = PTHREAD_ONCE_INIT;
-static void panel_free(void *v) {
-    struct panel *pn = v;
-    if (pn) free(pn->p);
-    free(pn);
-}
-static void panel_key_init(void) {
-    if (pthread_key_create(&g_panel_key, panel_free)) abort();
-}
-/* This thread's panel of at least n floats (freed when the thread exits), or NULL. */
-static float *thread_panel(size_t n) {
-    pthread_once(&g_panel_once, panel_key_init);
-    struct panel *pn = pthread_getspecific(g_panel_key);
-    if (!pn) {
-        pn = calloc(1, sizeof *pn);
-        if (!pn || pthread_setspecific(g_panel_key, pn)) {
-            free(pn);
-            return NULL;
-        }
-    }
-    if (pn->cap < n) {
-        float *np = malloc(n * sizeof(float));
-        if (!np) return NULL;
-        free(pn->p);
-        pn->p = np;
-        pn->cap = n;
-    }
-    return pn->p;
-}
-
-/* ---- per-thread buffers: the integer path's activations (the calling thread) and panels
- * (each task's thread; the calling thread runs tasks too, hence two keys), and the float
- * tiles' partial sums (thread_sums) ---- */
-struct q8buf {
+/* ---- per-thread buffers (freed at thread exit), one key per use because they are live at
+ * the same time on one thread: the integer path's quantized activations (the calling thread,
+ * for the whole batch), a task's weight panel (the quantized rows repacked, or dequantized to
+ * f32: a task uses one of the two), the float tiles' saved partial sums (inside a task) ---- */
+struct tbuf {
     void *p;
     size_t cap;
 };
-static pthread_key_t g_q8_key[3];
-static pthread_once_t g_q8_once = PTHREAD_ONCE_INIT;
-static void q8buf_free(void *v) {
-    struct q8buf *b = v;
+static pthread_key_t g_buf_key[BUF_N];
+static pthread_once_t g_buf_once = PTHREAD_ONCE_INIT;
+static void tbuf_free(void *v) {
+    struct tbuf *b = v;
     if (b) free(b->p);
     free(b);
 }
-static void q8_key_init(void) {
-    for (int i = 0; i < 3; i++)
-        if (pthread_key_create(&g_q8_key[i], q8buf_free)) abort();
+static void buf_key_init(void) {
+    for (int i = 0; i < BUF_N; i++)
+        if (pthread_key_create(&g_buf_key[i], tbuf_free)) abort();
 }
-/* This thread's buffer `which` of at least n bytes, 64-byte aligned (freed at thread exit), or NULL. */
+/* This thread's buffer `which` of at least n bytes, 64-byte aligned, or NULL. */
 static void *thread_buf(int which, size_t n) {
-    pthread_once(&g_q8_once, q8_key_init);
-    struct q8buf *b = pthread_getspecific(g_q8_key[which]);
+    pthread_once(&g_buf_once, buf_key_init);
+    struct tbuf *b = pthread_getspecific(g_buf_key[which]);
     if (!b) {
         b = calloc(1, sizeof *b);
-        if (!b || pthread_setspecific(g_q8_key[which], b)) {
+        if (!b || pthread_setspecific(g_buf_key[which], b)) {
             free(b);
             return NULL;
         }
@@ -395,8 +360,6 @@ static void *thread_buf(int which, size_t n) {
     }
     return b->p;
 }
-static void *thread_q8buf(size_t n) { return thread_buf(0, n); }
-static void *thread_q8panel(size_t n) { return thread_buf(1, n); }
 
 /* ---- work split ---- */
 
@@ -435,7 +398,7 @@ static void plan_task(void *p, int t, int th) {
         if (pl->q8[i] && op->M > DECODE_ROWS && kv_q8_packed_fast(W->type)) {
             /* prefill: repack the task's rows once (VNNI order), then outer products for all M */
             size_t pb = kv_q8_pack_bytes(W->type, n1 - n0, (int)K);
-            void *panel = thread_q8panel(pb);
+            void *panel = thread_buf(BUF_PANEL, pb);
             if (!panel) abort(); /* ~1.3 bytes per weight of one task: out of memory here is fatal */
             kv_q8_pack(W->type, (const char *)W->data + (size_t)n0 * W->row_bytes, W->row_bytes, n1 - n0, (int)K, panel);
             kv_q8_dot_packed(W->type, panel, n1 - n0, pl->q8[i], 0, op->M, op->Y + n0, (size_t)W->rows);
@@ -451,7 +414,7 @@ static void plan_task(void *p, int t, int th) {
         return;
     }
     int g = pl->nb[i];
-    float *pn = thread_panel((size_t)g * (K ? K : 1));
+    float *pn = thread_buf(BUF_PANEL, (size_t)g * (K ? K : 1) * sizeof(float));
     if (!pn) abort(); /* ~200 KiB per thread: out of memory here is fatal */
     for (int a = n0; a < n1; a += g) {
         int b = a + g < n1 ? a + g : n1;
@@ -532,7 +495,7 @@ static void plan_q8(struct plan *pl, struct kv_q8_act *acts) {
         }
     }
     if (!total) return;
-    char *buf = thread_q8buf(total);
+    char *buf = thread_buf(BUF_ACT, total);
     if (!buf) abort(); /* M x K bytes: out of memory here is fatal, like the panel */
     for (int i = 0; i < pl->n_ops; i++) {
         if (src[i] != i) continue;
