@@ -317,9 +317,9 @@ int kv_q8_amx_env(void) {
 
 /* ---- dispatch ---- */
 
-static atomic_int g_no_vnni; /* bit 0: no VNNI, bit 1: no AMX */
-void kv_q8_set_no_vnni(int on) { atomic_store(&g_no_vnni, on); }
-static int limits(void) { return atomic_load_explicit(&g_no_vnni, memory_order_relaxed); }
+static atomic_int g_limits; /* bit 0: no VNNI, bit 1: no AMX */
+void kv_q8_set_limits(int bits) { atomic_store(&g_limits, bits); }
+static int limits(void) { return atomic_load_explicit(&g_limits, memory_order_relaxed); }
 
 void kv_q8_dot_rows(int type, const void *w, size_t row_bytes, int n_rows, const struct kv_q8_act *a, int m0, int M,
                     float *Y, size_t ldy) {

@@ -115,6 +115,6 @@ int kv_q8_amx_env(void);
 
 /* Tests: 1 = use the AVX-512 kernels without VNNI, 2 = without AMX, 3 = neither, even where
  * the CPU has them (process-wide); 0 = the CPU's best. */
-void kv_q8_set_no_vnni(int on);
+void kv_q8_set_limits(int bits);
 
 #endif

@@ -365,6 +365,10 @@ AVX512 static void dot512_vnni(int type, const uint8_t *w8, size_t rb, int n_row
                                int M, float *Y, size_t ldy) {
     DISPATCH512(1)
 }
+/* Compiled with the VNNI target only so that the shared always-inline kernels (which hold both
+ * routes, picked by the constant VN) inline here; with VN = 0 no VNNI intrinsic is reached and
+ * GCC does not fuse vpmaddwd + vpaddd into vpdpwssd (objdump of this function: no vpdp*), so it
+ * runs on AVX-512 CPUs without VNNI. */
 AVX512 static void dot512_plain(int type, const uint8_t *w8, size_t rb, int n_rows, const struct kv_q8_act *a, int m0,
                                 int M, float *Y, size_t ldy) {
     DISPATCH512(0)

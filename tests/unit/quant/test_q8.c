@@ -147,7 +147,7 @@ static int compare_all(int type, const uint8_t *w, size_t rb, int n_rows, const 
     for (int i = 0; i < N_ISAS + 1; i++) {
         enum kv_quant_isa isa = k_isas[i < N_ISAS ? i : N_ISAS - 1];
         if (!use_isa(isa)) continue;
-        kv_q8_set_no_vnni(i == N_ISAS);
+        kv_q8_set_limits(i == N_ISAS);
         for (size_t j = 0; j < ny; j++) got[j] = -7.25f;
         kv_q8_dot_rows(type, w, rb, n_rows, a, 0, M, got, ldy);
         for (size_t j = 0; j < ny; j++) {
@@ -180,7 +180,7 @@ static int compare_all(int type, const uint8_t *w, size_t rb, int n_rows, const 
         if (!use_isa(k_isas[i])) continue;
         for (int lim = 0; lim < 4; lim++) {
             if (k_isas[i] != KV_QUANT_ISA_AVX512 && lim) break;
-            kv_q8_set_no_vnni(lim);
+            kv_q8_set_limits(lim);
             for (size_t j = 0; j < ny; j++) got[j] = -7.25f;
             kv_q8_dot_packed(type, panel, n_rows, a, 0, M, got, ldy);
             for (size_t j = 0; j < ny; j++)
@@ -192,7 +192,7 @@ static int compare_all(int type, const uint8_t *w, size_t rb, int n_rows, const 
         }
     }
     free(panel);
-    kv_q8_set_no_vnni(0);
+    kv_q8_set_limits(0);
     kv_quant_set_isa(KV_QUANT_ISA_AUTO);
     /* one row at a time and one activation row at a time: the same bits (batch invariance) */
     for (int m = 0; m < M; m++)
