@@ -31,4 +31,18 @@ static inline uint64_t qt_xorshift(uint64_t *s) {
     return *s;
 }
 
+/* f16 block scales for "extreme" random rows: zeros, subnormals, the largest finite, 1.0, ... */
+static const uint16_t qt_scales[] = {0x0000, 0x8000, 0x0001, 0x03ff, 0x0400, 0x3c00, 0x7bff,
+                                     0xfbff, 0x1234, 0xa5a5, 0x2e66, 0x2400, 0xa400, 0x1800};
+#define QT_N_SCALES (sizeof qt_scales / sizeof qt_scales[0])
+/* A random f16 block scale from *s: one of qt_scales when extreme, else a moderate one. */
+static inline uint16_t qt_scale(uint64_t *s, bool extreme) {
+    return extreme ? qt_scales[qt_xorshift(s) % QT_N_SCALES] : (uint16_t)(0x2000 + qt_xorshift(s) % 0x1800);
+}
+/* Little-endian u16 store. */
+static inline void qt_put16(uint8_t *p, uint16_t v) {
+    p[0] = (uint8_t)v;
+    p[1] = (uint8_t)(v >> 8);
+}
+
 #endif

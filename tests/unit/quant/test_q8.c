@@ -28,12 +28,6 @@ static bool same(float a, float b) { return f_bits(a) == f_bits(b) || (isnan(a) 
 
 static const int k_types[] = {KV_QTYPE_Q8_0, KV_QTYPE_Q4_0, KV_QTYPE_Q4_K, KV_QTYPE_Q5_K, KV_QTYPE_Q6_K};
 
-static const uint16_t k_scales[] = {0x0000, 0x8000, 0x0001, 0x03ff, 0x0400, 0x3c00, 0x7bff,
-                                    0xfbff, 0x1234, 0xa5a5, 0x2e66, 0x2400, 0xa400, 0x1800};
-static void put16(uint8_t *p, uint16_t v) {
-    p[0] = (uint8_t)v;
-    p[1] = (uint8_t)(v >> 8);
-}
 
 static void fill_rows(int type, uint8_t *w, size_t rb, int n_rows, int K, bool extreme) {
     size_t bb = kv_qtype_block_bytes(type);
@@ -43,22 +37,22 @@ static void fill_rows(int type, uint8_t *w, size_t rb, int n_rows, int K, bool e
         for (size_t i = 0; i < rb; i++) row[i] = (uint8_t)rnd();
         for (int b = 0; b < K / blck; b++) {
             uint8_t *blk = row + (size_t)b * bb;
-            uint16_t s1 = extreme ? k_scales[rnd() % (sizeof k_scales / 2)] : (uint16_t)(0x2000 + rnd() % 0x1800);
-            uint16_t s2 = extreme ? k_scales[rnd() % (sizeof k_scales / 2)] : (uint16_t)(0x2000 + rnd() % 0x1800);
+            uint16_t s1 = qt_scale(&g_rng, extreme);
+            uint16_t s2 = qt_scale(&g_rng, extreme);
             switch (type) {
             case KV_QTYPE_Q8_0:
-                put16(blk, s1);
+                qt_put16(blk, s1);
                 if (extreme && rnd() % 4 == 0) memset(blk + 2, 0x80, 32); /* -128: the sign trick's edge */
                 break;
-            case KV_QTYPE_Q4_0: put16(blk, s1); break;
+            case KV_QTYPE_Q4_0: qt_put16(blk, s1); break;
             case KV_QTYPE_Q4_K: case KV_QTYPE_Q5_K:
-                put16(blk, s1);
-                put16(blk + 2, s2);
+                qt_put16(blk, s1);
+                qt_put16(blk + 2, s2);
                 if (extreme && rnd() % 4 == 0) memset(blk + 4, 0xff, 12);
                 if (extreme && rnd() % 4 == 0) memset(blk + 16, 0xff, bb - 16); /* every quant at its max */
                 break;
             case KV_QTYPE_Q6_K:
-                put16(blk + 208, s1);
+                qt_put16(blk + 208, s1);
                 if (extreme && rnd() % 4 == 0)
                     for (int j = 0; j < 16; j++) blk[192 + j] = 0x80; /* scale -128 */
                 if (extreme && rnd() % 4 == 0) memset(blk, 0, 192); /* every quant -32 */

@@ -91,14 +91,8 @@ static int compare_all(const char *what, int type, const uint8_t *w, size_t rb, 
 }
 
 /* finite f16 scales: zero, -0, subnormals, tiny and huge normals, max */
-static const uint16_t k_scales[] = {0x0000, 0x8000, 0x0001, 0x03ff, 0x0400, 0x3c00, 0x7bff,
-                                    0xfbff, 0x1234, 0xa5a5, 0x2e66, 0x2400, 0xa400, 0x1800};
-static void put16(uint8_t *p, uint16_t v) {
-    p[0] = (uint8_t)v;
-    p[1] = (uint8_t)(v >> 8);
-}
 
-/* n_rows random rows of K elements, row stride rb; finite values (scales from k_scales in
+/* n_rows random rows of K elements, row stride rb; finite values (scales from qt_scales in
  * `extreme` mode, else moderate) */
 static void fill_rows(int type, uint8_t *w, size_t rb, int n_rows, int K, bool extreme) {
     size_t bb = kv_qtype_block_bytes(type);
@@ -108,20 +102,20 @@ static void fill_rows(int type, uint8_t *w, size_t rb, int n_rows, int K, bool e
         for (size_t i = 0; i < rb; i++) row[i] = (uint8_t)rnd();
         for (int b = 0; b < K / blck; b++) {
             uint8_t *blk = row + (size_t)b * bb;
-            uint16_t s1 = extreme ? k_scales[rnd() % (sizeof k_scales / 2)] : (uint16_t)(0x2000 + rnd() % 0x1800);
-            uint16_t s2 = extreme ? k_scales[rnd() % (sizeof k_scales / 2)] : (uint16_t)(0x2000 + rnd() % 0x1800);
+            uint16_t s1 = qt_scale(&g_rng, extreme);
+            uint16_t s2 = qt_scale(&g_rng, extreme);
             switch (type) {
             case KV_QTYPE_F32: blk[3] = (uint8_t)((blk[3] & 0x80) | (0x3a + rnd() % 8)); break; /* |x| ~ 1e-3..1e1 */
             case KV_QTYPE_F16: blk[1] = (uint8_t)((blk[1] & 0x83) | ((extreme ? rnd() % 31 : 8 + rnd() % 12) << 2)); break;
             case KV_QTYPE_BF16: blk[1] = (uint8_t)((blk[1] & 0x80) | (0x3a + rnd() % 8)); break;
-            case KV_QTYPE_Q8_0: case KV_QTYPE_Q4_0: put16(blk, s1); break;
+            case KV_QTYPE_Q8_0: case KV_QTYPE_Q4_0: qt_put16(blk, s1); break;
             case KV_QTYPE_Q4_K: case KV_QTYPE_Q5_K:
-                put16(blk, s1);
-                put16(blk + 2, s2);
+                qt_put16(blk, s1);
+                qt_put16(blk + 2, s2);
                 if (extreme && rnd() % 4 == 0) memset(blk + 4, 0xff, 12);
                 break;
             case KV_QTYPE_Q6_K:
-                put16(blk + 208, s1);
+                qt_put16(blk + 208, s1);
                 if (extreme && rnd() % 4 == 0)
                     for (int j = 0; j < 16; j++) blk[192 + j] = (uint8_t)(j % 2 ? 0x80 : 0x7f);
                 break;
