@@ -101,6 +101,12 @@ void kv_q8_quantize(struct kv_q8_act *a, int m0, int n, const float *X, size_t l
 
 static float h2f(const uint8_t *p) { return kv_quant_h2f(kv_quant_ld16(p)); }
 
+/* Element i (0..31) of a Q8_0 / Q4_0 block as the contract's signed integer (quant, nibble - 8). */
+static int g32_int(int type, const uint8_t *blk, int i) {
+    if (type == KV_QTYPE_Q8_0) return (int8_t)blk[2 + i];
+    return (i < 16 ? (blk[2 + i] & 15) : (blk[2 + i - 16] >> 4)) - 8;
+}
+
 /* Super-block s of a K-quant row as integers: u[e] (the unsigned quant, minus 32 for Q6_K),
  * sc[e] (the integer scale of e's sub-block), m8[j] (Q4_K/Q5_K mins), and d / dmin. */
 static void kquant_ints(int type, const uint8_t *b, int u[256], int sc[256], int m8[8], float *d, float *dmin) {
@@ -149,9 +155,7 @@ static float ref_one(int type, const uint8_t *row, const int8_t *q, const float 
             const uint8_t *blk = row + (size_t)b * bb;
             int32_t S = 0;
             for (int i = 0; i < 32; i++) {
-                int v = type == KV_QTYPE_Q8_0 ? (int8_t)blk[2 + i]
-                                              : (i < 16 ? (blk[2 + i] & 15) : (blk[2 + i - 16] >> 4)) - 8;
-                S += v * q[32 * b + i];
+                S += g32_int(type, blk, i) * q[32 * b + i];
             }
             acc = fmaf((float)S, h2f(blk) * dx[b], acc);
         }
@@ -236,8 +240,7 @@ int kv_q8_pack(int type, const void *w, size_t row_bytes, int n_rows, int K, voi
                 d = h2f(blk);
                 dmin = 0.0f;
                 for (int i = 0; i < 32; i++) {
-                    u[i] = type == KV_QTYPE_Q8_0 ? (int8_t)blk[2 + i]
-                                                 : (i < 16 ? (blk[2 + i] & 15) : (blk[2 + i - 16] >> 4)) - 8;
+                    u[i] = g32_int(type, blk, i);
                     sc[i] = 1;
                 }
             } else {
