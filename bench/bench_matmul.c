@@ -140,7 +140,7 @@ int main(int argc, char **argv) {
                     memcpy(&u, &f, 4);
                     h[k] = wtype == KV_QTYPE_F16 ? kv_f32_to_f16(f) : (uint16_t)(u >> 16);
                 }
-                c.Wm[i] = (struct kv_wmat){c.W[i], wtype, N, K, kv_qtype_row_bytes(wtype, K)};
+                c.Wm[i] = (struct kv_wmat){c.W[i], wtype, N, K, kv_qtype_row_bytes(wtype, K), NULL};
             }
         }
         for (size_t k = 0; k < (size_t)maxM * K; k++) c.X[k] = (float)rand() / RAND_MAX - 0.5f;

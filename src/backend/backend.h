@@ -179,9 +179,18 @@ kv_status backend_cpu_gemm_parse(const char *s, enum backend_cpu_gemm *out);
 struct backend_cpu_options {
     int n_threads;              /* 0 = all cores */
     enum backend_cpu_gemm gemm; /* BACKEND_CPU_GEMM_INVARIANT (0) unless asked otherwise */
+    /* Keep every matrix in its file layout. By default (false), on the integer path for
+     * quantized weights, Q8_0 matrices are repacked whole at creation into the prefill
+     * kernels' panel layout (+5.9% bytes; the file pages they replace are released) and
+     * every product reads the panel: same bits, faster prefill and decode. Also turned off by
+     * KVSERVE_CPU_PREPACK=0 (for A/B measurements). */
+    bool no_prepack;
 };
 /* backend_cpu_new with options (zero-initialised options = backend_cpu_new(m, 0, ...)).
  * Errors as backend_cpu_new, plus KV_EINVAL for an unknown gemm mode or NULL opt. */
+/* Bytes of the weight panels a CPU backend repacked at creation (struct
+ * backend_cpu_options.no_prepack), 0 when it repacked nothing or be is not a CPU backend. */
+size_t backend_cpu_panel_bytes(const backend_t *be);
 kv_status backend_cpu_new_ex(const model_t *m, const struct backend_cpu_options *opt, backend_t **out, char *err,
                              size_t errlen);
 void backend_free(backend_t *be);

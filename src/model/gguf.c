@@ -366,6 +366,11 @@ fail:
 
 uint32_t gguf_version(const gguf_t *g) { return g->version; }
 const char *gguf_path(const gguf_t *g) { return g->path; }
+bool gguf_in_map(const gguf_t *g, const void *p, size_t n) {
+    if (!g || !g->map.data || !p) return false;
+    uintptr_t a = (uintptr_t)g->map.data, x = (uintptr_t)p;
+    return x >= a && x - a <= g->map.size && n <= g->map.size - (x - a);
+}
 int gguf_n_keys(const gguf_t *g) { return g->n_kv; }
 const char *gguf_key_name(const gguf_t *g, int i) { return i >= 0 && i < g->n_kv ? g->kv[i].key : NULL; }
 enum gguf_type gguf_key_type(const gguf_t *g, int i) {

@@ -40,6 +40,8 @@ kv_status gguf_open(const char *path, gguf_t **out, char *err, size_t errlen);
 void gguf_close(gguf_t *g);
 uint32_t gguf_version(const gguf_t *g);
 const char *gguf_path(const gguf_t *g);
+/* True when [p, p + n) lies inside g's file map. */
+bool gguf_in_map(const gguf_t *g, const void *p, size_t n);
 
 /* ---- metadata lookups: return false if the key is absent or has another type ---- */
 int gguf_find_key(const gguf_t *g, const char *key); /* index or -1 */

@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 const char *model_arch_name(model_arch a) {
@@ -146,6 +147,15 @@ void model_free(model_t *m) {
     }
     free(m->w.layers);
     free(m);
+}
+
+void model_release_pages(const model_t *m, const void *p, size_t n) {
+    const struct model_priv *pv = m ? m->priv : NULL;
+    if (!pv || !pv->gguf || !gguf_in_map(pv->gguf, p, n)) return;
+    long ps = sysconf(_SC_PAGESIZE);
+    if (ps <= 0) return;
+    uintptr_t a = ((uintptr_t)p + (uintptr_t)ps - 1) & ~((uintptr_t)ps - 1), b = ((uintptr_t)p + n) & ~((uintptr_t)ps - 1);
+    if (b > a) (void)madvise((void *)a, b - a, MADV_DONTNEED); /* a private read-only file map: pages refault from the file */
 }
 
 void model_matrix_types(const model_t *m, char *out, size_t outlen) {

@@ -78,6 +78,11 @@ struct kv_wmat {
     int type;         /* enum kv_qtype */
     int rows, cols;
     size_t row_bytes; /* kv_qtype_row_bytes(type, cols) */
+    /* Optional: the same matrix repacked whole by kv_q8_pack (src/quant/q8.h: 16-row groups of
+     * kv_q8_pack_bytes(type, 16, cols) bytes each, row group g at panel + g * that), or NULL.
+     * Set by the CPU backend on its own copies of the weight table (never in a model), owned
+     * by that backend; the integer matmul path reads it instead of data (same bits). */
+    const void *panel;
 };
 /* The matrix's data as floats when it is F32, else NULL. Writable only for model_alloc's
  * models (tests and the demo generator fill them); a loaded file's map is read-only. */
@@ -86,7 +91,7 @@ static inline float *kv_wmat_f32(const struct kv_wmat *w) {
 }
 /* An F32 view of rows x cols floats at p (borrowed). */
 static inline struct kv_wmat kv_wmat_from_f32(const float *p, int rows, int cols) {
-    struct kv_wmat w = {p, KV_QTYPE_F32, rows, cols, (size_t)cols * sizeof(float)};
+    struct kv_wmat w = {p, KV_QTYPE_F32, rows, cols, (size_t)cols * sizeof(float), NULL};
     return w;
 }
 
@@ -130,6 +135,12 @@ typedef struct model {
  * architecture or dtype) into err. Never crashes on malformed input. */
 kv_status model_load(const char *path, model_t **out, char *err, size_t errlen);
 void model_free(model_t *m);
+/* Tells the OS that bytes [p, p + n) of m's file map will not be read for a while (the CPU
+ * backend calls it after repacking a matrix): madvise(MADV_DONTNEED) on the whole pages inside
+ * the range, so they leave the process's resident set; reading them again is still valid and
+ * faults them back from the file (page cache). A no-op for memory that is not in m's file map
+ * (model_alloc's arena, HF 16-bit buffers). Thread-safe; cannot fail (errors are ignored). */
+void model_release_pages(const model_t *m, const void *p, size_t n);
 
 /* Allocates an empty model with all weight arrays for cfg (zeroed), every matrix F32 and
  * writable through kv_wmat_f32. For tests and the demo model generator. */

@@ -391,6 +391,12 @@ AVX512 static ALWAYS void packed_tile(int type, const uint8_t *rg, int nr, const
     _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++) acc[m] = mn[m] = _mm512_setzero_ps();
     for (int s = 0; s < ng; s++) {
         const uint8_t *grp = rg + (size_t)s * g.grp;
+        if (MR == 1 && !g.kq) {
+            /* decode over a panel repacked at load (Q8_0): one sequential stream; asking for
+             * the group two ahead into L1 gave +7-15% tokens/s at 1B (memory-bound) */
+            const char *pf = (const char *)grp + 2 * g.grp;
+            for (size_t l = 0; l < g.grp; l += 64) _mm_prefetch(pf + l, _MM_HINT_T0);
+        }
         __m512i I[8];
         _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++) I[m] = _mm512_setzero_si512();
         for (int j = 0; j < g.J; j++) {
@@ -839,6 +845,10 @@ AVX2 static ALWAYS void packed_tile256(int type, const uint8_t *rg, int half, in
     _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++) acc[m] = mn[m] = _mm256_setzero_ps();
     for (int s = 0; s < ng; s++) {
         const uint8_t *grp = rg + (size_t)s * g.grp;
+        if (MR == 1 && !g.kq && half == 0) { /* as packed_tile; the second half reads from L2 */
+            const char *pf = (const char *)grp + 2 * g.grp;
+            for (size_t l = 0; l < g.grp; l += 64) _mm_prefetch(pf + l, _MM_HINT_T0);
+        }
         __m256i I[4];
         _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++) I[m] = _mm256_setzero_si256();
         for (int j = 0; j < g.J; j++) {

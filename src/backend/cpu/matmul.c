@@ -395,7 +395,13 @@ static void plan_task(void *p, int t, int th) {
     }
     /* decode rows of every type, F32 included (qdot's GEMV tiles: 8 weight rows per X row) */
     if (pl->q8[i] || op->M <= DECODE_ROWS) { /* decode: dequantize in registers, nothing written but Y */
-        if (pl->q8[i] && op->M > DECODE_ROWS && kv_q8_packed_fast(W->type)) {
+        if (pl->q8[i] && W->panel && kv_q8_packed_fast(W->type)) {
+            /* the matrix was repacked whole at load (struct kv_wmat.panel): outer products over
+             * its row groups for every M, decode included (one sequential stream of weights) */
+            size_t gb = kv_q8_pack_bytes(W->type, 16, (int)K);
+            kv_q8_dot_packed(W->type, (const char *)W->panel + (size_t)(n0 / 16) * gb, n1 - n0, pl->q8[i], 0, op->M,
+                             op->Y + n0, (size_t)W->rows);
+        } else if (pl->q8[i] && op->M > DECODE_ROWS && kv_q8_packed_fast(W->type)) {
             /* prefill: repack the task's rows once (VNNI order), then outer products for all M */
             size_t pb = kv_q8_pack_bytes(W->type, n1 - n0, (int)K);
             void *panel = thread_buf(BUF_PANEL, pb);
@@ -462,6 +468,9 @@ kv_status kv_cpu_env_check(char *err, size_t errlen) {
         return kv_errf(KV_EINVAL, err, errlen, "KVSERVE_CPU_QUANT_MATMUL=%s: expected int8 or f32", e);
     if (kv_q8_amx_env() < 0)
         return kv_errf(KV_EINVAL, err, errlen, "KVSERVE_CPU_AMX=%s: expected 0 (off) or 1", getenv("KVSERVE_CPU_AMX"));
+    e = getenv("KVSERVE_CPU_PREPACK");
+    if (e && *e && strcmp(e, "0") && strcmp(e, "1"))
+        return kv_errf(KV_EINVAL, err, errlen, "KVSERVE_CPU_PREPACK=%s: expected 0 (off) or 1", e);
     return KV_OK;
 }
 
@@ -531,6 +540,7 @@ static void run_batch(const struct kv_matmul_op *ops, int n_ops, kv_threadpool_t
             fair = (fair + 7) & ~7;
             if (nb > fair) nb = fair;
             if (nb < 8) nb = 8;
+            if (op->W->panel) nb = (nb + 15) & ~15; /* tasks start at a row group of the panel */
         }
         pl.nb[i] = nb;
         pl.first[i + 1] = pl.first[i] + (nb ? (N + nb - 1) / nb : 0);

@@ -42,7 +42,9 @@
  * its columns, so each output element is computed entirely by one thread. INT8 mode, quantized
  * weights: the batch's activation rows are quantized once per distinct X (kv_q8_quantize), then
  * a task runs kv_q8_dot_rows on its rows (M <= 4, or no AMX/VNNI) or repacks them into a
- * per-thread panel (kv_q8_pack) and runs kv_q8_dot_packed (prefill). Otherwise, when M <= 4
+ * per-thread panel (kv_q8_pack) and runs kv_q8_dot_packed (prefill); a matrix the CPU backend
+ * repacked whole at load (struct kv_wmat.panel, Q8_0) goes to kv_q8_dot_packed for every M,
+ * its tasks cut at 16-row groups. Otherwise, when M <= 4
  * (decode; every weight type, F32 included) the task calls kv_qdot_rows (src/quant/qdot.h),
  * which dequantizes 16 weights at a time into registers and FMAs them at once (nothing
  * written but Y); for larger M and non-F32 weights the task dequantizes its block into a
@@ -119,7 +121,8 @@ enum kv_matmul_quant kv_matmul_get_quant(void);
 /* "int8" / "f32". */
 const char *kv_matmul_quant_name(enum kv_matmul_quant q);
 /* Checks the CPU kernel environment variables a CLI honours -- KVSERVE_CPU_ISA (kv_cpu_isa_env),
- * KVSERVE_CPU_QUANT_MATMUL (int8|f32) and KVSERVE_CPU_AMX (0|1) -- so that `kvserve serve`,
+ * KVSERVE_CPU_QUANT_MATMUL (int8|f32), KVSERVE_CPU_AMX (0|1) and KVSERVE_CPU_PREPACK (0|1,
+ * backend.h) -- so that `kvserve serve`,
  * `generate` and bench_engine refuse a typo at start instead of running other kernels than
  * asked. KV_EINVAL / KV_EUNSUPPORTED with a message naming the variable; changes nothing. */
 kv_status kv_cpu_env_check(char *err, size_t errlen);

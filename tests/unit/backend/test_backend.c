@@ -16,6 +16,7 @@
 
 #include "backend/backend.h"
 #include "backend/cpu/matmul.h"
+#include "quant/q8.h"
 #include "test_util.h"
 #include "wmat_util.h"
 
@@ -433,6 +434,44 @@ static void test_quant_determinism(void **st) {
     }
 }
 
+/* Q8_0 matrices repacked whole at backend creation (the default on the integer path) give
+ * the bits of the in-place layout, and the file pages they replace may be dropped: the
+ * model's own bytes still read back unchanged (a private read-only map refaults them). */
+static void test_prepack_same_bits(void **st) {
+    (void)st;
+    char path[4096], err[256];
+    if (!test_data_path(path, sizeof path, "models/tiny-quant/tiny-Q8_0.gguf")) { skip(); return; }
+    model_t *m = NULL;
+    if (model_load(path, &m, err, sizeof err)) fail_msg("%s: %s", path, err);
+    size_t nb = m->w.layers[0].w_up.row_bytes * (size_t)m->w.layers[0].w_up.rows;
+    void *copy = malloc(nb);
+    assert_non_null(copy);
+    memcpy(copy, m->w.layers[0].w_up.data, nb);
+    kv_matmul_set_quant(KV_MATMUL_QUANT_INT8);
+    struct seqs S;
+    random_seqs(&S, m->cfg.n_vocab, 77);
+    struct run R[2] = {{0}, {0}};
+    for (int no = 0; no < 2; no++) {
+        struct backend_cpu_options o = {.n_threads = 2, .no_prepack = no};
+        backend_t *be = NULL;
+        assert_int_equal(backend_cpu_new_ex(m, &o, &be, err, sizeof err), KV_OK);
+        if (kv_q8_packed_fast(KV_QTYPE_Q8_0) && !no) assert_true(backend_cpu_panel_bytes(be) > 0);
+        else assert_int_equal(backend_cpu_panel_bytes(be), 0);
+        R[no].tpb = 16, R[no].n_blocks = 40;
+        run_schedule(be, &S, 3, 5, &R[no]); /* random chunks: decode and prefill rows */
+        backend_free(be);
+    }
+    for (int s = 0; s < S.n; s++)
+        if (memcmp(R[0].logits[s], R[1].logits[s], (size_t)S.len[s] * m->cfg.n_vocab * sizeof(float)))
+            fail_msg("seq %d: repacked Q8_0 weights give other logits than the file layout", s);
+    assert_memory_equal(copy, m->w.layers[0].w_up.data, nb);
+    free_run(&R[0], S.n);
+    free_run(&R[1], S.n);
+    free(copy);
+    kv_matmul_set_quant(KV_MATMUL_QUANT_AUTO);
+    model_free(m);
+}
+
 /* Every kernel family the CPU has (generic, AVX2, AVX-512: kv_matmul_set_isa, which also
  * switches the dequantization kernels) gives the same logits, for every weight type. */
 static void test_isa_families_agree(void **st) {
@@ -693,6 +732,7 @@ int main(void) {
         cmocka_unit_test(test_quant_int8_close_to_f32),
         cmocka_unit_test(test_quant_determinism),
         cmocka_unit_test(test_isa_families_agree),
+        cmocka_unit_test(test_prepack_same_bits),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -180,7 +180,7 @@ static void test_isas_identical_f16_panel(void **st) {
             Wf[i] = type == 0 ? kv_f16_to_f32(h[i]) : kv_bf16_to_f32(h[i]);
         }
         int qt = type == 0 ? KV_QTYPE_F16 : KV_QTYPE_BF16;
-        struct kv_wmat w = {h, qt, N, K, kv_qtype_row_bytes(qt, K)};
+        struct kv_wmat w = {h, qt, N, K, kv_qtype_row_bytes(qt, K), NULL};
         kv_matmul_reference(X, M, K, Wf, N, NULL, ref);
         enum kv_matmul_isa isas[] = {KV_MATMUL_ISA_GENERIC, KV_MATMUL_ISA_AVX2, KV_MATMUL_ISA_AVX512};
         for (int i = 0; i < 3; i++) {
