@@ -115,17 +115,69 @@ AI void prefetch_rows(const struct kv_attn_args *a, size_t off, int p, int n, in
     }
 }
 
-/* The softmax part of the contract over scores[0..n), in place: e_i; returns 1 / sum. */
-static float softmax_inplace(float *s, int n) {
+/* kv_expf (attention.h's contract): exp(x) for the softmax's x = s_i - mx <= 0, from IEEE
+ * binary32 operations only (one rounding each; fma fused), so the scalar code below and the
+ * vector versions give the same bits:
+ *   NaN -> x;  x < -87 -> +0
+ *   n = rint(x * log2(e))  (nearest even);  r = fma(n, -C1, x);  r = fma(n, C2, r)
+ *   p = P0;  p = fma(p, r, P1) ... fma(p, r, P5);  y = fma(p, r * r, r) + 1;  result = y * 2^n
+ * C1 + C2 splits ln 2 so that n * C1 is exact; P0..P5 are the minimax coefficients of Cephes'
+ * expf (S. Moshier, public domain). Error below 1 ulp of the exact exp on [-87, 0] (checked on
+ * every 32nd float there). */
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_C1 0.693359375f
+#define EXP_C2 2.12194440e-4f
+#define EXP_P0 1.9875691500e-4f
+#define EXP_P1 1.3981999507e-3f
+#define EXP_P2 8.3334519073e-3f
+#define EXP_P3 4.1665795894e-2f
+#define EXP_P4 1.6666665459e-1f
+#define EXP_P5 5.0000001201e-1f
+#define EXP_MIN (-87.0f)
+
+static inline float kv_expf(float x) {
+    if (x != x) return x;
+    if (x < EXP_MIN) return 0.0f;
+    float n = nearbyintf(x * EXP_LOG2E);
+    float r = fmaf(n, -EXP_C1, x);
+    r = fmaf(n, EXP_C2, r);
+    float p = EXP_P0;
+    p = fmaf(p, r, EXP_P1);
+    p = fmaf(p, r, EXP_P2);
+    p = fmaf(p, r, EXP_P3);
+    p = fmaf(p, r, EXP_P4);
+    p = fmaf(p, r, EXP_P5);
+    float y = fmaf(p, r * r, r) + 1.0f;
+    uint32_t b = (uint32_t)((int32_t)n + 127) << 23; /* n in [-126, 0] */
+    float sc;
+    memcpy(&sc, &b, 4);
+    return y * sc;
+}
+
+/* The sum of the softmax: 16 lanes (lane j adds e_i for i = j, j + 16, ... < n16 in order),
+ * the fixed tree of the dot products, then the tail in order. */
+static inline float lanes_sum(const float lane[16], const float *e, int n16, int n) {
+    float l8[8], l4[4];
+    for (int j = 0; j < 8; j++) l8[j] = lane[j] + lane[j + 8];
+    for (int j = 0; j < 4; j++) l4[j] = l8[j] + l8[j + 4];
+    float s = (l4[0] + l4[2]) + (l4[1] + l4[3]);
+    for (int i = n16; i < n; i++) s = s + e[i];
+    return s;
+}
+
+/* The softmax part of the contract over scores[0..n), in place: e_i; returns 1 / sum. Scalar
+ * transcription (the generic family's). */
+static float softmax_generic(float *s, int n) {
     float mx = -INFINITY;
     for (int i = 0; i < n; i++)
         if (s[i] > mx) mx = s[i];
-    float sum = 0.0f;
+    const int n16 = n - n % 16;
+    float lane[16] = {0};
     for (int i = 0; i < n; i++) {
-        s[i] = expf(s[i] - mx);
-        sum += s[i];
+        s[i] = kv_expf(s[i] - mx);
+        if (i < n16) lane[i % 16] = lane[i % 16] + s[i];
     }
-    return 1.0f / sum;
+    return 1.0f / lanes_sum(lane, s, n16, n);
 }
 
 /* ---- generic ---- */
@@ -155,7 +207,7 @@ static void attn_generic(const struct kv_attn_args *a) {
             for (int e = hd16; e < hd; e++) s = fmaf(q[e], elem(k, e, dt), s);
             sc[i] = s * a->scale;
         }
-        float inv = softmax_inplace(sc, np);
+        float inv = softmax_generic(sc, np);
         float *out = a->out + (size_t)j * a->out_stride + (size_t)g * hd;
         for (int e = 0; e < hd; e++) out[e] = 0.0f;
         for (int i = 0; i < np; i++) {
@@ -172,14 +224,14 @@ static void attn_generic(const struct kv_attn_args *a) {
  * NVM2 for a DCH/2 remainder). Uses a, hd, hd16, dt, rb, R, G, n_last of the enclosing kernel.
  * Every out element still adds its positions' terms in increasing position: the pairs share
  * the V loads of their common positions, the remaining positions of a pair follow alone. */
-#define ATTN_SOFTMAX_VALUES(VACC, N64, N48, N32, N16, VACCM, NPM, DCH, NVM, NVM2) \
+#define ATTN_SOFTMAX_VALUES(SOFTMAX, VACC, N64, N48, N32, N16, VACCM, NPM, DCH, NVM, NVM2) \
     do { \
     /* softmax per (row, head); 1/sum kept per (row, head) (recomputed from the e_i when the \
      * tile x group exceeds the local table) */ \
     float invs[256]; \
     for (int jg = 0; jg < R * G; jg++) { \
         int j = jg / G, g = jg % G; \
-        float iv = softmax_inplace(scores_of(a, j, g), a->n_pos + j); \
+        float iv = SOFTMAX(scores_of(a, j, g), a->n_pos + j); \
         if (jg < 256) invs[jg] = iv; \
         memset(a->out + (size_t)j * a->out_stride + (size_t)g * hd, 0, (size_t)hd * sizeof(float)); \
     } \
@@ -326,6 +378,45 @@ AI T512 void vaccm512(const struct kv_attn_args *a, const float *const *sc, cons
         _Pragma("GCC unroll 4") for (int u = 0; u < NV; u++) _mm512_storeu_ps(out[x] + d0 + 16 * u, acc[x][u]);
 }
 
+/* kv_expf on 16 lanes: the same operations in the same order (roundscale = rint). */
+AI T512 __m512 expf512(__m512 x) {
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-EXP_C1), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(EXP_C2), r);
+    __m512 p = _mm512_set1_ps(EXP_P0);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P1));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P2));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P3));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P4));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P5));
+    __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    __mmask16 lo = _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_MIN), _CMP_LT_OQ), nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    __m512i b = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(_mm512_maskz_mov_ps((__mmask16)~(lo | nan), n)),
+                                                   _mm512_set1_epi32(127)), 23);
+    __m512 e = _mm512_maskz_mov_ps((__mmask16)~lo, _mm512_mul_ps(y, _mm512_castsi512_ps(b)));
+    return _mm512_mask_mov_ps(e, nan, x);
+}
+/* softmax_generic with 16 lanes per vector: max (NaN ignored, as the scalar compare), e_i, the
+ * 16 lane sums in one accumulator. */
+static T512 float softmax512(float *s, int n) {
+    const int n16 = n - n % 16;
+    __m512 vm = _mm512_set1_ps(-INFINITY);
+    for (int i = 0; i < n16; i += 16) vm = _mm512_max_ps(_mm512_loadu_ps(s + i), vm); /* NaN lanes keep vm */
+    float mx = _mm512_reduce_max_ps(vm);
+    for (int i = n16; i < n; i++)
+        if (s[i] > mx) mx = s[i];
+    __m512 vmx = _mm512_set1_ps(mx), acc = _mm512_setzero_ps();
+    for (int i = 0; i < n16; i += 16) {
+        __m512 e = expf512(_mm512_sub_ps(_mm512_loadu_ps(s + i), vmx));
+        _mm512_storeu_ps(s + i, e);
+        acc = _mm512_add_ps(acc, e);
+    }
+    for (int i = n16; i < n; i++) s[i] = kv_expf(s[i] - mx);
+    float lane[16];
+    _mm512_storeu_ps(lane, acc);
+    return 1.0f / lanes_sum(lane, s, n16, n);
+}
+
 static T512 void attn_avx512(const struct kv_attn_args *a) {
     const int hd = a->head_dim, dt = a->kv_dtype, hd16 = hd - hd % 16, R = a->n_rows, G = a->n_group;
     const int n_last = a->n_pos + R - 1; /* positions the last row attends */
@@ -337,7 +428,7 @@ static T512 void attn_avx512(const struct kv_attn_args *a) {
         else if (dt == KV_DTYPE_BF16) scores512(a, i0, ni, rb, KV_DTYPE_BF16);
         else scores512(a, i0, ni, rb, KV_DTYPE_F32);
     }
-    ATTN_SOFTMAX_VALUES(vacc512, 4, 3, 2, 1, vaccm512, 4, 64, 4, 2);
+    ATTN_SOFTMAX_VALUES(softmax512, vacc512, 4, 3, 2, 1, vaccm512, 4, 64, 4, 2);
 }
 
 /* ---- AVX2 + FMA + F16C ---- */
@@ -417,6 +508,52 @@ AI T256 void vaccm256(const struct kv_attn_args *a, const float *const *sc, cons
         _Pragma("GCC unroll 4") for (int u = 0; u < NV; u++) _mm256_storeu_ps(out[x] + d0 + 8 * u, acc[x][u]);
 }
 
+/* kv_expf on 8 lanes (the AVX-512 version's operations). */
+AI T256 __m256 expf256(__m256 x) {
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-EXP_C1), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(EXP_C2), r);
+    __m256 p = _mm256_set1_ps(EXP_P0);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P1));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P2));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P4));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P5));
+    __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    __m256 lo = _mm256_cmp_ps(x, _mm256_set1_ps(EXP_MIN), _CMP_LT_OQ), nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    __m256 nn = _mm256_andnot_ps(_mm256_or_ps(lo, nan), n); /* 0 where unused: no overflow in the shift */
+    __m256i b = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(nn), _mm256_set1_epi32(127)), 23);
+    __m256 e = _mm256_andnot_ps(lo, _mm256_mul_ps(y, _mm256_castsi256_ps(b)));
+    return _mm256_blendv_ps(e, x, nan);
+}
+/* softmax512 with two 8-lane halves of the 16 lane sums. */
+static T256 float softmax256(float *s, int n) {
+    const int n16 = n - n % 16;
+    __m256 vm = _mm256_set1_ps(-INFINITY);
+    for (int i = 0; i < n16; i += 8) vm = _mm256_max_ps(_mm256_loadu_ps(s + i), vm);
+    float t[8];
+    _mm256_storeu_ps(t, vm);
+    float mx = -INFINITY;
+    for (int i = 0; i < 8; i++)
+        if (t[i] > mx) mx = t[i];
+    for (int i = n16; i < n; i++)
+        if (s[i] > mx) mx = s[i];
+    __m256 vmx = _mm256_set1_ps(mx), lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    for (int i = 0; i < n16; i += 16) {
+        __m256 e0 = expf256(_mm256_sub_ps(_mm256_loadu_ps(s + i), vmx));
+        __m256 e1 = expf256(_mm256_sub_ps(_mm256_loadu_ps(s + i + 8), vmx));
+        _mm256_storeu_ps(s + i, e0);
+        _mm256_storeu_ps(s + i + 8, e1);
+        lo = _mm256_add_ps(lo, e0);
+        hi = _mm256_add_ps(hi, e1);
+    }
+    for (int i = n16; i < n; i++) s[i] = kv_expf(s[i] - mx);
+    float lane[16];
+    _mm256_storeu_ps(lane, lo);
+    _mm256_storeu_ps(lane + 8, hi);
+    return 1.0f / lanes_sum(lane, s, n16, n);
+}
+
 static T256 void attn_avx2(const struct kv_attn_args *a) {
     const int hd = a->head_dim, dt = a->kv_dtype, hd16 = hd - hd % 16, R = a->n_rows, G = a->n_group;
     const int n_last = a->n_pos + R - 1;
@@ -427,7 +564,7 @@ static T256 void attn_avx2(const struct kv_attn_args *a) {
         else if (dt == KV_DTYPE_BF16) scores256(a, i0, ni, rb, KV_DTYPE_BF16);
         else scores256(a, i0, ni, rb, KV_DTYPE_F32);
     }
-    ATTN_SOFTMAX_VALUES(vacc256, 8, 6, 4, 2, vaccm256, 2, 32, 4, 2);
+    ATTN_SOFTMAX_VALUES(softmax256, vacc256, 8, 6, 4, 2, vaccm256, 2, 32, 4, 2);
 }
 #endif
 

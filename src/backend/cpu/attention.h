@@ -12,7 +12,11 @@
  * the stored rows widened exactly to f32:
  *   s_i  = dot(q_g, k_i) * scale        dot: matmul.h's order (16 lanes, fma, fixed tree,
  *                                       fma tail)
- *   mx   = max_i s_i;  e_i = expf(s_i - mx);  sum = e_0 + e_1 + ... (in order)
+ *   mx   = max_i s_i (NaN scores ignored);  e_i = kv_expf(s_i - mx)  (attention.c: exp from
+ *          IEEE single operations only, a Cephes polynomial; < 1 ulp, same bits in
+ *          scalar C and in vectors);
+ *   sum  = 16 lanes, lane j adding e_i for i = j, j+16, ... < n - n % 16 in order, the dot's
+ *          fixed tree, then the remaining e_i in order
  *   out_g[d] = 0; for i in order: out_g[d] = fma(e_i * (1 / sum), v_i[d], out_g[d])
  * Cost: one pass over K and one over V per (tile of rows, KV head), shared by the group's q
  * heads and the tile's rows (GQA reads each K/V row once, not n_group times; a prefill tile of
