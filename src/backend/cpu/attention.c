@@ -187,7 +187,7 @@ AI float *scores_of(const struct kv_attn_args *a, int j, int g) {
     return a->scores + ((size_t)j * a->n_group + g) * (size_t)(a->n_pos + a->n_rows - 1);
 }
 
-static void attn_generic(const struct kv_attn_args *a) {
+static void attn_generic_head(const struct kv_attn_args *a) {
     const int hd = a->head_dim, dt = a->kv_dtype, hd16 = hd - hd % 16;
     const size_t rb = (size_t)hd * kv_dtype_size(dt);
     for (int jg = 0; jg < a->n_rows * a->n_group; jg++) {
@@ -221,24 +221,26 @@ static void attn_generic(const struct kv_attn_args *a) {
 /* The softmax and value passes of the vector families (shared text; VACC is the family's
  * register-accumulator kernel, N64..N16 its vector counts for 64..16 floats of head_dim;
  * VACCM the same for NPM (row, head) pairs at once over chunks of DCH floats of NVM vectors,
- * NVM2 for a DCH/2 remainder). Uses a, hd, hd16, dt, rb, R, G, n_last of the enclosing kernel.
+ * NVM2 for a DCH/2 remainder). Use a, hd, hd16, dt, rb, R, G, n_last of the enclosing kernel.
  * Every out element still adds its positions' terms in increasing position: the pairs share
- * the V loads of their common positions, the remaining positions of a pair follow alone. */
-#define ATTN_SOFTMAX_VALUES(SOFTMAX, VACC, N64, N48, N32, N16, VACCM, NPM, DCH, NVM, NVM2) \
+ * the V loads of their common positions, the remaining positions of a pair follow alone.
+ * ATTN_SOFTMAX: softmax per (row, head) of a, 1/sum kept in INVS (recomputed from the e_i
+ * when the tile x group exceeds the table); ATTN_VALUES_BLOCK: the value terms of the KV
+ * block starting at position P0 (its rows are contiguous, so the block stays in L1 across the
+ * tile's rows and the group's heads). */
+#define ATTN_SOFTMAX(SOFTMAX, INVS) \
     do { \
-    /* softmax per (row, head); 1/sum kept per (row, head) (recomputed from the e_i when the \
-     * tile x group exceeds the local table) */ \
-    float invs[256]; \
-    for (int jg = 0; jg < R * G; jg++) { \
-        int j = jg / G, g = jg % G; \
-        float iv = SOFTMAX(scores_of(a, j, g), a->n_pos + j); \
-        if (jg < 256) invs[jg] = iv; \
-        memset(a->out + (size_t)j * a->out_stride + (size_t)g * hd, 0, (size_t)hd * sizeof(float)); \
-    } \
-    /* values: per KV block (its rows are contiguous, so the block stays in L1 across the tile's \
-     * rows and the group's heads) */ \
-    for (int p0 = 0; p0 < n_last; p0 += a->tpb) { \
-        prefetch_rows(a, a->v_off, p0 + a->tpb, a->tpb, n_last, rb); \
+        for (int jg = 0; jg < R * G; jg++) { \
+            int j = jg / G, g = jg % G; \
+            float iv = SOFTMAX(scores_of(a, j, g), a->n_pos + j); \
+            if (jg < 256) (INVS)[jg] = iv; \
+            memset(a->out + (size_t)j * a->out_stride + (size_t)g * hd, 0, (size_t)hd * sizeof(float)); \
+        } \
+    } while (0)
+#define ATTN_VALUES_BLOCK(P0, INVS, VACC, N64, N48, N32, N16, VACCM, NPM, DCH, NVM, NVM2) \
+    do { \
+        const int p0 = (P0); \
+        const float *invs = (INVS); \
         int jg = 0; \
         for (; jg + NPM <= R * G && (DCH) <= hd16 && hd16 % ((DCH) / 2) == 0; jg += NPM) { \
             int npa = a->n_pos + jg / G; /* the smallest position count of the NPM pairs */ \
@@ -280,15 +282,64 @@ static void attn_generic(const struct kv_attn_args *a) {
             else if (hd16 - d0 == 16) VACC(a, sc, iv, out, d0, p0, p1, rb, N16); \
             attn_v_tail(a, sc, iv, out, p0, p1, rb, hd16); \
         } \
-    } \
+    } while (0)
+
+/* The n_kv (>= 1) single-head argument sets of a (attention.h, n_kv). */
+static int split_heads(const struct kv_attn_args *a, struct kv_attn_args *A) {
+    int n = a->n_kv > 1 ? a->n_kv : 1;
+    size_t per_scores = (size_t)a->n_rows * a->n_group * (size_t)(a->n_pos + a->n_rows - 1);
+    for (int x = 0; x < n; x++) {
+        A[x] = *a;
+        A[x].n_kv = 1;
+        A[x].k_off = a->k_off + (size_t)x * a->head_stride;
+        A[x].v_off = a->v_off + (size_t)x * a->head_stride;
+        A[x].q = a->q + (size_t)x * a->n_group * a->head_dim;
+        A[x].out = a->out + (size_t)x * a->n_group * a->head_dim;
+        A[x].scores = a->scores + (size_t)x * per_scores;
+    }
+    return n;
+}
+
+/* The vector families' kernel over the KV heads of a (shared text; SC is the scores
+ * function, then ATTN_VALUES_BLOCK's family arguments): K and V are visited block by block
+ * with the heads inside, so the heads' runs of a block (adjacent in the pool) are read as one
+ * sequential region; each (row, head) still does exactly the contract's operations. */
+#define ATTN_KERNEL(A0, CH, SC, SOFTMAX, ...) \
+    do { \
+        struct kv_attn_args A_[KV_ATTN_MAX_HEADS]; \
+        const int H_ = split_heads((A0), A_); \
+        const int hd = (A0)->head_dim, dt = (A0)->kv_dtype, hd16 = hd - hd % 16, R = (A0)->n_rows, G = (A0)->n_group; \
+        const int n_last = (A0)->n_pos + R - 1; /* positions the last row attends */ \
+        const size_t rb = (size_t)hd * kv_dtype_size(dt); \
+        (void)hd16; \
+        for (int i0 = 0; i0 < n_last; i0 += (CH)) { \
+            int ni = n_last - i0 < (CH) ? n_last - i0 : (CH); \
+            for (int x = 0; x < H_; x++) { \
+                if (dt == KV_DTYPE_F16) SC(&A_[x], i0, ni, rb, KV_DTYPE_F16); \
+                else if (dt == KV_DTYPE_BF16) SC(&A_[x], i0, ni, rb, KV_DTYPE_BF16); \
+                else SC(&A_[x], i0, ni, rb, KV_DTYPE_F32); \
+            } \
+        } \
+        float invs_[KV_ATTN_MAX_HEADS][256]; \
+        for (int x = 0; x < H_; x++) { \
+            const struct kv_attn_args *a = &A_[x]; \
+            ATTN_SOFTMAX(SOFTMAX, invs_[x]); \
+        } \
+        for (int p0_ = 0; p0_ < n_last; p0_ += (A0)->tpb) \
+            for (int x = 0; x < H_; x++) { \
+                const struct kv_attn_args *a = &A_[x]; \
+                prefetch_rows(a, a->v_off, p0_ + a->tpb, a->tpb, n_last, rb); \
+                ATTN_VALUES_BLOCK(p0_, invs_[x], __VA_ARGS__); \
+            } \
     } while (0)
 
 /* 1 / sum of (row, head) jg: from the table, or recomputed in order from its e_i. */
 AI float attn_inv(const float *invs, int jg, const float *sc, int np) {
     if (jg < 256) return invs[jg];
-    float sum = 0.0f;
-    for (int i = 0; i < np; i++) sum += sc[i];
-    return 1.0f / sum;
+    const int n16 = np - np % 16;
+    float lane[16] = {0};
+    for (int i = 0; i < n16; i++) lane[i % 16] = lane[i % 16] + sc[i];
+    return 1.0f / lanes_sum(lane, sc, n16, np);
 }
 /* The head_dim % 16 tail of out over positions [p0, p1). */
 AI void attn_v_tail(const struct kv_attn_args *a, const float *sc, float iv, float *out, int p0, int p1, size_t rb,
@@ -417,18 +468,8 @@ static T512 float softmax512(float *s, int n) {
     return 1.0f / lanes_sum(lane, s, n16, n);
 }
 
-static T512 void attn_avx512(const struct kv_attn_args *a) {
-    const int hd = a->head_dim, dt = a->kv_dtype, hd16 = hd - hd % 16, R = a->n_rows, G = a->n_group;
-    const int n_last = a->n_pos + R - 1; /* positions the last row attends */
-    const size_t rb = (size_t)hd * kv_dtype_size(dt);
-    /* scores: each K row read once for the tile and the group */
-    for (int i0 = 0; i0 < n_last; i0 += 16) {
-        int ni = n_last - i0 < 16 ? n_last - i0 : 16;
-        if (dt == KV_DTYPE_F16) scores512(a, i0, ni, rb, KV_DTYPE_F16);
-        else if (dt == KV_DTYPE_BF16) scores512(a, i0, ni, rb, KV_DTYPE_BF16);
-        else scores512(a, i0, ni, rb, KV_DTYPE_F32);
-    }
-    ATTN_SOFTMAX_VALUES(softmax512, vacc512, 4, 3, 2, 1, vaccm512, 4, 64, 4, 2);
+static T512 void attn_avx512(const struct kv_attn_args *a0) {
+    ATTN_KERNEL(a0, 16, scores512, softmax512, vacc512, 4, 3, 2, 1, vaccm512, 4, 64, 4, 2);
 }
 
 /* ---- AVX2 + FMA + F16C ---- */
@@ -554,19 +595,16 @@ static T256 float softmax256(float *s, int n) {
     return 1.0f / lanes_sum(lane, s, n16, n);
 }
 
-static T256 void attn_avx2(const struct kv_attn_args *a) {
-    const int hd = a->head_dim, dt = a->kv_dtype, hd16 = hd - hd % 16, R = a->n_rows, G = a->n_group;
-    const int n_last = a->n_pos + R - 1;
-    const size_t rb = (size_t)hd * kv_dtype_size(dt);
-    for (int i0 = 0; i0 < n_last; i0 += 8) {
-        int ni = n_last - i0 < 8 ? n_last - i0 : 8;
-        if (dt == KV_DTYPE_F16) scores256(a, i0, ni, rb, KV_DTYPE_F16);
-        else if (dt == KV_DTYPE_BF16) scores256(a, i0, ni, rb, KV_DTYPE_BF16);
-        else scores256(a, i0, ni, rb, KV_DTYPE_F32);
-    }
-    ATTN_SOFTMAX_VALUES(softmax256, vacc256, 8, 6, 4, 2, vaccm256, 2, 32, 4, 2);
+static T256 void attn_avx2(const struct kv_attn_args *a0) {
+    ATTN_KERNEL(a0, 8, scores256, softmax256, vacc256, 8, 6, 4, 2, vaccm256, 2, 32, 4, 2);
 }
 #endif
+
+static void attn_generic(const struct kv_attn_args *a0) {
+    struct kv_attn_args A[KV_ATTN_MAX_HEADS];
+    int n = split_heads(a0, A);
+    for (int x = 0; x < n; x++) attn_generic_head(&A[x]);
+}
 
 void kv_attention(const struct kv_attn_args *a) {
     enum kv_matmul_isa isa = kv_matmul_get_isa();

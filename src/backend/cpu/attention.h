@@ -42,9 +42,18 @@ struct kv_attn_args {
     size_t k_off, v_off;       /* byte offsets of this (layer, kv head)'s K / V run in a block */
     int kv_dtype;              /* enum kv_dtype */
     float scale;               /* usually 1/sqrt(head_dim) */
-    float *scores;             /* scratch: n_rows * n_group * (n_pos + n_rows - 1) floats */
+    float *scores;             /* scratch: n_kv * n_rows * n_group * (n_pos + n_rows - 1) floats */
     float *out;                /* row j's (n_group, head_dim) at out + j * out_stride */
+    /* KV heads done in one call (0 or 1: one; at most KV_ATTN_MAX_HEADS): heads x = 0 ..
+     * n_kv-1 have their K / V runs at k_off / v_off + x * head_stride, their query heads at
+     * q + x * n_group * head_dim and outputs at out + x * n_group * head_dim (consecutive
+     * heads of one row). The vector kernels visit the heads inside each KV block, so a block's
+     * adjacent runs are read as one region (long-context decode is bound by memory latency on
+     * 2 KiB runs otherwise); every (row, head) gets the bits of a call of its own. */
+    int n_kv;
+    size_t head_stride;
 };
+#define KV_ATTN_MAX_HEADS 8
 
 /* Runs the contract above with the kernel family kv_matmul_set_isa selected. Reads only
  * positions < n_pos; cannot fail. Thread-safe for distinct scores/out buffers. */

@@ -117,6 +117,7 @@ struct job {
     const float *norm_w; /* rmsnorm job */
     float *src, *dst;    /* rmsnorm / add jobs */
     int width;
+    int heads_per_task;  /* attention: consecutive KV heads per task (kv_attn_args.n_kv) */
 };
 
 static int row_tasks(const struct job *j) { return (j->n_rows + j->rows_per_task - 1) / j->rows_per_task; }
@@ -199,7 +200,9 @@ static void task_attention(void *p, int t, int th) {
     struct cpu_ctx *c = j->c;
     const struct model_config *cfg = &c->m->cfg;
     int hd = cfg->head_dim, group = cfg->n_heads / cfg->n_kv_heads;
-    int ti = t / cfg->n_kv_heads, kvh = t % cfg->n_kv_heads;
+    int per = (cfg->n_kv_heads + j->heads_per_task - 1) / j->heads_per_task; /* tasks per tile */
+    int ti = t / per, kvh = (t % per) * j->heads_per_task;
+    int nkv = cfg->n_kv_heads - kvh < j->heads_per_task ? cfg->n_kv_heads - kvh : j->heads_per_task;
     int r = c->tile_row[ti];
     /* every sequence's first row starts a tile, so a tile never spans two sequences */
     int n_rows = (ti + 1 < c->n_tiles ? c->tile_row[ti + 1] : j->n_rows) - r;
@@ -222,6 +225,8 @@ static void task_attention(void *p, int t, int th) {
         .scale = 1.0f / sqrtf((float)hd),
         .scores = c->scores + (size_t)th * c->cap_ctx,
         .out = c->xb + qoff,
+        .n_kv = nkv,
+        .head_stride = run_off(c, 0, 0, 1) - run_off(c, 0, 0, 0),
     };
     kv_attention(&a);
 }
@@ -258,7 +263,8 @@ static kv_status grow_rows(struct cpu_ctx *c, int rows) {
 #define ATTN_TILE 8
 
 static kv_status grow_ctx(struct cpu_ctx *c, int n_pos) {
-    size_t need = (size_t)ATTN_TILE * (size_t)(n_pos + ATTN_TILE) * (size_t)(c->m->cfg.n_heads / c->m->cfg.n_kv_heads);
+    size_t need = (size_t)KV_ATTN_MAX_HEADS * ATTN_TILE * (size_t)(n_pos + ATTN_TILE) *
+                  (size_t)(c->m->cfg.n_heads / c->m->cfg.n_kv_heads);
     if (need <= c->cap_ctx) return KV_OK;
     size_t cap = c->cap_ctx ? c->cap_ctx : 256;
     while (cap < need) cap *= 2;
@@ -376,6 +382,14 @@ static kv_status cpu_forward(backend_t *be, const struct batch *b, float *logits
     j.rows_per_task = (T + 4 * c->n_threads - 1) / (4 * c->n_threads);
     if (j.rows_per_task < 1) j.rows_per_task = 1;
     int nt = row_tasks(&j);
+    /* attention tasks: as many KV heads per task as still gives every thread a task (a
+     * block's heads are then read as one region: attention.h, n_kv), evened out */
+    {
+        int nkv = cfg->n_kv_heads, hp = nkv < KV_ATTN_MAX_HEADS ? nkv : KV_ATTN_MAX_HEADS;
+        while (hp > 1 && c->n_tiles * ((nkv + hp - 1) / hp) < c->n_threads) hp--;
+        int per = (nkv + hp - 1) / hp;
+        j.heads_per_task = (nkv + per - 1) / per;
+    }
 
     for (int l = 0; l < cfg->n_layers; l++) {
         const struct layer_weights *lw = &c->lw[l];
@@ -388,7 +402,8 @@ static kv_status cpu_forward(backend_t *be, const struct batch *b, float *logits
                                       MM(c->hb, T, lw->wv, lw->bv, c->v)};
         gemm(c, qkv, 3);
         kv_threadpool_for(c->tp, nt, task_qkv_post, &j);
-        kv_threadpool_for(c->tp, c->n_tiles * cfg->n_kv_heads, task_attention, &j);
+        kv_threadpool_for(c->tp, c->n_tiles * ((cfg->n_kv_heads + j.heads_per_task - 1) / j.heads_per_task),
+                          task_attention, &j);
         gemm(c, &MM(c->xb, T, lw->wo, NULL, c->hb), 1);
         j.src = c->hb, j.dst = c->x;
         kv_threadpool_for(c->tp, nt, task_add, &j);

@@ -119,6 +119,63 @@ static void test_families_equal_generic(void **st) {
                     for (int d = 0; d < 3; d++) run_case(hds[h], G, rows[r], npos[p], dts[d]);
 }
 
+/* More than 256 (row, head) pairs in one call: 1/sum is recomputed from the e_i (attn_inv)
+ * with the contract's lane sums, so it still equals generic (and double precision). */
+static void test_large_group(void **st) {
+    (void)st;
+    run_case(16, 40, 8, 37, KV_DTYPE_F16);
+    run_case(24, 33, 8, 5, KV_DTYPE_F32);
+}
+
+/* n_kv heads in one call (runs head_stride apart, block by block with the heads inside) give
+ * each (row, head) the bits of a call of its own, on every family. */
+static void test_heads_in_one_call(void **st) {
+    (void)st;
+    static const int cases[][5] = {/* hd, G, R, n_pos, n_kv */ {64, 1, 1, 300, 3}, {64, 2, 3, 40, 8}, {40, 1, 8, 17, 5},
+                                   {128, 4, 1, 33, 2}, {16, 1, 2, 1, 7}};
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++)
+        for (int dt = KV_DTYPE_F32; dt <= KV_DTYPE_BF16; dt++) {
+            int hd = cases[c][0], G = cases[c][1], R = cases[c][2], n_pos = cases[c][3], H = cases[c][4];
+            int n_last = n_pos + R - 1, n_blocks = (n_last + TPB - 1) / TPB + 1;
+            size_t esz = kv_dtype_size(dt), run = (size_t)TPB * hd * esz, bb = 2 * (size_t)H * run;
+            char *pool = calloc((size_t)n_blocks, bb);
+            int32_t *bt = malloc(sizeof(int32_t) * (size_t)n_blocks);
+            for (int b = 0; b < n_blocks; b++) bt[b] = (b * 7 + 3) % n_blocks;
+            float row[256];
+            for (size_t i = 0; i < (size_t)n_blocks * bb / esz; i++) {
+                row[0] = frand() * 2.0f;
+                kv_store_row(pool + i * esz, row, 1, dt);
+            }
+            size_t qs = (size_t)H * G * hd, per = (size_t)R * G * (size_t)(n_pos + R - 1);
+            float *q = malloc(sizeof(float) * qs * R), *ref = malloc(sizeof(float) * qs * R),
+                  *out = malloc(sizeof(float) * qs * R), *scores = malloc(sizeof(float) * per * (size_t)H);
+            for (size_t i = 0; i < qs * R; i++) q[i] = frand();
+            struct kv_attn_args a = {.q = q, .n_group = G, .head_dim = hd, .n_rows = R, .q_stride = qs,
+                                     .out_stride = qs, .n_pos = n_pos, .block_table = bt, .tpb = TPB, .pool = pool,
+                                     .block_bytes = bb, .k_off = 0, .v_off = (size_t)H * run, .kv_dtype = dt,
+                                     .scale = 1.0f / sqrtf((float)hd), .scores = scores, .out = ref};
+            assert_int_equal(kv_matmul_set_isa(KV_MATMUL_ISA_GENERIC), KV_MATMUL_ISA_GENERIC);
+            for (int x = 0; x < H; x++) { /* one call per head */
+                struct kv_attn_args b = a;
+                b.k_off = (size_t)x * run, b.v_off = (size_t)(H + x) * run;
+                b.q = q + (size_t)x * G * hd, b.out = ref + (size_t)x * G * hd;
+                kv_attention(&b);
+            }
+            enum kv_matmul_isa isas[] = {KV_MATMUL_ISA_GENERIC, KV_MATMUL_ISA_AVX2, KV_MATMUL_ISA_AVX512};
+            for (int i = 0; i < 3; i++) {
+                if (kv_matmul_set_isa(isas[i]) != isas[i]) continue;
+                a.out = out, a.n_kv = H, a.head_stride = run;
+                memset(out, 0xff, sizeof(float) * qs * R);
+                kv_attention(&a);
+                if (memcmp(out, ref, sizeof(float) * qs * R))
+                    fail_msg("hd %d G %d R %d n_pos %d n_kv %d dt %s: family %s, heads in one call differ", hd, G, R,
+                             n_pos, H, kv_dtype_name(dt), kv_matmul_isa_name());
+            }
+            kv_matmul_set_isa(KV_MATMUL_ISA_AUTO);
+            free(pool), free(bt), free(q), free(ref), free(out), free(scores);
+        }
+}
+
 /* kv_store_row to f16 gives kv_f32_to_f16's bits on every family: random values over the
  * whole exponent range (normal, subnormal and overflowing results, ties), f32 subnormals,
  * zeros, infinities and NaNs (with payloads) in groups of 8 and in the scalar tail. */
@@ -162,6 +219,8 @@ static void test_store_f16_every_family(void **st) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_families_equal_generic),
+        cmocka_unit_test(test_large_group),
+        cmocka_unit_test(test_heads_in_one_call),
         cmocka_unit_test(test_store_f16_every_family),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
