@@ -183,7 +183,9 @@ struct backend_cpu_options {
      * quantized weights, Q8_0 matrices are repacked whole at creation into the prefill
      * kernels' panel layout (+5.9% bytes; the file pages they replace are released) and
      * every product reads the panel: same bits, faster prefill and decode. Also turned off by
-     * KVSERVE_CPU_PREPACK=0 (for A/B measurements). */
+     * KVSERVE_CPU_PREPACK=0 (for A/B measurements). The KV pool (kv_alloc) is an anonymous
+     * map advised for transparent huge pages (2x decode at 4k context on a VM, where every
+     * 4 KiB run of the pool was a TLB miss); KVSERVE_CPU_THP=0 keeps 4 KiB pages. */
     bool no_prepack;
 };
 /* backend_cpu_new with options (zero-initialised options = backend_cpu_new(m, 0, ...)).

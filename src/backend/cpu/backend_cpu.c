@@ -30,7 +30,9 @@ struct cpu_ctx {
     kv_threadpool_t *tp;
     int n_threads;
     enum backend_cpu_gemm gemm;
-    char *pool;          /* (n_blocks * block_bytes), owned */
+    char *pool;          /* (n_blocks * block_bytes), inside pool_map */
+    void *pool_map;      /* the pool's anonymous mapping (owned; pool_map below), or NULL */
+    size_t pool_map_len;
     size_t block_bytes;  /* bytes per block */
     int kv_dtype;        /* enum kv_dtype of the pool's K/V elements */
     int tpb;             /* tokens per block */
@@ -277,11 +279,37 @@ static kv_status grow_ctx(struct cpu_ctx *c, int n_pos) {
 
 /* ---- ops ---- */
 
+/* The KV pool: an anonymous mapping (zeroed, committed page by page as blocks are first
+ * written) aligned to 2 MiB and advised for transparent huge pages. Long-context attention
+ * reads each (block, KV head) run of a layer -- 2 KiB for 16 f16 tokens of 64 dims -- from a
+ * different block hundreds of KiB away: with 4 KiB pages nearly every run is a TLB miss (a
+ * nested page walk under virtualization); 2 MiB pages cover a 300 MB pool with ~150 entries. */
+static void pool_unmap(struct cpu_ctx *c) {
+    if (c->pool_map) munmap(c->pool_map, c->pool_map_len);
+    c->pool_map = NULL;
+    c->pool_map_len = 0;
+    c->pool = NULL;
+}
+static kv_status pool_map(struct cpu_ctx *c, size_t n_blocks, size_t bb) {
+    const size_t huge = (size_t)2 << 20;
+    if (bb && n_blocks > (SIZE_MAX - 2 * huge) / bb) return KV_ENOMEM;
+    size_t len = n_blocks * bb + huge;
+    void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return KV_ENOMEM;
+    c->pool_map = p;
+    c->pool_map_len = len;
+    c->pool = (char *)(((uintptr_t)p + huge - 1) & ~(uintptr_t)(huge - 1));
+#ifdef MADV_HUGEPAGE
+    const char *e = getenv("KVSERVE_CPU_THP"); /* 0: 4 KiB pages (A/B measurements; kv_cpu_env_check) */
+    if (!(e && !strcmp(e, "0"))) (void)madvise(c->pool, n_blocks * bb, MADV_HUGEPAGE); /* advisory */
+#endif
+    return KV_OK;
+}
+
 static kv_status cpu_kv_alloc(backend_t *be, int n_blocks, const struct kv_geometry *g) {
     struct cpu_ctx *c = be->ctx;
     const struct model_config *cfg = &c->m->cfg;
-    free(c->pool);
-    c->pool = NULL;
+    pool_unmap(c);
     be->n_blocks = 0;
     memset(&be->geom, 0, sizeof be->geom);
     if (n_blocks < 1 || !g || g->n_layers != cfg->n_layers || g->n_kv_heads != cfg->n_kv_heads ||
@@ -294,8 +322,7 @@ static kv_status cpu_kv_alloc(backend_t *be, int n_blocks, const struct kv_geome
         return KV_EINVAL;
     }
     size_t bb = kv_block_bytes(g);
-    c->pool = kv_calloc((size_t)n_blocks, bb);
-    if (!c->pool) return KV_ENOMEM;
+    if (pool_map(c, (size_t)n_blocks, bb) != KV_OK) return KV_ENOMEM;
     c->block_bytes = bb;
     c->kv_dtype = g->kv_dtype;
     c->tpb = g->tokens_per_block;
@@ -447,7 +474,7 @@ static void cpu_free(backend_t *be) {
     struct cpu_ctx *c = be->ctx;
     if (c) {
         kv_threadpool_free(c->tp);
-        free(c->pool);
+        pool_unmap(c);
         free(c->inv_freq);
         free(c->x), free(c->xb), free(c->q), free(c->k), free(c->v), free(c->hb), free(c->hb2);
         free(c->rope_cos), free(c->rope_sin), free(c->row_pos), free(c->row_seq), free(c->logit_rows);

@@ -468,9 +468,12 @@ kv_status kv_cpu_env_check(char *err, size_t errlen) {
         return kv_errf(KV_EINVAL, err, errlen, "KVSERVE_CPU_QUANT_MATMUL=%s: expected int8 or f32", e);
     if (kv_q8_amx_env() < 0)
         return kv_errf(KV_EINVAL, err, errlen, "KVSERVE_CPU_AMX=%s: expected 0 (off) or 1", getenv("KVSERVE_CPU_AMX"));
-    e = getenv("KVSERVE_CPU_PREPACK");
-    if (e && *e && strcmp(e, "0") && strcmp(e, "1"))
-        return kv_errf(KV_EINVAL, err, errlen, "KVSERVE_CPU_PREPACK=%s: expected 0 (off) or 1", e);
+    const char *const bools[] = {"KVSERVE_CPU_PREPACK", "KVSERVE_CPU_THP"};
+    for (int i = 0; i < 2; i++) {
+        e = getenv(bools[i]);
+        if (e && *e && strcmp(e, "0") && strcmp(e, "1"))
+            return kv_errf(KV_EINVAL, err, errlen, "%s=%s: expected 0 (off) or 1", bools[i], e);
+    }
     return KV_OK;
 }
 
