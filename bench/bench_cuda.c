@@ -16,6 +16,7 @@
  * direction. --deterministic runs the backend in its batch-invariant mode
  * (backend_cuda_options.deterministic) for the same measurements.
  */
+#include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -73,6 +74,56 @@ static double copy_bw(void) {
     qsort(ts, 10, sizeof ts[0], bench_cmp_d);
     cudaFree(a), cudaFree(b);
     return 2.0 * (double)n / ts[5];
+}
+
+/* bf16 matrix rate (FLOP/s) of cuBLAS on this device: C = A B, 8192^3, bf16 in and out, f32
+ * accumulation, random inputs (never zeros), median of 10 after 3 warm-ups (event-timed).
+ * The ceiling the prefill's "% of bf16 peak" is taken against. */
+static double gemm_peak(void) {
+    int n = 8192;
+    size_t el = (size_t)n * n;
+    uint16_t *h = malloc(el * 2);
+    uint64_t x = 88172645463325252ull;
+    for (size_t i = 0; i < el; i++) { /* uniform in [-1, 1), bf16 by truncation */
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        float v = (float)(x >> 40) / 8388608.0f - 1.0f;
+        uint32_t u;
+        memcpy(&u, &v, 4);
+        h[i] = (uint16_t)(u >> 16);
+    }
+    void *a, *b, *c;
+    CK(cudaMalloc(&a, el * 2));
+    CK(cudaMalloc(&b, el * 2));
+    CK(cudaMalloc(&c, el * 2));
+    CK(cudaMemcpy(a, h, el * 2, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(b, h, el * 2, cudaMemcpyHostToDevice));
+    free(h);
+    cublasHandle_t hb;
+    if (cublasCreate(&hb) != CUBLAS_STATUS_SUCCESS) {
+        fprintf(stderr, "bench_cuda: cublasCreate failed\n");
+        exit(1);
+    }
+    float one = 1.f, zero = 0.f;
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0), cudaEventCreate(&e1);
+    double ts[10];
+    for (int i = 0; i < 13; i++) {
+        cudaEventRecord(e0, 0);
+        if (cublasGemmEx(hb, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, a, CUDA_R_16BF, n, b, CUDA_R_16BF, n, &zero, c,
+                         CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS) {
+            fprintf(stderr, "bench_cuda: cublasGemmEx failed\n");
+            exit(1);
+        }
+        cudaEventRecord(e1, 0);
+        CK(cudaEventSynchronize(e1));
+        float ms;
+        cudaEventElapsedTime(&ms, e0, e1);
+        if (i >= 3) ts[i - 3] = ms / 1e3;
+    }
+    qsort(ts, 10, sizeof ts[0], bench_cmp_d);
+    cublasDestroy(hb);
+    cudaFree(a), cudaFree(b), cudaFree(c);
+    return 2.0 * n * (double)n * n / ts[5];
 }
 
 static void bench_decode(int layers, const int *batches, int nb, const int *ctxs, int nc, int steps, double bw,
@@ -171,7 +222,17 @@ static void bench_decode(int layers, const int *batches, int nb, const int *ctxs
             fflush(stdout);
             free(bt), free(tok), free(seqs), free(lg), free(ts);
         }
-    if (g_nprefill) printf("\n| prefill tokens (one chunk) | ms (median of 5) | tokens/s |\n|---|---|---|\n");
+    double peak = 0;
+    if (g_nprefill) {
+        peak = gemm_peak();
+        printf("\nbf16 matrix rate (cuBLAS 8192^3, bf16 in/out, f32 accumulation, random data): %.0f TFLOP/s\n"
+               "FLOPs counted: 2 x tokens x projection weights (q/k/v, o, gate/up, down of every layer) + causal "
+               "attention 2 x tokens^2 x head_dim x heads per layer (QK^T and PV, half the square each); the "
+               "output head runs on one row\n",
+               peak / 1e12);
+        printf("\n| prefill tokens (one chunk) | ms (median of 5) | tokens/s | TFLOP/s | %% of bf16 rate |\n"
+               "|---|---|---|---|---|\n");
+    }
     for (int pi = 0; pi < g_nprefill; pi++) {
         int N = g_prefill[pi], per = (N + tpb - 1) / tpb;
         struct kv_geometry g = {.n_layers = layers, .n_kv_heads = 8, .head_dim = 128, .tokens_per_block = tpb,
@@ -197,7 +258,10 @@ static void bench_decode(int layers, const int *batches, int nb, const int *ctxs
             if (s >= 0) ts[s] = kv_now_s() - a;
         }
         qsort(ts, 5, sizeof ts[0], bench_cmp_d);
-        printf("| %d | %.2f | %.0f |\n", N, ts[2] * 1e3, N / ts[2]);
+        double fl = 2.0 * N * layers * (dim * (qw + 2 * kw) + qw * dim + 3 * ffn * dim) +
+                    2.0 * (double)N * N * 128 * 32 * layers;
+        printf("| %d | %.2f | %.0f | %.0f | %.1f%% |\n", N, ts[2] * 1e3, N / ts[2], fl / ts[2] / 1e12,
+               100.0 * fl / ts[2] / peak);
         fflush(stdout);
         free(bt), free(tok), free(lg);
     }

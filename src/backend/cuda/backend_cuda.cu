@@ -12,6 +12,7 @@
 #include "backend_cuda.h"
 #include "cuda_internal.h"
 #include "kernels.cuh"
+#include "attn_flash.cuh"
 
 #define BLAS_TRY(call, what)                                                                       \
     do {                                                                                           \
@@ -48,6 +49,9 @@ struct cuda_ctx {
     int gemv_max; /* products with M <= gemv_max rows use k_gemv_bf16 (KVSERVE_CUDA_GEMV_MAX, default 1) */
     bool det;     /* batch-invariant mode (backend_cuda_options.deterministic): inv_gemm, fixed attention split */
     bool pdl;     /* programmatic dependent launch for the forward's own kernels (KVSERVE_CUDA_PDL=0: off) */
+    bool flash;   /* k_attn_flash may serve prefill steps (flash_tiles; KVSERVE_CUDA_FLASH=0: never) */
+    int flash_mt; /* its m tiles per warp: 1 or 2 (KVSERVE_CUDA_FLASH_MT; default 2) */
+    unsigned skip; /* timing only (KVSERVE_CUDA_SKIP, backend_cuda.h): stages left out, SKIP_* bits */
     size_t wsz; /* bytes per weight element */
     cudaStream_t st;
     cublasHandle_t blas;
@@ -90,6 +94,14 @@ struct cuda_ctx {
     long n_forward;
     long fault_at[16];
     int n_fault;
+    long sticky_at[16]; /* KVSERVE_CUDA_FAULT=sticky:N: forward numbers that start with a trapping kernel */
+    int n_sticky;
+    /* health (check_sticky): set once a failed call left the CUDA context unusable */
+    int sick;
+    char sick_why[320];
+    void *probe; /* 16 device bytes for the health probe */
+    /* sampling on the device (sample.cu) */
+    struct kvs_state samp;
 };
 
 template <typename... KArgs, typename... Args>
@@ -106,6 +118,12 @@ static cudaError_t klaunch(const struct cuda_ctx *c, void (*k)(KArgs...), dim3 g
 }
 #define KLAUNCH(what, ...) CU_TRY(klaunch(c, __VA_ARGS__), what)
 
+/* KVSERVE_CUDA_SKIP (bench only: results are wrong): stages of every layer left out */
+#define SKIP_ATTN 1u   /* attention (+ combine) */
+#define SKIP_NORM 2u   /* the two RMSNorms */
+#define SKIP_QKV 4u    /* q/k norm + RoPE + KV store */
+#define SKIP_SWIGLU 8u
+#define SKIP_GEMM 16u  /* the four projections */
 #define GRAPH_MAX_ROWS 64
 #define GRAPH_CACHE 32
 struct graph_key {
@@ -509,6 +527,53 @@ static kv_status launch_norm(struct cuda_ctx *c, float *x, const float *add, con
     return KV_OK;
 }
 
+/* k_attn_flash instances: HDP = head_dim rounded up to 16; MT 1 or 2 m tiles per warp; f32 pool
+ * (fp16 mma) and bf16 pool. */
+#define FL_FOR_HDP(X, MT) X(16, MT) X(32, MT) X(48, MT) X(64, MT) X(80, MT) X(96, MT) X(112, MT) X(128, MT)
+/* Allows the dynamic shared memory the k_attn_flash instances need (once per device use). */
+static cudaError_t flash_setup(void) {
+    cudaError_t e = cudaSuccess;
+#define FL_SET(H, MT)                                                                                        \
+    if (e == cudaSuccess)                                                                                    \
+        e = cudaFuncSetAttribute(k_attn_flash<H, MT, float, __half>, cudaFuncAttributeMaxDynamicSharedMemorySize, \
+                                 (int)fl_smem_bytes(H, MT));                                                 \
+    if (e == cudaSuccess)                                                                                    \
+        e = cudaFuncSetAttribute(k_attn_flash<H, MT, __nv_bfloat16, __nv_bfloat16>,                          \
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize, (int)fl_smem_bytes(H, MT));
+    FL_FOR_HDP(FL_SET, 1)
+    FL_FOR_HDP(FL_SET, 2)
+#undef FL_SET
+    return e;
+}
+
+/* Flash tiles of a step (k_attn_flash), or 0 when the step uses the split kernels. A step
+ * uses k_attn_flash when the backend allows it (bf16 weights, not deterministic, not
+ * KVSERVE_CUDA_FLASH=0, head_dim % 8 == 0 and <= 128, GQA group <= 64 MT), the step is not
+ * a graph step (more than GRAPH_MAX_ROWS rows) and at least half of its rows belong to
+ * sequences with more than one new token (prefill chunks; the single-token rows of the step
+ * then run in the same kernel, as tiles of one row). Tiles: 64 MT / group consecutive rows
+ * of one sequence each. */
+static int flash_tiles(const struct cuda_ctx *c, const struct batch *b, int T, bool use_graph, bool bf16_act) {
+    const struct model_config *cfg = &c->m->cfg;
+    int group = cfg->n_heads / cfg->n_kv_heads, rpt = FL_BM_OF(c->flash_mt) / group;
+    if (!c->flash || !bf16_act || c->det || use_graph || cfg->head_dim % 8 || cfg->head_dim > 128 || rpt < 1)
+        return 0;
+    long multi = 0, tiles = 0;
+    for (int i = 0; i < b->n_seqs; i++) {
+        int n = b->seqs[i].n_tokens;
+        if (n > 1) multi += n;
+        tiles += (n + rpt - 1) / rpt;
+    }
+    return 2 * multi >= T ? (int)tiles : 0;
+}
+static thread_local const int32_t *g_tile_pos; /* qsort context: row positions of the step */
+/* heaviest tiles (last position) first, so the long causal tiles do not trail the grid */
+static int tile_cmp(const void *a, const void *b) {
+    const int32_t *x = (const int32_t *)a, *y = (const int32_t *)b;
+    int32_t px = g_tile_pos[x[0]] + x[1], py = g_tile_pos[y[0]] + y[1];
+    return (px < py) - (px > py);
+}
+
 /* Query heads per attention CTA: the largest divisor of the GQA group <= ATT_HC. */
 static int att_hc(const struct model_config *cfg) {
     int group = cfg->n_heads / cfg->n_kv_heads, d = group < ATT_HC ? group : ATT_HC;
@@ -520,11 +585,14 @@ struct enq_args {
     int T, L, max_parts, split_len;
     bool attn2; /* k_attn_part2 for this step */
     size_t meta_n; /* int32 entries of metadata to upload */
+    int n_tiles;   /* > 0: k_attn_flash over these tiles (pairs at d_meta + tiles_off) */
+    size_t tiles_off;
 };
 template <typename TA> static kv_status enqueue_step(struct cuda_ctx *c, const struct enq_args *ea, char *err, size_t errlen);
 
 template <typename TA>
-static kv_status forward_t(backend_t *be, const struct batch *b, float *logits, char *err, size_t errlen) {
+static kv_status forward_t(backend_t *be, const struct batch *b, float *logits, const struct backend_sampling *sp,
+                           struct backend_sample_out *sout, char *err, size_t errlen) {
     struct cuda_ctx *c = (struct cuda_ctx *)be->ctx;
     const model_t *m = c->m;
     const struct model_config *cfg = &m->cfg;
@@ -569,6 +637,8 @@ static kv_status forward_t(backend_t *be, const struct batch *b, float *logits, 
         max_parts = max_pos - 1 < 128 * DET_MAX_PARTS ? (max_pos - 1) / 128 + 1 : DET_MAX_PARTS;
     }
     bool use_graph = c->graphs && T <= GRAPH_MAX_ROWS;
+    int n_tiles = flash_tiles(c, b, T, use_graph, sizeof(TA) == 2);
+    if (n_tiles) max_parts = 1; /* no part buffers needed */
     if (use_graph) { /* round the attention grid up so one graph serves many steps */
         int p2 = 1;
         while (p2 < max_parts) p2 *= 2;
@@ -578,8 +648,10 @@ static kv_status forward_t(backend_t *be, const struct batch *b, float *logits, 
     size_t part_bytes = slots * hd * sizeof(float), ml_bytes = slots * 2 * sizeof(float);
     if ((st = grow((void **)&c->part, &c->cap_part, part_bytes, err, errlen))) return st;
     if ((st = grow((void **)&c->part_ml, &c->cap_ml, ml_bytes, err, errlen))) return st;
-    /* metadata: tokens[T] pos[T] btoff[T] logit_rows[L] bt[nbt] */
-    size_t meta_n = (size_t)3 * T + L + nbt;
+    /* metadata: tokens[T] pos[T] btoff[T] logit_rows[L] bt[nbt] tiles[2 n_tiles], then (forward_sample)
+     * at an even entry the sampling requests (kvs_meta_len) */
+    size_t samp_off = ((size_t)3 * T + L + nbt + 2 * (size_t)n_tiles + 1) & ~(size_t)1;
+    size_t meta_n = sp ? samp_off + kvs_meta_len(sp, L) : (size_t)3 * T + L + nbt + 2 * (size_t)n_tiles;
     if (meta_n > c->cap_meta) {
         size_t cap = meta_n * 2;
         if (c->h_meta) kvc_free_host(c->h_meta);
@@ -605,7 +677,24 @@ static kv_status forward_t(backend_t *be, const struct batch *b, float *logits, 
         }
         bo += (size_t)need;
     }
-    struct enq_args ea = {T, L, max_parts, split_len, attn2, use_graph ? c->cap_meta : meta_n};
+    size_t tiles_off = (size_t)3 * T + L + nbt;
+    if (n_tiles) {
+        int32_t *h_tl = c->h_meta + tiles_off;
+        int group = nh / cfg->n_kv_heads, rpt = FL_BM_OF(c->flash_mt) / group, k = 0;
+        r = 0;
+        for (int i = 0; i < b->n_seqs; i++) {
+            for (int t = 0; t < b->seqs[i].n_tokens; t += rpt, k++) {
+                h_tl[2 * k] = r + t;
+                h_tl[2 * k + 1] = b->seqs[i].n_tokens - t < rpt ? b->seqs[i].n_tokens - t : rpt;
+            }
+            r += b->seqs[i].n_tokens;
+        }
+        g_tile_pos = h_pos;
+        qsort(h_tl, (size_t)n_tiles, 2 * sizeof(int32_t), tile_cmp);
+    }
+    int n_sort = 0;
+    if (sp && (st = kvs_meta_fill(sp, L, cfg->n_vocab, c->h_meta + samp_off, &n_sort, err, errlen))) return st;
+    struct enq_args ea = {T, L, max_parts, split_len, attn2, use_graph ? c->cap_meta : meta_n, n_tiles, tiles_off};
     if (!use_graph) {
         if ((st = enqueue_step<TA>(c, &ea, err, errlen))) return st;
     } else {
@@ -644,11 +733,16 @@ static kv_status forward_t(backend_t *be, const struct batch *b, float *logits, 
         }
         CU_TRY(kvc_graph_launch(g->exec, c->st), "graph launch");
     }
-    if (L > 0)
+    if (sp) {
+        if ((st = kvs_enqueue(&c->samp, c->st, c->logits, L, cfg->n_vocab, c->d_meta + samp_off, n_sort, err, errlen)))
+            return st;
+    } else if (L > 0) {
         CU_TRY(kvc_memcpy_async(logits, c->logits, (size_t)L * cfg->n_vocab * sizeof(float), cudaMemcpyDeviceToHost,
                                c->st),
                "logits download");
+    }
     CU_TRY(kvc_stream_sync(c->st), "forward");
+    if (sp) kvs_collect(&c->samp, sp, L, sout);
     return KV_OK;
 }
 
@@ -674,16 +768,53 @@ template <typename TA> static kv_status enqueue_step(struct cuda_ctx *c, const s
     for (int l = 0; l < cfg->n_layers; l++) {
         const struct cuda_layer *Ly = &c->L[l];
         /* attention block: x += h (previous FFN output) then norm */
-        if ((st = launch_norm<TA>(c, c->x, l ? c->h : NULL, Ly->attn_norm, T, NULL, l ? 1 : 0, err, errlen))) return st;
-        if ((st = gemm(c, c->a, T, dim, Ly->wqkv, qkvw, c->h, err, errlen))) return st;
+        if (!(c->skip & SKIP_NORM) &&
+            (st = launch_norm<TA>(c, c->x, l ? c->h : NULL, Ly->attn_norm, T, NULL, l ? 1 : 0, err, errlen)))
+            return st;
+        if (!(c->skip & SKIP_GEMM) && (st = gemm(c, c->a, T, dim, Ly->wqkv, qkvw, c->h, err, errlen))) return st;
 #define QKV(TK)                                                                                              \
     KLAUNCH("qkv_post", k_qkv_post<TK>, dim3((unsigned)T, (unsigned)((nh + nkv + QKV_WARPS - 1) / QKV_WARPS)), \
             dim3(32 * QKV_WARPS), 0, c->h, qkvw, (const float *)Ly->bqkv, (const float *)Ly->q_norm,          \
             (const float *)Ly->k_norm, (const float *)c->inv_freq, d_pos, d_bto, d_bt, (TK *)c->pool,         \
             c->block_floats, l, nh, nkv, hd, c->tpb, cfg->rms_eps, cfg->rope_neox ? 1 : 0)
-        if (kvb) QKV(__nv_bfloat16);
+        if (c->skip & SKIP_QKV) {
+        } else if (kvb) QKV(__nv_bfloat16);
         else QKV(float);
 #undef QKV
+        if (c->skip & SKIP_ATTN) goto attn_done;
+        if (ea->n_tiles) { /* prefill: tensor-core flash attention straight into c->a */
+            const int32_t *d_tiles = c->d_meta + ea->tiles_off;
+            dim3 fg((unsigned)ea->n_tiles, (unsigned)nkv);
+            float sl2 = scale * 1.4426950408889634f;
+#define FL_ARGS(TK)                                                                                           \
+    (const float *)c->h, qkvw, (const TK *)c->pool, c->block_floats, l, nkv, hd, c->tpb, group, d_pos, d_bto, d_bt, \
+        d_tiles, sl2, (__nv_bfloat16 *)c->a
+#define FL_CASE(H, MT)                                                                                       \
+    case H:                                                                                                  \
+        if (kvb)                                                                                             \
+            KLAUNCH("flash attention", k_attn_flash<H, MT, __nv_bfloat16, __nv_bfloat16>, fg, dim3(32 * FL_WARPS), \
+                    fl_smem_bytes(H, MT), FL_ARGS(__nv_bfloat16));                                           \
+        else                                                                                                 \
+            KLAUNCH("flash attention", k_attn_flash<H, MT, float, __half>, fg, dim3(32 * FL_WARPS),          \
+                    fl_smem_bytes(H, MT), FL_ARGS(float));                                                   \
+        break;
+            int hdp = (hd + 15) / 16 * 16;
+            if (c->flash_mt == 1) {
+                switch (hdp) {
+                    FL_FOR_HDP(FL_CASE, 1)
+                default: return kv_errf(KV_EINTERNAL, err, errlen, "cuda: flash attention: head_dim %d", hd);
+                }
+            } else {
+                switch (hdp) {
+                    FL_FOR_HDP(FL_CASE, 2)
+                default: return kv_errf(KV_EINTERNAL, err, errlen, "cuda: flash attention: head_dim %d", hd);
+                }
+            }
+#undef FL_CASE
+#undef FL_ARGS
+            goto attn_done;
+        }
+        {
         dim3 ag((unsigned)T, (unsigned)(nh / hc), (unsigned)max_parts);
 #define ATT_ARGS(TK)                                                                                           \
     (const float *)c->h, qkvw, (const TK *)c->pool, c->block_floats, l, nkv, hd, c->tpb, group, hc, d_pos, d_bto, \
@@ -708,13 +839,17 @@ template <typename TA> static kv_status enqueue_step(struct cuda_ctx *c, const s
         KLAUNCH("attention combine", k_attn_combine<TA>, dim3((unsigned)T, (unsigned)nh),
                 dim3((unsigned)((hd + 31) / 32 * 32)), (size_t)max_parts * sizeof(float), (const float *)c->part,
                 (const float *)c->part_ml, d_pos, split_len, max_parts, nh, hd, (TA *)c->a);
-        if ((st = gemm(c, c->a, T, qw, Ly->wo, dim, c->h, err, errlen))) return st;
+        }
+    attn_done:
+        if (!(c->skip & SKIP_GEMM) && (st = gemm(c, c->a, T, qw, Ly->wo, dim, c->h, err, errlen))) return st;
         /* FFN block */
-        if ((st = launch_norm<TA>(c, c->x, c->h, Ly->ffn_norm, T, NULL, 1, err, errlen))) return st;
-        if ((st = gemm(c, c->a, T, dim, Ly->wgu, 2 * ffn, c->h, err, errlen))) return st;
-        KLAUNCH("swiglu", k_swiglu<TA>, dim3(grid_for((size_t)T * ffn, 256)), dim3(256), 0, (const float *)c->h,
-                (TA *)c->a, T, ffn);
-        if ((st = gemm(c, c->a, T, ffn, Ly->wdown, dim, c->h, err, errlen))) return st;
+        if (!(c->skip & SKIP_NORM) && (st = launch_norm<TA>(c, c->x, c->h, Ly->ffn_norm, T, NULL, 1, err, errlen)))
+            return st;
+        if (!(c->skip & SKIP_GEMM) && (st = gemm(c, c->a, T, dim, Ly->wgu, 2 * ffn, c->h, err, errlen))) return st;
+        if (!(c->skip & SKIP_SWIGLU))
+            KLAUNCH("swiglu", k_swiglu<TA>, dim3(grid_for((size_t)T * ffn, 256)), dim3(256), 0, (const float *)c->h,
+                    (TA *)c->a, T, ffn);
+        if (!(c->skip & SKIP_GEMM) && (st = gemm(c, c->a, T, ffn, Ly->wdown, dim, c->h, err, errlen))) return st;
     }
     if (L > 0) {
         /* last residual add fused into the output norm, on the logit rows only */
@@ -724,17 +859,47 @@ template <typename TA> static kv_status enqueue_step(struct cuda_ctx *c, const s
     return KV_OK;
 }
 
-static kv_status cuda_forward(backend_t *be, const struct batch *b, float *logits, char *err, size_t errlen) {
+/* A failed CUDA call may leave the context unusable (a sticky error: an illegal address, a
+ * trap, ...: every later call returns it). After a failure, one 4-byte memset on the stream
+ * and a sync tell: if they fail too, the backend is marked unhealthy for good (c->sick,
+ * healthy() false, every later forward KV_EIO without touching the device). */
+static void check_sticky(struct cuda_ctx *c, const char *err) {
+    if (__atomic_load_n(&c->sick, __ATOMIC_ACQUIRE)) return;
+    cudaError_t e = c->probe ? kvc_memset_async(c->probe, 0, 4, c->st) : cudaErrorInvalidValue;
+    if (e == cudaSuccess) e = kvc_stream_sync(c->st);
+    if (e == cudaSuccess) {
+        cudaGetLastError(); /* a non-sticky error: cleared, the backend stays usable */
+        return;
+    }
+    snprintf(c->sick_why, sizeof c->sick_why, "CUDA context unusable after: %s (probe: %s)", err,
+             cudaGetErrorString(e));
+    __atomic_store_n(&c->sick, 1, __ATOMIC_RELEASE);
+    KV_ERROR("cuda backend: %s; every later call fails: restart the process", c->sick_why);
+}
+
+/* forward (sp NULL) or forward_sample */
+static kv_status forward_any(backend_t *be, const struct batch *b, float *logits, const struct backend_sampling *sp,
+                             struct backend_sample_out *sout, char *err, size_t errlen) {
     struct cuda_ctx *c = (struct cuda_ctx *)be->ctx;
     kv_status st = validate(be, b, err, errlen);
     if (st) return st;
     int nl = 0;
     for (int i = 0; i < b->n_seqs; i++)
         nl += b->seqs[i].logits == BATCH_LOGITS_ALL ? b->seqs[i].n_tokens : b->seqs[i].logits == BATCH_LOGITS_LAST;
-    if (nl > 0 && !logits) return kv_errf(KV_EINVAL, err, errlen, "forward: logits is NULL");
+    if (nl > 0 && !sp && !logits) return kv_errf(KV_EINVAL, err, errlen, "forward: logits is NULL");
+    if (nl > 0 && sp && !sout) return kv_errf(KV_EINVAL, err, errlen, "forward_sample: out is NULL");
+    if (__atomic_load_n(&c->sick, __ATOMIC_ACQUIRE))
+        return kv_errf(KV_EIO, err, errlen, "cuda backend unhealthy: %s", c->sick_why);
     CU_TRY(cudaSetDevice(c->dev), "cudaSetDevice");
     long num = ++c->n_forward;
-    st = c->f32w ? forward_t<float>(be, b, logits, err, errlen) : forward_t<__nv_bfloat16>(be, b, logits, err, errlen);
+    for (int i = 0; i < c->n_sticky; i++)
+        if (c->sticky_at[i] == num) { /* a real sticky fault: a kernel that traps */
+            k_trap<<<1, 1, 0, c->st>>>();
+            kvc_launched();
+        }
+    st = c->f32w ? forward_t<float>(be, b, logits, sp, sout, err, errlen)
+                 : forward_t<__nv_bfloat16>(be, b, logits, sp, sout, err, errlen);
+    if (st == KV_EIO || st == KV_ENOMEM) check_sticky(c, err);
     for (int i = 0; i < c->n_fault && !st; i++)
         if (c->fault_at[i] == num)
             st = kv_errf(KV_EIO, err, errlen, "cuda: forward: %s (injected by KVSERVE_CUDA_FAULT)",
@@ -742,22 +907,52 @@ static kv_status cuda_forward(backend_t *be, const struct batch *b, float *logit
     return st;
 }
 
-/* KVSERVE_CUDA_FAULT=forward:N[,N...] -> c->fault_at; anything else is refused. */
+static kv_status cuda_forward(backend_t *be, const struct batch *b, float *logits, char *err, size_t errlen) {
+    return forward_any(be, b, logits, NULL, NULL, err, errlen);
+}
+
+static kv_status cuda_forward_sample(backend_t *be, const struct batch *b, const struct backend_sampling *sp,
+                                     struct backend_sample_out *out, char *err, size_t errlen) {
+    if (!sp && b && batch_n_logits(b) > 0) return kv_errf(KV_EINVAL, err, errlen, "forward_sample: sp is NULL");
+    static const struct backend_sampling none = {}; /* only used when no row has logits */
+    return forward_any(be, b, NULL, sp ? sp : &none, out, err, errlen);
+}
+
+static bool cuda_healthy(backend_t *be, char *why, size_t whylen) {
+    struct cuda_ctx *c = (struct cuda_ctx *)be->ctx;
+    if (!__atomic_load_n(&c->sick, __ATOMIC_ACQUIRE)) return true;
+    if (why && whylen) snprintf(why, whylen, "%s", c->sick_why);
+    return false;
+}
+
+/* KVSERVE_CUDA_FAULT=forward:N[,N...] -> c->fault_at, sticky:N[,N...] -> c->sticky_at (both
+ * may be given, separated by ';'); anything else is refused. */
 static kv_status parse_fault(struct cuda_ctx *c, const char *v, char *err, size_t errlen) {
     if (!v || !*v) return KV_OK;
-    if (strncmp(v, "forward:", 8))
-        return kv_errf(KV_EINVAL, err, errlen, "KVSERVE_CUDA_FAULT=%s: expected forward:N[,N...]", v);
-    const char *p = v + 8;
+    const char *p = v;
     while (*p) {
-        char *end;
-        long n = strtol(p, &end, 10);
-        if (end == p || n < 1 || c->n_fault == 16 || (*end && *end != ','))
-            return kv_errf(KV_EINVAL, err, errlen,
-                           "KVSERVE_CUDA_FAULT=%s: expected forward:N[,N...] (up to 16 numbers >= 1)", v);
-        c->fault_at[c->n_fault++] = n;
-        p = *end ? end + 1 : end;
+        bool sticky = !strncmp(p, "sticky:", 7);
+        if (strncmp(p, "forward:", 8) && !sticky)
+            return kv_errf(KV_EINVAL, err, errlen, "KVSERVE_CUDA_FAULT=%s: expected forward:N[,N...] and/or sticky:N[,N...]",
+                           v);
+        p += sticky ? 7 : 8;
+        for (;;) {
+            char *end;
+            long n = strtol(p, &end, 10);
+            int *cnt = sticky ? &c->n_sticky : &c->n_fault;
+            if (end == p || n < 1 || *cnt == 16 || (*end && *end != ',' && *end != ';'))
+                return kv_errf(KV_EINVAL, err, errlen,
+                               "KVSERVE_CUDA_FAULT=%s: expected forward:N[,N...] and/or sticky:N[,N...] (up to 16 "
+                               "numbers >= 1 each, ';' between)", v);
+            (sticky ? c->sticky_at : c->fault_at)[(*cnt)++] = n;
+            p = end;
+            if (*p == ',') p++;
+            else break;
+        }
+        if (*p == ';') p++;
     }
-    KV_WARN("cuda backend: KVSERVE_CUDA_FAULT=%s: %d forward call(s) will fail on purpose", v, c->n_fault);
+    KV_WARN("cuda backend: KVSERVE_CUDA_FAULT=%s: %d forward call(s) will fail on purpose, %d with a sticky fault", v,
+            c->n_fault, c->n_sticky);
     return KV_OK;
 }
 
@@ -902,6 +1097,8 @@ static void cuda_free(backend_t *be) {
             if (ps[i]) kvc_free(ps[i]);
         if (c->h_meta) kvc_free_host(c->h_meta);
         if (c->bounce) kvc_free_host(c->bounce);
+        if (c->probe) kvc_free(c->probe);
+        kvs_free(&c->samp);
         graphs_clear(c);
         free(c->gcache);
         if (c->blas) cublasDestroy(c->blas);
@@ -921,6 +1118,8 @@ static const struct backend_ops cuda_ops = {
     /* .free = */ cuda_free,
     /* .copy_to_host = */ cuda_copy_to_host,
     /* .copy_from_host = */ cuda_copy_from_host,
+    /* .forward_sample = */ cuda_forward_sample,
+    /* .healthy = */ cuda_healthy,
 };
 
 static kv_status cuda_init(backend_t *be, struct cuda_ctx *c, const struct backend_cuda_options *opt, char *err,
@@ -934,6 +1133,9 @@ static kv_status cuda_init(backend_t *be, struct cuda_ctx *c, const struct backe
     CU_TRY(kvc_malloc(&c->blas_ws, ws), "cudaMalloc (cublas workspace)");
     BLAS_TRY(cublasSetWorkspace(c->blas, c->blas_ws, ws), "set workspace");
     CU_TRY(inv_gemm_setup(), "invariant gemm setup");
+    CU_TRY(flash_setup(), "flash attention setup");
+    CU_TRY(kvs_setup(), "sampling setup");
+    CU_TRY(kvc_malloc(&c->probe, 16), "cudaMalloc (probe)");
     const char *gr = getenv("KVSERVE_CUDA_GRAPHS");
     c->graphs = !(gr && *gr == '0');
     const char *cm = getenv("KVSERVE_CUDA_CAPTURE");
@@ -1000,6 +1202,21 @@ extern "C" kv_status backend_cuda_new(const model_t *m, const struct backend_cud
     c->gemv_max = gm && *gm ? atoi(gm) : 1;
     if (c->gemv_max > GEMV_MAXM) c->gemv_max = GEMV_MAXM;
     c->det = opt->deterministic;
+    const char *fl = getenv("KVSERVE_CUDA_FLASH");
+    c->flash = !(fl && *fl == '0');
+    const char *sk = getenv("KVSERVE_CUDA_SKIP");
+    if (sk && *sk) {
+        for (const char *p = sk; *p;) {
+            size_t n = strcspn(p, ",");
+            c->skip |= !strncmp(p, "attn", n) ? SKIP_ATTN : !strncmp(p, "norm", n) ? SKIP_NORM
+                     : !strncmp(p, "qkv", n) ? SKIP_QKV : !strncmp(p, "swiglu", n) ? SKIP_SWIGLU
+                     : !strncmp(p, "gemm", n) ? SKIP_GEMM : 0;
+            p += n + (p[n] == ',');
+        }
+        KV_WARN("cuda backend: KVSERVE_CUDA_SKIP=%s: stages left out, results are WRONG (timing only)", sk);
+    }
+    const char *fm = getenv("KVSERVE_CUDA_FLASH_MT");
+    c->flash_mt = fm && *fm == '1' ? 1 : 2;
     const char *pd = getenv("KVSERVE_CUDA_PDL");
     c->pdl = !(pd && *pd == '0');
     if ((st = parse_fault(c, getenv("KVSERVE_CUDA_FAULT"), err, errlen)) || (st = cuda_init(be, c, opt, err, errlen))) {
