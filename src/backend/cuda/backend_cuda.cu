@@ -46,6 +46,8 @@ struct cuda_ctx {
     bool f32w;
     int n_sm;
     bool attn2;   /* k_attn_part2 (lane per position; hd % 4 == 0): KVSERVE_CUDA_ATTN=1 selects k_attn_part */
+    bool attn2_force; /* KVSERVE_CUDA_ATTN=2: k_attn_part2 for every split step (experiments) */
+    int split_set;    /* KVSERVE_CUDA_ATTN_SPLIT=N: first split length tried (a multiple of 8; experiments) */
     int gemv_max; /* products with M <= gemv_max rows use k_gemv_bf16 (KVSERVE_CUDA_GEMV_MAX, default 1) */
     bool det;     /* batch-invariant mode (backend_cuda_options.deterministic): inv_gemm, fixed attention split */
     bool pdl;     /* programmatic dependent launch for the forward's own kernels (KVSERVE_CUDA_PDL=0: off) */
@@ -127,7 +129,7 @@ static cudaError_t klaunch(const struct cuda_ctx *c, void (*k)(KArgs...), dim3 g
 #define GRAPH_MAX_ROWS 64
 #define GRAPH_CACHE 32
 struct graph_key {
-    int T, L, parts, split_len, tpb, attn2;
+    int T, L, parts, split_len, tpb, attn2, n_tiles, n1;
     size_t cap_meta, block_floats;
     int kv_dtype;
     const void *ptr[9];
@@ -546,25 +548,26 @@ static cudaError_t flash_setup(void) {
     return e;
 }
 
-/* Flash tiles of a step (k_attn_flash), or 0 when the step uses the split kernels. A step
- * uses k_attn_flash when the backend allows it (bf16 weights, not deterministic, not
- * KVSERVE_CUDA_FLASH=0, head_dim % 8 == 0 and <= 128, GQA group <= 64 MT), the step is not
- * a graph step (more than GRAPH_MAX_ROWS rows) and at least half of its rows belong to
- * sequences with more than one new token (prefill chunks; the single-token rows of the step
- * then run in the same kernel, as tiles of one row). Tiles: 64 MT / group consecutive rows
- * of one sequence each. */
-static int flash_tiles(const struct cuda_ctx *c, const struct batch *b, int T, bool use_graph, bool bf16_act) {
+/* Which rows of a step run k_attn_flash. When the backend allows it (bf16 weights, not
+ * deterministic, not KVSERVE_CUDA_FLASH=0, head_dim % 8 == 0 and <= 128, GQA group <= 64 MT),
+ * every sequence with more than one new token (a prefill chunk) runs k_attn_flash, in tiles
+ * of 64 MT / group consecutive rows of that sequence, and single-token rows run the split
+ * kernels (their row list); graph steps too. So the kernel a row runs depends only on its own
+ * sequence's step, never on what else is in the batch. Returns the tile count (0: every row
+ * runs the split kernels) and the split kernels' row count in *n1. */
+static int flash_tiles(const struct cuda_ctx *c, const struct batch *b, bool bf16_act, int *n1) {
     const struct model_config *cfg = &c->m->cfg;
     int group = cfg->n_heads / cfg->n_kv_heads, rpt = FL_BM_OF(c->flash_mt) / group;
-    if (!c->flash || !bf16_act || c->det || use_graph || cfg->head_dim % 8 || cfg->head_dim > 128 || rpt < 1)
-        return 0;
-    long multi = 0, tiles = 0;
+    *n1 = 0;
+    if (!c->flash || !bf16_act || c->det || cfg->head_dim % 8 || cfg->head_dim > 128 || rpt < 1) return 0;
+    int tiles = 0;
     for (int i = 0; i < b->n_seqs; i++) {
         int n = b->seqs[i].n_tokens;
-        if (n > 1) multi += n;
-        tiles += (n + rpt - 1) / rpt;
+        if (n > 1) tiles += (n + rpt - 1) / rpt;
+        else *n1 += n;
     }
-    return 2 * multi >= T ? (int)tiles : 0;
+    if (!tiles) *n1 = 0;
+    return tiles;
 }
 static thread_local const int32_t *g_tile_pos; /* qsort context: row positions of the step */
 /* heaviest tiles (last position) first, so the long causal tiles do not trail the grid */
@@ -586,7 +589,8 @@ struct enq_args {
     bool attn2; /* k_attn_part2 for this step */
     size_t meta_n; /* int32 entries of metadata to upload */
     int n_tiles;   /* > 0: k_attn_flash over these tiles (pairs at d_meta + tiles_off) */
-    size_t tiles_off;
+    int n1;        /* with n_tiles: rows of the split kernels (list at d_meta + rows1_off) */
+    size_t tiles_off, rows1_off, bt_off;
 };
 template <typename TA> static kv_status enqueue_step(struct cuda_ctx *c, const struct enq_args *ea, char *err, size_t errlen);
 
@@ -623,13 +627,25 @@ static kv_status forward_t(backend_t *be, const struct batch *b, float *logits, 
     if ((st = grow((void **)&c->logits, &c->cap_logits, (size_t)(L ? L : 1) * cfg->n_vocab * sizeof(float), err,
                    errlen)))
         return st;
-    /* attention parts: 128 positions each (k_attn_part2: 32 per warp) or 32 (k_attn_part),
+    int n1 = 0, n_tiles = flash_tiles(c, b, sizeof(TA) == 2, &n1);
+    int T1 = n_tiles ? n1 : T, max_pos1 = 0; /* rows of the split kernels, and their last position */
+    for (int i = 0; i < b->n_seqs; i++)
+        if (!n_tiles || b->seqs[i].n_tokens == 1)
+            max_pos1 = b->seqs[i].n_past + b->seqs[i].n_tokens > max_pos1 ? b->seqs[i].n_past + b->seqs[i].n_tokens
+                                                                            : max_pos1;
+    /* attention parts: 128 positions each (k_attn_part2: 32 per warp) or 32 / 16 (k_attn_part),
      * larger while rows * parts > 8192 */
     int n_groups = nh / att_hc(cfg);
-    bool attn2 = c->attn2 && (long)T * n_groups * ((max_pos + 127) / 128) >= 2 * c->n_sm; /* enough CTAs */
+    bool attn2 = c->attn2 && (c->attn2_force || (long)T1 * n_groups * ((max_pos1 + 127) / 128) >= 2 * c->n_sm);
     int split_len = attn2 ? 128 : 32;
-    while ((long)T * ((max_pos + split_len - 1) / split_len) > 8192 && split_len < (1 << 24)) split_len *= 2;
-    int max_parts = (max_pos + split_len - 1) / split_len;
+    /* few rows (batch-1 decode at short contexts): 16-position parts when 32-position ones would
+     * leave fewer than 2 CTAs per SM (H200, Llama-3-8B shape, batch 1 / 512: 5.05 -> 4.77 ms;
+     * at 4096 and at batch 8 the 32-position parts stay faster) */
+    if (!attn2 && (long)T1 * n_groups * ((max_pos1 + 31) / 32) < 2 * c->n_sm) split_len = 16;
+    if (c->split_set) /* KVSERVE_CUDA_ATTN_SPLIT (experiments; k_attn_part2 needs multiples of 32) */
+        split_len = attn2 ? (c->split_set + 31) / 32 * 32 : c->split_set;
+    while ((long)T1 * ((max_pos1 + split_len - 1) / split_len) > 8192 && split_len < (1 << 24)) split_len *= 2;
+    int max_parts = max_pos1 ? (max_pos1 + split_len - 1) / split_len : 1;
     if (c->det) { /* batch-invariant: one kernel, each row's split from its own position (det_split_len) */
         attn2 = c->attn2;
         split_len = 0;
@@ -637,8 +653,6 @@ static kv_status forward_t(backend_t *be, const struct batch *b, float *logits, 
         max_parts = max_pos - 1 < 128 * DET_MAX_PARTS ? (max_pos - 1) / 128 + 1 : DET_MAX_PARTS;
     }
     bool use_graph = c->graphs && T <= GRAPH_MAX_ROWS;
-    int n_tiles = flash_tiles(c, b, T, use_graph, sizeof(TA) == 2);
-    if (n_tiles) max_parts = 1; /* no part buffers needed */
     if (use_graph) { /* round the attention grid up so one graph serves many steps */
         int p2 = 1;
         while (p2 < max_parts) p2 *= 2;
@@ -648,10 +662,12 @@ static kv_status forward_t(backend_t *be, const struct batch *b, float *logits, 
     size_t part_bytes = slots * hd * sizeof(float), ml_bytes = slots * 2 * sizeof(float);
     if ((st = grow((void **)&c->part, &c->cap_part, part_bytes, err, errlen))) return st;
     if ((st = grow((void **)&c->part_ml, &c->cap_ml, ml_bytes, err, errlen))) return st;
-    /* metadata: tokens[T] pos[T] btoff[T] logit_rows[L] bt[nbt] tiles[2 n_tiles], then (forward_sample)
-     * at an even entry the sampling requests (kvs_meta_len) */
-    size_t samp_off = ((size_t)3 * T + L + nbt + 2 * (size_t)n_tiles + 1) & ~(size_t)1;
-    size_t meta_n = sp ? samp_off + kvs_meta_len(sp, L) : (size_t)3 * T + L + nbt + 2 * (size_t)n_tiles;
+    /* metadata: tokens[T] pos[T] btoff[T] logit_rows[L] tiles[2 n_tiles] rows1[n1] bt[nbt], then
+     * (forward_sample) at an even entry the sampling requests (kvs_meta_len); every offset but
+     * the sampling one is fixed by (T, L, n_tiles, n1), which a graph's key holds */
+    size_t tiles_off = (size_t)3 * T + L, rows1_off = tiles_off + 2 * (size_t)n_tiles, bt_off = rows1_off + n1;
+    size_t samp_off = (bt_off + nbt + 1) & ~(size_t)1;
+    size_t meta_n = sp ? samp_off + kvs_meta_len(sp, L) : bt_off + nbt;
     if (meta_n > c->cap_meta) {
         size_t cap = meta_n * 2;
         if (c->h_meta) kvc_free_host(c->h_meta);
@@ -661,7 +677,7 @@ static kv_status forward_t(backend_t *be, const struct batch *b, float *logits, 
         CU_TRY(kvc_malloc((void **)&c->d_meta, cap * sizeof(int32_t)), "cudaMalloc (meta)");
         c->cap_meta = cap;
     }
-    int32_t *h_tok = c->h_meta, *h_pos = h_tok + T, *h_bto = h_pos + T, *h_lr = h_bto + T, *h_bt = h_lr + L;
+    int32_t *h_tok = c->h_meta, *h_pos = h_tok + T, *h_bto = h_pos + T, *h_lr = h_bto + T, *h_bt = c->h_meta + bt_off;
     int r = 0, li = 0;
     size_t bo = 0;
     for (int i = 0; i < b->n_seqs; i++) {
@@ -677,30 +693,34 @@ static kv_status forward_t(backend_t *be, const struct batch *b, float *logits, 
         }
         bo += (size_t)need;
     }
-    size_t tiles_off = (size_t)3 * T + L + nbt;
     if (n_tiles) {
-        int32_t *h_tl = c->h_meta + tiles_off;
-        int group = nh / cfg->n_kv_heads, rpt = FL_BM_OF(c->flash_mt) / group, k = 0;
+        int32_t *h_tl = c->h_meta + tiles_off, *h_r1 = c->h_meta + rows1_off;
+        int group = nh / cfg->n_kv_heads, rpt = FL_BM_OF(c->flash_mt) / group, k = 0, k1 = 0;
         r = 0;
         for (int i = 0; i < b->n_seqs; i++) {
-            for (int t = 0; t < b->seqs[i].n_tokens; t += rpt, k++) {
-                h_tl[2 * k] = r + t;
-                h_tl[2 * k + 1] = b->seqs[i].n_tokens - t < rpt ? b->seqs[i].n_tokens - t : rpt;
-            }
-            r += b->seqs[i].n_tokens;
+            int n = b->seqs[i].n_tokens;
+            if (n == 1) h_r1[k1++] = r;
+            else
+                for (int t = 0; t < n; t += rpt, k++) {
+                    h_tl[2 * k] = r + t;
+                    h_tl[2 * k + 1] = n - t < rpt ? n - t : rpt;
+                }
+            r += n;
         }
         g_tile_pos = h_pos;
         qsort(h_tl, (size_t)n_tiles, 2 * sizeof(int32_t), tile_cmp);
     }
     int n_sort = 0;
     if (sp && (st = kvs_meta_fill(sp, L, cfg->n_vocab, c->h_meta + samp_off, &n_sort, err, errlen))) return st;
-    struct enq_args ea = {T, L, max_parts, split_len, attn2, use_graph ? c->cap_meta : meta_n, n_tiles, tiles_off};
+    struct enq_args ea = {T, L, max_parts, split_len, attn2, use_graph ? c->cap_meta : meta_n, n_tiles, n1, tiles_off,
+                          rows1_off, bt_off};
     if (!use_graph) {
         if ((st = enqueue_step<TA>(c, &ea, err, errlen))) return st;
     } else {
         struct graph_key k;
         memset(&k, 0, sizeof k);
         k.T = T, k.L = L, k.parts = max_parts, k.split_len = split_len, k.tpb = c->tpb, k.attn2 = attn2;
+        k.n_tiles = n_tiles, k.n1 = n1;
         k.cap_meta = c->cap_meta, k.block_floats = c->block_floats, k.kv_dtype = c->kv_dtype;
         const void *ps[9] = {c->x, c->h, c->a, c->logits, c->part, c->part_ml, c->d_meta, c->h_meta, c->pool};
         memcpy(k.ptr, ps, sizeof ps);
@@ -756,7 +776,9 @@ template <typename TA> static kv_status enqueue_step(struct cuda_ctx *c, const s
     kv_status st;
     CU_TRY(kvc_memcpy_async(c->d_meta, c->h_meta, ea->meta_n * sizeof(int32_t), cudaMemcpyHostToDevice, c->st),
            "metadata upload");
-    const int32_t *d_tok = c->d_meta, *d_pos = d_tok + T, *d_bto = d_pos + T, *d_lr = d_bto + T, *d_bt = d_lr + L;
+    const int32_t *d_tok = c->d_meta, *d_pos = d_tok + T, *d_bto = d_pos + T, *d_lr = d_bto + T;
+    const int32_t *d_bt = c->d_meta + ea->bt_off, *d_rows1 = ea->n_tiles ? c->d_meta + ea->rows1_off : NULL;
+    const unsigned T1 = (unsigned)(ea->n_tiles ? ea->n1 : T); /* rows of the split kernels */
 
     k_embed<TA><<<T, 1024, 0, c->st>>>((const TA *)c->tok_embd, d_tok, c->x, dim);
     LAUNCHED("embed");
@@ -812,13 +834,13 @@ template <typename TA> static kv_status enqueue_step(struct cuda_ctx *c, const s
             }
 #undef FL_CASE
 #undef FL_ARGS
-            goto attn_done;
+            if (!ea->n1) goto attn_done;
         }
         {
-        dim3 ag((unsigned)T, (unsigned)(nh / hc), (unsigned)max_parts);
+        dim3 ag(T1, (unsigned)(nh / hc), (unsigned)max_parts);
 #define ATT_ARGS(TK)                                                                                           \
     (const float *)c->h, qkvw, (const TK *)c->pool, c->block_floats, l, nkv, hd, c->tpb, group, hc, d_pos, d_bto, \
-        d_bt, split_len, max_parts, scale, c->part, c->part_ml
+        d_bt, d_rows1, split_len, max_parts, scale, c->part, c->part_ml
 #define ATT2(CH, TK) KLAUNCH("attention", k_attn_part2<CH, TK>, ag, dim3(32 * ATT_WARPS), att2_smem, ATT_ARGS(TK))
 #define ATT(D, TK) KLAUNCH("attention", k_attn_part<D, TK>, ag, dim3(32 * ATT_WARPS), att_smem, ATT_ARGS(TK))
 #define ATT_ALL(TK)                              \
@@ -836,9 +858,9 @@ template <typename TA> static kv_status enqueue_step(struct cuda_ctx *c, const s
 #undef ATT
 #undef ATT2
 #undef ATT_ARGS
-        KLAUNCH("attention combine", k_attn_combine<TA>, dim3((unsigned)T, (unsigned)nh),
+        KLAUNCH("attention combine", k_attn_combine<TA>, dim3(T1, (unsigned)nh),
                 dim3((unsigned)((hd + 31) / 32 * 32)), (size_t)max_parts * sizeof(float), (const float *)c->part,
-                (const float *)c->part_ml, d_pos, split_len, max_parts, nh, hd, (TA *)c->a);
+                (const float *)c->part_ml, d_pos, d_rows1, split_len, max_parts, nh, hd, (TA *)c->a);
         }
     attn_done:
         if (!(c->skip & SKIP_GEMM) && (st = gemm(c, c->a, T, qw, Ly->wo, dim, c->h, err, errlen))) return st;
@@ -1196,6 +1218,9 @@ extern "C" kv_status backend_cuda_new(const model_t *m, const struct backend_cud
     c->wsz = c->f32w ? sizeof(float) : sizeof(__nv_bfloat16);
     const char *at = getenv("KVSERVE_CUDA_ATTN");
     c->attn2 = m->cfg.head_dim % 4 == 0 && !(at && *at == '1');
+    c->attn2_force = c->attn2 && at && *at == '2';
+    const char *sl = getenv("KVSERVE_CUDA_ATTN_SPLIT");
+    c->split_set = sl && atoi(sl) >= 8 ? atoi(sl) / 8 * 8 : 0;
     cudaDeviceProp prop;
     c->n_sm = cudaGetDeviceProperties(&prop, opt->device) == cudaSuccess ? prop.multiProcessorCount : 132;
     const char *gm = getenv("KVSERVE_CUDA_GEMV_MAX");

@@ -4,8 +4,8 @@
  * build has no CUDA backend or no GPU is usable; scripts/gpu-test.sh runs it on the device.
  * KVSERVE_CUDA_TESTS=PATTERN (cmocka wildcards) runs only the matching tests.
  *  - flash prefill: three sequences in steps that mix prefill chunks (from position 0 and
- *    from unaligned positions after an earlier chunk) with single-token rows (tiles of one
- *    row inside the flash kernel), then pure decode steps (the split kernels); every logit
+ *    from unaligned positions after an earlier chunk; eager and graph steps) with single-token
+ *    rows (the split kernels over their row list), then pure decode steps; every logit
  *    row against the CPU on the same bf16-rounded weights (compare_shape's limits), for
  *    head_dim 64 / GQA group 4, head_dim 40 (padded to 48) and head_dim 32 with group 6
  *    (FL_BM / 6 = 10 rows per tile: 4 of the 64 M rows unused), f32 and bf16 KV; the
@@ -34,9 +34,11 @@
 /* steps: new tokens per sequence (0 = not in the step) */
 static const int g_fsched[][FS] = {
     {100, 40, 30}, /* prefill from 0: 170 rows */
-    {130, 1, 1},   /* a long chunk at n_past 100 with two single-token rows inside flash tiles */
+    {120, 1, 1},   /* a long chunk at n_past 100; two single-token rows on the split kernels */
     {1, 99, 1},    /* a chunk at the unaligned n_past 41 */
-    {1, 1, 1},     /* decode: graph step, split kernels */
+    {1, 20, 1},    /* graph steps (<= 64 rows) with a flash chunk and split rows */
+    {7, 1, 1},
+    {1, 1, 1},     /* decode: graph step, split kernels only */
     {1, 1, 1},
 };
 #define FSTEPS ((int)(sizeof g_fsched / sizeof g_fsched[0]))
