@@ -95,7 +95,7 @@ template <typename TW> __global__ void k_fill_random(TW *dst, size_t n, uint64_t
 
 /* Fault injection (KVSERVE_CUDA_FAULT=sticky:N): a trap, which leaves the CUDA context
  * unusable (cudaErrorLaunchFailure on every later call), as a real illegal access would. */
-__global__ void k_trap() { __trap(); }
+static __global__ void k_trap() { __trap(); }
 
 /* ---- forward ---- */
 
