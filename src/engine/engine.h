@@ -147,7 +147,7 @@ struct engine_config {
     bool host_sampling;       /* sample on the host even when the backend samples on the device
                                  (backend_ops.forward_sample: CUDA); default false: the device
                                  samples and only ids and logprobs come back (sampler.h says
-                                 where the two can differ) */
+                                 where the two can differ; serve --host-sampling) */
 };
 
 struct engine_stats {
