@@ -59,19 +59,14 @@ static int parse_list(const char *s, int *out, int cap) {
         }                                                                                          \
     } while (0)
 
-/* Device-to-device copy bandwidth (read + write bytes / s) over a 2 GiB buffer. */
-static double copy_bw(void) {
-    size_t n = (size_t)2 << 30;
-    void *a, *b;
-    CK(cudaMalloc(&a, n));
-    CK(cudaMalloc(&b, n));
-    CK(cudaMemset(a, 1, n));
+/* Median seconds of 10 runs of op(arg) on the default stream, event-timed, after 3 warm-ups. */
+static double time_median10(void (*op)(void *), void *arg) {
     cudaEvent_t e0, e1;
     cudaEventCreate(&e0), cudaEventCreate(&e1);
     double ts[10];
     for (int i = 0; i < 13; i++) {
         cudaEventRecord(e0, 0);
-        CK(cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice, 0));
+        op(arg);
         cudaEventRecord(e1, 0);
         CK(cudaEventSynchronize(e1));
         float ms;
@@ -79,8 +74,39 @@ static double copy_bw(void) {
         if (i >= 3) ts[i - 3] = ms / 1e3;
     }
     qsort(ts, 10, sizeof ts[0], bench_cmp_d);
+    cudaEventDestroy(e0), cudaEventDestroy(e1);
+    return ts[5];
+}
+
+struct copy_op { void *dst; const void *src; size_t n; };
+static void do_copy_op(void *arg) {
+    struct copy_op *o = arg;
+    CK(cudaMemcpyAsync(o->dst, o->src, o->n, cudaMemcpyDeviceToDevice, 0));
+}
+
+/* Device-to-device copy bandwidth (read + write bytes / s) over a 2 GiB buffer. */
+static double copy_bw(void) {
+    size_t n = (size_t)2 << 30;
+    void *a, *b;
+    CK(cudaMalloc(&a, n));
+    CK(cudaMalloc(&b, n));
+    CK(cudaMemset(a, 1, n));
+    struct copy_op o = {b, a, n};
+    double t = time_median10(do_copy_op, &o);
     cudaFree(a), cudaFree(b);
-    return 2.0 * (double)n / ts[5];
+    return 2.0 * (double)n / t;
+}
+
+struct gemm_op { cublasHandle_t h; int n; void *a, *b, *c; };
+static void do_gemm_op(void *arg) {
+    struct gemm_op *o = arg;
+    float one = 1.f, zero = 0.f;
+    if (cublasGemmEx(o->h, CUBLAS_OP_N, CUBLAS_OP_N, o->n, o->n, o->n, &one, o->a, CUDA_R_16BF, o->n, o->b, CUDA_R_16BF,
+                     o->n, &zero, o->c, CUDA_R_16BF, o->n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) !=
+        CUBLAS_STATUS_SUCCESS) {
+        fprintf(stderr, "bench_cuda: cublasGemmEx failed\n");
+        exit(1);
+    }
 }
 
 /* bf16 matrix rate (FLOP/s) of cuBLAS on this device: C = A B, 8192^3, bf16 in and out, f32
@@ -110,27 +136,11 @@ static double gemm_peak(void) {
         fprintf(stderr, "bench_cuda: cublasCreate failed\n");
         exit(1);
     }
-    float one = 1.f, zero = 0.f;
-    cudaEvent_t e0, e1;
-    cudaEventCreate(&e0), cudaEventCreate(&e1);
-    double ts[10];
-    for (int i = 0; i < 13; i++) {
-        cudaEventRecord(e0, 0);
-        if (cublasGemmEx(hb, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, a, CUDA_R_16BF, n, b, CUDA_R_16BF, n, &zero, c,
-                         CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS) {
-            fprintf(stderr, "bench_cuda: cublasGemmEx failed\n");
-            exit(1);
-        }
-        cudaEventRecord(e1, 0);
-        CK(cudaEventSynchronize(e1));
-        float ms;
-        cudaEventElapsedTime(&ms, e0, e1);
-        if (i >= 3) ts[i - 3] = ms / 1e3;
-    }
-    qsort(ts, 10, sizeof ts[0], bench_cmp_d);
+    struct gemm_op o = {hb, n, a, b, c};
+    double t = time_median10(do_gemm_op, &o);
     cublasDestroy(hb);
     cudaFree(a), cudaFree(b), cudaFree(c);
-    return 2.0 * n * (double)n * n / ts[5];
+    return 2.0 * n * (double)n * n / t;
 }
 
 static void bench_decode(int layers, const int *batches, int nb, const int *ctxs, int nc, int steps, double bw,

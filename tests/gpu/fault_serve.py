@@ -83,6 +83,14 @@ def metrics(port):
     return out
 
 
+def error_of(body):
+    """The "error" object of an OpenAI error JSON body, or {}."""
+    try:
+        return json.loads(body)["error"]
+    except (ValueError, KeyError, TypeError):
+        return {}
+
+
 def stop(p):
     p.terminate()
     try:
@@ -115,10 +123,7 @@ def main():
         return 2
     try:
         st, d = post(port, A)
-        try:
-            e = json.loads(d)["error"]
-        except (ValueError, KeyError, TypeError):
-            e = {}
+        e = error_of(d)
         check(st == 500 and e.get("type") == "server_error" and "KVSERVE_CUDA_FAULT" in e.get("message", ""),
               "A: status 500 with an OpenAI error JSON naming the fault (%s %s)" % (st, d[:300]))
         st, d = post(port, B)
@@ -156,10 +161,7 @@ def main():
         st, d = post(port, A)
         check(st == 500 and '"server_error"' in d, "E: sticky fault: A gets 500 server_error (%s %s)" % (st, d[:300]))
         st, d = get(port, "/health")
-        try:
-            e = json.loads(d)["error"]
-        except (ValueError, KeyError, TypeError):
-            e = {}
+        e = error_of(d)
         check(st == 503 and e.get("code") == "backend_unhealthy" and "unusable" in e.get("message", ""),
               "F: /health 503 backend_unhealthy (%s %s)" % (st, d[:300]))
         t0 = time.time()
