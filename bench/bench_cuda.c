@@ -4,6 +4,7 @@
  *
  *   bench_cuda [--layers 32] [--batches 1,8,32] [--ctxs 512,4096] [--steps 20] [--kv-dtype bf16|f32]
  *              [--no-copy] [--no-decode] [--deterministic] [--prefill 512,4096]
+ *              [--sample greedy|topp [--host-sample]]
  *   bench_cuda --torch-dump DIR     (random small models + their CPU / CUDA logits for
  *              tests/gpu/torch_ref.py, the PyTorch reference of issue 10; see torch_dump)
  *
@@ -16,6 +17,7 @@
  * direction. --deterministic runs the backend in its batch-invariant mode
  * (backend_cuda_options.deterministic) for the same measurements.
  */
+#include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,9 +28,15 @@
 #include "bench_util.h"
 #include "backend/backend.h"
 #include "backend/cuda/backend_cuda.h"
+#include "engine/sampler.h"
 
 
 static bool g_det;                 /* --deterministic */
+/* --sample greedy|topp: decode steps sample every row: on the device (forward_sample), or with
+ * --host-sample on the host (forward, then sampler_sample per row); topp = temperature 0.8,
+ * top_p 0.95 (sorted candidates) */
+static int g_sample;      /* 0 none, 1 greedy, 2 topp */
+static bool g_host_sample;
 static int g_prefill[8], g_nprefill; /* --prefill N,... */
 
 static int parse_list(const char *s, int *out, int cap) {
@@ -51,19 +59,14 @@ static int parse_list(const char *s, int *out, int cap) {
         }                                                                                          \
     } while (0)
 
-/* Device-to-device copy bandwidth (read + write bytes / s) over a 2 GiB buffer. */
-static double copy_bw(void) {
-    size_t n = (size_t)2 << 30;
-    void *a, *b;
-    CK(cudaMalloc(&a, n));
-    CK(cudaMalloc(&b, n));
-    CK(cudaMemset(a, 1, n));
+/* Median seconds of 10 runs of op(arg) on the default stream, event-timed, after 3 warm-ups. */
+static double time_median10(void (*op)(void *), void *arg) {
     cudaEvent_t e0, e1;
     cudaEventCreate(&e0), cudaEventCreate(&e1);
     double ts[10];
     for (int i = 0; i < 13; i++) {
         cudaEventRecord(e0, 0);
-        CK(cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice, 0));
+        op(arg);
         cudaEventRecord(e1, 0);
         CK(cudaEventSynchronize(e1));
         float ms;
@@ -71,8 +74,73 @@ static double copy_bw(void) {
         if (i >= 3) ts[i - 3] = ms / 1e3;
     }
     qsort(ts, 10, sizeof ts[0], bench_cmp_d);
+    cudaEventDestroy(e0), cudaEventDestroy(e1);
+    return ts[5];
+}
+
+struct copy_op { void *dst; const void *src; size_t n; };
+static void do_copy_op(void *arg) {
+    struct copy_op *o = arg;
+    CK(cudaMemcpyAsync(o->dst, o->src, o->n, cudaMemcpyDeviceToDevice, 0));
+}
+
+/* Device-to-device copy bandwidth (read + write bytes / s) over a 2 GiB buffer. */
+static double copy_bw(void) {
+    size_t n = (size_t)2 << 30;
+    void *a, *b;
+    CK(cudaMalloc(&a, n));
+    CK(cudaMalloc(&b, n));
+    CK(cudaMemset(a, 1, n));
+    struct copy_op o = {b, a, n};
+    double t = time_median10(do_copy_op, &o);
     cudaFree(a), cudaFree(b);
-    return 2.0 * (double)n / ts[5];
+    return 2.0 * (double)n / t;
+}
+
+struct gemm_op { cublasHandle_t h; int n; void *a, *b, *c; };
+static void do_gemm_op(void *arg) {
+    struct gemm_op *o = arg;
+    float one = 1.f, zero = 0.f;
+    if (cublasGemmEx(o->h, CUBLAS_OP_N, CUBLAS_OP_N, o->n, o->n, o->n, &one, o->a, CUDA_R_16BF, o->n, o->b, CUDA_R_16BF,
+                     o->n, &zero, o->c, CUDA_R_16BF, o->n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) !=
+        CUBLAS_STATUS_SUCCESS) {
+        fprintf(stderr, "bench_cuda: cublasGemmEx failed\n");
+        exit(1);
+    }
+}
+
+/* bf16 matrix rate (FLOP/s) of cuBLAS on this device: C = A B, 8192^3, bf16 in and out, f32
+ * accumulation, random inputs (never zeros), median of 10 after 3 warm-ups (event-timed).
+ * The ceiling the prefill's "% of bf16 peak" is taken against. */
+static double gemm_peak(void) {
+    int n = 8192;
+    size_t el = (size_t)n * n;
+    uint16_t *h = malloc(el * 2);
+    uint64_t x = 88172645463325252ull;
+    for (size_t i = 0; i < el; i++) { /* uniform in [-1, 1), bf16 by truncation */
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        float v = (float)(x >> 40) / 8388608.0f - 1.0f;
+        uint32_t u;
+        memcpy(&u, &v, 4);
+        h[i] = (uint16_t)(u >> 16);
+    }
+    void *a, *b, *c;
+    CK(cudaMalloc(&a, el * 2));
+    CK(cudaMalloc(&b, el * 2));
+    CK(cudaMalloc(&c, el * 2));
+    CK(cudaMemcpy(a, h, el * 2, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(b, h, el * 2, cudaMemcpyHostToDevice));
+    free(h);
+    cublasHandle_t hb;
+    if (cublasCreate(&hb) != CUBLAS_STATUS_SUCCESS) {
+        fprintf(stderr, "bench_cuda: cublasCreate failed\n");
+        exit(1);
+    }
+    struct gemm_op o = {hb, n, a, b, c};
+    double t = time_median10(do_gemm_op, &o);
+    cublasDestroy(hb);
+    cudaFree(a), cudaFree(b), cudaFree(c);
+    return 2.0 * n * (double)n * n / t;
 }
 
 static void bench_decode(int layers, const int *batches, int nb, const int *ctxs, int nc, int steps, double bw,
@@ -98,8 +166,11 @@ static void bench_decode(int layers, const int *batches, int nb, const int *ctxs
     double dim = 4096, qw = 4096, kw = 1024, ffn = 14336, V = 128256;
     double wbytes = 2.0 * (layers * (dim * (qw + 2 * kw) + qw * dim + 2 * ffn * dim + ffn * dim) + 2 * V * dim);
     fprintf(stderr, "model: %d layers, weights %.2f GB bf16 (made in %.1f s)\n", layers, wbytes / 1e9, kv_now_s() - t0);
-    printf("\nKV cache: %s; mode: %s\n", kv_dtype_name(kv_dtype),
-           g_det ? "deterministic (batch-invariant GEMM + attention split)" : "default (cuBLAS)");
+    printf("\nKV cache: %s; mode: %s; sampling: %s\n", kv_dtype_name(kv_dtype),
+           g_det ? "deterministic (batch-invariant GEMM + attention split)" : "default (cuBLAS)",
+           !g_sample ? "none (logits rows downloaded)"
+                     : g_host_sample ? (g_sample == 1 ? "host, greedy" : "host, temperature 0.8 top_p 0.95")
+                                     : (g_sample == 1 ? "device, greedy" : "device, temperature 0.8 top_p 0.95"));
     printf("\n| batch | context | step ms (median) | HBM floor ms | step / floor | tokens/s |\n|---|---|---|---|---|---|\n");
     int tpb = 16;
     for (int ci = 0; ci < nc; ci++)
@@ -146,6 +217,12 @@ static void bench_decode(int layers, const int *batches, int nb, const int *ctxs
             struct batch_seq *seqs = calloc((size_t)B, sizeof *seqs);
             float *lg = malloc((size_t)B * cfg.n_vocab * sizeof(float));
             double *ts = malloc(sizeof(double) * (size_t)steps);
+            struct backend_sampling *bs = calloc((size_t)B, sizeof *bs);
+            struct backend_sample_out *bo = calloc((size_t)B, sizeof *bo);
+            struct sampler_scratch scr;
+            kv_rng srng;
+            kv_rng_seed(&srng, 5);
+            if (sampler_scratch_init(&scr, cfg.n_vocab)) exit(1);
             for (int s = -3; s < steps; s++) {
                 int step = s < 0 ? 0 : s;
                 for (int i = 0; i < B; i++) {
@@ -156,7 +233,25 @@ static void bench_decode(int layers, const int *batches, int nb, const int *ctxs
                 }
                 struct batch b = {seqs, B};
                 double a = kv_now_s();
-                if (be->ops->forward(be, &b, lg, err, sizeof err)) {
+                kv_status fst;
+                if (g_sample && !g_host_sample) {
+                    for (int i = 0; i < B; i++)
+                        bs[i] = (struct backend_sampling){.temperature = g_sample == 2 ? 0.8f : 0.f,
+                                                          .top_p = g_sample == 2 ? 0.95f : 1.f,
+                                                          .repetition_penalty = 1.f,
+                                                          .u = (double)((i * 7 + step) % 97) / 97.0};
+                    fst = be->ops->forward_sample(be, &b, bs, bo, err, sizeof err);
+                } else {
+                    fst = be->ops->forward(be, &b, lg, err, sizeof err);
+                    for (int i = 0; g_sample && !fst && i < B; i++) {
+                        struct sampling_params sp;
+                        sampling_params_default(&sp);
+                        sp.temperature = g_sample == 2 ? 0.8f : 0.f, sp.top_p = g_sample == 2 ? 0.95f : 1.f;
+                        (void)sampler_sample(&sp, lg + (size_t)i * cfg.n_vocab, cfg.n_vocab, NULL, 0, NULL, 0, &srng,
+                                             &scr, NULL, NULL, 0);
+                    }
+                }
+                if (fst) {
                     fprintf(stderr, "bench_cuda: forward: %s\n", err);
                     exit(1);
                 }
@@ -169,9 +264,20 @@ static void bench_decode(int layers, const int *batches, int nb, const int *ctxs
             printf("| %d | %d | %.3f | %.3f | %.2fx | %.0f |\n", B, ctx, med * 1e3, floor_s * 1e3, med / floor_s,
                    B / med);
             fflush(stdout);
-            free(bt), free(tok), free(seqs), free(lg), free(ts);
+            free(bt), free(tok), free(seqs), free(lg), free(ts), free(bs), free(bo);
+            sampler_scratch_free(&scr);
         }
-    if (g_nprefill) printf("\n| prefill tokens (one chunk) | ms (median of 5) | tokens/s |\n|---|---|---|\n");
+    double peak = 0;
+    if (g_nprefill) {
+        peak = gemm_peak();
+        printf("\nbf16 matrix rate (cuBLAS 8192^3, bf16 in/out, f32 accumulation, random data): %.0f TFLOP/s\n"
+               "FLOPs counted: 2 x tokens x projection weights (q/k/v, o, gate/up, down of every layer) + causal "
+               "attention 2 x tokens^2 x head_dim x heads per layer (QK^T and PV, half the square each); the "
+               "output head runs on one row\n",
+               peak / 1e12);
+        printf("\n| prefill tokens (one chunk) | ms (median of 5) | tokens/s | TFLOP/s | %% of bf16 rate |\n"
+               "|---|---|---|---|---|\n");
+    }
     for (int pi = 0; pi < g_nprefill; pi++) {
         int N = g_prefill[pi], per = (N + tpb - 1) / tpb;
         struct kv_geometry g = {.n_layers = layers, .n_kv_heads = 8, .head_dim = 128, .tokens_per_block = tpb,
@@ -197,7 +303,10 @@ static void bench_decode(int layers, const int *batches, int nb, const int *ctxs
             if (s >= 0) ts[s] = kv_now_s() - a;
         }
         qsort(ts, 5, sizeof ts[0], bench_cmp_d);
-        printf("| %d | %.2f | %.0f |\n", N, ts[2] * 1e3, N / ts[2]);
+        double fl = 2.0 * N * layers * (dim * (qw + 2 * kw) + qw * dim + 3 * ffn * dim) +
+                    2.0 * (double)N * N * 128 * 32 * layers;
+        printf("| %d | %.2f | %.0f | %.0f | %.1f%% |\n", N, ts[2] * 1e3, N / ts[2], fl / ts[2] / 1e12,
+               100.0 * fl / ts[2] / peak);
         fflush(stdout);
         free(bt), free(tok), free(lg);
     }
@@ -259,7 +368,9 @@ static void bench_copy(void) {
  * tok_embd, out_norm, [output], then per layer attn_norm wq wk wv [bq bk bv] [q_norm k_norm] wo
  * ffn_norm w_gate w_up w_down; matrices (out, in) row-major), tokens.bin (int32, N_TOK) and
  * logits_<variant>.bin (float32, N_TOK x n_vocab: every position's logits) for the variants
- * cpu, cuda_f32w, cuda_bf16w, cuda_bf16w_bf16kv. One sequence, fed as a prefill chunk of 100
+ * cpu, cuda_f32w, cuda_bf16w, cuda_bf16w_bf16kv, cuda_bf16w_split (bf16 weights, f32 KV,
+ * KVSERVE_CUDA_FLASH=0: the chunks on the split attention kernels instead of k_attn_flash). One
+ * sequence, fed as a prefill chunk of 100
  * (eager: more rows than a graph takes), one of 40 (graph), then 20 single-token decodes
  * (graphs), in a scattered block table. Returns 0, or 1 with a message. */
 #define DUMP_TOK 160
@@ -326,7 +437,7 @@ static int torch_dump(const char *root) {
                          "\"rope_neox\": %s, \"rope_scaling\": {\"type\": %d, \"factor\": %.9g, \"low_freq_factor\": %.9g, "
                          "\"high_freq_factor\": %.9g, \"original_max_pos\": %.9g}, \"attn_bias\": %s, \"qk_norm\": %s, "
                          "\"tied_embeddings\": %s, \"n_tok\": %d, \"variants\": [\"cpu\", \"cuda_f32w\", \"cuda_bf16w\", "
-                         "\"cuda_bf16w_bf16kv\"]}\n",
+                         "\"cuda_bf16w_bf16kv\", \"cuda_bf16w_split\"]}\n",
                          model_arch_name(arch), cfg.n_vocab, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads,
                          cfg.head_dim, cfg.ffn_dim, (double)cfg.rms_eps, (double)cfg.rope_theta,
                          cfg.rope_neox ? "true" : "false", rs->type, (double)rs->factor, (double)rs->low_freq_factor,
@@ -364,12 +475,15 @@ static int torch_dump(const char *root) {
         if (dump_write(dir, "tokens.bin", toks, sizeof toks)) return 1;
         float *lg = malloc((size_t)DUMP_TOK * V * sizeof(float));
         if (!lg) return 1;
-        const char *names[] = {"cpu", "cuda_f32w", "cuda_bf16w", "cuda_bf16w_bf16kv"};
-        for (int v = 0; v < 4; v++) {
+        const char *names[] = {"cpu", "cuda_f32w", "cuda_bf16w", "cuda_bf16w_bf16kv", "cuda_bf16w_split"};
+        for (int v = 0; v < 5; v++) {
             struct backend_options o = {.kind = v ? BACKEND_KIND_CUDA : BACKEND_KIND_CPU, .f32_weights = v == 1};
             backend_t *be = NULL;
             char err[512];
-            if (backend_create(m, &o, &be, err, sizeof err)) return fprintf(stderr, "bench_cuda: %s\n", err), 1;
+            if (v == 4) setenv("KVSERVE_CUDA_FLASH", "0", 1); /* the split attention kernels for the chunks too */
+            kv_status cst = backend_create(m, &o, &be, err, sizeof err);
+            unsetenv("KVSERVE_CUDA_FLASH");
+            if (cst) return fprintf(stderr, "bench_cuda: %s\n", err), 1;
             memset(lg, 0xff, (size_t)DUMP_TOK * V * sizeof(float)); /* NaN: unwritten rows fail the comparison */
             int rc = dump_logits(be, m, toks, v == 3 ? KV_DTYPE_BF16 : KV_DTYPE_F32, lg);
             backend_free(be);
@@ -399,11 +513,15 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--no-copy")) do_copy = 0;
         else if (!strcmp(argv[i], "--no-decode")) do_decode = 0;
         else if (!strcmp(argv[i], "--deterministic")) g_det = true;
+        else if (!strcmp(argv[i], "--sample") && i + 1 < argc && (!strcmp(argv[i + 1], "greedy") || !strcmp(argv[i + 1], "topp")))
+            g_sample = !strcmp(argv[++i], "greedy") ? 1 : 2;
+        else if (!strcmp(argv[i], "--host-sample")) g_host_sample = true;
         else if (!strcmp(argv[i], "--prefill") && i + 1 < argc) g_nprefill = parse_list(argv[++i], g_prefill, 8);
         else if (!strcmp(argv[i], "--torch-dump") && i + 1 < argc) dump = argv[++i];
         else {
             fprintf(stderr, "usage: bench_cuda [--layers N] [--batches 1,8,32] [--ctxs 512,4096] [--steps N] "
                             "[--kv-dtype bf16|f32] [--no-copy] [--no-decode] [--deterministic] [--prefill N,...] "
+                            "[--sample greedy|topp [--host-sample]] "
                             "[--torch-dump DIR]\n");
             return 2;
         }

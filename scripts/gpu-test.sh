@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU tests of the CUDA backend (issue 10) in one call, for a machine with an NVIDIA GPU.
 #
-#   scripts/gpu-test.sh [--bench] [--bench-args "ARGS"]       build build-gpu here, run test_cuda
+#   scripts/gpu-test.sh [--bench] [--bench-args "ARGS"]       build build-gpu here, run test_cuda and test_cuda_ops
 #   (environment: SERVE_SMOKE=1 one completion through serve --backend cuda; E2E=1 the HTTP API
 #   e2e suite, tests/e2e/http_api.py, against serve --backend cuda (counted; with bf16 weights
 #   under its KVSERVE_E2E_TOL=bf16 tolerances, see its docstring); TORCH_REF=1 the PyTorch
@@ -23,7 +23,7 @@
 #        another checkout)
 #
 # Test data: $KVSERVE_TEST_DATA (default ../shared/data, or DIR/data with --prebuilt).
-# Exit status: 0 when test_cuda (every test passed or skipped with a SKIP: line) and each
+# Exit status: 0 when test_cuda and test_cuda_ops (every test passed or skipped with a SKIP: line) and each
 # counted suite above passed; else the first failing one's status.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,10 +43,13 @@ if [ -n "$bundle" ]; then
     data="${KVSERVE_TEST_DATA:-../shared/data}"
     rm -rf "$bundle" && mkdir -p "$bundle/lib" "$bundle/data/models/stories260K" "$bundle/data/references/stories260K" \
         "$bundle/data/models/tiny-quant"
-    cp "$build/test_cuda" "$build/bench_cuda" "$build/kvserve" "$bundle/" || exit 1
+    cp "$build/test_cuda" "$build/test_cuda_ops" "$build/bench_cuda" "$build/kvserve" "$bundle/" || exit 1
+    # debug info stays here: the device call carries 64 MiB at most (kernel names survive: they
+    # are in the CUDA fatbinary)
+    strip "$bundle/test_cuda" "$bundle/test_cuda_ops" "$bundle/bench_cuda" "$bundle/kvserve" 2>/dev/null
     # shared libraries that are not glibc / libstdc++ / CUDA / OpenBLAS (the GPU machine has those);
     # --prebuilt drops the ones the GPU machine has itself
-    ldd "$build/test_cuda" "$build/bench_cuda" "$build/kvserve" | awk '/=> \//{print $3}' | sort -u |
+    ldd "$build/test_cuda" "$build/test_cuda_ops" "$build/bench_cuda" "$build/kvserve" | awk '/=> \//{print $3}' | sort -u |
         grep -vE '/(libc|libm|libdl|librt|libpthread|libstdc\+\+|libgcc_s|libcublas|libcublasLt|libcudart|libopenblas|libgfortran|libquadmath)\.so' |
         while read -r l; do cp -L "$l" "$bundle/lib/"; done
     cp "$data/models/stories260K/stories260K.gguf" "$bundle/data/models/stories260K/"
@@ -84,7 +87,7 @@ if [ -n "$prebuilt" ]; then
 else
     bin="build-gpu"
     cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVSERVE_CUDA=ON >/dev/null || exit 1
-    cmake --build build-gpu -j"$(nproc)" --target test_cuda bench_cuda || exit 1
+    cmake --build build-gpu -j"$(nproc)" --target test_cuda test_cuda_ops bench_cuda || exit 1
     export KVSERVE_TEST_DATA="${KVSERVE_TEST_DATA:-$PWD/../shared/data}"
 fi
 if [ "${SERVE_SMOKE:-0}" = 1 ]; then # kvserve serve --backend cuda answers a completion
@@ -120,6 +123,11 @@ echo "== test_cuda"
 "$bin/test_cuda"
 rc=$?
 echo "== test_cuda exit $rc"
+echo "== test_cuda_ops"
+"$bin/test_cuda_ops"
+orc=$?
+echo "== test_cuda_ops exit $orc"
+[ "$rc" = 0 ] && rc=$orc
 [ "$rc" = 0 ] && [ -n "${erc:-}" ] && rc=$erc
 if [ "${FAULT_E2E:-0}" = 1 ]; then # CUDA faults fail requests with 500, the server keeps serving
     echo "== fault_serve: KVSERVE_CUDA_FAULT against serve --backend cuda"

@@ -93,6 +93,37 @@ int batch_n_logits(const struct batch *b);
 
 typedef struct backend backend_t;
 
+/* ---- sampling on the device (optional op forward_sample; issue 10) ----
+ * One logit row's sampling request: the engine's sampler pipeline (engine/sampler.h) with the
+ * request's parameters, its random draw and its token history. Semantics are the host
+ * sampler's: repetition penalty over prompt + generated ids (l > 0 ? l / rp : l * rp, once per
+ * distinct id), then presence / frequency over generated ids (l -= count * freq + pres, once
+ * per distinct id), logprobs = log_softmax of the penalised logits, then temperature == 0:
+ * argmax (ties -> lowest id), else candidates sorted by (logit desc, id asc) cut to top_k,
+ * top_p (smallest prefix whose mass >= top_p), min_p (weight >= min_p relative to the max),
+ * and the draw u * (kept mass) walked in candidate order. */
+#define BACKEND_MAX_TOP 20
+struct backend_sampling {
+    float temperature;        /* <= 0: greedy */
+    int top_k;                /* <= 0 or >= n_vocab: off */
+    float top_p;              /* outside (0, 1): off */
+    float min_p;              /* <= 0: off */
+    float presence_penalty, frequency_penalty, repetition_penalty; /* 0, 0, 1 (or <= 0): off */
+    int n_top;                /* alternatives to report, 0..BACKEND_MAX_TOP */
+    bool logprob;             /* report the chosen token's logprob */
+    double u;                 /* temperature > 0: the request's draw in [0, 1) (kv_rng_f64) */
+    const int32_t *prompt;    /* (n_prompt) read only when a penalty is active; borrowed */
+    int n_prompt;
+    const int32_t *gen;       /* (n_gen) generated ids, likewise */
+    int n_gen;
+};
+struct backend_sample_out {
+    int32_t id;                               /* the sampled token */
+    float logprob;                            /* its logprob (when asked for) */
+    int32_t top_id[BACKEND_MAX_TOP];          /* the n_top best (logprob desc, id asc) */
+    float top_logprob[BACKEND_MAX_TOP];
+};
+
 struct backend_ops {
     const char *name;
     /* Allocates the KV pool storage (replacing any previous one; contents zeroed).
@@ -123,6 +154,18 @@ struct backend_ops {
     /* Copies n whole blocks host[i] -> device block blocks[i]. */
     kv_status (*copy_from_host)(backend_t *be, const void *const *host, const int32_t *blocks,
                                 int n);
+    /* ---- optional, appended for sampling on the device (NULL: the engine samples the
+     * logits rows of forward on the host) ----
+     * forward, then samples every logits row on the device: sp and out have
+     * batch_n_logits(b) entries, in the order forward's logits rows would have. Only the
+     * sampled ids and the logprobs asked for come back. Errors as forward, plus KV_EINVAL for
+     * a bad request (n_top outside 0..BACKEND_MAX_TOP, NULL token arrays with a penalty on). */
+    kv_status (*forward_sample)(backend_t *be, const struct batch *b, const struct backend_sampling *sp,
+                                struct backend_sample_out *out, char *err, size_t errlen);
+    /* ---- optional, appended for fault handling: false once the backend can no longer compute
+     * (a sticky device error: every later call would fail or return garbage); why gets the
+     * reason. NULL: always healthy. Thread-safe (servers call it from their HTTP thread). */
+    bool (*healthy)(backend_t *be, char *why, size_t whylen);
 };
 
 struct backend {

@@ -74,6 +74,8 @@ static void serve_usage(FILE *f) {
             "                           it is batched with or on cache hits (cuda: our fixed-order GEMM\n"
             "                           instead of cuBLAS, slower, see docs/benchmarks.md; cpu: always\n"
             "                           the case with --gemm invariant, refused with --gemm openblas)\n"
+            "  --host-sampling          sample on the host from the full logits rows (cuda samples on\n"
+            "                           the device by default: only ids and logprobs come back)\n"
             "  --etcd URL               register this worker in etcd (v3 JSON gateway) under a lease\n"
             "                           kept alive; routers started with --etcd find it\n"
             "  --advertise URL          the URL routers reach this worker at (default\n"
@@ -132,6 +134,7 @@ int cmd_serve(int argc, char **argv) {
     int kv_dtype = -1; /* -1: not given (f32 for every backend) */
     uint64_t kv_mem = 0, max_body = 16ull << 20, host_mem = 0;
     bool kv_mem_set = false, no_prefix_cache = false, deterministic = false, qmode_set = false;
+    bool host_sampling = false;
     enum kv_matmul_quant qmode = KV_MATMUL_QUANT_AUTO;
     int prefix_wait = 64;
     const char *hash_key_file = NULL;
@@ -158,6 +161,10 @@ int cmd_serve(int argc, char **argv) {
         }
         if (!strcmp(a, "--deterministic")) {
             deterministic = true;
+            continue;
+        }
+        if (!strcmp(a, "--host-sampling")) {
+            host_sampling = true;
             continue;
         }
         if (strncmp(a, "--", 2) != 0) {
@@ -357,7 +364,7 @@ int cmd_serve(int argc, char **argv) {
                                .host_cache_blocks = (int)host_blocks,
                                .prefix_wait_blocks = prefix_wait > 0 ? prefix_wait : -1,
                                .hash_key = hash_key_file ? &hkey : NULL,
-                               .kv_dtype = kv_dtype};
+                               .kv_dtype = kv_dtype, .host_sampling = host_sampling};
     kv_status st = engine_start(&ec, m, t, be, &e, err, sizeof err);
     if (st != KV_OK) {
         fprintf(stderr, "kvserve serve: cannot start the engine: %s\n", err);

@@ -14,6 +14,7 @@
 #include <time.h>
 
 #define ENGINE_MAX_TOP_LOGPROBS 20
+_Static_assert(ENGINE_MAX_TOP_LOGPROBS <= BACKEND_MAX_TOP, "device sampling reports up to BACKEND_MAX_TOP");
 
 const char *finish_reason_str(enum finish_reason r) {
     switch (r) {
@@ -151,6 +152,9 @@ kv_status engine_submit(engine_t *e, const struct engine_request_params *p, engi
     if (!e || !p || !cb) return kv_errf(KV_EINVAL, err, errlen, "engine_submit: NULL argument");
     kv_status st = check_params(e, p, err, errlen);
     if (st) return st;
+    char why[256];
+    if (!engine_healthy(e, why, sizeof why))
+        return kv_errf(KV_EIO, err, errlen, "the compute backend is unusable (%s); restart the server", why);
     if (p->disagg == ENGINE_DISAGG_CONTEXT_ONLY || p->disagg == ENGINE_DISAGG_GENERATION_ONLY) {
         if (!e->has_xt)
             return kv_errf(KV_EUNSUPPORTED, err, errlen,
@@ -277,6 +281,11 @@ void engine_cancel(engine_t *e, uint64_t req_id) {
     e->cancels[e->n_cancels++] = req_id;
     pthread_cond_signal(&e->cv);
     pthread_mutex_unlock(&e->mu);
+}
+
+bool engine_healthy(engine_t *e, char *why, size_t whylen) {
+    if (!e->be->ops->healthy) return true;
+    return e->be->ops->healthy(e->be, why, whylen);
 }
 
 void engine_get_stats(engine_t *e, struct engine_stats *out) {
@@ -455,7 +464,27 @@ static int run_step(struct engine *e) {
     }
     struct batch b = {.seqs = e->seqs, .n_seqs = n};
     char err[256] = "";
-    kv_status st = e->be->ops->forward(e->be, &b, e->logits, err, sizeof err);
+    kv_status st;
+    if (e->dev_sampling) { /* the backend samples: one request per logits row, in row order */
+        int nr = 0;
+        for (int i = 0; i < n; i++) {
+            struct request *r = e->plan[i].r;
+            if (!e->plan[i].logits) continue;
+            const struct sampling_params *sp = &r->sp;
+            e->bsamp[nr++] = (struct backend_sampling){
+                .temperature = sp->temperature, .top_k = sp->top_k, .top_p = sp->top_p, .min_p = sp->min_p,
+                .presence_penalty = sp->presence_penalty, .frequency_penalty = sp->frequency_penalty,
+                .repetition_penalty = sp->repetition_penalty, .n_top = sp->top_logprobs,
+                .logprob = sp->logprobs || sp->top_logprobs > 0,
+                /* the host sampler's one draw per non-greedy token, taken before the step */
+                .u = sp->temperature > 0.0f ? kv_rng_f64(&r->rng) : 0.0,
+                .prompt = r->tokens, .n_prompt = r->n_prompt, .gen = r->tokens + r->n_prompt,
+                .n_gen = req_n_gen(r)};
+        }
+        st = e->be->ops->forward_sample(e->be, &b, e->bsamp, e->bout, err, sizeof err);
+    } else {
+        st = e->be->ops->forward(e->be, &b, e->logits, err, sizeof err);
+    }
     if (st != KV_OK) {
         char msg[400];
         snprintf(msg, sizeof msg, "backend forward failed: %s (%s)", err, kv_status_str(st));
@@ -477,12 +506,20 @@ static int run_step(struct engine *e) {
         r->chunk = 0;
         reuse_register(e, r);
         if (!p->logits) continue;
-        float *lg = e->logits + (size_t)row++ * (size_t)e->n_vocab;
         bool want_lp = r->sp.logprobs || r->sp.top_logprobs > 0;
         int n_top = r->sp.top_logprobs;
-        int32_t id = sampler_sample(&r->sp, lg, e->n_vocab, r->tokens, r->n_prompt,
-                                    r->tokens + r->n_prompt, req_n_gen(r), &r->rng, &e->scratch,
-                                    want_lp ? &chosen : NULL, e->top, n_top);
+        int32_t id;
+        if (e->dev_sampling) {
+            const struct backend_sample_out *o = &e->bout[row++];
+            id = o->id;
+            chosen = (struct token_logprob){.id = id, .logprob = o->logprob};
+            for (int k = 0; k < n_top; k++)
+                e->top[k] = (struct token_logprob){.id = o->top_id[k], .logprob = o->top_logprob[k]};
+        } else {
+            float *lg = e->logits + (size_t)row++ * (size_t)e->n_vocab;
+            id = sampler_sample(&r->sp, lg, e->n_vocab, r->tokens, r->n_prompt, r->tokens + r->n_prompt,
+                                req_n_gen(r), &r->rng, &e->scratch, want_lp ? &chosen : NULL, e->top, n_top);
+        }
         gen_tokens++;
         engine_on_token(e, r, id, want_lp ? &chosen : NULL, e->top, n_top);
     }
@@ -649,6 +686,8 @@ static void engine_destroy(struct engine *e) {
     free(e->seqs);
     free(e->logits);
     free(e->top);
+    free(e->bsamp);
+    free(e->bout);
     sampler_scratch_free(&e->scratch);
     kv_buf_free(&e->text);
     kv_buf_free(&e->text2);
@@ -702,7 +741,12 @@ kv_status engine_start(const struct engine_config *cfg_in, const model_t *m, con
     e->seqs = kv_calloc((size_t)c.max_batch_size, sizeof *e->seqs);
     e->logits = kv_malloc((size_t)c.max_batch_size * (size_t)e->n_vocab * sizeof *e->logits);
     e->top = kv_calloc(ENGINE_MAX_TOP_LOGPROBS, sizeof *e->top);
-    if (!e->pool || !e->plan || !e->seqs || !e->logits || !e->top ||
+    e->dev_sampling = be->ops->forward_sample && !c.host_sampling;
+    if (e->dev_sampling) {
+        e->bsamp = kv_calloc((size_t)c.max_batch_size, sizeof *e->bsamp);
+        e->bout = kv_calloc((size_t)c.max_batch_size, sizeof *e->bout);
+    }
+    if (!e->pool || !e->plan || !e->seqs || !e->logits || !e->top || (e->dev_sampling && (!e->bsamp || !e->bout)) ||
         sampler_scratch_init(&e->scratch, e->n_vocab) != KV_OK) {
         engine_destroy(e);
         return kv_errf(KV_ENOMEM, err, errlen, "engine: out of memory");

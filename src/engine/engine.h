@@ -144,6 +144,10 @@ struct engine_config {
     int kv_dtype;             /* enum kv_dtype of the KV pool (backend/backend.h); 0 = f32.
                                  The backend's kv_alloc refuses a dtype it does not support
                                  (CPU: f32 only) and engine_start fails with its status. */
+    bool host_sampling;       /* sample on the host even when the backend samples on the device
+                                 (backend_ops.forward_sample: CUDA); default false: the device
+                                 samples and only ids and logprobs come back (sampler.h says
+                                 where the two can differ; serve --host-sampling) */
 };
 
 struct engine_stats {
@@ -182,13 +186,18 @@ void engine_stop(engine_t *e);
 /* Queues a request (thread-safe). On KV_OK *req_id is set and cb will receive the events
  * (possibly before engine_submit returns). Errors (nothing queued, cb never called):
  * KV_EINVAL (empty prompt, bad params), KV_ETOOLONG (prompt does not fit max_model_len),
- * KV_EBUSY (queue full). err gets a client-facing message. */
+ * KV_EBUSY (queue full), KV_EIO (the backend is unhealthy: engine_healthy). err gets a
+ * client-facing message. */
 kv_status engine_submit(engine_t *e, const struct engine_request_params *p, engine_event_cb cb,
                         void *user, uint64_t *req_id, char *err, size_t errlen);
 /* Cancels (thread-safe, idempotent, unknown ids ignored). The request's blocks are free by
  * the next step; its terminal event is ENGINE_EV_FINISH with FINISH_CANCELLED. */
 void engine_cancel(engine_t *e, uint64_t req_id);
 void engine_get_stats(engine_t *e, struct engine_stats *out);
+/* False once the backend reports it can no longer compute (backend_ops.healthy: a sticky CUDA
+ * error); why gets the reason. Thread-safe. After that engine_submit refuses requests with
+ * KV_EIO and the running ones fail with the backend's error. */
+bool engine_healthy(engine_t *e, char *why, size_t whylen);
 const struct engine_config *engine_config(const engine_t *e);
 
 /* ---- disaggregated serving: the KV-transfer seam ----

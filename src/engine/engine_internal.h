@@ -131,6 +131,9 @@ struct engine {
     float *logits;              /* (max_batch_size, n_vocab) */
     struct sampler_scratch scratch;
     struct token_logprob *top;  /* (20) */
+    struct backend_sampling *bsamp;   /* (max_batch_size) device sampling requests of a step */
+    struct backend_sample_out *bout;  /* (max_batch_size) and their results */
+    bool dev_sampling;          /* be->ops->forward_sample && !cfg.host_sampling */
     kv_buf text, text2;         /* per-event scratch */
     uint64_t n_preempt_step;
     /* KV reuse (reuse.c) */

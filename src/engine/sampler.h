@@ -12,6 +12,13 @@
  *
  * The RNG draws exactly one number per non-greedy token, so a request's output depends
  * only on (seed, prompt, params, logits).
+ *
+ * A backend with backend_ops.forward_sample (CUDA) runs this pipeline on the device instead
+ * (unless engine_config.host_sampling): the engine takes the draw from the request's RNG
+ * before the step (the same stream), and the penalised logits and greedy ids are bitwise
+ * these; sums of probabilities and the log-sum-exp are reduced in another order there, so a
+ * logprob can differ in its last bits and a draw within rounding of a boundary between two
+ * candidates can pick the neighbour (backend_cuda.h; never seen in test_cuda_ops).
  */
 #ifndef KV_ENGINE_SAMPLER_H
 #define KV_ENGINE_SAMPLER_H

@@ -507,6 +507,8 @@ void gen_start(struct evhttp_request *req, const struct oai_request *r, const in
         if (st == KV_EBUSY)
             http_send_errf(req, 503, "server_error", NULL, NULL,
                            *err ? err : "the server is overloaded (request queue full); retry later");
+        else if (st == KV_EIO) /* engine_healthy false: a sticky device error */
+            http_send_errf(req, 503, "server_error", NULL, "backend_unhealthy", *err ? err : "backend unusable");
         else if (st == KV_ETOOLONG)
             http_send_errf(req, 400, "invalid_request_error", kind == OAI_CHAT ? "messages" : "prompt",
                            "context_length_exceeded", *err ? err : "the prompt is too long");

@@ -44,6 +44,20 @@ static const struct {
     {"/kv_probe", EVHTTP_REQ_POST, R_KV_PROBE},
 };
 
+/* GET /health: 200 {"status":"ok"}, or 503 with an error JSON once the backend can no longer
+ * compute (engine_healthy: a sticky CUDA error), so that routers and load balancers take the
+ * worker out instead of sending it requests that can only fail. */
+static void handle_health(struct evhttp_request *req) {
+    char why[256] = "";
+    if (engine_healthy(srv.e, why, sizeof why)) {
+        http_send_json_str(req, 200, "{\"status\":\"ok\"}");
+        return;
+    }
+    char msg[400];
+    snprintf(msg, sizeof msg, "the compute backend is unusable: %s; restart the server", why);
+    http_send_errf(req, 503, "server_error", NULL, "backend_unhealthy", msg);
+}
+
 static void on_request(struct evhttp_request *req, void *arg) {
     (void)arg; /* counted and size-checked by the listener */
     const struct evhttp_uri *u = evhttp_request_get_evhttp_uri(req);
@@ -66,7 +80,7 @@ static void on_request(struct evhttp_request *req, void *arg) {
         case R_COMPLETIONS: handle_generate(req, OAI_COMPLETION); return;
         case R_CHAT: handle_generate(req, OAI_CHAT); return;
         case R_MODELS: handle_models(req); return;
-        case R_HEALTH: http_send_json_str(req, 200, "{\"status\":\"ok\"}"); return;
+        case R_HEALTH: handle_health(req); return;
         case R_TOKENIZE: handle_tokenize(req); return;
         case R_DETOKENIZE: handle_detokenize(req); return;
         case R_METRICS: handle_metrics(req); return;

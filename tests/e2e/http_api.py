@@ -17,9 +17,13 @@ bf16 weights and activations move logits by ~1e-2 of their norm (docs/benchmarks
 section), enough to flip a near-tie; every later token follows a different prefix and is not
 compared. Top-5 logprobs (where the reference has them) are compared before position i only,
 within BF16_NATS instead of 2e-3. 0.1 nats is 1.6x the largest difference seen on the H200
-(0.063 nats; near-tie margins 0.003-0.027; docs/benchmarks.md). Each divergence is printed with its margin. Everything else (stream == non-stream,
-concurrent == sequential, the bad-input suite, disconnects) stays exact; the chat stream is
-compared with the same server's non-stream chat instead of llama.cpp.
+(0.063 nats; near-tie margins 0.003-0.027; docs/benchmarks.md). Each divergence is printed with its margin.
+32 concurrent == sequential: with this tolerance the two runs may part at a near-tie too (the same rule,
+against the concurrent run's own top-5): the CUDA backend's default mode is not batch-invariant (cuBLAS
+kernels by row count; a prompt's last row runs the decode attention kernel when the rest of the prompt
+came from the prefix cache, the prefill one otherwise). Everything else (stream == non-stream, the
+bad-input suite, disconnects) stays exact; the chat stream is compared with the same server's non-stream
+chat instead of llama.cpp.
 """
 import concurrent.futures
 import http.client
@@ -565,16 +569,36 @@ def test_concurrent(s, n=32):
     prompts = [recs[i % len(recs)]["prompt"] + ("" if i < len(recs) else " Day %d." % i) for i in range(n)]
 
     def one(p):
-        st, resp, _ = s.post("/v1/completions", {"prompt": p, "max_tokens": 48, "temperature": 0})
-        return (st, resp["choices"][0]["text"] if st == 200 else resp)
+        body = {"prompt": p, "max_tokens": 48, "temperature": 0}
+        if TOL == "bf16":
+            body.update({"logprobs": 5, "return_tokens_as_token_ids": True})
+        st, resp, _ = s.post("/v1/completions", body)
+        if st != 200:
+            return (st, resp, None)
+        ch = resp["choices"][0]
+        return (st, ch["text"], ch["logprobs"] if TOL == "bf16" else None)
 
     seq = [one(p) for p in prompts]
     with concurrent.futures.ThreadPoolExecutor(max_workers=n) as ex:
         conc = list(ex.map(one, prompts))
-    check(all(st == 200 for st, _ in seq), "sequential requests all 200")
-    diff = [i for i in range(n) if seq[i] != conc[i]]
+    check(all(st == 200 for st, _, _ in seq), "sequential requests all 200")
+    diff = [i for i in range(n) if seq[i][:2] != conc[i][:2]]
+    if TOL == "bf16":
+        # a backend that is not batch-invariant (cuda without --deterministic: cuBLAS picks kernels
+        # by row count; a prompt's last row may run on the decode attention kernel when the rest
+        # of it came from the prefix cache) may part at a near-tie: the concurrent run's own top
+        # alternatives must hold the sequential token within BF16_NATS there
+        tied = []
+        for i in diff:
+            if conc[i][0] != 200 or seq[i][0] != 200:
+                continue
+            same, _ = tol_match("concurrent %d" % i, token_ids_of(conc[i][2]), completion_top(conc[i][2]),
+                                token_ids_of(seq[i][2]))
+            if same:
+                tied.append(i)
+        diff = [i for i in diff if i not in tied]
     check(not diff, "32 concurrent == sequential (differ at %s)" % diff[:5])
-    check(len(set(t for _, t in seq)) >= 12, "the 32 prompts give at least 12 different completions")
+    check(len(set(t for _, t, _ in seq)) >= 12, "the 32 prompts give at least 12 different completions")
 
 
 def main():

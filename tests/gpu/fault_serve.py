@@ -16,6 +16,12 @@ request below runs alone, so the forward numbers are known:
      server gives (D, a second server without the variable, same model and flags);
 and after them: the server process is alive, /health is 200, /metrics shows no KV block in
 use and no running or waiting request, kvserve_http_responses_5xx_total counts A.
+Then a third server with KVSERVE_CUDA_FAULT=sticky:3 (forward 3 starts with a kernel that
+traps: a real sticky error, the CUDA context is unusable afterwards):
+  E  request A: status 500 (server_error JSON);
+  F  /health: 503 with an error JSON (code backend_unhealthy) naming the sticky error;
+  G  a new request: 503 backend_unhealthy at once (not queued, not computed);
+  and the process stays up, no KV block is left in use, and it exits 0 on SIGTERM.
 Exit 0 when every check passes, 1 otherwise, 2 when a server did not start.
 """
 import http.client
@@ -77,6 +83,14 @@ def metrics(port):
     return out
 
 
+def error_of(body):
+    """The "error" object of an OpenAI error JSON body, or {}."""
+    try:
+        return json.loads(body)["error"]
+    except (ValueError, KeyError, TypeError):
+        return {}
+
+
 def stop(p):
     p.terminate()
     try:
@@ -109,10 +123,7 @@ def main():
         return 2
     try:
         st, d = post(port, A)
-        try:
-            e = json.loads(d)["error"]
-        except (ValueError, KeyError, TypeError):
-            e = {}
+        e = error_of(d)
         check(st == 500 and e.get("type") == "server_error" and "KVSERVE_CUDA_FAULT" in e.get("message", ""),
               "A: status 500 with an OpenAI error JSON naming the fault (%s %s)" % (st, d[:300]))
         st, d = post(port, B)
@@ -142,6 +153,29 @@ def main():
     finally:
         stop(p)
         check(p.returncode == 0, "server exits 0 on SIGTERM (%s)" % p.returncode)
+    env["KVSERVE_CUDA_FAULT"] = "sticky:3"
+    p, port, log = start(kvserve, model, extra, env)
+    if not p:
+        return 2
+    try:
+        st, d = post(port, A)
+        check(st == 500 and '"server_error"' in d, "E: sticky fault: A gets 500 server_error (%s %s)" % (st, d[:300]))
+        st, d = get(port, "/health")
+        e = error_of(d)
+        check(st == 503 and e.get("code") == "backend_unhealthy" and "unusable" in e.get("message", ""),
+              "F: /health 503 backend_unhealthy (%s %s)" % (st, d[:300]))
+        t0 = time.time()
+        st, d = post(port, A)
+        check(st == 503 and "backend_unhealthy" in d and time.time() - t0 < 5,
+              "G: a new request is refused with 503 backend_unhealthy (%s %s)" % (st, d[:200]))
+        check(p.poll() is None, "server process alive after the sticky fault")
+        m = metrics(port)
+        check(m.get("kvserve_kv_blocks_used") == 0 and m.get("kvserve_num_requests_running") == 0,
+              "sticky: no KV block in use, no running request (%s %s)" % (
+                  m.get("kvserve_kv_blocks_used"), m.get("kvserve_num_requests_running")))
+    finally:
+        stop(p)
+        check(p.returncode == 0, "sticky: server exits 0 on SIGTERM (%s)" % p.returncode)
     bad = [w for ok, w in checks if not ok]
     print("fault_serve: %d/%d checks pass" % (len(checks) - len(bad), len(checks)))
     return 1 if bad else 0

@@ -12,12 +12,18 @@ RMSNorm, rotate-half RoPE with Llama-3 scaling, GQA causal attention, q/k/v bias
 RMSNorm, SwiGLU) in float32 with TF32 off, and compares every position's logits:
 
   cpu, cuda_f32w                 vs the fp32 reference: max|d| / max|ref| <= 1e-4 per row
-  cuda_bf16w, cuda_bf16w_bf16kv  vs the fp32 reference on the same weights rounded to bf16
-                                 (round-to-nearest-even, what the backend stores):
+  cuda_bf16w, cuda_bf16w_bf16kv, vs the fp32 reference on the same weights rounded to bf16
+  cuda_bf16w_split               (round-to-nearest-even, what the backend stores):
                                  ||d|| / ||ref|| <= 1e-2 on average over the rows and
                                  <= 2e-2 on every row (test_cuda's bf16 limits; bf16 KV: mean
                                  <= 1.5e-2, as test_cuda); the error against the unrounded
-                                 weights is printed, not asserted.
+                                 weights is printed, not asserted. cuda_bf16w runs its prefill
+                                 chunks on the tensor-core attention (fp16 K/V/Q/P operands for
+                                 the f32 pool), cuda_bf16w_split on the f32 split kernels: the
+                                 former's mean limit is 1.05e-2 (on the H200, 2026-12-02, its
+                                 qwen2 mean was 1.00e-2 against 0.99e-2 split: the tensor-core
+                                 rounding adds ~1% to an error that bf16 weights and activations
+                                 already put at the old limit).
 The same forward in float64 is run too, and the fp32 reference's own error against it is
 printed (it must be far under the limits for the comparison to mean anything).
 
@@ -179,7 +185,7 @@ def main():
                 ok = bool((em <= 1e-4).all())
                 crit = f"worst max|d|/max|ref| {em.max():.3g} (limit 1e-4 per row)"
             else:
-                mean_lim = 1.5e-2 if var.endswith("bf16kv") else 1e-2
+                mean_lim = 1.5e-2 if var.endswith("bf16kv") else 1.05e-2 if var == "cuda_bf16w" else 1e-2
                 ok = bool((en <= 2e-2).all()) and float(en.mean()) <= mean_lim
                 _, en_u = errors(got, ref[False])
                 crit = (f"||d||/||ref|| mean {en.mean():.3g} worst {en.max():.3g} (limits {mean_lim:g} mean, 2e-2 row; "

@@ -1,6 +1,7 @@
 /*
- * CUDA backend: host side (weights upload, KV pool, forward driver, host copies).
- * See backend_cuda.h for the contract, kernels.cuh for the kernels.
+ * CUDA backend: host side (weights upload, KV pool, host copies, fault injection, creation).
+ * See backend_cuda.h for the contract, forward.cu for the forward driver, kernels.cuh and
+ * attn_flash.cuh for the kernels.
  */
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -10,128 +11,10 @@
 #include <string.h>
 
 #include "backend_cuda.h"
-#include "cuda_internal.h"
+#include "cuda_ctx.h"
 #include "kernels.cuh"
 
-#define BLAS_TRY(call, what)                                                                       \
-    do {                                                                                           \
-        cublasStatus_t s_ = (call);                                                                \
-        if (s_ != CUBLAS_STATUS_SUCCESS)                                                           \
-            return kv_errf(s_ == CUBLAS_STATUS_ALLOC_FAILED ? KV_ENOMEM : KV_EIO, err, errlen,     \
-                           "cublas: %s: %s", (what), cublasGetStatusString(s_));                   \
-    } while (0)
-#define LAUNCHED(what)                                                                             \
-    do {                                                                                           \
-        kvc_launched();                                                                            \
-        CU_TRY(cudaGetLastError(), what);                                                          \
-    } while (0)
-
-/* Launches kernel k on c->st, with programmatic dependent launch when c->pdl (kernels.cuh:
- * pdl_wait / pdl_trigger; captured into graphs as programmatic edges). Counts the launch;
- * returns the launch's error. */
-struct cuda_ctx;
-template <typename... KArgs, typename... Args>
-static cudaError_t klaunch(const struct cuda_ctx *c, void (*k)(KArgs...), dim3 g, dim3 b, size_t smem,
-                           Args... args);
-
-struct cuda_layer {
-    void *wqkv, *wo, *wgu, *wdown; /* weight dtype */
-    float *attn_norm, *ffn_norm, *bqkv, *q_norm, *k_norm;
-};
-
-struct cuda_ctx {
-    const model_t *m;
-    int dev;
-    bool f32w;
-    int n_sm;
-    bool attn2;   /* k_attn_part2 (lane per position; hd % 4 == 0): KVSERVE_CUDA_ATTN=1 selects k_attn_part */
-    int gemv_max; /* products with M <= gemv_max rows use k_gemv_bf16 (KVSERVE_CUDA_GEMV_MAX, default 1) */
-    bool det;     /* batch-invariant mode (backend_cuda_options.deterministic): inv_gemm, fixed attention split */
-    bool pdl;     /* programmatic dependent launch for the forward's own kernels (KVSERVE_CUDA_PDL=0: off) */
-    size_t wsz; /* bytes per weight element */
-    cudaStream_t st;
-    cublasHandle_t blas;
-    /* weights */
-    void *tok_embd, *output; /* output == tok_embd when tied */
-    float *out_norm;
-    struct cuda_layer *L;
-    float *inv_freq;
-    size_t weight_bytes;
-    /* KV pool */
-    char *pool;          /* n_blocks * block_bytes bytes; elements of kv_dtype */
-    size_t block_floats; /* elements (of kv_dtype) per block, despite the name */
-    size_t block_bytes;  /* kv_block_bytes(&geom) */
-    int kv_dtype;        /* KV_DTYPE_F32 or KV_DTYPE_BF16 */
-    int tpb;
-    float **bounce_src; /* scratch pointer tables for host copies (n entries) */
-    void *bounce;       /* pinned staging for host copies from/to pageable memory */
-    size_t bounce_bytes;
-    /* scratch */
-    int cap_rows;
-    float *x;  /* (rows, dim) residual stream */
-    float *h;  /* (rows, hw) GEMM outputs */
-    void *a;   /* (rows, aw) GEMM inputs, weight dtype */
-    size_t hw, aw;
-    size_t cap_logits; /* floats */
-    float *logits;
-    size_t cap_part, cap_ml; /* bytes */
-    float *part, *part_ml;
-    size_t cap_meta; /* int32 entries */
-    int32_t *d_meta, *h_meta;
-    void *blas_ws; /* cuBLAS workspace (set explicitly so GEMMs can be graph-captured) */
-    /* CUDA graphs of whole forward steps (steps of <= GRAPH_MAX_ROWS rows; KVSERVE_CUDA_GRAPHS=0
-     * turns them off). A graph is reused only when every launch parameter it captured is the
-     * same (rows, logit rows, attention grid, every buffer pointer); see graph_key. */
-    bool graphs;
-    cudaStreamCaptureMode capture_mode; /* KVSERVE_CUDA_CAPTURE=global: Global, else ThreadLocal */
-    struct graph_entry *gcache;
-    int gcache_next;
-    /* fault injection (KVSERVE_CUDA_FAULT=forward:N,...): forward numbers that fail */
-    long n_forward;
-    long fault_at[16];
-    int n_fault;
-};
-
-template <typename... KArgs, typename... Args>
-static cudaError_t klaunch(const struct cuda_ctx *c, void (*k)(KArgs...), dim3 g, dim3 b, size_t smem,
-                           Args... args) {
-    cudaLaunchConfig_t cf = {};
-    cf.gridDim = g, cf.blockDim = b, cf.dynamicSmemBytes = smem, cf.stream = c->st;
-    cudaLaunchAttribute at[1] = {};
-    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    at[0].val.programmaticStreamSerializationAllowed = 1;
-    cf.attrs = at, cf.numAttrs = c->pdl ? 1 : 0;
-    kvc_launched();
-    return cudaLaunchKernelEx(&cf, k, ((KArgs)args)...);
-}
-#define KLAUNCH(what, ...) CU_TRY(klaunch(c, __VA_ARGS__), what)
-
-#define GRAPH_MAX_ROWS 64
-#define GRAPH_CACHE 32
-struct graph_key {
-    int T, L, parts, split_len, tpb, attn2;
-    size_t cap_meta, block_floats;
-    int kv_dtype;
-    const void *ptr[9];
-};
-struct graph_entry {
-    struct graph_key k;
-    cudaGraphExec_t exec; /* NULL: empty slot */
-};
-
-static void graphs_clear(struct cuda_ctx *c) {
-    if (!c->gcache) return;
-    for (int i = 0; i < GRAPH_CACHE; i++)
-        if (c->gcache[i].exec) cudaGraphExecDestroy(c->gcache[i].exec), c->gcache[i].exec = NULL;
-}
-
 /* ---- helpers ---- */
-
-static unsigned grid_for(size_t n, int threads) {
-    size_t g = (n + threads - 1) / threads;
-    if (g > 65536) g = 65536;
-    return g ? (unsigned)g : 1u;
-}
 
 static kv_status dev_alloc(void **p, size_t bytes, char *err, size_t errlen) {
     *p = NULL;
@@ -139,17 +22,6 @@ static kv_status dev_alloc(void **p, size_t bytes, char *err, size_t errlen) {
     return KV_OK;
 }
 
-static kv_status grow(void **p, size_t *cap, size_t need_bytes, char *err, size_t errlen) {
-    if (need_bytes <= *cap) return KV_OK;
-    size_t nc = *cap ? *cap : 4096;
-    while (nc < need_bytes) nc *= 2;
-    if (*p) kvc_free(*p);
-    *p = NULL;
-    *cap = 0;
-    CU_TRY(kvc_malloc(p, nc), "cudaMalloc (scratch)");
-    *cap = nc;
-    return KV_OK;
-}
 
 /* Uploads matrix w (any stored type: rows are dequantized to f32 on the host, chunk by
  * chunk, then converted on the device) into dst (weight dtype) at element offset off, or
@@ -386,378 +258,34 @@ static kv_status cuda_kv_alloc(backend_t *be, int n_blocks, const struct kv_geom
     return KV_OK;
 }
 
-static kv_status validate(backend_t *be, const struct batch *b, char *err, size_t errlen) {
-    struct cuda_ctx *c = (struct cuda_ctx *)be->ctx;
-    const struct model_config *cfg = &c->m->cfg;
-    if (!b || b->n_seqs < 0 || (b->n_seqs > 0 && !b->seqs))
-        return kv_errf(KV_EINVAL, err, errlen, "forward: bad batch");
-    if (b->n_seqs > 0 && (!c->pool || be->n_blocks < 1))
-        return kv_errf(KV_EINVAL, err, errlen, "forward: KV pool not allocated");
-    long total = 0;
-    for (int i = 0; i < b->n_seqs; i++) {
-        const struct batch_seq *s = &b->seqs[i];
-        if (s->n_tokens < 1 || !s->tokens || s->n_past < 0 || s->n_tokens > INT32_MAX / 2 ||
-            s->n_past > INT32_MAX / 2)
-            return kv_errf(KV_EINVAL, err, errlen, "forward: seq %d: n_tokens %d / n_past %d invalid", i,
-                           s->n_tokens, s->n_past);
-        if (s->logits != BATCH_LOGITS_NONE && s->logits != BATCH_LOGITS_LAST && s->logits != BATCH_LOGITS_ALL)
-            return kv_errf(KV_EINVAL, err, errlen, "forward: seq %d: bad logits mode %d", i, (int)s->logits);
-        int need = (s->n_past + s->n_tokens + c->tpb - 1) / c->tpb;
-        if (s->n_blocks < need || !s->block_table)
-            return kv_errf(KV_EINVAL, err, errlen,
-                           "forward: seq %d: block table has %d blocks, %d needed for %d positions", i, s->n_blocks,
-                           need, s->n_past + s->n_tokens);
-        for (int k = 0; k < need; k++)
-            if (s->block_table[k] < 0 || s->block_table[k] >= be->n_blocks)
-                return kv_errf(KV_EINVAL, err, errlen, "forward: seq %d: block id %d (entry %d) outside pool of %d",
-                               i, (int)s->block_table[k], k, be->n_blocks);
-        for (int k = 0; k < s->n_tokens; k++)
-            if (s->tokens[k] < 0 || s->tokens[k] >= cfg->n_vocab)
-                return kv_errf(KV_EINVAL, err, errlen, "forward: seq %d: token id %d outside vocabulary of %d", i,
-                               (int)s->tokens[k], cfg->n_vocab);
-        total += s->n_tokens;
-        if (total > (1 << 20)) return kv_errf(KV_EINVAL, err, errlen, "forward: batch too large");
-    }
-    return KV_OK;
-}
-
-/* Y[M,N] (f32) = X[M,K] W[N,K]^T, X and W in the weight dtype, f32 accumulation. */
-/* Tile shapes of k_gemm_inv by row count (any choice gives the same bits: see kernels.cuh):
- * M <= 16: 16 x 32 tiles, 2 warps, 6 stages (decode: many CTAs, deep prefetch of W);
- * M <= 128: 32 x 64, 4 warps, 4 stages; larger: 64 x 128, 8 warps of 2 x 2 fragments, 3 stages. */
-typedef ig_cfg<1, 2, 1, 1, 6> ig_small;
-typedef ig_cfg<2, 2, 1, 2, 4> ig_mid;
-typedef ig_cfg<2, 4, 2, 2, 3> ig_big;
-
-/* Allows the dynamic shared memory the k_gemm_inv variants need (once per device use). */
-static cudaError_t inv_gemm_setup(void) {
-    cudaError_t e = cudaFuncSetAttribute(k_gemm_inv<1, 2, 1, 1, 6>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         (int)ig_small::smem);
-    if (e == cudaSuccess)
-        e = cudaFuncSetAttribute(k_gemm_inv<2, 2, 1, 2, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 (int)ig_mid::smem);
-    if (e == cudaSuccess)
-        e = cudaFuncSetAttribute(k_gemm_inv<2, 4, 2, 2, 3>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 (int)ig_big::smem);
-    return e;
-}
-
-/* The batch-invariant product (deterministic mode): Y[M,N] = X[M,K] W[N,K]^T on stream st.
- * bf16 (f32w false) with K % 8 == 0 and 16-byte aligned operands: k_gemm_inv; otherwise the
- * scalar kernel. The choice depends on K, the dtype and the (fixed) buffers, never on M. */
-static kv_status inv_gemm(bool f32w, const void *X, int M, int K, const void *W, int N, float *Y, cudaStream_t st,
-                          char *err, size_t errlen) {
-    bool tc = !f32w && K % 8 == 0 && ((uintptr_t)X % 16) == 0 && ((uintptr_t)W % 16) == 0;
-    if (!tc) {
-        dim3 g((unsigned)((N + 127) / 128), (unsigned)(M < 65535 ? M : 65535));
-        if (f32w) k_gemm_inv_scalar<float><<<g, 128, 0, st>>>((const float *)X, (const float *)W, Y, M, N, K);
-        else
-            k_gemm_inv_scalar<__nv_bfloat16><<<g, 128, 0, st>>>((const __nv_bfloat16 *)X, (const __nv_bfloat16 *)W, Y,
-                                                                 M, N, K);
-        LAUNCHED("invariant gemm (scalar)");
-        return KV_OK;
-    }
-    const __nv_bfloat16 *x = (const __nv_bfloat16 *)X, *w = (const __nv_bfloat16 *)W;
-#define IG_LAUNCH(CF, WM, WN, FM, FN, S)                                                                          \
-    k_gemm_inv<WM, WN, FM, FN, S><<<dim3((unsigned)((N + CF::BN - 1) / CF::BN), (unsigned)((M + CF::BM - 1) / CF::BM)), \
-                                    CF::NT, CF::smem, st>>>(x, w, Y, M, N, K)
-    if (M <= 16) IG_LAUNCH(ig_small, 1, 2, 1, 1, 6);
-    else if (M <= 128) IG_LAUNCH(ig_mid, 2, 2, 1, 2, 4);
-    else IG_LAUNCH(ig_big, 2, 4, 2, 2, 3);
-#undef IG_LAUNCH
-    LAUNCHED("invariant gemm");
-    return KV_OK;
-}
-
-static kv_status gemm(struct cuda_ctx *c, const void *X, int M, int K, const void *W, int N, float *Y, char *err,
-                      size_t errlen) {
-    const float alpha = 1.0f, beta = 0.0f;
-    if (c->det) return inv_gemm(c->f32w, X, M, K, W, N, Y, c->st, err, errlen);
-    if (!c->f32w && M <= c->gemv_max && K % 8 == 0) {
-        unsigned g = (unsigned)((N + GEMV_WARPS - 1) / GEMV_WARPS);
-        const __nv_bfloat16 *x = (const __nv_bfloat16 *)X, *w = (const __nv_bfloat16 *)W;
-#define GV(MM) klaunch(c, k_gemv_bf16<MM>, dim3(g), dim3(32 * GEMV_WARPS), 0, x, w, Y, N, K)
-        cudaError_t e;
-        switch (M) {
-        case 1: e = GV(1); break;
-        case 2: e = GV(2); break;
-        case 3: e = GV(3); break;
-        case 4: e = GV(4); break;
-        case 5: e = GV(5); break;
-        case 6: e = GV(6); break;
-        case 7: e = GV(7); break;
-        default: e = GV(8); break;
-        }
-#undef GV
-        CU_TRY(e, "gemv");
-        return KV_OK;
-    }
-    kvc_launched();
-    cudaDataType_t t = c->f32w ? CUDA_R_32F : CUDA_R_16BF;
-    BLAS_TRY(cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &alpha, W, t, K, X, t, K, &beta, Y, CUDA_R_32F,
-                          N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-             "gemm");
-    return KV_OK;
-}
-
-template <typename TA>
-static kv_status launch_norm(struct cuda_ctx *c, float *x, const float *add, const float *w, int n_out,
-                             const int32_t *rows, int write_back, char *err, size_t errlen) {
-    const struct model_config *cfg = &c->m->cfg;
-    KLAUNCH("rmsnorm", k_add_rmsnorm<TA>, dim3(n_out), dim3(RMS_THREADS), 0, x, add, w, (TA *)c->a, cfg->dim,
-            cfg->rms_eps, rows, write_back);
-    return KV_OK;
-}
-
-/* Query heads per attention CTA: the largest divisor of the GQA group <= ATT_HC. */
-static int att_hc(const struct model_config *cfg) {
-    int group = cfg->n_heads / cfg->n_kv_heads, d = group < ATT_HC ? group : ATT_HC;
-    while (group % d) d--;
-    return d;
-}
-
-struct enq_args {
-    int T, L, max_parts, split_len;
-    bool attn2; /* k_attn_part2 for this step */
-    size_t meta_n; /* int32 entries of metadata to upload */
-};
-template <typename TA> static kv_status enqueue_step(struct cuda_ctx *c, const struct enq_args *ea, char *err, size_t errlen);
-
-template <typename TA>
-static kv_status forward_t(backend_t *be, const struct batch *b, float *logits, char *err, size_t errlen) {
-    struct cuda_ctx *c = (struct cuda_ctx *)be->ctx;
-    const model_t *m = c->m;
-    const struct model_config *cfg = &m->cfg;
-    int T = 0, max_pos = 0, L = 0;
-    size_t nbt = 0;
-    for (int i = 0; i < b->n_seqs; i++) {
-        const struct batch_seq *s = &b->seqs[i];
-        T += s->n_tokens;
-        int e = s->n_past + s->n_tokens;
-        if (e > max_pos) max_pos = e;
-        nbt += (size_t)(e + c->tpb - 1) / c->tpb;
-        L += s->logits == BATCH_LOGITS_ALL ? s->n_tokens : s->logits == BATCH_LOGITS_LAST ? 1 : 0;
-    }
-    if (T == 0) return KV_OK;
-    int dim = cfg->dim, hd = cfg->head_dim, nh = cfg->n_heads;
-    kv_status st;
-
-    /* scratch */
-    if (T > c->cap_rows) {
-        int cap = (T + 63) / 64 * 64;
-        kvc_free(c->x), kvc_free(c->h), kvc_free(c->a);
-        c->x = NULL, c->h = NULL, c->a = NULL, c->cap_rows = 0;
-        CU_TRY(kvc_malloc((void **)&c->x, (size_t)cap * dim * sizeof(float)), "cudaMalloc (x)");
-        CU_TRY(kvc_malloc((void **)&c->h, (size_t)cap * c->hw * sizeof(float)), "cudaMalloc (h)");
-        CU_TRY(kvc_malloc(&c->a, (size_t)cap * c->aw * sizeof(TA)), "cudaMalloc (a)");
-        c->cap_rows = cap;
-    }
-    if ((st = grow((void **)&c->logits, &c->cap_logits, (size_t)(L ? L : 1) * cfg->n_vocab * sizeof(float), err,
-                   errlen)))
-        return st;
-    /* attention parts: 128 positions each (k_attn_part2: 32 per warp) or 32 (k_attn_part),
-     * larger while rows * parts > 8192 */
-    int n_groups = nh / att_hc(cfg);
-    bool attn2 = c->attn2 && (long)T * n_groups * ((max_pos + 127) / 128) >= 2 * c->n_sm; /* enough CTAs */
-    int split_len = attn2 ? 128 : 32;
-    while ((long)T * ((max_pos + split_len - 1) / split_len) > 8192 && split_len < (1 << 24)) split_len *= 2;
-    int max_parts = (max_pos + split_len - 1) / split_len;
-    if (c->det) { /* batch-invariant: one kernel, each row's split from its own position (det_split_len) */
-        attn2 = c->attn2;
-        split_len = 0;
-        /* every row's part count (pos / det_split_len(pos) + 1) is at most this */
-        max_parts = max_pos - 1 < 128 * DET_MAX_PARTS ? (max_pos - 1) / 128 + 1 : DET_MAX_PARTS;
-    }
-    bool use_graph = c->graphs && T <= GRAPH_MAX_ROWS;
-    if (use_graph) { /* round the attention grid up so one graph serves many steps */
-        int p2 = 1;
-        while (p2 < max_parts) p2 *= 2;
-        max_parts = p2;
-    }
-    size_t slots = (size_t)T * nh * max_parts;
-    size_t part_bytes = slots * hd * sizeof(float), ml_bytes = slots * 2 * sizeof(float);
-    if ((st = grow((void **)&c->part, &c->cap_part, part_bytes, err, errlen))) return st;
-    if ((st = grow((void **)&c->part_ml, &c->cap_ml, ml_bytes, err, errlen))) return st;
-    /* metadata: tokens[T] pos[T] btoff[T] logit_rows[L] bt[nbt] */
-    size_t meta_n = (size_t)3 * T + L + nbt;
-    if (meta_n > c->cap_meta) {
-        size_t cap = meta_n * 2;
-        if (c->h_meta) kvc_free_host(c->h_meta);
-        if (c->d_meta) kvc_free(c->d_meta);
-        c->h_meta = NULL, c->d_meta = NULL, c->cap_meta = 0;
-        CU_TRY(kvc_host_alloc((void **)&c->h_meta, cap * sizeof(int32_t), cudaHostAllocDefault), "cudaHostAlloc");
-        CU_TRY(kvc_malloc((void **)&c->d_meta, cap * sizeof(int32_t)), "cudaMalloc (meta)");
-        c->cap_meta = cap;
-    }
-    int32_t *h_tok = c->h_meta, *h_pos = h_tok + T, *h_bto = h_pos + T, *h_lr = h_bto + T, *h_bt = h_lr + L;
-    int r = 0, li = 0;
-    size_t bo = 0;
-    for (int i = 0; i < b->n_seqs; i++) {
-        const struct batch_seq *s = &b->seqs[i];
-        int need = (s->n_past + s->n_tokens + c->tpb - 1) / c->tpb;
-        memcpy(h_bt + bo, s->block_table, (size_t)need * sizeof(int32_t));
-        for (int k = 0; k < s->n_tokens; k++, r++) {
-            h_tok[r] = s->tokens[k];
-            h_pos[r] = s->n_past + k;
-            h_bto[r] = (int32_t)bo;
-            if (s->logits == BATCH_LOGITS_ALL || (s->logits == BATCH_LOGITS_LAST && k == s->n_tokens - 1))
-                h_lr[li++] = r;
-        }
-        bo += (size_t)need;
-    }
-    struct enq_args ea = {T, L, max_parts, split_len, attn2, use_graph ? c->cap_meta : meta_n};
-    if (!use_graph) {
-        if ((st = enqueue_step<TA>(c, &ea, err, errlen))) return st;
-    } else {
-        struct graph_key k;
-        memset(&k, 0, sizeof k);
-        k.T = T, k.L = L, k.parts = max_parts, k.split_len = split_len, k.tpb = c->tpb, k.attn2 = attn2;
-        k.cap_meta = c->cap_meta, k.block_floats = c->block_floats, k.kv_dtype = c->kv_dtype;
-        const void *ps[9] = {c->x, c->h, c->a, c->logits, c->part, c->part_ml, c->d_meta, c->h_meta, c->pool};
-        memcpy(k.ptr, ps, sizeof ps);
-        struct graph_entry *g = NULL;
-        for (int i = 0; i < GRAPH_CACHE && !g; i++)
-            if (c->gcache[i].exec && !memcmp(&c->gcache[i].k, &k, sizeof k)) g = &c->gcache[i];
-        if (!g) {
-            g = &c->gcache[c->gcache_next];
-            c->gcache_next = (c->gcache_next + 1) % GRAPH_CACHE;
-            if (g->exec) cudaGraphExecDestroy(g->exec), g->exec = NULL;
-            CU_TRY(cudaStreamBeginCapture(c->st, c->capture_mode), "begin capture");
-            kvc_capturing = 1;
-            st = enqueue_step<TA>(c, &ea, err, errlen);
-            kvc_capturing = 0;
-            cudaGraph_t graph = NULL;
-            cudaError_t e = cudaStreamEndCapture(c->st, &graph);
-            if (!st && e != cudaSuccess)
-                st = kv_errf(KV_EIO, err, errlen, "cuda: end capture: %s", cudaGetErrorString(e));
-            if (!st) {
-                e = kvc_graph_instantiate(&g->exec, graph);
-                if (e != cudaSuccess) {
-                    g->exec = NULL;
-                    st = kv_errf(KV_EIO, err, errlen, "cuda: graph instantiate: %s", cudaGetErrorString(e));
-                }
-            }
-            if (graph) cudaGraphDestroy(graph);
-            cudaGetLastError();
-            if (st) return st;
-            g->k = k;
-        }
-        CU_TRY(kvc_graph_launch(g->exec, c->st), "graph launch");
-    }
-    if (L > 0)
-        CU_TRY(kvc_memcpy_async(logits, c->logits, (size_t)L * cfg->n_vocab * sizeof(float), cudaMemcpyDeviceToHost,
-                               c->st),
-               "logits download");
-    CU_TRY(kvc_stream_sync(c->st), "forward");
-    return KV_OK;
-}
-
-/* Everything of one step on the stream after the host metadata is ready: metadata upload,
- * embedding, layers, output head into c->logits. Capturable into a graph. */
-template <typename TA> static kv_status enqueue_step(struct cuda_ctx *c, const struct enq_args *ea, char *err, size_t errlen) {
-    const struct model_config *cfg = &c->m->cfg;
-    int T = ea->T, L = ea->L, max_parts = ea->max_parts, split_len = ea->split_len;
-    int dim = cfg->dim, hd = cfg->head_dim, nh = cfg->n_heads, nkv = cfg->n_kv_heads, ffn = cfg->ffn_dim;
-    int qw = nh * hd, kw = nkv * hd, qkvw = qw + 2 * kw;
-    kv_status st;
-    CU_TRY(kvc_memcpy_async(c->d_meta, c->h_meta, ea->meta_n * sizeof(int32_t), cudaMemcpyHostToDevice, c->st),
-           "metadata upload");
-    const int32_t *d_tok = c->d_meta, *d_pos = d_tok + T, *d_bto = d_pos + T, *d_lr = d_bto + T, *d_bt = d_lr + L;
-
-    k_embed<TA><<<T, 1024, 0, c->st>>>((const TA *)c->tok_embd, d_tok, c->x, dim);
-    LAUNCHED("embed");
-    int group = nh / nkv, hc = att_hc(cfg);
-    float scale = 1.0f / sqrtf((float)hd);
-    bool kvb = c->kv_dtype == KV_DTYPE_BF16;
-    size_t att_smem = (size_t)ATT_WARPS * hc * (hd + 2) * sizeof(float);
-    size_t att2_smem = ((size_t)hc * hd + ATT_WARPS * ATT_HC * 32 + (size_t)ATT_WARPS * hc * (hd + 2)) * sizeof(float);
-    for (int l = 0; l < cfg->n_layers; l++) {
-        const struct cuda_layer *Ly = &c->L[l];
-        /* attention block: x += h (previous FFN output) then norm */
-        if ((st = launch_norm<TA>(c, c->x, l ? c->h : NULL, Ly->attn_norm, T, NULL, l ? 1 : 0, err, errlen))) return st;
-        if ((st = gemm(c, c->a, T, dim, Ly->wqkv, qkvw, c->h, err, errlen))) return st;
-#define QKV(TK)                                                                                              \
-    KLAUNCH("qkv_post", k_qkv_post<TK>, dim3((unsigned)T, (unsigned)((nh + nkv + QKV_WARPS - 1) / QKV_WARPS)), \
-            dim3(32 * QKV_WARPS), 0, c->h, qkvw, (const float *)Ly->bqkv, (const float *)Ly->q_norm,          \
-            (const float *)Ly->k_norm, (const float *)c->inv_freq, d_pos, d_bto, d_bt, (TK *)c->pool,         \
-            c->block_floats, l, nh, nkv, hd, c->tpb, cfg->rms_eps, cfg->rope_neox ? 1 : 0)
-        if (kvb) QKV(__nv_bfloat16);
-        else QKV(float);
-#undef QKV
-        dim3 ag((unsigned)T, (unsigned)(nh / hc), (unsigned)max_parts);
-#define ATT_ARGS(TK)                                                                                           \
-    (const float *)c->h, qkvw, (const TK *)c->pool, c->block_floats, l, nkv, hd, c->tpb, group, hc, d_pos, d_bto, \
-        d_bt, split_len, max_parts, scale, c->part, c->part_ml
-#define ATT2(CH, TK) KLAUNCH("attention", k_attn_part2<CH, TK>, ag, dim3(32 * ATT_WARPS), att2_smem, ATT_ARGS(TK))
-#define ATT(D, TK) KLAUNCH("attention", k_attn_part<D, TK>, ag, dim3(32 * ATT_WARPS), att_smem, ATT_ARGS(TK))
-#define ATT_ALL(TK)                              \
-    do {                                         \
-        if (ea->attn2 && hd <= 128) ATT2(1, TK); \
-        else if (ea->attn2) ATT2(2, TK);         \
-        else if (hd <= 32) ATT(1, TK);           \
-        else if (hd <= 64) ATT(2, TK);           \
-        else if (hd <= 128) ATT(4, TK);          \
-        else ATT(8, TK);                         \
-    } while (0)
-        if (kvb) ATT_ALL(__nv_bfloat16);
-        else ATT_ALL(float);
-#undef ATT_ALL
-#undef ATT
-#undef ATT2
-#undef ATT_ARGS
-        KLAUNCH("attention combine", k_attn_combine<TA>, dim3((unsigned)T, (unsigned)nh),
-                dim3((unsigned)((hd + 31) / 32 * 32)), (size_t)max_parts * sizeof(float), (const float *)c->part,
-                (const float *)c->part_ml, d_pos, split_len, max_parts, nh, hd, (TA *)c->a);
-        if ((st = gemm(c, c->a, T, qw, Ly->wo, dim, c->h, err, errlen))) return st;
-        /* FFN block */
-        if ((st = launch_norm<TA>(c, c->x, c->h, Ly->ffn_norm, T, NULL, 1, err, errlen))) return st;
-        if ((st = gemm(c, c->a, T, dim, Ly->wgu, 2 * ffn, c->h, err, errlen))) return st;
-        KLAUNCH("swiglu", k_swiglu<TA>, dim3(grid_for((size_t)T * ffn, 256)), dim3(256), 0, (const float *)c->h,
-                (TA *)c->a, T, ffn);
-        if ((st = gemm(c, c->a, T, ffn, Ly->wdown, dim, c->h, err, errlen))) return st;
-    }
-    if (L > 0) {
-        /* last residual add fused into the output norm, on the logit rows only */
-        if ((st = launch_norm<TA>(c, c->x, c->h, c->out_norm, L, d_lr, 0, err, errlen))) return st;
-        if ((st = gemm(c, c->a, L, dim, c->output, cfg->n_vocab, c->logits, err, errlen))) return st;
-    }
-    return KV_OK;
-}
-
-static kv_status cuda_forward(backend_t *be, const struct batch *b, float *logits, char *err, size_t errlen) {
-    struct cuda_ctx *c = (struct cuda_ctx *)be->ctx;
-    kv_status st = validate(be, b, err, errlen);
-    if (st) return st;
-    int nl = 0;
-    for (int i = 0; i < b->n_seqs; i++)
-        nl += b->seqs[i].logits == BATCH_LOGITS_ALL ? b->seqs[i].n_tokens : b->seqs[i].logits == BATCH_LOGITS_LAST;
-    if (nl > 0 && !logits) return kv_errf(KV_EINVAL, err, errlen, "forward: logits is NULL");
-    CU_TRY(cudaSetDevice(c->dev), "cudaSetDevice");
-    long num = ++c->n_forward;
-    st = c->f32w ? forward_t<float>(be, b, logits, err, errlen) : forward_t<__nv_bfloat16>(be, b, logits, err, errlen);
-    for (int i = 0; i < c->n_fault && !st; i++)
-        if (c->fault_at[i] == num)
-            st = kv_errf(KV_EIO, err, errlen, "cuda: forward: %s (injected by KVSERVE_CUDA_FAULT)",
-                         cudaGetErrorString(cudaErrorLaunchFailure));
-    return st;
-}
-
-/* KVSERVE_CUDA_FAULT=forward:N[,N...] -> c->fault_at; anything else is refused. */
+/* KVSERVE_CUDA_FAULT=forward:N[,N...] -> c->fault_at, sticky:N[,N...] -> c->sticky_at (both
+ * may be given, separated by ';'); anything else is refused. */
 static kv_status parse_fault(struct cuda_ctx *c, const char *v, char *err, size_t errlen) {
     if (!v || !*v) return KV_OK;
-    if (strncmp(v, "forward:", 8))
-        return kv_errf(KV_EINVAL, err, errlen, "KVSERVE_CUDA_FAULT=%s: expected forward:N[,N...]", v);
-    const char *p = v + 8;
+    const char *p = v;
     while (*p) {
-        char *end;
-        long n = strtol(p, &end, 10);
-        if (end == p || n < 1 || c->n_fault == 16 || (*end && *end != ','))
-            return kv_errf(KV_EINVAL, err, errlen,
-                           "KVSERVE_CUDA_FAULT=%s: expected forward:N[,N...] (up to 16 numbers >= 1)", v);
-        c->fault_at[c->n_fault++] = n;
-        p = *end ? end + 1 : end;
+        bool sticky = !strncmp(p, "sticky:", 7);
+        if (strncmp(p, "forward:", 8) && !sticky)
+            return kv_errf(KV_EINVAL, err, errlen, "KVSERVE_CUDA_FAULT=%s: expected forward:N[,N...] and/or sticky:N[,N...]",
+                           v);
+        p += sticky ? 7 : 8;
+        for (;;) {
+            char *end;
+            long n = strtol(p, &end, 10);
+            int *cnt = sticky ? &c->n_sticky : &c->n_fault;
+            if (end == p || n < 1 || *cnt == 16 || (*end && *end != ',' && *end != ';'))
+                return kv_errf(KV_EINVAL, err, errlen,
+                               "KVSERVE_CUDA_FAULT=%s: expected forward:N[,N...] and/or sticky:N[,N...] (up to 16 "
+                               "numbers >= 1 each, ';' between)", v);
+            (sticky ? c->sticky_at : c->fault_at)[(*cnt)++] = n;
+            p = end;
+            if (*p == ',') p++;
+            else break;
+        }
+        if (*p == ';') p++;
     }
-    KV_WARN("cuda backend: KVSERVE_CUDA_FAULT=%s: %d forward call(s) will fail on purpose", v, c->n_fault);
+    KV_WARN("cuda backend: KVSERVE_CUDA_FAULT=%s: %d forward call(s) will fail on purpose, %d with a sticky fault", v,
+            c->n_fault, c->n_sticky);
     return KV_OK;
 }
 
@@ -902,6 +430,8 @@ static void cuda_free(backend_t *be) {
             if (ps[i]) kvc_free(ps[i]);
         if (c->h_meta) kvc_free_host(c->h_meta);
         if (c->bounce) kvc_free_host(c->bounce);
+        if (c->probe) kvc_free(c->probe);
+        kvs_free(&c->samp);
         graphs_clear(c);
         free(c->gcache);
         if (c->blas) cublasDestroy(c->blas);
@@ -921,6 +451,8 @@ static const struct backend_ops cuda_ops = {
     /* .free = */ cuda_free,
     /* .copy_to_host = */ cuda_copy_to_host,
     /* .copy_from_host = */ cuda_copy_from_host,
+    /* .forward_sample = */ cuda_forward_sample,
+    /* .healthy = */ cuda_healthy,
 };
 
 static kv_status cuda_init(backend_t *be, struct cuda_ctx *c, const struct backend_cuda_options *opt, char *err,
@@ -934,6 +466,9 @@ static kv_status cuda_init(backend_t *be, struct cuda_ctx *c, const struct backe
     CU_TRY(kvc_malloc(&c->blas_ws, ws), "cudaMalloc (cublas workspace)");
     BLAS_TRY(cublasSetWorkspace(c->blas, c->blas_ws, ws), "set workspace");
     CU_TRY(inv_gemm_setup(), "invariant gemm setup");
+    CU_TRY(flash_setup(), "flash attention setup");
+    CU_TRY(kvs_setup(), "sampling setup");
+    CU_TRY(kvc_malloc(&c->probe, 16), "cudaMalloc (probe)");
     const char *gr = getenv("KVSERVE_CUDA_GRAPHS");
     c->graphs = !(gr && *gr == '0');
     const char *cm = getenv("KVSERVE_CUDA_CAPTURE");
@@ -994,12 +529,30 @@ extern "C" kv_status backend_cuda_new(const model_t *m, const struct backend_cud
     c->wsz = c->f32w ? sizeof(float) : sizeof(__nv_bfloat16);
     const char *at = getenv("KVSERVE_CUDA_ATTN");
     c->attn2 = m->cfg.head_dim % 4 == 0 && !(at && *at == '1');
+    c->attn2_force = c->attn2 && at && *at == '2';
+    const char *sl = getenv("KVSERVE_CUDA_ATTN_SPLIT");
+    c->split_set = sl && atoi(sl) >= 8 ? atoi(sl) / 8 * 8 : 0;
     cudaDeviceProp prop;
     c->n_sm = cudaGetDeviceProperties(&prop, opt->device) == cudaSuccess ? prop.multiProcessorCount : 132;
     const char *gm = getenv("KVSERVE_CUDA_GEMV_MAX");
     c->gemv_max = gm && *gm ? atoi(gm) : 1;
     if (c->gemv_max > GEMV_MAXM) c->gemv_max = GEMV_MAXM;
     c->det = opt->deterministic;
+    const char *fl = getenv("KVSERVE_CUDA_FLASH");
+    c->flash = !(fl && *fl == '0');
+    const char *sk = getenv("KVSERVE_CUDA_SKIP");
+    if (sk && *sk) {
+        for (const char *p = sk; *p;) {
+            size_t n = strcspn(p, ",");
+            c->skip |= !strncmp(p, "attn", n) ? SKIP_ATTN : !strncmp(p, "norm", n) ? SKIP_NORM
+                     : !strncmp(p, "qkv", n) ? SKIP_QKV : !strncmp(p, "swiglu", n) ? SKIP_SWIGLU
+                     : !strncmp(p, "gemm", n) ? SKIP_GEMM : 0;
+            p += n + (p[n] == ',');
+        }
+        KV_WARN("cuda backend: KVSERVE_CUDA_SKIP=%s: stages left out, results are WRONG (timing only)", sk);
+    }
+    const char *fm = getenv("KVSERVE_CUDA_FLASH_MT");
+    c->flash_mt = fm && *fm == '1' ? 1 : 2;
     const char *pd = getenv("KVSERVE_CUDA_PDL");
     c->pdl = !(pd && *pd == '0');
     if ((st = parse_fault(c, getenv("KVSERVE_CUDA_FAULT"), err, errlen)) || (st = cuda_init(be, c, opt, err, errlen))) {
@@ -1016,31 +569,3 @@ extern "C" kv_status backend_cuda_new(const model_t *m, const struct backend_cud
     return KV_OK;
 }
 
-extern "C" kv_status kv_cuda_gemm(int mode, int f32w, const void *X, int M, int K, const void *W, int N, float *Y,
-                                  char *err, size_t errlen) {
-    if (!X || !W || !Y || M < 1 || N < 1 || K < 1 || (mode != 0 && mode != 1))
-        return kv_errf(KV_EINVAL, err, errlen, "kv_cuda_gemm: bad argument");
-    cudaStream_t st = NULL;
-    CU_TRY(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "stream create");
-    kv_status r = KV_OK;
-    if (mode == 1) {
-        cudaError_t e = inv_gemm_setup();
-        r = e != cudaSuccess ? kv_errf(KV_EIO, err, errlen, "cuda: %s", cudaGetErrorString(e))
-                             : inv_gemm(f32w != 0, X, M, K, W, N, Y, st, err, errlen);
-    } else {
-        /* the default mode's choice: k_gemv_bf16 for one bf16 row, else cuBLAS */
-        struct cuda_ctx c;
-        memset(&c, 0, sizeof c);
-        c.f32w = f32w != 0, c.gemv_max = 1, c.st = st;
-        if (cublasCreate(&c.blas) != CUBLAS_STATUS_SUCCESS) r = kv_errf(KV_EIO, err, errlen, "cublas: create failed");
-        if (!r && cublasSetStream(c.blas, st) != CUBLAS_STATUS_SUCCESS)
-            r = kv_errf(KV_EIO, err, errlen, "cublas: set stream failed");
-        if (!r) r = gemm(&c, X, M, K, W, N, Y, err, errlen);
-        if (!r && kvc_stream_sync(st) != cudaSuccess) r = kv_errf(KV_EIO, err, errlen, "cuda: gemm failed");
-        if (c.blas) cublasDestroy(c.blas);
-    }
-    cudaError_t e = kvc_stream_sync(st);
-    if (!r && e != cudaSuccess) r = kv_errf(KV_EIO, err, errlen, "cuda: gemm: %s", cudaGetErrorString(e));
-    cudaStreamDestroy(st);
-    return r;
-}

@@ -25,9 +25,22 @@
  * logits rows asked for (batch_n_logits rows) followed by one stream synchronisation (with
  * a CUDA graph the metadata copy is a node of the graph; struct kv_cuda_counters below has
  * the exact call counts, which test_cuda_decode_syncs checks).
- * Attention: split over the positions (64 per part, more when the batch has many rows) and
- * combined (flash-decoding style), one CTA per (row, group of query heads sharing a KV
- * head, part).
+ * Attention: single-token rows (decode) split over the positions (16, 32 or 128 per part,
+ * more when the batch has many rows) and combine (flash-decoding style), one CTA per (row,
+ * group of query heads sharing a KV head, part), f32 arithmetic. Rows of sequences with more
+ * than one new token (prefill chunks; bf16 weights, head_dim % 8 == 0 and <= 128, not
+ * deterministic) run k_attn_flash (attn_flash.cuh: FlashAttention-2 on mma.sync bf16 (bf16
+ * pool) or fp16 (f32 pool: K/V converted on load) tensor-core tiles, f32 softmax and
+ * accumulation) straight into the o-projection input, in graph steps too; the split kernels
+ * then take the step's single-token rows (a row list). Which kernel a row runs depends on its
+ * own sequence's step only.
+ * Sampling: forward_sample (backend.h) samples the logits rows on the device (sample.cu);
+ * only ids and logprobs come back. Same pipeline and RNG stream as the host sampler (the
+ * engine draws u = kv_rng_f64 per non-greedy token before the step, as the host sampler would
+ * during it); greedy ids and the penalised logits are bitwise the host's; sums of
+ * probabilities and the log-sum-exp (double) are reduced in another order and exp / log are
+ * the device's, so logprobs may differ in the last float bits and a draw within rounding
+ * (~1e-16 relative) of a boundary between two candidates may pick the neighbour.
  * block_ptr is NULL (device memory): host offload goes through copy_to_host /
  * copy_from_host, which use the page-copy kernel below (pinned host buffers are read and
  * written directly; other host memory is bounced through a pinned staging buffer).
@@ -35,8 +48,12 @@
  * count, the GEMV serves one row, and the attention split depends on the batch; the
  * deterministic option (below) makes it batch-invariant.
  * One forward at a time per backend (not thread-safe). A failed CUDA call makes the call
- * return KV_EIO with the CUDA error string in err; a sticky device error leaves the
- * backend unusable (every later call fails the same way), never crashes the process.
+ * return KV_EIO with the CUDA error string in err. After a failed forward the backend probes
+ * the context (a 4-byte memset and a sync): if that fails too the error was sticky (an
+ * illegal address, a trap, ...: the CUDA context is unusable), the backend marks itself
+ * unhealthy for good (ops->healthy false with the reason; every later forward KV_EIO at
+ * once without touching the device) and the server answers /health and new requests with
+ * 503 backend_unhealthy until it is restarted. Never crashes the process.
  */
 #ifndef KV_BACKEND_CUDA_H
 #define KV_BACKEND_CUDA_H
@@ -58,9 +75,17 @@ extern "C" {
  * injection, tests/gpu/fault_serve.py) makes the forward calls numbered N (1 = the first of
  * this backend) run normally and then fail as if their stream sync had reported
  * cudaErrorLaunchFailure: KV_EIO and a message ending in "(injected by KVSERVE_CUDA_FAULT)";
- * the backend stays usable, as after any non-sticky CUDA error; KVSERVE_CUDA_PDL=0 launches
- * the forward's kernels without programmatic dependent launch (default on: each kernel may
- * start launching while the previous one runs, kernels.cuh pdl_wait). */
+ * the backend stays usable, as after any non-sticky CUDA error; KVSERVE_CUDA_FAULT=sticky:N[,N...]
+ * (also after forward:...;, separated by ';') makes those forward calls start with a kernel
+ * that traps: a real sticky error (the backend turns unhealthy, see above);
+ * KVSERVE_CUDA_PDL=0 launches the forward's kernels without programmatic dependent launch
+ * (default on: each kernel may start launching while the previous one runs, kernels.cuh
+ * pdl_wait); KVSERVE_CUDA_FLASH=0 keeps the split attention kernels for prefill steps too;
+ * KVSERVE_CUDA_FLASH_MT=1 runs k_attn_flash with one 16-row m tile per warp (64 M rows per
+ * CTA) instead of 2; KVSERVE_CUDA_SKIP=attn,norm,qkv,swiglu,gemm (timing only: results are
+ * wrong) leaves those stages of every layer out; KVSERVE_CUDA_ATTN=2 takes k_attn_part2 for
+ * every split step and KVSERVE_CUDA_ATTN_SPLIT=N (a multiple of 8; 32 for k_attn_part2) sets
+ * the first split length tried (both for experiments: docs/benchmarks.md). */
 struct backend_cuda_options {
     int device;       /* CUDA device ordinal */
     bool f32_weights; /* keep weights f32 (exact-ish reference mode); default bf16 */
@@ -135,6 +160,13 @@ int kv_cuda_copy_splits(enum kv_cuda_copy_dir dir, size_t nbytes);
  *     and head; 10 * n_layers + 1 when L == 0); growing scratch adds allocs / frees;
  *   no graph: h2d_copies 1 (metadata), launches 10 * n_layers + 3, d2h_copies 1 if L > 0,
  *     stream_syncs 1.
+ *   A step with prefill chunks makes 9 * n_layers + 3 launches when all its rows are in
+ *   chunks (k_attn_flash, no combine) and 11 * n_layers + 3 when it mixes chunks with
+ *   single-token rows (k_attn_flash, then the split kernels on the single rows).
+ * forward_sample: the same, except that the download is the sampling results (one d2h copy)
+ *   and the sampling adds 2 launches (3 when a row needs sorted candidates: the radix sort's
+ *   own launches are not counted); its requests travel with the step's metadata (no extra
+ *   host->device copy).
  * copy_blocks / copy_to_host / copy_from_host: one stream_sync per call (per 64 MiB chunk when
  * bounced through the pinned staging buffer). */
 struct kv_cuda_counters {

@@ -26,6 +26,52 @@ extern "C" {
 kv_status kv_cuda_copy_pages_async(int dir, void *const *dst, const void *const *src, int n, size_t nbytes,
                                    cudaStream_t stream, char *err, size_t errlen);
 
+/* ---- sampling on the device (sample.cu) ---- */
+#define KVS_MAX_TOP BACKEND_MAX_TOP
+/* One logit row's request as uploaded with the step's metadata (64 bytes, 8-byte aligned). */
+struct kvs_row {
+    double u;
+    float temperature, top_p, min_p, rep, freq, pres;
+    int32_t top_k, n_top, want_lp;
+    int32_t tok_off, n_prompt, n_gen; /* history in the token section (n_prompt 0 unless rep) */
+    int32_t sort_slot;                /* >= 0: this row's candidates are sorted, in that slot */
+    int32_t pad;
+};
+/* One row's result as downloaded. */
+struct kvs_out {
+    int32_t id;
+    float logprob;
+    int32_t top_id[KVS_MAX_TOP];
+    float top_lp[KVS_MAX_TOP];
+};
+/* A backend's sampling scratch (device buffers grown on demand, pinned results). */
+struct kvs_state {
+    int32_t *cnt; /* (rows, V) generated-id counts, zero between calls */
+    void *stat;   /* (rows) struct kvs_stat */
+    struct kvs_out *d_out, *h_out;
+    unsigned long long *keys, *keys2;
+    int32_t *vals, *vals2;
+    void *cub_tmp;
+    size_t cap_cnt, cap_stat, cap_out, cap_h_out, cap_keys, cap_keys2, cap_vals, cap_vals2, cap_cub;
+};
+/* int32 entries of metadata the L requests take: L kvs_row, then the token histories of the
+ * penalised rows. */
+size_t kvs_meta_len(const struct backend_sampling *sp, int L);
+/* Validates the requests (KV_EINVAL with the reason) and writes them at h (8-byte aligned);
+ * *n_sort = rows whose candidates need sorting (top_k / top_p). */
+kv_status kvs_meta_fill(const struct backend_sampling *sp, int L, int V, int32_t *h, int *n_sort, char *err,
+                        size_t errlen);
+/* Enqueues on st: the sampling of the L rows of d_logits (penalties applied in place) from the
+ * device copy d_samp of kvs_meta_fill's output, and the download of the results into the
+ * pinned s->h_out. No synchronisation; scratch grows as needed. */
+kv_status kvs_enqueue(struct kvs_state *s, cudaStream_t st, float *d_logits, int L, int V, const int32_t *d_samp,
+                      int n_sort, char *err, size_t errlen);
+/* After the stream synchronised: the results into out (L entries). */
+void kvs_collect(const struct kvs_state *s, const struct backend_sampling *sp, int L, struct backend_sample_out *out);
+void kvs_free(struct kvs_state *s);
+/* Raises k_sample_prep's dynamic shared memory limit (once per device use). */
+cudaError_t kvs_setup(void);
+
 /* ---- counted CUDA calls (struct kv_cuda_counters in backend_cuda.h) ----
  * Every call of src/backend/cuda that synchronises, copies, sets, allocates, frees or
  * launches goes through one of these; the raw names are poisoned below, so a new uncounted

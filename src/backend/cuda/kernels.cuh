@@ -93,6 +93,10 @@ template <typename TW> __global__ void k_fill_random(TW *dst, size_t n, uint64_t
     }
 }
 
+/* Fault injection (KVSERVE_CUDA_FAULT=sticky:N): a trap, which leaves the CUDA context
+ * unusable (cudaErrorLaunchFailure on every later call), as a real illegal access would. */
+static __global__ void k_trap() { __trap(); }
+
 /* ---- forward ---- */
 
 /* x[r] = emb[tok[r]] (f32). grid T, block 256. */
@@ -219,7 +223,9 @@ __global__ void __launch_bounds__(32 * QKV_WARPS)
 
 #define ATT_WARPS 4
 #define ATT_HC 8 /* max query heads per CTA */
-/* Partial attention of one (row, head chunk, part): positions [z*split_len, min(pos+1,
+/* rows: NULL (grid.x = the step's rows) or the list of rows to compute (grid.x entries: the
+ * single-token rows of a step whose prefill rows run k_attn_flash).
+ * Partial attention of one (row, head chunk, part): positions [z*split_len, min(pos+1,
  * (z+1)*split_len)) of the row's sequence, online softmax per warp, combined across warps.
  * Writes unnormalised acc (hd), max m and sum l per head into the part slot.
  * grid (T, n_heads / hc, max_parts), block 32*ATT_WARPS. DPL = ceil(hd / 32). */
@@ -227,11 +233,11 @@ template <int DPL, typename TK>
 __global__ void __launch_bounds__(32 * ATT_WARPS)
     k_attn_part(const float *qkv, int stride, const TK *pool, size_t block_floats, int layer, int n_kv, int hd,
                 int tpb, int group, int hc, const int32_t *row_pos, const int32_t *row_bt, const int32_t *bt,
-                int split_len, int max_parts, float scale, float *part, float *part_ml) {
+                const int32_t *rows, int split_len, int max_parts, float scale, float *part, float *part_ml) {
     extern __shared__ float smem[]; /* ATT_WARPS * hc * (hd + 2) */
     pdl_trigger();
     pdl_wait();
-    int r = blockIdx.x, h0 = blockIdx.y * hc, z = blockIdx.z;
+    int r = rows ? rows[blockIdx.x] : (int)blockIdx.x, h0 = blockIdx.y * hc, z = blockIdx.z;
     int pos = row_pos[r];
     if (split_len <= 0) split_len = det_split_len(pos);
     int p_begin = z * split_len;
@@ -329,11 +335,11 @@ template <int CH, typename TK>
 __global__ void __launch_bounds__(32 * ATT_WARPS)
     k_attn_part2(const float *qkv, int stride, const TK *pool, size_t block_floats, int layer, int n_kv, int hd,
                  int tpb, int group, int hc, const int32_t *row_pos, const int32_t *row_bt, const int32_t *bt,
-                 int split_len, int max_parts, float scale, float *part, float *part_ml) {
+                 const int32_t *rows, int split_len, int max_parts, float scale, float *part, float *part_ml) {
     extern __shared__ float smem[]; /* q: hc*hd | weights: ATT_WARPS*ATT_HC*32 | per warp: ATT_WARPS*hc*(hd+2) */
     pdl_trigger();
     pdl_wait();
-    int r = blockIdx.x, h0 = blockIdx.y * hc, z = blockIdx.z;
+    int r = rows ? rows[blockIdx.x] : (int)blockIdx.x, h0 = blockIdx.y * hc, z = blockIdx.z;
     int pos = row_pos[r];
     if (split_len <= 0) split_len = det_split_len(pos);
     int p_begin = z * split_len;
@@ -474,13 +480,14 @@ __device__ __forceinline__ float block_reduce_f(float v, float *sh /* >= 32 */, 
     return t;
 }
 template <typename TA>
-__global__ void k_attn_combine(const float *part, const float *part_ml, const int32_t *row_pos, int split_len,
+__global__ void k_attn_combine(const float *part, const float *part_ml, const int32_t *row_pos, const int32_t *rows,
+                               int split_len,
                                int max_parts, int n_heads, int hd, TA *out) {
     extern __shared__ float cw[]; /* max_parts part weights */
     __shared__ float red[32];
     pdl_trigger();
     pdl_wait();
-    int r = blockIdx.x, h = blockIdx.y, e = threadIdx.x;
+    int r = rows ? rows[blockIdx.x] : (int)blockIdx.x, h = blockIdx.y, e = threadIdx.x;
     int nparts = row_pos[r] / (split_len > 0 ? split_len : det_split_len(row_pos[r])) + 1;
     size_t slot0 = ((size_t)r * n_heads + h) * max_parts;
     float M = -INFINITY;
