@@ -39,6 +39,8 @@ void engine_queued_add(struct engine *e, int delta) {
 void engine_request_free(struct request *r) {
     if (!r) return;
     free(r->peer);
+    free(r->bias);
+    free(r->stop_ids);
     free(r->tokens);
     free(r->blocks);
     reuse_request_free(r);
@@ -58,7 +60,8 @@ void engine_post_terminal(struct engine *e, struct request *r, enum engine_event
     struct engine_event ev;
     memset(&ev, 0, sizeof ev);
     ev.type = type;
-    ev.req_id = r->id;
+    ev.req_id = r->group;
+    ev.index = r->index;
     ev.text = "";
     ev.finish = fin;
     ev.prompt_tokens = r->n_prompt;
@@ -67,6 +70,7 @@ void engine_post_terminal(struct engine *e, struct request *r, enum engine_event
     ev.status = st;
     ev.message = msg;
     ev.t_arrival_ns = r->t_arrival_ns;
+    ev.t_admitted_ns = r->t_admitted_ns;
     ev.t_first_token_ns = r->t_first_ns;
     r->cb(&ev, r->user);
     pthread_mutex_lock(&e->stats_mu);
@@ -74,6 +78,16 @@ void engine_post_terminal(struct engine *e, struct request *r, enum engine_event
     else if (fin == FINISH_CANCELLED) e->stats.requests_cancelled++;
     else e->stats.requests_finished++;
     pthread_mutex_unlock(&e->stats_mu);
+    /* n > 1 ended before its fork (cancel, failure, shutdown): every choice still gets its
+     * terminal event */
+    for (int i = 1; i < r->n_choices; i++) {
+        struct request u = *r;
+        u.n_choices = 1;
+        u.index = i;
+        u.terminal_sent = false;
+        engine_post_terminal(e, &u, type, fin, st, msg);
+    }
+    r->n_choices = 1;
 }
 
 void engine_fail_request(struct engine *e, struct request *r, kv_status st, const char *msg) {
@@ -89,7 +103,7 @@ static void finish_request(struct engine *e, struct request *r, enum finish_reas
     engine_request_free(r);
 }
 
-static bool is_eog(const struct engine *e, int32_t id) {
+bool engine_is_eog(const struct engine *e, int32_t id) {
     const struct model_config *c = &e->m->cfg;
     if (e->t && tok_is_eog(e->t, id)) return true;
     if (id == c->eos_id) return true;
@@ -142,6 +156,31 @@ static kv_status check_params(const struct engine *e, const struct engine_reques
                        ENGINE_MAX_TOP_LOGPROBS, sp->top_logprobs);
     if (p->n_stop < 0 || (p->n_stop > 0 && !p->stop))
         return kv_errf(KV_EINVAL, err, errlen, "invalid stop list");
+    if (p->n < 0 || p->n > ENGINE_MAX_CHOICES)
+        return kv_errf(KV_EINVAL, err, errlen, "n must be in [1, %d] (got %d)", ENGINE_MAX_CHOICES, p->n);
+    if (p->n > 1 && p->disagg != ENGINE_DISAGG_NONE && p->disagg != ENGINE_DISAGG_PROBE)
+        return kv_errf(KV_EINVAL, err, errlen, "n > 1 is not supported on a disaggregated leg");
+    if (p->n_logit_bias < 0 || (p->n_logit_bias > 0 && !p->logit_bias))
+        return kv_errf(KV_EINVAL, err, errlen, "invalid logit_bias list");
+    for (int i = 0; i < p->n_logit_bias; i++)
+        if (p->logit_bias[i].id < 0 || p->logit_bias[i].id >= e->n_vocab ||
+            !(p->logit_bias[i].bias >= -100.0f && p->logit_bias[i].bias <= 100.0f))
+            return kv_errf(KV_EINVAL, err, errlen, "logit_bias entry %d (token %d, bias %g) is "
+                           "outside the vocabulary [0, %d) or [-100, 100]", i,
+                           (int)p->logit_bias[i].id, (double)p->logit_bias[i].bias, e->n_vocab);
+    if (p->n_stop_token_ids < 0 || (p->n_stop_token_ids > 0 && !p->stop_token_ids))
+        return kv_errf(KV_EINVAL, err, errlen, "invalid stop_token_ids list");
+    for (int i = 0; i < p->n_stop_token_ids; i++)
+        if (p->stop_token_ids[i] < 0 || p->stop_token_ids[i] >= e->n_vocab)
+            return kv_errf(KV_EINVAL, err, errlen, "stop_token_ids[%d] = %d is outside the "
+                           "vocabulary [0, %d)", i, (int)p->stop_token_ids[i], e->n_vocab);
+    if (e->dev_sampling && (p->n > 1 || p->n_logit_bias > 0 || p->min_tokens > 0))
+        return kv_errf(KV_EUNSUPPORTED, err, errlen,
+                       "%s needs the host sampler, and this worker samples on the device (start it "
+                       "with --host-sampling)", p->n > 1 ? "n > 1" : p->n_logit_bias ? "logit_bias" : "min_tokens");
+    if (p->min_tokens < 0 || p->min_tokens > p->max_tokens)
+        return kv_errf(KV_EINVAL, err, errlen, "min_tokens must be in [0, max_tokens = %d] (got %d)",
+                       p->max_tokens, p->min_tokens);
     for (int i = 0; i < p->n_stop; i++)
         if (!p->stop[i]) return kv_errf(KV_EINVAL, err, errlen, "stop string %d is NULL", i);
     return KV_OK;
@@ -195,7 +234,7 @@ kv_status engine_submit(engine_t *e, const struct engine_request_params *p, engi
     r->tokens = kv_malloc((size_t)r->cap * sizeof *r->tokens);
     r->blocks = kv_malloc((size_t)r->blocks_cap * sizeof *r->blocks);
     if (!r->tokens || !r->blocks || reuse_request_init(r, p) != KV_OK ||
-        stop_init(&r->stop, p->stop, p->n_stop) != KV_OK) {
+        stop_init(&r->stop, p->stop, p->n_stop) != KV_OK || fork_request_init(r, p) != KV_OK) {
         engine_request_free(r);
         return kv_errf(KV_ENOMEM, err, errlen, "out of memory");
     }
@@ -251,8 +290,9 @@ kv_status engine_submit(engine_t *e, const struct engine_request_params *p, engi
         e->incoming = np;
         e->cap_incoming = nc;
     }
-    r->id = ++e->next_id;
-    kv_rng_seed(&r->rng, p->sp.has_seed ? p->sp.seed : kv_rng_next(&e->seed_rng));
+    r->id = r->group = ++e->next_id;
+    r->seed_base = p->sp.has_seed ? p->sp.seed : kv_rng_next(&e->seed_rng);
+    kv_rng_seed(&r->rng, r->seed_base);
     e->incoming[e->n_incoming++] = r;
     e->n_queued++;
     if (req_id) *req_id = r->id;
@@ -320,11 +360,11 @@ void engine_publish_stats(struct engine *e, bool step) {
     pthread_mutex_unlock(&e->stats_mu);
 }
 
-static struct request *find_live(struct engine *e, uint64_t id) {
+struct request *engine_find_live(struct engine *e, uint64_t id) {
     for (int i = 0; i < e->n_running; i++)
-        if (e->running[i]->id == id) return e->running[i];
+        if (e->running[i]->group == id) return e->running[i];
     for (int i = 0; i < e->n_waiting; i++)
-        if (e->waiting[i]->id == id) return e->waiting[i];
+        if (e->waiting[i]->group == id) return e->waiting[i];
     return NULL;
 }
 
@@ -336,7 +376,8 @@ bool engine_on_token(struct engine *e, struct request *r, int32_t id,
     r->tokens[r->n_tokens++] = id;
     r->state = REQ_DECODE;
     if (!r->t_first_ns) r->t_first_ns = kv_now_ns();
-    bool eog = !r->ignore_eos && is_eog(e, id);
+    bool eog = !r->ignore_eos && engine_is_eog(e, id);
+    bool stop_id = !eog && r->n_stop_ids > 0 && logits_is_stop_id(r, id);
     bool length = req_n_gen(r) >= r->max_gen;
     kv_status st = KV_OK;
 
@@ -348,13 +389,17 @@ bool engine_on_token(struct engine *e, struct request *r, int32_t id,
             if (!r->stream) st = KV_ENOMEM;
         }
         if (!st && !eog) st = tok_stream_push(r->stream, id, &e->text);
-        if (!st && (eog || length)) st = tok_stream_flush(r->stream, &e->text);
+        if (!st && (eog || length || stop_id)) st = tok_stream_flush(r->stream, &e->text);
     }
     kv_status st2 = KV_OK;
-    bool stopped = stop_feed(&r->stop, e->text.data ? e->text.data : "", e->text.len, &e->text2,
-                             &st2);
+    bool stopped = false;
+    if (req_n_gen(r) <= r->min_tokens) /* min_tokens: no stop string can end it yet (vLLM) */
+        st2 = kv_buf_append(&e->text2, e->text.data ? e->text.data : "", e->text.len);
+    else
+        stopped = stop_feed(&r->stop, e->text.data ? e->text.data : "", e->text.len, &e->text2,
+                            &st2);
     if (!st) st = st2;
-    if (!st && !stopped && (eog || length)) st = stop_flush(&r->stop, &e->text2);
+    if (!st && !stopped && (eog || length || stop_id)) st = stop_flush(&r->stop, &e->text2);
     if (st) {
         sched_remove(e, r);
         engine_fail_request(e, r, st, "detokenization failed (out of memory or bad token)");
@@ -364,7 +409,8 @@ bool engine_on_token(struct engine *e, struct request *r, int32_t id,
     struct engine_event ev;
     memset(&ev, 0, sizeof ev);
     ev.type = ENGINE_EV_DELTA;
-    ev.req_id = r->id;
+    ev.req_id = r->group;
+    ev.index = r->index;
     ev.text = e->text2.len ? e->text2.data : "";
     ev.text_len = e->text2.len;
     ev.ids = &r->tokens[r->n_tokens - 1];
@@ -377,6 +423,7 @@ bool engine_on_token(struct engine *e, struct request *r, int32_t id,
     ev.prompt_tokens = r->n_prompt;
     ev.completion_tokens = req_n_gen(r);
     ev.t_arrival_ns = r->t_arrival_ns;
+    ev.t_admitted_ns = r->t_admitted_ns;
     ev.t_first_token_ns = r->t_first_ns;
     r->cb(&ev, r->user);
 
@@ -386,8 +433,8 @@ bool engine_on_token(struct engine *e, struct request *r, int32_t id,
         r->n_first_top = top ? (n_top < 20 ? n_top : 20) : 0;
         for (int i = 0; i < r->n_first_top; i++) r->first_top[i] = top[i];
     }
-    if (stopped || eog || length) {
-        enum finish_reason fin = (stopped || eog) ? FINISH_STOP : FINISH_LENGTH;
+    if (stopped || eog || stop_id || length) {
+        enum finish_reason fin = (stopped || eog || stop_id) ? FINISH_STOP : FINISH_LENGTH;
         if (r->disagg == ENGINE_DISAGG_CONTEXT_ONLY && !r->context_first) {
             /* generation first: the generation leg already waits for this KV and its first
              * token, so it is offered even though the request ends here */
@@ -517,6 +564,8 @@ static int run_step(struct engine *e) {
                 e->top[k] = (struct token_logprob){.id = o->top_id[k], .logprob = o->top_logprob[k]};
         } else {
             float *lg = e->logits + (size_t)row++ * (size_t)e->n_vocab;
+            if (r->n_choices > 1) gen_tokens += (uint64_t)fork_choices(e, r, lg);
+            logits_apply(e, r, lg);
             id = sampler_sample(&r->sp, lg, e->n_vocab, r->tokens, r->n_prompt, r->tokens + r->n_prompt,
                                 req_n_gen(r), &r->rng, &e->scratch, want_lp ? &chosen : NULL, e->top, n_top);
         }
@@ -608,7 +657,7 @@ static void *engine_main(void *arg) {
                     probes[n_probes++] = r; /* answered below, never scheduled */
                     e->n_queued--;
                 } else {
-                    e->waiting[e->n_waiting++] = r;
+                    sched_insert_waiting(e, r, false);
                 }
             }
             e->n_incoming -= take;
@@ -634,10 +683,11 @@ static void *engine_main(void *arg) {
         if (n_xd) disagg_apply_done(e, xd, n_xd);
         for (int i = 0; i < n_cancels; i++) {
             if (disagg_cancel(e, cancels[i])) continue;
-            struct request *r = find_live(e, cancels[i]);
-            if (!r) continue;
-            sched_remove(e, r);
-            finish_request(e, r, FINISH_CANCELLED);
+            struct request *r;
+            while ((r = engine_find_live(e, cancels[i])) != NULL) { /* every choice */
+                sched_remove(e, r);
+                finish_request(e, r, FINISH_CANCELLED);
+            }
         }
         next_deadline = disagg_check_deadlines(e);
         if (stop) break;
@@ -688,6 +738,8 @@ static void engine_destroy(struct engine *e) {
     free(e->top);
     free(e->bsamp);
     free(e->bout);
+    free(e->fork_row);
+    free(e->eog_ids);
     sampler_scratch_free(&e->scratch);
     kv_buf_free(&e->text);
     kv_buf_free(&e->text2);
@@ -746,8 +798,10 @@ kv_status engine_start(const struct engine_config *cfg_in, const model_t *m, con
         e->bsamp = kv_calloc((size_t)c.max_batch_size, sizeof *e->bsamp);
         e->bout = kv_calloc((size_t)c.max_batch_size, sizeof *e->bout);
     }
-    if (!e->pool || !e->plan || !e->seqs || !e->logits || !e->top || (e->dev_sampling && (!e->bsamp || !e->bout)) ||
-        sampler_scratch_init(&e->scratch, e->n_vocab) != KV_OK) {
+    e->fork_row = kv_malloc((size_t)e->n_vocab * sizeof *e->fork_row);
+    if (!e->pool || !e->plan || !e->seqs || !e->logits || !e->top || !e->fork_row ||
+        (e->dev_sampling && (!e->bsamp || !e->bout)) ||
+        sampler_scratch_init(&e->scratch, e->n_vocab) != KV_OK || logits_init(e) != KV_OK) {
         engine_destroy(e);
         return kv_errf(KV_ENOMEM, err, errlen, "engine: out of memory");
     }

@@ -13,12 +13,13 @@
  *   any state --cancel--> CANCELLED;  DECODE --eos/stop/length--> FINISHED;  errors -> FAILED
  *
  * Scheduling per step (after vLLM v1 / TRT-LLM): running DECODE requests first (1 token
- * each), then PREFILL chunks of running requests, then admit WAITING requests in arrival
- * order while the step has token budget (max_num_tokens) and batch slots (max_batch_size)
- * and the pool has blocks. When a running request needs a block and none is free, the
- * newest running request is preempted (its blocks freed; it goes back to the front of
- * WAITING and recomputes prompt + generated tokens later). Results never depend on
- * batching: each sequence's tokens are computed exactly as if it ran alone.
+ * each), then PREFILL chunks of running requests, then admit WAITING requests in order
+ * (priority, then arrival) while the step has token budget (max_num_tokens) and batch slots
+ * (max_batch_size) and the pool has blocks. When a running request needs a block and none
+ * is free, the least urgent (highest priority value), then newest, running request is
+ * preempted (its blocks freed; it goes back to the front of its priority class in WAITING
+ * and recomputes prompt + generated tokens later). Results never depend on batching: each
+ * sequence's tokens are computed exactly as if it ran alone.
  *
  * Events: for every request the callback receives zero or more ENGINE_EV_DELTA events and
  * then exactly one terminal event (ENGINE_EV_FINISH or ENGINE_EV_ERROR), also after
@@ -50,6 +51,14 @@ struct sampling_params {
 };
 void sampling_params_default(struct sampling_params *sp);
 
+/* One logit_bias entry: bias is added to the token's logit before penalties and sampling
+ * (OpenAI; -100 effectively bans the token, +100 all but forces it). */
+struct logit_bias {
+    int32_t id;               /* in [0, n_vocab) */
+    float bias;               /* in [-100, 100] */
+};
+#define ENGINE_MAX_CHOICES 128 /* n */
+
 struct engine_request_params {
     const int32_t *prompt_ids; /* copied by engine_submit */
     size_t n_prompt;           /* >= 1 */
@@ -60,6 +69,32 @@ struct engine_request_params {
     bool ignore_eos;
     const char *cache_salt;    /* NULL = none; copied. Requests with different salts never
                                   share KV blocks (it is a type-tagged extra key of the hash) */
+    /* ---- choices, logits processing, scheduling (docs/api.md; zero = defaults) ---- */
+    int n;                     /* choices (0 or 1 = one; at most ENGINE_MAX_CHOICES). The prompt
+                                  is prefilled once; at its first token the request forks into
+                                  n choices that share the prompt's full KV blocks (refcounted;
+                                  the partial last block is copied, or recomputed by the choice
+                                  when the backend cannot copy blocks). Choice i samples with
+                                  its own RNG seeded seed + i (vLLM's rule), so choice i equals
+                                  the same request with n = 1 and seed + i, bitwise. Events
+                                  carry the choice index; each choice has its own terminal
+                                  event; engine_cancel of the returned id cancels them all. */
+    const struct logit_bias *logit_bias; /* (n_logit_bias) copied; ids must be in range */
+    int n_logit_bias;
+    const int32_t *stop_token_ids; /* (n_stop_token_ids) copied: generating one ends the choice
+                                  with FINISH_STOP; its text is kept (vLLM), also with
+                                  ignore_eos */
+    int n_stop_token_ids;
+    int min_tokens;            /* until this many tokens are generated: EOS (unless ignore_eos)
+                                  and stop_token_ids get logit -inf, and stop strings are not
+                                  matched (text before then can never end the choice).
+                                  0..max_tokens */
+    /* n > 1, logit_bias and min_tokens work on the host's logits rows: an engine whose backend
+     * samples on the device (forward_sample, without host_sampling) refuses them at submit
+     * with KV_EUNSUPPORTED. */
+    int priority;              /* lower = more urgent (vLLM): admitted before waiting requests
+                                  of a higher value, preempted after running ones of a higher
+                                  value; equal values keep arrival order */
     /* ---- disaggregated serving (docs/disaggregation.md); zero = an ordinary request ---- */
     enum engine_disagg_mode {
         ENGINE_DISAGG_NONE = 0,
@@ -104,7 +139,8 @@ struct token_logprob {
 
 struct engine_event {
     enum engine_event_type type;
-    uint64_t req_id;
+    uint64_t req_id;          /* the id engine_submit returned (the same for every choice) */
+    int index;                /* choice index in [0, n) */
     /* DELTA (and possibly FINISH, with the final held-back text): */
     const char *text;         /* newly final UTF-8 text (stop strings removed); may be "" */
     size_t text_len;
@@ -121,8 +157,8 @@ struct engine_event {
     /* ERROR: */
     kv_status status;
     const char *message;
-    /* timings (monotonic ns): arrival, first token */
-    uint64_t t_arrival_ns, t_first_token_ns;
+    /* timings (monotonic ns): arrival, first admission (0 = never admitted), first token */
+    uint64_t t_arrival_ns, t_admitted_ns, t_first_token_ns;
 };
 
 typedef void (*engine_event_cb)(const struct engine_event *ev, void *user);

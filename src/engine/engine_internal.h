@@ -45,9 +45,21 @@ struct request {
     struct sampling_params sp;
     bool ignore_eos;
     kv_rng rng;
+    uint64_t seed_base;         /* choice i's RNG is seeded seed_base + i */
+    /* choices (fork.c): a request with n_choices > 1 forks at its first token */
+    int n_choices;              /* choices still to create, this one included (1 = none) */
+    int index;                  /* choice index (events) */
+    uint64_t group;             /* the id engine_submit returned (cancel; events' req_id) */
+    /* logits processing (logits.c) and scheduling */
+    struct logit_bias *bias;    /* (n_bias) owned */
+    int n_bias;
+    int32_t *stop_ids;          /* (n_stop_ids) owned: stop_token_ids */
+    int n_stop_ids;
+    int min_tokens;
+    int priority;               /* lower = more urgent (sched.c) */
     struct stop_matcher stop;
     tok_stream_t *stream;       /* created lazily on the engine thread; NULL without tokenizer */
-    uint64_t t_arrival_ns, t_first_ns;
+    uint64_t t_arrival_ns, t_admitted_ns, t_first_ns;
     /* per-step scheduling state */
     int chunk;                  /* tokens scheduled this step (0 = not scheduled) */
     /* KV reuse (reuse.c) */
@@ -134,6 +146,9 @@ struct engine {
     struct backend_sampling *bsamp;   /* (max_batch_size) device sampling requests of a step */
     struct backend_sample_out *bout;  /* (max_batch_size) and their results */
     bool dev_sampling;          /* be->ops->forward_sample && !cfg.host_sampling */
+    float *fork_row;            /* (n_vocab) a choice's copy of the shared first logits */
+    int32_t *eog_ids;           /* (n_eog) end-of-generation ids (min_tokens bans them) */
+    int n_eog;
     kv_buf text, text2;         /* per-event scratch */
     uint64_t n_preempt_step;
     /* KV reuse (reuse.c) */
@@ -164,6 +179,10 @@ int sched_step(struct engine *e);
 void sched_free_blocks(struct engine *e, struct request *r);
 /* Removes r from running/waiting if present. */
 void sched_remove(struct engine *e, struct request *r);
+/* Inserts r into waiting (capacity for one more must exist; no locking) by priority: at the
+ * front of its priority class (preempted: it arrived before the others) or at its back (a new
+ * arrival). With equal priorities that is FIFO with preempted requests first. */
+void sched_insert_waiting(struct engine *e, struct request *r, bool front);
 
 /* ---- reuse.c ---- */
 /* Sets up the reuse index, host tier and event ring from cfg (engine_start). */
@@ -220,6 +239,23 @@ void disagg_shutdown(struct engine *e);
 /* Probe requests: answers r (terminal FINISH with cached_tokens) and frees it. */
 void disagg_answer_probe(struct engine *e, struct request *r);
 
+/* ---- fork.c (n > 1 choices) ---- */
+/* r (running, its prompt just computed, logits = its first-token row, unmodified) has
+ * n_choices > 1: creates choices 1..n-1 sharing r's prompt blocks, samples each one's first
+ * token from its own copy of logits and appends it to running (or fails it). r keeps choice
+ * 0; its n_choices becomes 1. Returns the tokens sampled (for the stats). */
+int fork_choices(struct engine *e, struct request *r, const float *logits);
+/* Copies p's choice/logits/scheduling fields into r (engine_submit). KV_ENOMEM. */
+kv_status fork_request_init(struct request *r, const struct engine_request_params *p);
+
+/* ---- logits.c ---- */
+/* Collects the end-of-generation ids (engine_start). KV_ENOMEM. */
+kv_status logits_init(struct engine *e);
+/* In place on r's logits row, before penalties: logit_bias, then the min_tokens bans. */
+void logits_apply(const struct engine *e, const struct request *r, float *logits);
+/* True if id is one of r's stop_token_ids. */
+bool logits_is_stop_id(const struct request *r, int32_t id);
+
 /* ---- engine.c ---- */
 /* Appends the sampled token id to r, emits its DELTA and, if r is done, its FINISH (a context
  * leg goes to TRANSFER_OUT instead). Returns true if r left the running list. */
@@ -237,5 +273,9 @@ void engine_publish_stats(struct engine *e, bool step);
 void engine_fail_request(struct engine *e, struct request *r, kv_status st, const char *msg);
 /* Adjusts the shared queued-request counter (under mu). */
 void engine_queued_add(struct engine *e, int delta);
+/* Is id an end-of-generation token of the model / tokenizer? */
+bool engine_is_eog(const struct engine *e, int32_t id);
+/* The first request of running/waiting whose group (or id) is id, or NULL. */
+struct request *engine_find_live(struct engine *e, uint64_t id);
 
 #endif

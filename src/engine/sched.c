@@ -3,13 +3,19 @@
  * prefill chunks of running requests, then admission of WAITING requests in order, all
  * under the step's token budget (max_num_tokens) and batch slots (max_batch_size).
  *
+ * Priority (vLLM's priority policy): WAITING is ordered by (priority, arrival), lower values
+ * first; a new request goes behind every waiting one of the same or a lower value, a
+ * preempted one in front of every waiting one of the same or a higher value.
+ *
  * Blocks: a request holds blocks covering n_computed + chunk positions. When a running
- * request needs a block and the pool is empty, the newest running request not already
- * in this step's plan is preempted (blocks freed, pushed to the front of WAITING, it
- * recomputes prompt + generated later). With no such victim a decode preempts itself and
- * a prefill shrinks its chunk to what fits. The oldest running request can always take
- * every block from the newer ones and the pool holds one max_model_len sequence
- * (engine_start checks), so the oldest always progresses: no deadlock.
+ * request needs a block and the pool is empty, the least urgent (highest priority value),
+ * then newest, running request not already in this step's plan is preempted (blocks freed,
+ * put back in WAITING, it recomputes prompt + generated later), unless every candidate is
+ * more urgent than the one asking. With no victim a decode preempts itself and a prefill
+ * shrinks its chunk to what fits. The oldest of the most urgent running requests can always
+ * take every block from the others and the pool holds one max_model_len sequence
+ * (engine_start checks), so it always progresses: no deadlock. Choices of an n > 1 request
+ * (fork.c) share their prompt's full blocks: preempting one frees only its own blocks.
  *
  * Reuse: kv_pool_n_free counts cached (refcount 0) blocks, which kv_pool_alloc evicts LRU,
  * so cached blocks never keep a request out. At admission a request first pins its cached
@@ -71,8 +77,8 @@ static void grow_blocks(struct engine *e, struct request *r, int n_tokens_total)
     }
 }
 
-/* Moves a running request back to the front of WAITING. Returns false only on ENOMEM
- * (then the request is failed instead). */
+/* Moves a running request back to WAITING (front of its priority class); on ENOMEM the
+ * request is failed instead. */
 static void preempt(struct engine *e, struct request *v) {
     remove_from(e->running, &e->n_running, v);
     sched_free_blocks(e, v);
@@ -82,19 +88,36 @@ static void preempt(struct engine *e, struct request *v) {
         engine_fail_request(e, v, KV_ENOMEM, "out of memory while preempting the request");
         return;
     }
-    memmove(e->waiting + 1, e->waiting, (size_t)e->n_waiting * sizeof *e->waiting);
-    e->waiting[0] = v;
-    e->n_waiting++;
+    sched_insert_waiting(e, v, true);
     engine_queued_add(e, 1);
     e->n_preempt_step++;
     KV_DEBUG("engine: preempted request %llu (%d tokens)", (unsigned long long)v->id,
              v->n_tokens);
 }
 
+void sched_insert_waiting(struct engine *e, struct request *r, bool front) {
+    int i = 0;
+    if (front)
+        while (i < e->n_waiting && e->waiting[i]->priority < r->priority) i++;
+    else
+        i = e->n_waiting;
+    while (!front && i > 0 && e->waiting[i - 1]->priority > r->priority) i--;
+    memmove(e->waiting + i + 1, e->waiting + i, (size_t)(e->n_waiting - i) * sizeof *e->waiting);
+    e->waiting[i] = r;
+    e->n_waiting++;
+}
+
+/* The running request to preempt for self: the least urgent (highest priority value), newest
+ * among those not planned this step, unless it is more urgent than self (vLLM's priority
+ * policy preempts max(priority, arrival)); NULL = none. */
 static struct request *pick_victim(struct engine *e, const struct request *self) {
-    for (int i = e->n_running - 1; i >= 0; i--)
-        if (e->running[i] != self && e->running[i]->chunk == 0) return e->running[i];
-    return NULL;
+    struct request *v = NULL;
+    for (int i = e->n_running - 1; i >= 0; i--) {
+        struct request *c = e->running[i];
+        if (c == self || c->chunk != 0) continue;
+        if (!v || c->priority > v->priority) v = c;
+    }
+    return v && v->priority >= self->priority ? v : NULL;
 }
 
 static int index_of(struct engine *e, const struct request *r) {
@@ -179,6 +202,7 @@ int sched_step(struct engine *e) {
         engine_queued_add(e, -1);
         e->running[e->n_running++] = r;
         r->state = REQ_PREFILL;
+        if (!r->t_admitted_ns) r->t_admitted_ns = kv_now_ns();
         plan_add(e, r, chunk);
         budget -= chunk;
         slots--;
