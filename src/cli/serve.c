@@ -28,7 +28,18 @@ static void serve_usage(FILE *f) {
             "  --host ADDR              listen address (default 127.0.0.1)\n"
             "  --port N                 listen port (default 8000; 0 = any free port)\n"
             "  --port-file PATH         write the bound port to PATH once listening\n"
-            "  --served-model-name NAME model id in the API (default: the model's name)\n"
+            "  --served-model-name NAME [NAME...]  model id(s) in the API: the first is reported in\n"
+            "                           responses, every one is accepted in \"model\" and listed by\n"
+            "                           /v1/models (default: the model's own name: GGUF general.name,\n"
+            "                           HF config _name_or_path, else the file/directory name)\n"
+            "  --api-key KEY            require \"Authorization: Bearer KEY\" on every route but /health,\n"
+            "                           /ready and /metrics (repeatable; env KVSERVE_API_KEY, comma-\n"
+            "                           separated keys)\n"
+            "  --allowed-origins LIST   CORS: browser origins allowed to call the API, comma-separated\n"
+            "                           (repeatable; \"*\" = any); default none\n"
+            "  --shutdown-timeout S     on SIGTERM/SIGINT, new requests get 503 and in-flight ones get S\n"
+            "                           seconds to finish before they fail with 503 (default 30; 0 = fail\n"
+            "                           them at once; a second Ctrl-C ends the wait)\n"
             "  --tokens-per-block N     KV cache block size in tokens (default 16)\n"
             "  --kv-cache-memory SIZE   KV cache size, e.g. 512MiB, 2GiB (default 256MiB, capped at\n"
             "                           max-batch-size full-length sequences)\n"
@@ -125,8 +136,26 @@ static int parse_int_opt(const char *opt, const char *val, int64_t lo, int64_t h
     return 0;
 }
 
+#define SERVE_MAX_LIST 64 /* names, keys, origins */
+
+/* Appends the comma-separated items of v to list (empty items skipped). 0, or 2 (too many). */
+static int add_list(const char *opt, char *v, const char **list, int *n) {
+    for (char *save = NULL, *tok = strtok_r(v, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+        while (*tok == ' ') tok++;
+        size_t len = strlen(tok);
+        while (len && tok[len - 1] == ' ') tok[--len] = 0;
+        if (!*tok) continue;
+        if (*n >= SERVE_MAX_LIST) return bad_opt(opt, tok, "too many values (at most 64)");
+        list[(*n)++] = tok;
+    }
+    return 0;
+}
+
 int cmd_serve(int argc, char **argv) {
     const char *model_path = NULL, *host = "127.0.0.1", *served = NULL, *port_file = NULL;
+    const char *names[SERVE_MAX_LIST], *keys[SERVE_MAX_LIST], *origins[SERVE_MAX_LIST];
+    int n_names = 0, n_keys = 0, n_origins = 0, shutdown_timeout = HTTP_DEFAULT_SHUTDOWN_TIMEOUT_S;
+    char env_keys[4096];
     int port = 8000, tpb = 16, kv_blocks = 0, max_num_tokens = 512, max_batch = 64;
     int max_model_len = 0, max_queue = 1024, threads = 0;
     enum backend_cpu_gemm gemm = BACKEND_CPU_GEMM_INVARIANT;
@@ -181,7 +210,24 @@ int cmd_serve(int argc, char **argv) {
         if (rc) return rc;
         if (!strcmp(a, "--model")) model_path = v;
         else if (!strcmp(a, "--host")) host = v;
-        else if (!strcmp(a, "--served-model-name")) served = v;
+        else if (!strcmp(a, "--served-model-name")) {
+            /* NAME [NAME...] (vLLM): the values up to the next option */
+            for (;;) {
+                if (!*v) return bad_opt(a, v, "must not be empty");
+                if (n_names >= SERVE_MAX_LIST) return bad_opt(a, v, "too many names (at most 64)");
+                names[n_names++] = v;
+                if (i + 1 >= argc || !strncmp(argv[i + 1], "--", 2)) break;
+                v = argv[++i];
+            }
+            served = names[0];
+        }
+        else if (!strcmp(a, "--api-key")) {
+            if (!*v) return bad_opt(a, v, "must not be empty");
+            if (n_keys >= SERVE_MAX_LIST) return bad_opt(a, "", "too many keys (at most 64)");
+            keys[n_keys++] = v;
+        }
+        else if (!strcmp(a, "--allowed-origins")) rc = add_list(a, argv[i], origins, &n_origins);
+        else if (!strcmp(a, "--shutdown-timeout")) rc = parse_int_opt(a, v, 0, 1 << 20, &shutdown_timeout);
         else if (!strcmp(a, "--port-file")) port_file = v;
         else if (!strcmp(a, "--port")) rc = parse_int_opt(a, v, 0, 65535, &port);
         else if (!strcmp(a, "--tokens-per-block")) rc = parse_int_opt(a, v, 1, 4096, &tpb);
@@ -266,6 +312,12 @@ int cmd_serve(int argc, char **argv) {
     else if (be_kind == BACKEND_KIND_CUDA && kv_dtype == KV_DTYPE_F16)
         return bad_opt("--kv-cache-dtype", kv_dtype_name(kv_dtype), "the cuda backend supports f32 or bf16");
     if (served && !*served) return bad_opt("--served-model-name", served, "must not be empty");
+    const char *ek = getenv("KVSERVE_API_KEY");
+    if (ek && *ek) {
+        if (strlen(ek) >= sizeof env_keys) return bad_opt("KVSERVE_API_KEY", "", "longer than 4 KiB");
+        snprintf(env_keys, sizeof env_keys, "%s", ek);
+        if (add_list("KVSERVE_API_KEY", env_keys, keys, &n_keys)) return 2;
+    }
     {
         char perr[256];
         if (prefix_cache_config_validate(&ptc, perr, sizeof perr) != KV_OK) {
@@ -382,7 +434,13 @@ int cmd_serve(int argc, char **argv) {
     }
     struct http_config hc = {.host = host, .port = port, .max_body_bytes = (size_t)max_body,
                              .served_model_name = served, .port_file = port_file,
-                             .prefix_cache = pcache};
+                             .prefix_cache = pcache,
+                             .model_aliases = n_names > 1 ? names + 1 : NULL,
+                             .n_model_aliases = n_names > 1 ? n_names - 1 : 0,
+                             .api_keys = keys, .n_api_keys = n_keys,
+                             .allowed_origins = origins, .n_allowed_origins = n_origins,
+                             .shutdown_timeout_s = shutdown_timeout > 0 ? shutdown_timeout : -1};
+    if (n_keys) KV_INFO("http: API keys required (%d key(s))", n_keys);
     st = serve_disagg_start(&sd, e, be, m, tpb, host, &hc, err, sizeof err);
     if (st != KV_OK) {
         fprintf(stderr, "kvserve serve: %s\n", err);

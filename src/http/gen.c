@@ -5,12 +5,21 @@
  *   gen_start: engine_submit --ok--> LIVE (closecb set on the connection;
  *            stream: headers + first chunk sent at once)
  *   engine thread: engine_cb copies each event into srv.q (mutex) and event_active(srv.wake)
- *   loop: gen_on_wake drains -> DELTA: stream chunk / accumulate;  FINISH|ERROR (terminal):
- *         final write, closecb cleared, gen freed.   The gen is freed ONLY on the terminal
- *         event.
+ *   loop: gen_on_wake drains -> DELTA: stream chunk / accumulate;  FINISH|ERROR (terminal,
+ *         one per choice): the last one writes the final answer (an ERROR of any choice
+ *         answers at once with the error and cancels the other choices: `ended`).
+ *         The gen is freed ONLY when every choice's terminal event has arrived AND the answer
+ *         is finished (sent, flushed, or the client is gone): gen_maybe_free.
  *   closecb (client gone): mark, engine_cancel; the evhttp_request is then detached from its
- *         connection (libevent hands it to us) and is freed with evhttp_request_free on the
- *         terminal event; if libevent finishes the request itself (on_complete), we forget it.
+ *         connection (libevent hands it to us) and is freed with evhttp_request_free when the
+ *         gen is freed; if libevent finishes the request itself (on_complete), we forget it.
+ *   drain timeout (server.c): gen_fail_all answers every unfinished request with the 503
+ *         error (streams: an error event and [DONE]) and cancels it; finish_reason
+ *         "cancelled" never reaches a client.
+ *
+ * n > 1: the engine forks the request into n choices (engine.h); events carry the choice
+ * index; a stream interleaves the choices' chunks (each with its index and its own final
+ * chunk), then the usage chunk and [DONE] after the last choice.
  *
  * Backpressure (streams): one chunk in flight per request; later output accumulates in
  * g->pending and goes out when the previous chunk was written.
@@ -35,6 +44,18 @@ struct qev {
     void *payload; /* owned (text, ids, logprobs, top, message) */
 };
 
+/* Per-choice state (gen.ch[index]). */
+struct gen_choice {
+    kv_buf text;                  /* non-stream: accumulated text */
+    json_t *lp;                   /* non-stream: accumulated logprobs */
+    size_t lp_offset;
+    enum finish_reason finish;
+    int completion_tokens;
+    bool done;                    /* its terminal event arrived */
+    uint64_t t_first_ns;
+    struct qev term;              /* terminal-event slot (never lost to malloc failure) */
+};
+
 struct gen {
     struct gen *prev, *next;      /* live list */
     struct evhttp_request *req;   /* NULL once libevent owns/freed it */
@@ -47,16 +68,19 @@ struct gen {
     uint64_t eid;
     char id[48];
     int64_t created;
-    kv_buf text;                  /* non-stream: accumulated text */
-    json_t *lp;                   /* non-stream: accumulated logprobs */
-    size_t lp_offset;
     bool want_lp;
+    int n, n_done;                /* choices; terminal events received */
+    struct gen_choice *ch;        /* (n), allocated with the gen */
+    bool ended;                   /* the answer is written (or being flushed) or failed: later
+                                     events are only counted */
+    bool failed;                  /* answered with an error */
+    int prompt_tokens, cached_tokens;
+    uint64_t t_arrival_ns, t_admitted_ns;
     /* backpressure: one chunk in flight; more output waits in pending */
     bool inflight;
     kv_buf pending;
     bool end_after_flush;
     uint64_t last_peek_ns;
-    struct qev term;              /* terminal-event slot (never lost to malloc failure) */
     /* disaggregated serving */
     bool probe;                   /* /kv_probe: answer {prompt_tokens, cached_tokens} */
     enum oai_disagg_type dtype;
@@ -79,13 +103,14 @@ static void gen_free(struct gen *g) {
     else srv.live = g->next;
     if (g->next) g->next->prev = g->prev;
     srv.n_live--;
-    kv_buf_free(&g->text);
+    for (int i = 0; i < g->n; i++) {
+        kv_buf_free(&g->ch[i].text);
+        json_decref(g->ch[i].lp);
+    }
     kv_buf_free(&g->pending);
-    json_decref(g->lp);
     free(g->prompt_ids);
     free(g);
-    /* let the last replies' final bytes (chunked terminators) reach the sockets first */
-    if (srv.stopping && srv.n_live == 0) event_base_loopexit(srv.base, &(struct timeval){0, 50000});
+    if (srv.stopping && srv.n_live == 0) server_drained();
 }
 
 /* Releases our hold on the connection/request before a final write or free. */
@@ -93,6 +118,16 @@ static void gen_unhook(struct gen *g) {
     if (g->conn) evhttp_connection_set_closecb(g->conn, NULL, NULL);
     g->conn = NULL;
     if (g->req) evhttp_request_set_on_complete_cb(g->req, NULL, NULL);
+}
+
+/* Frees g once every choice ended and the answer is finished (or the client is gone). */
+static void gen_maybe_free(struct gen *g) {
+    if (g->n_done < g->n) return;
+    if (g->req && !g->client_gone) return; /* an answer still to finish (stream flushing) */
+    if (g->req && g->detached) evhttp_request_free(g->req);
+    g->req = NULL;
+    gen_unhook(g);
+    gen_free(g);
 }
 
 static void on_close(struct evhttp_connection *conn, void *arg) {
@@ -111,13 +146,12 @@ static void on_close(struct evhttp_connection *conn, void *arg) {
             g->req = NULL;
         }
     }
-    if (g->end_after_flush) { /* terminal event already handled: nothing more will come */
+    if (g->n_done < g->n) engine_cancel(srv.e, g->eid);
+    if (g->end_after_flush) { /* the answer was complete: nothing more will be written */
         if (g->req && g->detached) evhttp_request_free(g->req);
         g->req = NULL;
-        gen_free(g);
-        return;
+        gen_maybe_free(g);
     }
-    engine_cancel(srv.e, g->eid);
 }
 
 /* libevent completed the request on its own (an error reply after a write failure). */
@@ -159,7 +193,7 @@ static void flush_pending(struct gen *g) {
         gen_unhook(g);
         g->req = NULL;
         evhttp_send_reply_end(req);
-        gen_free(g);
+        gen_maybe_free(g);
     }
 }
 
@@ -177,6 +211,7 @@ static void meta_of(const struct gen *g, struct resp_meta *m) {
     m->created = g->created;
     m->model = srv.model_name;
     m->kind = g->kind;
+    m->index = 0;
 }
 
 /* Is the peer of a non-stream request gone? (EOF seen by a non-consuming peek.) */
@@ -200,59 +235,174 @@ static int engine_err_status(kv_status st) {
 
 static char *ctx_response_add_params(const struct gen *g, const char *body, bool offered);
 
-static void handle_event(struct gen *g, const struct engine_event *ev) {
-    bool terminal = ev->type != ENGINE_EV_DELTA;
-    struct resp_meta m;
-    meta_of(g, &m);
+/* Answers g with e now (stream: an error event and [DONE]; else the HTTP status of e) and
+ * cancels the choices still running. Later events are only counted. */
+static void gen_fail(struct gen *g, const struct oai_error *e) {
+    g->ended = g->failed = true;
+    if (g->n_done < g->n) engine_cancel(srv.e, g->eid);
     if (g->client_gone || !g->req) {
-        if (terminal) {
-            if (g->req && g->detached) evhttp_request_free(g->req);
-            g->req = NULL;
-            gen_unhook(g);
-            gen_free(g);
-        }
+        gen_maybe_free(g);
         return;
     }
-    if (ev->type == ENGINE_EV_ERROR) {
-        struct oai_error e;
-        oai_errf(&e, engine_err_status(ev->status), ev->status == KV_EINVAL || ev->status == KV_ETOOLONG
-                 ? "invalid_request_error" : "server_error", NULL,
-                 ev->status == KV_ETOOLONG ? "context_length_exceeded" : NULL, "%s",
-                 ev->message && *ev->message ? ev->message : kv_status_str(ev->status));
-        if (g->stream) {
-            resp_error_sse(&g->pending, &e);
-            kv_buf_puts(&g->pending, "data: [DONE]\n\n");
-            g->end_after_flush = true;
-            flush_pending(g);
-        } else {
-            struct evhttp_request *req = g->req;
-            gen_unhook(g);
-            g->req = NULL;
-            http_send_error(req, &e);
-            gen_free(g);
+    if (g->stream) {
+        resp_error_sse(&g->pending, e);
+        kv_buf_puts(&g->pending, "data: [DONE]\n\n");
+        g->end_after_flush = true;
+        flush_pending(g); /* frees g when flushed and every choice ended */
+        return;
+    }
+    struct evhttp_request *req = g->req;
+    gen_unhook(g);
+    g->req = NULL;
+    http_send_error(req, e);
+    gen_maybe_free(g);
+}
+
+void gen_fail_all(const struct oai_error *e) {
+    struct gen *g = srv.live;
+    while (g) {
+        struct gen *next = g->next; /* gen_fail may free g */
+        if (!g->ended) gen_fail(g, e);
+        g = next;
+    }
+}
+
+/* Latency histograms of a request whose choices all finished (metrics.c). */
+static void observe_latency(const struct gen *g) {
+    struct http_latency *l = &srv.ctr.lat;
+    uint64_t now = kv_now_ns(), first = 0;
+    for (int i = 0; i < g->n; i++) {
+        const struct gen_choice *c = &g->ch[i];
+        if (c->t_first_ns && (!first || c->t_first_ns < first)) first = c->t_first_ns;
+        if (c->t_first_ns && c->completion_tokens > 1)
+            metrics_observe(l, MH_TPOT, (double)(now - c->t_first_ns) / 1e9 / (c->completion_tokens - 1));
+        if (c->finish == FINISH_LENGTH) l->finished_length++;
+        else l->finished_stop++;
+    }
+    if (!g->t_arrival_ns) return;
+    if (first >= g->t_arrival_ns) metrics_observe(l, MH_TTFT, (double)(first - g->t_arrival_ns) / 1e9);
+    if (g->t_admitted_ns >= g->t_arrival_ns)
+        metrics_observe(l, MH_QUEUE, (double)(g->t_admitted_ns - g->t_arrival_ns) / 1e9);
+    metrics_observe(l, MH_E2E, (double)(now - g->t_arrival_ns) / 1e9);
+}
+
+/* The usage of the whole answer: completion tokens summed over the choices. */
+static struct resp_usage usage_of(const struct gen *g) {
+    struct resp_usage u = {g->prompt_tokens, 0, g->cached_tokens};
+    for (int i = 0; i < g->n; i++) u.completion_tokens += g->ch[i].completion_tokens;
+    return u;
+}
+
+static void stream_event(struct gen *g, struct gen_choice *c, int index,
+                         const struct engine_event *ev, bool terminal) {
+    struct resp_meta m;
+    meta_of(g, &m);
+    m.index = index;
+    json_t *lp = NULL;
+    if (g->want_lp && ev->logprobs && ev->n_ids > 0) {
+        lp = resp_logprobs_new(g->kind);
+        resp_logprobs_append(lp, g->kind, srv.t, g->tokens_as_ids, ev->logprobs, ev->top,
+                             ev->n_ids, ev->n_top, &c->lp_offset);
+    }
+    const char *fin = terminal ? finish_reason_str(ev->finish) : NULL;
+    if (g->kind == OAI_CHAT) {
+        /* content (and its logprobs) first; the finish chunk has delta {} (OpenAI) */
+        if (ev->text_len > 0 || lp)
+            resp_chunk_sse(&g->pending, &m, NULL, ev->text ? ev->text : "", ev->text_len, lp, NULL);
+        if (fin) resp_chunk_sse(&g->pending, &m, NULL, NULL, 0, NULL, fin);
+    } else if (ev->text_len > 0 || lp || fin) {
+        resp_chunk_sse(&g->pending, &m, NULL, ev->text ? ev->text : "", ev->text_len, lp, fin);
+    }
+    if (terminal && g->n_done == g->n) {
+        if (g->include_usage) {
+            struct resp_usage u = usage_of(g);
+            resp_usage_sse(&g->pending, &m, &u);
         }
+        kv_buf_puts(&g->pending, "data: [DONE]\n\n");
+        g->end_after_flush = true;
+        g->ended = true;
+        observe_latency(g);
+    }
+    flush_pending(g);
+}
+
+static void finish_full(struct gen *g) {
+    struct resp_meta m;
+    meta_of(g, &m);
+    struct resp_usage u = usage_of(g);
+    char *body;
+    if (g->probe) {
+        json_t *po = json_pack("{s:i, s:i}", "prompt_tokens", g->prompt_tokens, "cached_tokens",
+                               g->cached_tokens);
+        body = po ? json_dumps(po, JSON_COMPACT) : NULL;
+        json_decref(po);
+    } else {
+        struct resp_choice rc[ENGINE_MAX_CHOICES];
+        for (int i = 0; i < g->n; i++) {
+            struct gen_choice *c = &g->ch[i];
+            rc[i] = (struct resp_choice){c->text.data, c->text.len, c->lp, finish_reason_str(c->finish)};
+            c->lp = NULL; /* stolen */
+        }
+        body = resp_full_json_n(&m, rc, g->n, &u);
+        if (body && g->dtype == OAI_DISAGG_CONTEXT_ONLY) {
+            /* the KV stays offered unless the request ended here in context first */
+            bool offered = g->ch[0].finish == FINISH_NOT_FINISHED || !g->context_first;
+            char *b2 = ctx_response_add_params(g, body, offered);
+            free(body);
+            body = b2;
+        }
+    }
+    observe_latency(g);
+    g->ended = true;
+    struct evhttp_request *req = g->req;
+    gen_unhook(g);
+    g->req = NULL;
+    if (body) http_send_json_str(req, 200, body);
+    else http_send_errf(req, 500, "server_error", NULL, NULL, "out of memory");
+    free(body);
+    gen_maybe_free(g);
+}
+
+static void handle_event(struct gen *g, const struct engine_event *ev) {
+    bool terminal = ev->type != ENGINE_EV_DELTA;
+    int index = ev->index >= 0 && ev->index < g->n ? ev->index : 0;
+    struct gen_choice *c = &g->ch[index];
+    if (terminal && !c->done) {
+        c->done = true;
+        g->n_done++;
+    }
+    if (g->client_gone || !g->req || g->ended) {
+        if (terminal) gen_maybe_free(g);
+        return;
+    }
+    if (ev->type == ENGINE_EV_ERROR || (terminal && ev->finish == FINISH_CANCELLED)) {
+        /* an engine error, or a cancel the client did not ask for (it never sees
+         * finish_reason "cancelled"): the whole answer fails */
+        struct oai_error e;
+        if (ev->type == ENGINE_EV_ERROR)
+            oai_errf(&e, engine_err_status(ev->status), ev->status == KV_EINVAL || ev->status == KV_ETOOLONG
+                     ? "invalid_request_error" : "server_error", NULL,
+                     ev->status == KV_ETOOLONG ? "context_length_exceeded" : NULL, "%s",
+                     ev->message && *ev->message ? ev->message : kv_status_str(ev->status));
+        else
+            oai_errf(&e, 503, "server_error", NULL, NULL, "the request was cancelled by the server");
+        gen_fail(g, &e);
         return;
     }
     /* DELTA or FINISH (FINISH may carry the last held-back text) */
+    if (!c->t_first_ns && ev->t_first_token_ns) c->t_first_ns = ev->t_first_token_ns;
+    if (terminal) {
+        c->finish = ev->finish;
+        c->completion_tokens = ev->completion_tokens;
+        g->prompt_tokens = ev->prompt_tokens;
+        if (index == 0) {
+            g->cached_tokens = ev->cached_tokens;
+            g->t_arrival_ns = ev->t_arrival_ns;
+            g->t_admitted_ns = ev->t_admitted_ns;
+        }
+    }
     if (g->stream) {
-        json_t *lp = NULL;
-        if (g->want_lp && ev->logprobs && ev->n_ids > 0) {
-            lp = resp_logprobs_new(g->kind);
-            resp_logprobs_append(lp, g->kind, srv.t, g->tokens_as_ids, ev->logprobs, ev->top,
-                                 ev->n_ids, ev->n_top, &g->lp_offset);
-        }
-        const char *fin = terminal ? finish_reason_str(ev->finish) : NULL;
-        if (ev->text_len > 0 || lp || fin)
-            resp_chunk_sse(&g->pending, &m, NULL, ev->text ? ev->text : "", ev->text_len, lp, fin);
-        if (terminal) {
-            if (g->include_usage) {
-                struct resp_usage u = {ev->prompt_tokens, ev->completion_tokens, ev->cached_tokens};
-                resp_usage_sse(&g->pending, &m, &u);
-            }
-            kv_buf_puts(&g->pending, "data: [DONE]\n\n");
-            g->end_after_flush = true;
-        }
-        flush_pending(g);
+        stream_event(g, c, index, ev, terminal);
         return;
     }
     if (g->dtype == OAI_DISAGG_CONTEXT_ONLY && !g->has_first && ev->n_ids > 0 && ev->ids) {
@@ -265,10 +415,10 @@ static void handle_event(struct gen *g, const struct engine_event *ev) {
             for (int i = 0; i < g->n_first_top; i++) g->first_top[i] = ev->top[i];
         }
     }
-    if (ev->text_len) kv_buf_append(&g->text, ev->text, ev->text_len);
+    if (ev->text_len) kv_buf_append(&c->text, ev->text, ev->text_len);
     if (g->want_lp && ev->logprobs && ev->n_ids > 0)
-        resp_logprobs_append(g->lp, g->kind, srv.t, g->tokens_as_ids, ev->logprobs, ev->top,
-                             ev->n_ids, ev->n_top, &g->lp_offset);
+        resp_logprobs_append(c->lp, g->kind, srv.t, g->tokens_as_ids, ev->logprobs, ev->top,
+                             ev->n_ids, ev->n_top, &c->lp_offset);
     if (!terminal) {
         /* libevent does not watch a connection while we compute a non-stream answer: peek.
          * On EOF cancel; the (cancelled) reply is still sent so libevent cleans up. */
@@ -283,33 +433,7 @@ static void handle_event(struct gen *g, const struct engine_event *ev) {
         }
         return;
     }
-    struct resp_usage u = {ev->prompt_tokens, ev->completion_tokens, ev->cached_tokens};
-    json_t *lp = g->lp;
-    g->lp = NULL;
-    char *body;
-    if (g->probe) {
-        json_decref(lp);
-        json_t *po = json_pack("{s:i, s:i}", "prompt_tokens", ev->prompt_tokens, "cached_tokens",
-                               ev->cached_tokens);
-        body = po ? json_dumps(po, JSON_COMPACT) : NULL;
-        json_decref(po);
-    } else {
-        body = resp_full_json(&m, g->text.data, g->text.len, lp, finish_reason_str(ev->finish), &u);
-        if (body && g->dtype == OAI_DISAGG_CONTEXT_ONLY) {
-            /* the KV stays offered unless the request ended here in context first */
-            bool offered = ev->finish == FINISH_NOT_FINISHED || !g->context_first;
-            char *b2 = ctx_response_add_params(g, body, offered);
-            free(body);
-            body = b2;
-        }
-    }
-    struct evhttp_request *req = g->req;
-    gen_unhook(g);
-    g->req = NULL;
-    if (body) http_send_json_str(req, 200, body);
-    else http_send_errf(req, 500, "server_error", NULL, NULL, "out of memory");
-    free(body);
-    gen_free(g);
+    if (g->n_done == g->n) finish_full(g);
 }
 
 /* Context leg: adds choices[0].disaggregated_params (docs/disaggregation.md) to the body.
@@ -372,7 +496,8 @@ static void engine_cb(const struct engine_event *ev, void *user) {
     size_t sz = align8(ev->text_len + 1) + align8((size_t)ev->n_ids * sizeof(int32_t)) +
                 (ev->logprobs ? (size_t)ev->n_ids : 0) * sizeof(struct token_logprob) +
                 n_top_all * sizeof(struct token_logprob) + msg_len;
-    struct qev *q = terminal ? &g->term : kv_malloc(sizeof *q);
+    int index = ev->index >= 0 && ev->index < g->n ? ev->index : 0;
+    struct qev *q = terminal ? &g->ch[index].term : kv_malloc(sizeof *q);
     if (!q) return; /* a lost delta: the text is lost, the terminal event still comes */
     memset(q, 0, sizeof *q);
     q->embedded = terminal;
@@ -460,12 +585,15 @@ void gen_start(struct evhttp_request *req, const struct oai_request *r, const in
                size_t n) {
     enum oai_kind kind = r->kind;
     int mml = engine_config(srv.e)->max_model_len;
-    struct gen *g = kv_calloc(1, sizeof *g);
+    int n_ch = r->n >= 1 && r->n <= ENGINE_MAX_CHOICES && !r->probe ? r->n : 1;
+    struct gen *g = kv_calloc(1, sizeof *g + (size_t)n_ch * sizeof(struct gen_choice));
     if (!g) {
         http_send_errf(req, 500, "server_error", NULL, NULL, "out of memory");
         return;
     }
-    kv_buf_init(&g->text);
+    g->n = n_ch;
+    g->ch = (struct gen_choice *)(g + 1);
+    for (int i = 0; i < n_ch; i++) kv_buf_init(&g->ch[i].text);
     kv_buf_init(&g->pending);
     g->req = req;
     g->kind = kind;
@@ -489,7 +617,8 @@ void gen_start(struct evhttp_request *req, const struct oai_request *r, const in
         g->n_prompt_ids = n;
     }
     make_id(g->id, sizeof g->id, kind == OAI_CHAT ? "chatcmpl-" : "cmpl-");
-    if (g->want_lp && !g->stream) g->lp = resp_logprobs_new(kind);
+    if (g->want_lp && !g->stream)
+        for (int i = 0; i < n_ch; i++) g->ch[i].lp = resp_logprobs_new(kind);
     /* link before submit: events may arrive (on the engine thread) before submit returns,
      * but they are only handled by this loop thread, after this function. */
     g->next = srv.live;
@@ -498,13 +627,16 @@ void gen_start(struct evhttp_request *req, const struct oai_request *r, const in
     srv.n_live++;
     struct engine_request_params p;
     oai_engine_params(r, ids, n, mml, &p); /* p.cache_salt = r->cache_salt, copied by submit */
-    if (r->probe) p.disagg = ENGINE_DISAGG_PROBE;
+    if (r->probe) {
+        p.disagg = ENGINE_DISAGG_PROBE;
+        p.n = 1;
+    }
     char err[512] = "";
     kv_status st = engine_submit(srv.e, &p, engine_cb, g, &g->eid, err, sizeof err);
     if (st) {
         g->req = NULL;
         gen_free(g);
-        if (st == KV_EBUSY)
+        if (st == KV_EBUSY || st == KV_ECANCELLED)
             http_send_errf(req, 503, "server_error", NULL, NULL,
                            *err ? err : "the server is overloaded (request queue full); retry later");
         else if (st == KV_EIO) /* engine_healthy false: a sticky device error */
@@ -514,8 +646,11 @@ void gen_start(struct evhttp_request *req, const struct oai_request *r, const in
                            "context_length_exceeded", *err ? err : "the prompt is too long");
         else if (st == KV_EINVAL)
             http_send_errf(req, 400, "invalid_request_error", NULL, NULL, *err ? err : "invalid request");
-        else if (st == KV_EUNSUPPORTED)
-            http_send_errf(req, 400, "invalid_request_error", "disaggregated_params", NULL,
+        else if (st == KV_EUNSUPPORTED) /* a disaggregated leg without KV transfer, or a
+                                           host-sampler feature on a device-sampling worker */
+            http_send_errf(req, 400, "invalid_request_error",
+                           r->disagg.type != OAI_DISAGG_NONE ? "disaggregated_params"
+                           : r->n > 1 ? "n" : r->n_logit_bias ? "logit_bias" : "min_tokens", NULL,
                            *err ? err : "disaggregated serving is not enabled on this worker");
         else
             http_send_errf(req, 500, "server_error", NULL, NULL, *err ? err : kv_status_str(st));
@@ -529,7 +664,8 @@ void gen_start(struct evhttp_request *req, const struct oai_request *r, const in
         if (kind == OAI_CHAT) {
             struct resp_meta m;
             meta_of(g, &m);
-            resp_chunk_sse(&g->pending, &m, "assistant", "", 0, NULL, NULL);
+            for (m.index = 0; m.index < g->n; m.index++)
+                resp_chunk_sse(&g->pending, &m, "assistant", "", 0, NULL, NULL);
             flush_pending(g);
         }
     }

@@ -46,7 +46,8 @@ static kv_status prompt_ids(struct evhttp_request *req, const struct oai_request
 
 static void generate(struct evhttp_request *req, enum oai_kind kind, bool probe) {
     if (srv.stopping) {
-        http_send_errf(req, 503, "server_error", NULL, NULL, "the server is shutting down");
+        http_send_errf(req, 503, "server_error", NULL, "shutting_down",
+                       "the server is shutting down and takes no new requests");
         return;
     }
     struct oai_request r;
@@ -141,10 +142,12 @@ void handle_detokenize(struct evhttp_request *req) {
     oai_request_free(&r);
 }
 
-void handle_models(struct evhttp_request *req) {
-    json_t *m = json_pack("{s:s, s:s, s:I, s:s, s:i}", "id", srv.model_name, "object", "model",
-                          "created", (json_int_t)kv_unix_time(), "owned_by", "kvserve",
-                          "max_model_len", engine_config(srv.e)->max_model_len);
+/* The model object of one served name (OpenAI's Model, plus vLLM's root / max_model_len). */
+static json_t *model_obj(const char *name) {
+    json_t *m = json_pack("{s:s, s:s, s:I, s:s, s:s, s:n, s:i}", "id", name, "object", "model",
+                          "created", (json_int_t)kv_unix_time(), "owned_by", "kvserve", "root",
+                          srv.model_name, "parent", "max_model_len",
+                          engine_config(srv.e)->max_model_len);
     if (m && srv.m->is_demo) {
         json_object_set_new(m, "demo", json_true());
         json_object_set_new(m, "note", json_string(
@@ -152,7 +155,29 @@ void handle_models(struct evhttp_request *req) {
             "Serve a real model with `make serve MODEL=/path/to/model.gguf` or "
             "`kvserve serve --model PATH` (a GGUF file or a Hugging Face directory)."));
     }
-    http_send_json(req, 200, json_pack("{s:s, s:[o]}", "object", "list", "data", m));
+    return m;
+}
+
+/* GET /v1/models: one entry per served name (--served-model-name A B: A and B, as vLLM). */
+void handle_models(struct evhttp_request *req) {
+    json_t *data = json_array();
+    json_array_append_new(data, model_obj(srv.model_name));
+    for (int i = 0; i < srv.lim.n_aliases; i++)
+        if (srv.lim.aliases[i]) json_array_append_new(data, model_obj(srv.lim.aliases[i]));
+    http_send_json(req, 200, json_pack("{s:s, s:o}", "object", "list", "data", data));
+}
+
+void handle_model(struct evhttp_request *req, const char *id) {
+    char *name = evhttp_uridecode(id, 0, NULL);
+    if (name && oai_model_matches(&srv.lim, name)) {
+        http_send_json(req, 200, model_obj(name));
+    } else {
+        char msg[420];
+        snprintf(msg, sizeof msg, "The model '%.200s' does not exist; this server serves '%.150s'",
+                 name ? name : id, srv.model_name);
+        http_send_errf(req, 404, "invalid_request_error", "model", "model_not_found", msg);
+    }
+    free(name);
 }
 
 void handle_metrics(struct evhttp_request *req) {
@@ -163,7 +188,8 @@ void handle_metrics(struct evhttp_request *req) {
     struct prefix_cache_stats pcs;
     struct prefix_cache *pc = srv.cfg ? srv.cfg->prefix_cache : NULL;
     if (pc) prefix_cache_get_stats(pc, &pcs);
-    if (metrics_render(&b, &s, &srv.ctr, srv.model_name) ||
+    struct metrics_info info = {engine_config(srv.e)->tokens_per_block, srv.stopping};
+    if (metrics_render(&b, &s, &srv.ctr, &info, srv.model_name) ||
         (pc && metrics_render_prefix_token_cache(&b, &pcs, srv.model_name))) {
         kv_buf_free(&b);
         http_send_errf(req, 500, "server_error", NULL, NULL, "out of memory");

@@ -39,6 +39,20 @@ struct http_config {
     kv_status (*on_listening)(const char *host, int port, void *arg, char *err, size_t errlen);
     void (*on_stopping)(void *arg);
     void *hook_arg;
+    /* ---- serving names, access, drain (docs/api.md); zero = defaults ---- */
+    const char *const *model_aliases; /* (n_model_aliases) more names the model answers to and
+                                        /v1/models lists (--served-model-name A B C: B, C) */
+    int n_model_aliases;
+    const char *const *api_keys;     /* (n_api_keys) accepted keys (Authorization: Bearer KEY)
+                                        on every route but /health, /ready, /metrics and CORS
+                                        preflights; none = no authentication */
+    int n_api_keys;
+    const char *const *allowed_origins; /* (n_allowed_origins) CORS origins, "*" = any; none =
+                                        no CORS headers and preflights answer 403 */
+    int n_allowed_origins;
+    int shutdown_timeout_s;          /* SIGTERM/SIGINT: stop taking new work, let in-flight
+                                        requests finish this long, then fail them with 503.
+                                        0 = the default 30 s; < 0 = fail them at once */
 };
 
 /* Serves until SIGINT/SIGTERM (or http_server_stop from another thread); returns KV_OK on a
@@ -47,6 +61,7 @@ struct http_config {
 kv_status http_serve(const struct http_config *cfg, engine_t *e, const model_t *m,
                      const tokenizer_t *t, char *err, size_t errlen);
 void http_server_stop(void);
+#define HTTP_DEFAULT_SHUTDOWN_TIMEOUT_S 30
 
 /* The prompt of a completions (chat false) or chat body as token ids, exactly as a worker with
  * tokenizer t computes them (the router hashes these: kv_aware block hashes, conversation

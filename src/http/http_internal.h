@@ -34,6 +34,8 @@ struct oai_limits {
     const char *served_name; /* requests naming another model get 404 model_not_found */
     int n_vocab;             /* token ids must be in [0, n_vocab) */
     int max_model_len;       /* max_tokens above this is rejected; <= 0 = no check */
+    const char *const *aliases; /* (n_aliases) more names the model answers to (borrowed) */
+    int n_aliases;
 };
 
 enum oai_kind { OAI_COMPLETION = 0, OAI_CHAT, OAI_TOKENIZE, OAI_DETOKENIZE };
@@ -42,6 +44,7 @@ enum oai_kind { OAI_COMPLETION = 0, OAI_CHAT, OAI_TOKENIZE, OAI_DETOKENIZE };
 #define OAI_MAX_TOP_LOGPROBS_CHAT 20
 #define OAI_MAX_LOGPROBS_COMPLETION 5
 #define OAI_MAX_CACHE_SALT 256 /* bytes */
+#define OAI_MAX_STOP_TOKEN_IDS 256
 
 /* disaggregated_params of a context or generation leg (docs/disaggregation.md). */
 enum oai_disagg_type { OAI_DISAGG_NONE = 0, OAI_DISAGG_CONTEXT_ONLY, OAI_DISAGG_GENERATION_ONLY };
@@ -82,6 +85,8 @@ struct oai_request {
     json_t *chat_kwargs;        /* owned or NULL: extra template variables: the request's
                                    chat_template_kwargs plus "tools" */
     bool add_generation_prompt; /* chat: open an assistant turn (default true) */
+    bool continue_final_message; /* chat: the prompt ends inside the final (assistant) message,
+                                   which the model continues (vLLM; no generation prompt) */
     char *cache_salt;           /* owned or NULL: "cache_salt" (<= OAI_MAX_CACHE_SALT bytes) */
     /* generation */
     struct sampling_params sp;
@@ -89,6 +94,13 @@ struct oai_request {
     char **stop;                /* owned (n_stop) */
     int n_stop;
     bool ignore_eos;
+    int n;                      /* choices, 1..ENGINE_MAX_CHOICES */
+    struct logit_bias *logit_bias; /* owned (n_logit_bias): ids in [0, n_vocab), [-100, 100] */
+    int n_logit_bias;
+    int32_t *stop_token_ids;    /* owned (n_stop_token_ids) */
+    int n_stop_token_ids;
+    int min_tokens;             /* 0..max_tokens */
+    int priority;               /* lower = more urgent */
     bool tokens_as_ids;         /* return_tokens_as_token_ids: logprob tokens as "token_id:N" */
     bool add_special;           /* tokenize: add_special_tokens (default true) */
     struct oai_disagg disagg;   /* completions/chat: disaggregated_params */
@@ -101,8 +113,22 @@ kv_status oai_parse(enum oai_kind kind, const char *body, size_t len,
                     const struct oai_limits *lim, struct oai_request *out, struct oai_error *err);
 void oai_request_free(struct oai_request *r);
 
-/* Engine parameters for r with the tokenized prompt (borrowed: ids, r's stop strings and
- * cache_salt).
+/* True if name is the served name or one of its aliases (lim NULL or no name: any). */
+bool oai_model_matches(const struct oai_limits *lim, const char *name);
+
+/* ---- openai_sampling.c: n, best_of, logit_bias, stop_token_ids, min_tokens, priority ----
+ * Parses those fields of o into r (r->max_tokens already parsed: -1 = until the context
+ * ends). KV_EINVAL with err filled (param = the field). */
+kv_status oai_parse_sampling(json_t *o, const struct oai_limits *lim, struct oai_request *r,
+                             struct oai_error *err);
+/* openai.c's field readers, shared with openai_sampling.c: oai_field = present and not null;
+ * oai_get_int = an integer (or an integral real) within [lo, hi]. */
+json_t *oai_field(json_t *o, const char *k);
+kv_status oai_get_int(json_t *o, const char *k, int64_t lo, int64_t hi, bool *present,
+                      int64_t *out, struct oai_error *err);
+
+/* Engine parameters for r with the tokenized prompt (borrowed: ids, r's stop strings,
+ * stop_token_ids, logit_bias and cache_salt).
  * max_tokens -1 becomes max_model_len - n_ids (at least 1). */
 void oai_engine_params(const struct oai_request *r, const int32_t *ids, size_t n_ids,
                        int max_model_len, struct engine_request_params *p);
@@ -133,6 +159,7 @@ struct resp_meta {
     int64_t created;
     const char *model;
     enum oai_kind kind;
+    int index;            /* resp_chunk_sse: the choice index of the chunk */
 };
 struct resp_usage {
     int prompt_tokens, completion_tokens, cached_tokens;
@@ -140,21 +167,56 @@ struct resp_usage {
 /* Non-stream body. logprobs: stolen reference or NULL (-> null). */
 char *resp_full_json(const struct resp_meta *m, const char *text, size_t text_len,
                      json_t *logprobs, const char *finish, const struct resp_usage *u);
-/* One SSE event "data: {...}\n\n" appended to out. role: chat only, NULL to omit; text may be
- * NULL (chat: delta without content); finish NULL -> null; logprobs stolen or NULL. */
+/* The same with n choices (index i = ch[i]; every logprobs stolen). */
+struct resp_choice {
+    const char *text;
+    size_t text_len;
+    json_t *logprobs;
+    const char *finish;
+};
+char *resp_full_json_n(const struct resp_meta *m, const struct resp_choice *ch, int n,
+                       const struct resp_usage *u);
+/* One SSE event "data: {...}\n\n" for choice m->index appended to out. role: chat only, NULL
+ * to omit; text may be NULL (chat: a delta without content; with no role either the delta is
+ * {}, as OpenAI's last chunk); finish NULL -> null; logprobs stolen or NULL. */
 kv_status resp_chunk_sse(kv_buf *out, const struct resp_meta *m, const char *role,
                          const char *text, size_t text_len, json_t *logprobs, const char *finish);
 kv_status resp_usage_sse(kv_buf *out, const struct resp_meta *m, const struct resp_usage *u);
 kv_status resp_error_sse(kv_buf *out, const struct oai_error *e);
 
 /* ---- metrics.c ---- */
+/* A Prometheus histogram over fixed bucket bounds (seconds; metrics.c has the bounds of each
+ * kind, vLLM's). Loop thread only. */
+#define METRICS_MAX_BUCKETS 24
+struct metrics_hist {
+    uint64_t bucket[METRICS_MAX_BUCKETS]; /* observations <= bound[i] (not cumulative) */
+    uint64_t count;
+    double sum;
+};
+enum metrics_hist_kind { MH_TTFT = 0, MH_TPOT, MH_E2E, MH_QUEUE, MH_COUNT };
+/* Latencies of finished requests (the worker's HTTP loop observes them). */
+struct http_latency {
+    struct metrics_hist h[MH_COUNT];
+    uint64_t finished_stop, finished_length; /* choices by finish reason */
+};
+void metrics_observe(struct http_latency *l, enum metrics_hist_kind k, double seconds);
+
 struct http_counters {
     uint64_t http_requests_total;
     uint64_t http_errors_4xx, http_errors_5xx;
     uint64_t client_disconnects;
+    struct http_latency lat;        /* worker only (the router leaves it zero) */
 };
+/* What metrics_render reports about the KV cache besides engine_stats. */
+struct metrics_info {
+    int tokens_per_block;
+    bool draining;                  /* /ready answers 503 */
+};
+/* kvserve_* metrics, then the same quantities under the names gateways and dashboards read
+ * (vllm:*, docs/metrics.md): queue/running gauges, KV usage, token counters, prefix cache,
+ * and the latency histograms of c->lat. info may be NULL. */
 kv_status metrics_render(kv_buf *out, const struct engine_stats *s, const struct http_counters *c,
-                         const char *model_name);
+                         const struct metrics_info *info, const char *model_name);
 /* Appends the prefix token cache counters (kvserve_prefix_token_cache_*). */
 struct prefix_cache_stats;
 kv_status metrics_render_prefix_token_cache(kv_buf *out, const struct prefix_cache_stats *s,

@@ -98,7 +98,7 @@ static void on_accept_resume(evutil_socket_t fd, short what, void *arg) {
     (void)fd;
     (void)what;
     struct http_listener *l = arg;
-    if (l->bound && !l->stopping) evconnlistener_enable(evhttp_bound_socket_get_listener(l->bound));
+    if (l->bound) evconnlistener_enable(evhttp_bound_socket_get_listener(l->bound)); /* (NULL once unbound) */
 }
 
 static void on_accept_error(struct evconnlistener *el, void *arg) {
@@ -117,14 +117,19 @@ static void on_accept_error(struct evconnlistener *el, void *arg) {
     if (l->accept_timer && evconnlistener_disable(el) == 0) evtimer_add(l->accept_timer, &tv);
 }
 
-static void begin_stop(struct http_listener *l) {
-    if (l->stopping) return;
-    l->stopping = true;
+void http_listener_unbind(struct http_listener *l) {
+    if (!l) return;
     if (l->accept_timer) evtimer_del(l->accept_timer);
     if (l->bound) {
         evhttp_del_accept_socket(l->http, l->bound);
         l->bound = NULL;
     }
+}
+
+static void begin_stop(struct http_listener *l) {
+    if (l->stopping) return;
+    l->stopping = true;
+    if (!l->cfg.keep_accepting) http_listener_unbind(l);
     if (l->cfg.on_stop) l->cfg.on_stop(l->cfg.arg);
     else event_base_loopbreak(l->base);
 }
@@ -132,8 +137,12 @@ static void begin_stop(struct http_listener *l) {
 static void on_signal(evutil_socket_t sig, short what, void *arg) {
     (void)what;
     struct http_listener *l = arg;
-    l->signalled = true;
     KV_INFO("%s: received signal %d", l->name, (int)sig);
+    if (l->stopping && l->signalled && l->cfg.on_signal_again) {
+        l->cfg.on_signal_again(l->cfg.arg, (int)sig);
+        return;
+    }
+    l->signalled = true;
     begin_stop(l);
 }
 

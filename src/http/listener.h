@@ -68,9 +68,15 @@ struct http_listener_config {
     /* Called for every request within the limits (counted in reply->ctr->http_requests_total
      * before); the callee answers it now or later. */
     void (*on_request)(struct evhttp_request *req, void *arg);
-    /* Called once when a stop begins (the listening socket is already closed); the owner
-     * cancels its work and breaks its loop when done. NULL -> event_base_loopbreak. */
+    /* Called once when a stop begins (the listening socket is already closed, unless
+     * keep_accepting); the owner cancels its work and breaks its loop when done.
+     * NULL -> event_base_loopbreak. */
     void (*on_stop)(void *arg);
+    /* Optional: a SIGINT/SIGTERM arriving after the stop began (sig = its number). */
+    void (*on_signal_again)(void *arg, int sig);
+    /* A stop leaves the listening socket open (a draining owner answers new requests itself,
+     * e.g. 503) until the owner calls http_listener_unbind. */
+    bool keep_accepting;
     void *arg;
 };
 
@@ -83,6 +89,9 @@ kv_status http_listener_start(struct event_base *base, const struct http_listene
 int http_listener_port(const struct http_listener *l);
 const char *http_listener_host(const struct http_listener *l);
 struct evhttp *http_listener_evhttp(struct http_listener *l);
+/* Closes the listening socket (new connections are refused; open ones stay). Idempotent;
+ * NULL is a no-op. Loop thread. */
+void http_listener_unbind(struct http_listener *l);
 /* Asks for a stop (any thread): on_stop runs on the loop thread. Idempotent. */
 void http_listener_stop(struct http_listener *l);
 /* A stop has begun / was started by a signal. */

@@ -1,6 +1,71 @@
-/* Prometheus text exposition (format 0.0.4) of engine and HTTP counters. */
+/*
+ * Prometheus text exposition (format 0.0.4) of engine and HTTP counters: kvserve's own
+ * kvserve_* names, then the same quantities under the vLLM names that gateways and dashboards
+ * already read (the Gateway API Inference Extension's endpoint picker defaults to
+ * vllm:num_requests_waiting, vllm:num_requests_running, vllm:kv_cache_usage_perc and
+ * vllm:cache_config_info; docs/metrics.md lists every name).
+ */
+#include <stdio.h>
+#include <time.h>
+
 #include "http_internal.h"
 #include "tokenizer/prefix_cache.h"
+
+/* Bucket upper bounds in seconds (vLLM's, with finer low buckets for TPOT: CPU decode steps of
+ * small models take well under 10 ms). */
+static const double B_TTFT[] = {0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+                                1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0};
+static const double B_TPOT[] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,
+                                0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0};
+static const double B_E2E[] = {0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
+                               20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0};
+static const struct {
+    const char *name, *help;
+    const double *bounds;
+    int n;
+} HIST[MH_COUNT] = {
+    [MH_TTFT] = {"time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                 B_TTFT, (int)(sizeof B_TTFT / sizeof *B_TTFT)},
+    [MH_TPOT] = {"time_per_output_token_seconds",
+                 "Histogram of time per output token in seconds (per choice: (last - first token) "
+                 "/ (tokens - 1)).", B_TPOT, (int)(sizeof B_TPOT / sizeof *B_TPOT)},
+    [MH_E2E] = {"e2e_request_latency_seconds", "Histogram of end-to-end request latency in seconds.",
+                B_E2E, (int)(sizeof B_E2E / sizeof *B_E2E)},
+    [MH_QUEUE] = {"request_queue_time_seconds",
+                  "Histogram of time requests spent waiting for admission in seconds.", B_TTFT,
+                  (int)(sizeof B_TTFT / sizeof *B_TTFT)},
+};
+_Static_assert(sizeof B_E2E / sizeof *B_E2E <= METRICS_MAX_BUCKETS, "METRICS_MAX_BUCKETS");
+_Static_assert(sizeof B_TPOT / sizeof *B_TPOT <= METRICS_MAX_BUCKETS, "METRICS_MAX_BUCKETS");
+_Static_assert(sizeof B_TTFT / sizeof *B_TTFT <= METRICS_MAX_BUCKETS, "METRICS_MAX_BUCKETS");
+
+void metrics_observe(struct http_latency *l, enum metrics_hist_kind k, double seconds) {
+    if (!l || k < 0 || k >= MH_COUNT || !(seconds >= 0.0)) return;
+    struct metrics_hist *h = &l->h[k];
+    int i = 0;
+    while (i < HIST[k].n && seconds > HIST[k].bounds[i]) i++;
+    if (i < HIST[k].n) h->bucket[i]++;
+    h->count++;
+    h->sum += seconds;
+}
+
+static kv_status render_hist(kv_buf *b, const char *prefix, enum metrics_hist_kind k,
+                             const struct metrics_hist *h, const char *model) {
+    kv_status st = kv_buf_printf(b, "# HELP %s%s %s\n# TYPE %s%s histogram\n", prefix, HIST[k].name,
+                                 HIST[k].help, prefix, HIST[k].name);
+    uint64_t cum = 0;
+    for (int i = 0; i < HIST[k].n; i++) {
+        cum += h->bucket[i];
+        st |= kv_buf_printf(b, "%s%s_bucket{model_name=\"%s\",le=\"%g\"} %llu\n", prefix,
+                            HIST[k].name, model, HIST[k].bounds[i], (unsigned long long)cum);
+    }
+    st |= kv_buf_printf(b, "%s%s_bucket{model_name=\"%s\",le=\"+Inf\"} %llu\n", prefix,
+                        HIST[k].name, model, (unsigned long long)h->count);
+    st |= kv_buf_printf(b, "%s%s_sum{model_name=\"%s\"} %.17g\n%s%s_count{model_name=\"%s\"} %llu\n",
+                        prefix, HIST[k].name, model, h->sum, prefix, HIST[k].name, model,
+                        (unsigned long long)h->count);
+    return st;
+}
 
 static kv_status metric(kv_buf *b, const char *name, const char *type, const char *help,
                         const char *model, double v) {
@@ -17,7 +82,7 @@ static void label_value(char *out, size_t cap, const char *name) {
 }
 
 kv_status metrics_render(kv_buf *out, const struct engine_stats *s, const struct http_counters *c,
-                         const char *model_name) {
+                         const struct metrics_info *info, const char *model_name) {
     char model[128];
     label_value(model, sizeof model, model_name);
     kv_status st = KV_OK;
@@ -78,9 +143,48 @@ kv_status metrics_render(kv_buf *out, const struct engine_stats *s, const struct
         C("http_responses_5xx_total", "HTTP responses with a 5xx status.", c->http_errors_5xx);
         C("client_disconnects_total", "Generation requests whose client went away.",
           c->client_disconnects);
+        for (int k = 0; k < MH_COUNT; k++) st |= render_hist(out, "kvserve_", k, &c->lat.h[k], model);
     }
+    if (info) G("draining", "1 while the server drains after SIGTERM (/ready answers 503).", info->draining);
 #undef C
 #undef G
+    /* the vLLM names (gateways, dashboards) */
+    double usage = s->kv_blocks_total > 0 ? (double)s->kv_blocks_used / s->kv_blocks_total : 0.0;
+#define V(name, type, help, v) st |= metric(out, "vllm:" name, type, help, model, (double)(v))
+    V("num_requests_running", "gauge", "Number of requests in model execution batches.", s->n_running);
+    V("num_requests_waiting", "gauge", "Number of requests waiting to be processed.", s->n_waiting);
+    V("kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", usage);
+    V("gpu_cache_usage_perc", "gauge", "KV-cache usage (the older name). 1 means 100 percent usage.", usage);
+    V("prompt_tokens_total", "counter", "Number of prefill tokens processed.", s->prompt_tokens_total);
+    V("generation_tokens_total", "counter", "Number of generation tokens processed.",
+      s->generation_tokens_total);
+    V("num_preemptions_total", "counter", "Cumulative number of preemptions from the engine.",
+      s->preemptions_total);
+    V("prefix_cache_queries_total", "counter", "Prefix cache queries, in terms of number of queried tokens.",
+      s->prefix_cache_query_tokens);
+    V("prefix_cache_hits_total", "counter", "Prefix cache hits, in terms of number of cached tokens.",
+      s->prefix_cache_hit_tokens);
+#undef V
+    if (c) {
+        st |= kv_buf_printf(out, "# HELP vllm:request_success_total Count of successfully processed requests.\n"
+                                 "# TYPE vllm:request_success_total counter\n"
+                                 "vllm:request_success_total{model_name=\"%s\",finished_reason=\"stop\"} %llu\n"
+                                 "vllm:request_success_total{model_name=\"%s\",finished_reason=\"length\"} %llu\n",
+                            model, (unsigned long long)c->lat.finished_stop, model,
+                            (unsigned long long)c->lat.finished_length);
+        for (int k = 0; k < MH_COUNT; k++) st |= render_hist(out, "vllm:", k, &c->lat.h[k], model);
+    }
+    st |= kv_buf_printf(out, "# HELP vllm:cache_config_info Information of the KV cache configuration.\n"
+                             "# TYPE vllm:cache_config_info gauge\n"
+                             "vllm:cache_config_info{model_name=\"%s\",block_size=\"%d\",num_gpu_blocks=\"%d\","
+                             "enable_prefix_caching=\"%s\",cache_dtype=\"auto\"} 1\n",
+                        model, info ? info->tokens_per_block : 0, s->kv_blocks_total,
+                        s->prefix_cache_enabled ? "True" : "False");
+    /* no LoRA adapters: an empty info series (an endpoint picker reads it when present) */
+    st |= kv_buf_printf(out, "# HELP vllm:lora_requests_info Running stats on LoRA requests.\n"
+                             "# TYPE vllm:lora_requests_info gauge\n"
+                             "vllm:lora_requests_info{max_lora=\"0\",running_lora_adapters=\"\","
+                             "waiting_lora_adapters=\"\"} %lld\n", (long long)time(NULL));
     return st ? KV_ENOMEM : KV_OK;
 }
 

@@ -77,6 +77,12 @@ static kv_status get_num(json_t *o, const char *k, double lo, bool lo_open, doub
     return KV_OK;
 }
 
+json_t *oai_field(json_t *o, const char *k) { return field(o, k); }
+kv_status oai_get_int(json_t *o, const char *k, int64_t lo, int64_t hi, bool *present,
+                      int64_t *out, struct oai_error *err) {
+    return get_int(o, k, lo, hi, present, out, err);
+}
+
 static kv_status parse_ids(json_t *arr, const char *param, const struct oai_limits *lim,
                            int32_t **out, size_t *n, struct oai_error *err) {
     size_t cnt = json_array_size(arr);
@@ -138,14 +144,16 @@ static kv_status parse_prompt(json_t *o, const struct oai_limits *lim, struct oa
 
 #define OOM() oai_errf(err, 500, "server_error", NULL, NULL, "out of memory")
 
-/* content: "text" | [{type:"text", text}] (parts joined) | null / absent. *out: a new JSON
- * string, or JSON null when null_ok and the content is null/absent (else ""). */
-static kv_status parse_content(json_t *c, size_t idx, bool null_ok, json_t **out,
-                               struct oai_error *err) {
+/* content: "text" | [{type:"text", text}] (parts joined with "\n", as vLLM and TensorRT-LLM
+ * do) | null / absent (only when null_ok: an assistant turn; *out = JSON null). *out: a new
+ * JSON string (or null). */
+static kv_status parse_content(json_t *c, size_t idx, const char *role, bool null_ok,
+                               json_t **out, struct oai_error *err) {
     char param[64];
     snprintf(param, sizeof param, "messages[%zu].content", idx);
     if (!c || json_is_null(c)) {
-        *out = null_ok ? json_null() : json_string("");
+        if (!null_ok) return BAD(param, "'%s' is required for a '%s' message", param, role);
+        *out = json_null();
         return *out ? KV_OK : OOM();
     }
     if (json_is_string(c)) {
@@ -173,7 +181,8 @@ static kv_status parse_content(json_t *c, size_t idx, bool null_ok, json_t **out
             kv_buf_free(&b);
             return BAD(param, "a text part of '%s' needs a string 'text'", param);
         }
-        if (kv_buf_append(&b, json_string_value(text), json_string_length(text))) {
+        if ((i > 0 && kv_buf_append(&b, "\n", 1)) ||
+            kv_buf_append(&b, json_string_value(text), json_string_length(text))) {
             kv_buf_free(&b);
             return OOM();
         }
@@ -251,7 +260,7 @@ static kv_status parse_message(json_t *msg, size_t i, json_t *out, struct oai_er
     bool assistant = !strcmp(rs, "assistant");
     json_t *content = NULL;
     /* only an assistant turn may have no content (it may carry tool_calls instead) */
-    if (parse_content(json_object_get(msg, "content"), i, assistant, &content, err)) return KV_EINVAL;
+    if (parse_content(json_object_get(msg, "content"), i, rs, assistant, &content, err)) return KV_EINVAL;
     if (json_object_set(out, "role", role) || json_object_set_new(out, "content", content)) return OOM();
     snprintf(param, sizeof param, "messages[%zu].name", i);
     if (copy_opt_string(msg, "name", out, param, err)) return KV_EINVAL;
@@ -312,8 +321,21 @@ static kv_status check_tools(json_t *tools, struct oai_error *err) {
 /* The template inputs besides messages: tools, tool_choice, chat_template_kwargs,
  * add_generation_prompt (chat and tokenize-with-messages). */
 static kv_status parse_chat_extras(json_t *o, struct oai_request *r, struct oai_error *err) {
-    r->add_generation_prompt = true;
+    /* continue_final_message (vLLM): the prompt ends inside the final message; it excludes
+     * add_generation_prompt (400 when both are true; an absent add_generation_prompt then
+     * defaults to false) */
+    if (get_bool(o, "continue_final_message", &r->continue_final_message, err)) return KV_EINVAL;
+    r->add_generation_prompt = !r->continue_final_message;
     if (get_bool(o, "add_generation_prompt", &r->add_generation_prompt, err)) return KV_EINVAL;
+    if (r->continue_final_message && r->add_generation_prompt)
+        return BAD("continue_final_message",
+                   "cannot set both 'continue_final_message' and 'add_generation_prompt' to true");
+    if (r->continue_final_message) {
+        json_t *last = json_array_get(r->chat_msgs, json_array_size(r->chat_msgs) - 1);
+        if (!json_is_string(json_object_get(last, "content")))
+            return BAD("continue_final_message",
+                       "'continue_final_message' needs a final message with text content");
+    }
     json_t *tools = field(o, "tools");
     if (tools && check_tools(tools, err)) return KV_EINVAL;
     json_t *tc = field(o, "tool_choice");
@@ -400,10 +422,7 @@ static kv_status parse_generation(json_t *o, const struct oai_limits *lim, struc
     r->max_tokens = r->kind == OAI_COMPLETION ? 16 : -1;
     if (get_int(o, mt_name, 1, hi, &present, &x, err)) return KV_EINVAL;
     if (present) r->max_tokens = (int)x;
-    if (get_int(o, "n", 1, 1, NULL, &x, err)) {
-        if (err->status == 400) snprintf(err->message, sizeof err->message, "only n = 1 is supported");
-        return KV_EINVAL;
-    }
+    if (oai_parse_sampling(o, lim, r, err)) return KV_EINVAL;
     if (get_bool(o, "ignore_eos", &r->ignore_eos, err)) return KV_EINVAL;
     if (get_bool(o, "return_tokens_as_token_ids", &r->tokens_as_ids, err)) return KV_EINVAL;
     if (parse_stop(o, r, err)) return KV_EINVAL;
@@ -430,9 +449,6 @@ static kv_status parse_generation(json_t *o, const struct oai_limits *lim, struc
         json_t *suffix = field(o, "suffix");
         if (suffix && !(json_is_string(suffix) && json_string_length(suffix) == 0))
             return BAD("suffix", "'suffix' is not supported");
-        json_t *bo = field(o, "best_of");
-        if (bo && !(json_is_integer(bo) && json_integer_value(bo) == 1))
-            return BAD("best_of", "only best_of = 1 is supported");
     } else {
         if (get_bool(o, "logprobs", &sp->logprobs, err)) return KV_EINVAL;
         if (get_int(o, "top_logprobs", 0, OAI_MAX_TOP_LOGPROBS_CHAT, &present, &x, err))
@@ -452,13 +468,21 @@ static kv_status parse_generation(json_t *o, const struct oai_limits *lim, struc
     return KV_OK;
 }
 
+bool oai_model_matches(const struct oai_limits *lim, const char *name) {
+    if (!lim || !lim->served_name) return true;
+    if (!strcmp(name, lim->served_name)) return true;
+    for (int i = 0; i < lim->n_aliases; i++)
+        if (lim->aliases[i] && !strcmp(name, lim->aliases[i])) return true;
+    return false;
+}
+
 static kv_status check_model(json_t *o, const struct oai_limits *lim, struct oai_error *err) {
     json_t *m = field(o, "model");
     if (!m) return KV_OK;
     if (!json_is_string(m)) return BAD("model", "'model' must be a string");
     const char *s = json_string_value(m);
     if (!*s || !lim || !lim->served_name) return KV_OK;
-    if (strcmp(s, lim->served_name) != 0)
+    if (!oai_model_matches(lim, s))
         return oai_errf(err, 404, INVALID, "model", "model_not_found",
                         "The model '%s' does not exist; this server serves '%s'", s,
                         lim->served_name);
@@ -624,6 +648,7 @@ static kv_status parse_obj(enum oai_kind kind, json_t *o, const struct oai_limit
                            struct oai_request *r, struct oai_error *err) {
     r->kind = kind;
     sp_defaults(&r->sp);
+    r->n = 1;
     r->max_tokens = -1;
     r->add_special = true;
     switch (kind) {
@@ -687,6 +712,8 @@ void oai_request_free(struct oai_request *r) {
     json_decref(r->chat_msgs);
     json_decref(r->chat_kwargs);
     free(r->cache_salt);
+    free(r->logit_bias);
+    free(r->stop_token_ids);
     free(r->disagg.endpoint);
     free(r->disagg.prompt_ids);
     free(r->disagg.conversation_id);
@@ -711,6 +738,13 @@ void oai_engine_params(const struct oai_request *r, const int32_t *ids, size_t n
     p->n_stop = r->n_stop;
     p->ignore_eos = r->ignore_eos;
     p->cache_salt = r->cache_salt;
+    p->n = r->n;
+    p->logit_bias = r->logit_bias;
+    p->n_logit_bias = r->n_logit_bias;
+    p->stop_token_ids = r->stop_token_ids;
+    p->n_stop_token_ids = r->n_stop_token_ids;
+    p->min_tokens = r->min_tokens;
+    p->priority = r->priority;
     const struct oai_disagg *g = &r->disagg;
     if (g->type == OAI_DISAGG_CONTEXT_ONLY) p->disagg = ENGINE_DISAGG_CONTEXT_ONLY;
     else if (g->type == OAI_DISAGG_GENERATION_ONLY) p->disagg = ENGINE_DISAGG_GENERATION_ONLY;

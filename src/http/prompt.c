@@ -47,6 +47,31 @@ static kv_status render_chat(const tokenizer_t *t, const struct oai_request *r, 
     return st;
 }
 
+/* continue_final_message (vLLM, Hugging Face's apply_chat_template): the rendered prompt ends
+ * right after the last occurrence of the final message's content (whitespace-stripped), so
+ * the template's end-of-turn markup is cut and the model continues that message. KV_EINVAL if
+ * the template does not reproduce the content. */
+static bool is_ws(char ch) { return ch == ' ' || (ch >= '\t' && ch <= '\r'); }
+
+static kv_status cut_after_final(const struct oai_request *r, char *rendered, char *err,
+                                 size_t errlen) {
+    json_t *last = json_array_get(r->chat_msgs, json_array_size(r->chat_msgs) - 1);
+    const char *c = json_string_value(json_object_get(last, "content"));
+    if (!c) return kv_errf(KV_EINVAL, err, errlen, "continue_final_message needs a final message with text content");
+    size_t n = strlen(c);
+    while (n && is_ws(c[n - 1])) n--;
+    while (n && is_ws(*c)) c++, n--;
+    char *hit = NULL;
+    if (n == 0) hit = rendered + strlen(rendered); /* empty final message: keep everything */
+    else
+        for (char *p = rendered; (p = memmem(p, strlen(p), c, n)) != NULL; p++) hit = p;
+    if (!hit)
+        return kv_errf(KV_EINVAL, err, errlen, "continue_final_message: the final message does not "
+                       "appear in the prompt rendered by the chat template");
+    if (n) hit[n] = 0;
+    return KV_OK;
+}
+
 static kv_status copy_ids(const int32_t *src, size_t n, int32_t **ids, size_t *n_out) {
     *ids = kv_malloc((n ? n : 1) * sizeof **ids);
     if (!*ids) return KV_ENOMEM;
@@ -65,7 +90,11 @@ kv_status oai_prompt_ids(const tokenizer_t *t, struct prefix_cache *pc, const st
     size_t len = r->text_len;
     if (r->chat_msgs) {
         kv_status st = render_chat(t, r, &rendered, err, errlen);
-        if (st) return st;
+        if (!st && r->continue_final_message) st = cut_after_final(r, rendered, err, errlen);
+        if (st) {
+            free(rendered);
+            return st;
+        }
         text = rendered;
         len = strlen(rendered);
         /* the template may write BOS itself: then no second one (tokenizer.h, llama.cpp) */
@@ -81,7 +110,7 @@ kv_status http_prompt_ids(const tokenizer_t *t, bool chat, const char *body, siz
                           size_t *n, char **cache_salt, char *err, size_t errlen) {
     struct oai_request r;
     struct oai_error e;
-    struct oai_limits lim = {NULL, t ? tok_n_vocab(t) : 1 << 30, 0};
+    struct oai_limits lim = {.served_name = NULL, .n_vocab = t ? tok_n_vocab(t) : 1 << 30};
     *ids = NULL;
     *n = 0;
     if (cache_salt) *cache_salt = NULL;

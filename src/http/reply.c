@@ -29,6 +29,9 @@ void http_reply_body(const struct http_reply_ctx *c, struct evhttp_request *req,
                      const char *ctype, const char *body, size_t len) {
     http_reply_count(c, status);
     http_reply_headers(c, req, ctype);
+    /* every 503 (queue full, shutting down, no worker) tells the client when to retry */
+    struct evkeyvalq *h = evhttp_request_get_output_headers(req);
+    if (status == 503 && !evhttp_find_header(h, "Retry-After")) evhttp_add_header(h, "Retry-After", "1");
     struct evbuffer *b = evbuffer_new();
     if (b) evbuffer_add(b, body, len);
     evhttp_send_reply(req, status, NULL, b);

@@ -90,9 +90,12 @@ void resp_logprobs_append(json_t *acc, enum oai_kind kind, const tokenizer_t *t,
                                   json_integer((json_int_t)(offset ? *offset : 0)));
             /* special tokens (BOS, EOS...) are not in the returned text: they take no room */
             if (offset && !(t && tok_is_special(t, lp[i].id))) *offset += nb;
+            /* the alternatives plus the sampled token (OpenAI: "up to logprobs+1 elements";
+             * vLLM): logprobs 0 gives {sampled: logprob}, never {} */
             json_t *tops = json_object();
-            for (int j = 0; top && j < n_top; j++) {
-                const struct token_logprob *a = &top[(size_t)i * n_top + j];
+            for (int j = 0; j <= n_top; j++) {
+                const struct token_logprob *a = j < n_top ? (top ? &top[(size_t)i * n_top + j] : NULL) : &lp[i];
+                if (!a) continue;
                 json_t *at = token_json_str(t, a->id, as_ids, NULL);
                 if (json_is_string(at) && !json_object_get(tops, json_string_value(at)))
                     json_object_set_new(tops, json_string_value(at), lp_json(a->logprob));
@@ -115,11 +118,10 @@ static json_t *head(const struct resp_meta *m, const char *object) {
                      (json_int_t)m->created, "model", m->model);
 }
 
-char *resp_full_json(const struct resp_meta *m, const char *text, size_t text_len,
-                     json_t *logprobs, const char *finish, const struct resp_usage *u) {
+static json_t *choice_obj(const struct resp_meta *m, int index, const char *text, size_t text_len,
+                          json_t *logprobs, const char *finish) {
     bool chat = m->kind == OAI_CHAT;
-    json_t *o = head(m, chat ? "chat.completion" : "text_completion");
-    json_t *choice = json_pack("{s:i}", "index", 0);
+    json_t *choice = json_pack("{s:i}", "index", index);
     json_t *content = json_stringn(text ? text : "", text ? text_len : 0);
     if (!content) content = json_string(""); /* cannot happen: engine text is valid UTF-8 */
     if (chat)
@@ -129,7 +131,23 @@ char *resp_full_json(const struct resp_meta *m, const char *text, size_t text_le
         json_object_set_new(choice, "text", content);
     json_object_set_new(choice, "logprobs", logprobs ? logprobs : json_null());
     json_object_set_new(choice, "finish_reason", finish ? json_string(finish) : json_null());
-    json_object_set_new(o, "choices", json_pack("[o]", choice));
+    return choice;
+}
+
+char *resp_full_json(const struct resp_meta *m, const char *text, size_t text_len,
+                     json_t *logprobs, const char *finish, const struct resp_usage *u) {
+    struct resp_choice c = {text, text_len, logprobs, finish};
+    return resp_full_json_n(m, &c, 1, u);
+}
+
+char *resp_full_json_n(const struct resp_meta *m, const struct resp_choice *ch, int n,
+                       const struct resp_usage *u) {
+    json_t *o = head(m, m->kind == OAI_CHAT ? "chat.completion" : "text_completion");
+    json_t *choices = json_array();
+    for (int i = 0; i < n; i++)
+        json_array_append_new(choices, choice_obj(m, i, ch[i].text, ch[i].text_len, ch[i].logprobs,
+                                                  ch[i].finish));
+    json_object_set_new(o, "choices", choices);
     json_object_set_new(o, "usage", usage_obj(u));
     char *s = json_dumps(o, JSON_COMPACT);
     json_decref(o);
@@ -150,7 +168,7 @@ kv_status resp_chunk_sse(kv_buf *out, const struct resp_meta *m, const char *rol
                          const char *text, size_t text_len, json_t *logprobs, const char *finish) {
     bool chat = m->kind == OAI_CHAT;
     json_t *o = head(m, chat ? "chat.completion.chunk" : "text_completion");
-    json_t *choice = json_pack("{s:i}", "index", 0);
+    json_t *choice = json_pack("{s:i}", "index", m->index);
     if (chat) {
         json_t *delta = json_object();
         if (role) json_object_set_new(delta, "role", json_string(role));

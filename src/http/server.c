@@ -1,8 +1,14 @@
 /*
  * server: the lifecycle of the worker's HTTP front: routing table, start (http_serve) and stop
- * (http_server_stop, SIGINT/SIGTERM: stop accepting, cancel live generations, end /kv_events
- * streams, wait up to 10 s for terminal events). Binding, limits, accept backoff and signals
- * are the shared http_listener's (listener.c).
+ * (http_server_stop, SIGINT/SIGTERM). Binding, limits, accept backoff and signals are the
+ * shared http_listener's (listener.c); API keys and CORS are access.c's.
+ *
+ * Drain (a stop):  SERVING --SIGTERM--> DRAINING: new generations, /tokenize... answer 503
+ *   (Retry-After), /ready answers 503, /health stays 200 (liveness), the socket still accepts;
+ *   in-flight requests run on --> no live generation left: DRAINED (kv_events streams end,
+ *   socket closed, loop ends 100 ms later) | --shutdown-timeout passed (or a second SIGINT):
+ *   the rest are answered 503 (streams: error event + [DONE]) and cancelled, then DRAINED once
+ *   their engine terminal events came back (at most 10 s more).
  * The other parts: reply.c, gen.c, handlers.c, kv_stream.c (see server_internal.h).
  */
 #include <errno.h>
@@ -25,8 +31,8 @@ struct server http_srv = {.mu = PTHREAD_MUTEX_INITIALIZER,
                           .reply = {.ctr = &http_srv.ctr, .id_header = "X-Kvserve-Worker",
                                     .id_value = http_srv.worker_id}};
 
-enum route_id { R_COMPLETIONS, R_CHAT, R_MODELS, R_HEALTH, R_TOKENIZE, R_DETOKENIZE, R_METRICS,
-                R_KV_EVENTS, R_SERVER_INFO, R_KV_PROBE };
+enum route_id { R_COMPLETIONS, R_CHAT, R_MODELS, R_HEALTH, R_READY, R_TOKENIZE, R_DETOKENIZE,
+                R_METRICS, R_KV_EVENTS, R_SERVER_INFO, R_KV_PROBE };
 static const struct {
     const char *path;
     enum evhttp_cmd_type method;
@@ -36,6 +42,7 @@ static const struct {
     {"/v1/chat/completions", EVHTTP_REQ_POST, R_CHAT},
     {"/v1/models", EVHTTP_REQ_GET, R_MODELS},
     {"/health", EVHTTP_REQ_GET, R_HEALTH},
+    {"/ready", EVHTTP_REQ_GET, R_READY},
     {"/tokenize", EVHTTP_REQ_POST, R_TOKENIZE},
     {"/detokenize", EVHTTP_REQ_POST, R_DETOKENIZE},
     {"/metrics", EVHTTP_REQ_GET, R_METRICS},
@@ -49,13 +56,25 @@ static const struct {
  * worker out instead of sending it requests that can only fail. */
 static void handle_health(struct evhttp_request *req) {
     char why[256] = "";
-    if (engine_healthy(srv.e, why, sizeof why)) {
-        http_send_json_str(req, 200, "{\"status\":\"ok\"}");
+    if (engine_healthy(srv.e, why, sizeof why)) { /* liveness: also 200 while draining */
+        http_send_json_str(req, 200, srv.stopping ? "{\"status\":\"draining\"}" : "{\"status\":\"ok\"}");
         return;
     }
     char msg[400];
     snprintf(msg, sizeof msg, "the compute backend is unusable: %s; restart the server", why);
     http_send_errf(req, 503, "server_error", NULL, "backend_unhealthy", msg);
+}
+
+/* Readiness: takes new requests (not draining, backend healthy). */
+static void handle_ready(struct evhttp_request *req) {
+    char why[256] = "";
+    if (srv.stopping)
+        http_send_errf(req, 503, "server_error", NULL, "shutting_down",
+                       "the server is shutting down and takes no new requests");
+    else if (!engine_healthy(srv.e, why, sizeof why))
+        http_send_errf(req, 503, "server_error", NULL, "backend_unhealthy", why);
+    else
+        http_send_json_str(req, 200, "{\"status\":\"ready\"}");
 }
 
 static void on_request(struct evhttp_request *req, void *arg) {
@@ -65,6 +84,17 @@ static void on_request(struct evhttp_request *req, void *arg) {
     if (!path || !*path) path = "/";
     enum evhttp_cmd_type cmd = evhttp_request_get_command(req);
     KV_DEBUG("http: %s %s", http_method_name(cmd), path);
+    if (access_check(req, path)) return;
+    if (!strncmp(path, "/v1/models/", 11) && path[11]) {
+        if (cmd != EVHTTP_REQ_GET) {
+            evhttp_add_header(evhttp_request_get_output_headers(req), "Allow", "GET");
+            http_send_errf(req, 405, "invalid_request_error", NULL, "method_not_allowed",
+                           "only GET is allowed on /v1/models/{model}");
+            return;
+        }
+        handle_model(req, path + 11);
+        return;
+    }
     for (size_t i = 0; i < sizeof routes / sizeof routes[0]; i++) {
         if (strcmp(path, routes[i].path) != 0) continue;
         if (cmd != routes[i].method) {
@@ -81,6 +111,7 @@ static void on_request(struct evhttp_request *req, void *arg) {
         case R_CHAT: handle_generate(req, OAI_CHAT); return;
         case R_MODELS: handle_models(req); return;
         case R_HEALTH: handle_health(req); return;
+        case R_READY: handle_ready(req); return;
         case R_TOKENIZE: handle_tokenize(req); return;
         case R_DETOKENIZE: handle_detokenize(req); return;
         case R_METRICS: handle_metrics(req); return;
@@ -96,38 +127,90 @@ static void on_request(struct evhttp_request *req, void *arg) {
 
 /* ------------------------------------------------------------------ start / stop */
 
-static struct event *g_grace_timer;
+static struct event *g_drain_timer; /* --shutdown-timeout */
+static struct event *g_grace_timer; /* 10 s for the terminal events of failed requests */
+static bool g_failing, g_drained;
 
 static void on_grace(evutil_socket_t fd, short what, void *arg) {
     (void)fd;
     (void)what;
     (void)arg;
     if (srv.n_live > 0)
-        KV_WARN("http: %d request(s) did not finish within the shutdown grace period", srv.n_live);
+        KV_WARN("http: %d request(s) did not end within 10 s of being failed", srv.n_live);
     event_base_loopbreak(srv.base);
 }
 
-/* The listener's on_stop: the listening socket is closed; cancel live generations, end the
- * /kv_events streams, and break the loop when they are done (or the grace period ends). */
+void server_drained(void) {
+    if (g_drained) return;
+    g_drained = true;
+    KV_INFO("http: drained; closing");
+    kvstream_close_all(); /* final chunks queued */
+    http_listener_unbind(srv.listener);
+    /* let the last replies' final bytes (chunked terminators) reach the sockets first */
+    event_base_loopexit(srv.base, &(struct timeval){0, 100000});
+}
+
+/* The drain time is over: fail what is still running (503), wait for the engine's terminal
+ * events (at most 10 s), then stop. */
+static void fail_remaining(void) {
+    if (g_failing || g_drained) return;
+    g_failing = true;
+    if (srv.n_live > 0)
+        KV_WARN("http: %d request(s) still running at the end of the drain: failing them with 503",
+                srv.n_live);
+    struct oai_error e;
+    oai_errf(&e, 503, "server_error", NULL, "shutting_down",
+             "the server is shutting down: the request did not finish within the shutdown timeout");
+    gen_fail_all(&e);
+    if (srv.n_live == 0) {
+        server_drained();
+        return;
+    }
+    if (g_drain_timer) evtimer_del(g_drain_timer);
+    g_grace_timer = evtimer_new(srv.base, on_grace, NULL);
+    struct timeval tv = {10, 0};
+    if (g_grace_timer) evtimer_add(g_grace_timer, &tv);
+    else event_base_loopbreak(srv.base);
+}
+
+static void on_drain_timeout(evutil_socket_t fd, short what, void *arg) {
+    (void)fd;
+    (void)what;
+    (void)arg;
+    fail_remaining();
+}
+
+/* The listener's on_stop (signal or http_server_stop): start draining. The listening socket
+ * stays open (keep_accepting) so that new requests get a 503 instead of a refused connection. */
 static void begin_stop(void *arg) {
     (void)arg;
     if (srv.stopping) return;
     srv.stopping = true;
     if (srv.cfg && srv.cfg->on_stopping) srv.cfg->on_stopping(srv.cfg->hook_arg);
-    KV_INFO("http: stopping (%d live request(s) cancelled)", srv.n_live);
-    gen_cancel_all();
-    bool had_streams = srv.n_subs > 0;
-    kvstream_close_all(); /* final chunks queued */
-    if (srv.n_live == 0 && !had_streams) {
-        event_base_loopbreak(srv.base);
+    int t = srv.cfg ? srv.cfg->shutdown_timeout_s : 0;
+    if (t == 0) t = HTTP_DEFAULT_SHUTDOWN_TIMEOUT_S;
+    if (srv.n_live == 0) {
+        server_drained();
         return;
     }
-    /* live generations: up to 10 s for their terminal events (gen_free breaks the loop when
-     * the last one ends); only /kv_events streams: 100 ms to flush their last chunk */
-    struct timeval tv = {srv.n_live > 0 ? 10 : 0, srv.n_live > 0 ? 0 : 100000};
-    g_grace_timer = evtimer_new(srv.base, on_grace, NULL);
-    if (g_grace_timer) evtimer_add(g_grace_timer, &tv);
-    else event_base_loopbreak(srv.base);
+    KV_INFO("http: draining: %d request(s) in flight get %d s to finish (--shutdown-timeout); new "
+            "requests get 503", srv.n_live, t > 0 ? t : 0);
+    if (t < 0) {
+        fail_remaining();
+        return;
+    }
+    g_drain_timer = evtimer_new(srv.base, on_drain_timeout, NULL);
+    struct timeval tv = {t, 0};
+    if (g_drain_timer) evtimer_add(g_drain_timer, &tv);
+    else fail_remaining();
+}
+
+/* A second SIGINT while draining (Ctrl-C twice): end the drain now. */
+static void on_signal_again(void *arg, int sig) {
+    (void)arg;
+    if (sig != SIGINT || !srv.stopping) return;
+    KV_INFO("http: second interrupt: ending the drain now");
+    fail_remaining();
 }
 
 static pthread_mutex_t g_stop_mu = PTHREAD_MUTEX_INITIALIZER; /* guards g_stop_listener */
@@ -162,6 +245,9 @@ kv_status http_serve(const struct http_config *cfg, engine_t *e, const model_t *
     srv.subs = NULL;
     srv.n_subs = 0;
     srv.stopping = false;
+    g_failing = g_drained = false;
+    srv.lim.aliases = cfg->model_aliases;
+    srv.lim.n_aliases = cfg->n_model_aliases;
     srv.worker_id[0] = 0;
     memset(&srv.ctr, 0, sizeof srv.ctr);
     kv_rng_seed(&srv.rng, kv_now_ns() ^ ((uint64_t)getpid() << 32));
@@ -180,7 +266,8 @@ kv_status http_serve(const struct http_config *cfg, engine_t *e, const model_t *
         .name = "http", .host = host, .port = cfg->port, .port_file = NULL,
         .max_body_bytes = cfg->max_body_bytes, .timeout_s = 3600, /* a stream may wait long */
         .handle_signals = true, .reply = &srv.reply, .on_request = on_request,
-        .on_stop = begin_stop, .arg = NULL};
+        .on_stop = begin_stop, .on_signal_again = on_signal_again, .keep_accepting = true,
+        .arg = NULL};
     if ((st = http_listener_start(srv.base, &lc, &srv.listener, err, errlen))) goto done;
     int port = http_listener_port(srv.listener);
     if (wid && *wid) snprintf(srv.worker_id, sizeof srv.worker_id, "%s", wid);
@@ -208,6 +295,8 @@ done:
     srv.http = NULL;
     if (g_grace_timer) event_free(g_grace_timer);
     g_grace_timer = NULL;
+    if (g_drain_timer) event_free(g_drain_timer);
+    g_drain_timer = NULL;
     if (srv.wake) event_free(srv.wake);
     srv.wake = NULL;
     if (srv.base) event_base_free(srv.base);

@@ -78,18 +78,33 @@ void http_send_errf(struct evhttp_request *req, int status, const char *type, co
  * later from the engine events). r and ids are borrowed. */
 void gen_start(struct evhttp_request *req, const struct oai_request *r, const int32_t *ids,
                size_t n);
-/* Cancels every live generation (shutdown). */
-void gen_cancel_all(void);
+/* Answers every live generation not yet answered with e (streams: an error event and
+ * [DONE]) and cancels it in the engine (the drain timeout). */
+void gen_fail_all(const struct oai_error *e);
 /* Shutdown after the loop: drops queued events and unhooks the connections of live gens. */
 void gen_shutdown(void);
 /* The wake event's callback (engine events -> handlers). */
 void gen_on_wake(evutil_socket_t fd, short what, void *arg);
+
+/* ---- server.c ---- */
+/* The drain ended (no live generation left while stopping): closes the /kv_events streams and
+ * the listening socket and ends the loop once the last bytes are out. Idempotent. */
+void server_drained(void);
+
+/* ---- access.c ---- */
+/* API keys and CORS for one request, before routing: adds the CORS headers for an allowed
+ * Origin, answers preflights (OPTIONS) and plain OPTIONS, and answers 401 (OpenAI error JSON,
+ * code invalid_api_key) when keys are configured and the request has none of them on a route
+ * other than /health, /ready and /metrics. Returns true when req was answered. */
+bool access_check(struct evhttp_request *req, const char *path);
 
 /* ---- handlers.c ---- */
 void handle_generate(struct evhttp_request *req, enum oai_kind kind);
 void handle_tokenize(struct evhttp_request *req);
 void handle_detokenize(struct evhttp_request *req);
 void handle_models(struct evhttp_request *req);
+/* GET /v1/models/{id} (id: the rest of the path, percent-decoded). */
+void handle_model(struct evhttp_request *req, const char *id);
 void handle_metrics(struct evhttp_request *req);
 void handle_server_info(struct evhttp_request *req);
 /* POST /kv_probe: the cached prefix of a completions/chat body (docs/disaggregation.md). */

@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -35,6 +36,58 @@ void model_base_name(const char *path, bool strip_ext, char *out, size_t outlen)
     if (len >= outlen) len = outlen - 1;
     memcpy(out, path + b, len);
     out[len] = 0;
+}
+
+bool model_set_name(char *out, size_t outlen, const char *s, size_t n) {
+    while (n && (*s == ' ' || *s == '\t')) s++, n--;
+    while (n && (s[n - 1] == ' ' || s[n - 1] == '\t')) n--;
+    if (n == 0 || n >= outlen) return false;
+    for (size_t i = 0; i < n; i++)
+        if ((unsigned char)s[i] < 0x20 || s[i] == 0x7f || s[i] == '"' || s[i] == '\\') return false;
+    memcpy(out, s, n);
+    out[n] = 0;
+    return true;
+}
+
+static bool generic_dir_name(const char *b) {
+    static const char *const generic[] = {"hf", "model", "models", "checkpoint", "weights",
+                                          "hf_model", "snapshot", "main", "final"};
+    for (size_t i = 0; i < sizeof generic / sizeof *generic; i++)
+        if (!strcasecmp(b, generic[i])) return true;
+    size_t n = strlen(b), hex = strspn(b, "0123456789abcdef");
+    return n >= 7 && n <= 64 && hex == n;
+}
+
+void model_dir_name(const char *dir, char *out, size_t outlen) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s", dir);
+    size_t n = strlen(path);
+    while (n > 1 && path[n - 1] == '/') path[--n] = 0;
+    /* Hugging Face cache: .../models--org--name/snapshots/<revision> */
+    const char *m = strstr(path, "/models--");
+    const char *snap = m ? strstr(m, "/snapshots/") : NULL;
+    if (snap) {
+        char repo[256];
+        size_t rl = (size_t)(snap - (m + 9));
+        if (rl < sizeof repo) {
+            memcpy(repo, m + 9, rl);
+            repo[rl] = 0;
+            char *sep = strstr(repo, "--");
+            if (sep) {
+                *sep = '/';
+                memmove(sep + 1, sep + 2, strlen(sep + 2) + 1);
+            }
+            if (model_set_name(out, outlen, repo, strlen(repo))) return;
+        }
+    }
+    model_base_name(path, false, out, outlen);
+    char *slash = strrchr(path, '/');
+    if (generic_dir_name(out) && slash && slash != path) {
+        *slash = 0;
+        char parent[256];
+        model_base_name(path, false, parent, sizeof parent);
+        if (*parent && strcmp(parent, ".") && strcmp(parent, "..")) snprintf(out, outlen, "%s", parent);
+    }
 }
 
 #define MAX_DIM (1 << 20)

@@ -65,7 +65,12 @@ struct model_config {
     int eos_id;           /* -1 if none; primary EOS */
     int eos_ids[8];       /* all ids that end generation (generation_config eos_token_id list) */
     int n_eos_ids;
-    char name[128];       /* model id for /v1/models: file or directory base name */
+    char name[128];       /* the model's own name, the default id in the API: GGUF general.name
+                             (unless it only repeats the architecture, as llama.cpp's llama2.c
+                             converter writes), HF config _name_or_path (a local path: its last
+                             component), a Hugging Face cache snapshot's repository ("org/name");
+                             else the file name without .gguf, or the directory name (its
+                             parent's when it is a generic one such as hf/ or a revision hash) */
 };
 
 /* A weight matrix of `rows` output rows of `cols` inputs, in its stored precision: row r is

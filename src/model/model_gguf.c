@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 static bool str_eq(const char *s, size_t n, const char *lit) { return strlen(lit) == n && memcmp(s, lit, n) == 0; }
 
@@ -182,7 +183,13 @@ kv_status model_gguf_config(const gguf_t *g, struct model_config *cfg, char *err
             if (!dup && id >= 0 && id < c.n_vocab) c.eos_ids[c.n_eos_ids++] = id;
         }
     }
-    model_base_name(gguf_path(g), true, c.name, sizeof c.name);
+    /* general.name, unless it merely repeats the architecture (llama.cpp's llama2.c converter
+     * writes "llama"): then the file name */
+    const char *gn;
+    size_t gnl;
+    if (!gguf_get_str(g, "general.name", &gn, &gnl) || (gnl == al && !strncasecmp(gn, as, al)) ||
+        !model_set_name(c.name, sizeof c.name, gn, gnl))
+        model_base_name(gguf_path(g), true, c.name, sizeof c.name);
     if ((rc = model_config_check(&c, fname, err, errlen))) return rc;
     *cfg = c;
     return KV_OK;

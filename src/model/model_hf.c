@@ -386,7 +386,16 @@ kv_status model_hf_config(const char *dir, struct model_config *cfg, char *err, 
     }
     c.n_vocab = nv_save;
     if (c.n_eos_ids) c.eos_id = c.eos_ids[0];
-    model_base_name(dir, false, c.name, sizeof c.name);
+    /* the model's own name: _name_or_path (a hub id as is; a local path: its last component) */
+    json_t *nop = json_object_get(j, "_name_or_path");
+    const char *ns = json_string_value(nop);
+    if (ns && (*ns == '/' || *ns == '.' || *ns == '~')) {
+        char b[128];
+        model_base_name(ns, false, b, sizeof b);
+        if (!model_set_name(c.name, sizeof c.name, b, strlen(b))) model_dir_name(dir, c.name, sizeof c.name);
+    } else if (!ns || !model_set_name(c.name, sizeof c.name, ns, strlen(ns))) {
+        model_dir_name(dir, c.name, sizeof c.name);
+    }
     if (c.n_vocab == 0) c.n_vocab = 1; /* filled from the embedding by the loader */
     TRY(model_config_check(&c, what, err, errlen));
 #undef TRY

@@ -22,6 +22,14 @@ kv_status model_own(model_t *m, void *p);
 kv_status model_config_check(const struct model_config *cfg, const char *what, char *err, size_t errlen);
 /* Base name of path without directory and (if strip_ext) without extension, into out. */
 void model_base_name(const char *path, bool strip_ext, char *out, size_t outlen);
+/* The name of a Hugging Face directory without a name in its config (model.h, name): the
+ * hub cache's "org/name" (.../models--org--name/snapshots/REV), else the directory's base
+ * name, or its parent's when the base name is generic (hf, model, checkpoint, weights, a
+ * 7..64-digit hex revision). */
+void model_dir_name(const char *dir, char *out, size_t outlen);
+/* Copies s[0..n) into out when it is a usable model id (printable, no quotes or control
+ * characters, shorter than outlen); returns false (out untouched) otherwise. */
+bool model_set_name(char *out, size_t outlen, const char *s, size_t n);
 /* Reads the config of an opened GGUF file (no weights). */
 kv_status model_gguf_config(const gguf_t *g, struct model_config *cfg, char *err, size_t errlen);
 kv_status model_load_gguf(const char *path, model_t **out, char *err, size_t errlen);

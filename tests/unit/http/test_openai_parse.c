@@ -104,13 +104,38 @@ static const struct bad_case bad[] = {
     {C, "{\"prompt\":\"a\",\"stream_options\":{\"include_usage\":true}}", 400, "stream_options", NULL},
     {C, "{\"prompt\":\"a\",\"stream\":true,\"stream_options\":[]}", 400, "stream_options", NULL},
     {C, "{\"prompt\":\"a\",\"stream\":true,\"stream_options\":{\"include_usage\":\"y\"}}", 400, "stream_options.include_usage", NULL},
-    {C, "{\"prompt\":\"a\",\"n\":2}", 400, "n", NULL},
+    {C, "{\"prompt\":\"a\",\"n\":0}", 400, "n", NULL},
+    {C, "{\"prompt\":\"a\",\"n\":129}", 400, "n", NULL},
+    {C, "{\"prompt\":\"a\",\"n\":2.5}", 400, "n", NULL},
+    {C, "{\"prompt\":\"a\",\"n\":2,\"best_of\":3}", 400, "best_of", NULL},
+    /* logit_bias, stop_token_ids, min_tokens, priority */
+    {C, "{\"prompt\":\"a\",\"logit_bias\":[1]}", 400, "logit_bias", NULL},
+    {C, "{\"prompt\":\"a\",\"logit_bias\":{\"512\":1}}", 400, "logit_bias", NULL},
+    {C, "{\"prompt\":\"a\",\"logit_bias\":{\"-1\":1}}", 400, "logit_bias", NULL},
+    {C, "{\"prompt\":\"a\",\"logit_bias\":{\"x\":1}}", 400, "logit_bias", NULL},
+    {C, "{\"prompt\":\"a\",\"logit_bias\":{\"1x\":1}}", 400, "logit_bias", NULL},
+    {C, "{\"prompt\":\"a\",\"logit_bias\":{\"5\":100.5}}", 400, "logit_bias", NULL},
+    {C, "{\"prompt\":\"a\",\"logit_bias\":{\"5\":-101}}", 400, "logit_bias", NULL},
+    {C, "{\"prompt\":\"a\",\"logit_bias\":{\"5\":\"1\"}}", 400, "logit_bias", NULL},
+    {C, "{\"prompt\":\"a\",\"stop_token_ids\":5}", 400, "stop_token_ids", NULL},
+    {C, "{\"prompt\":\"a\",\"stop_token_ids\":[512]}", 400, "stop_token_ids", NULL},
+    {C, "{\"prompt\":\"a\",\"stop_token_ids\":[\"2\"]}", 400, "stop_token_ids", NULL},
+    {C, "{\"prompt\":\"a\",\"min_tokens\":17}", 400, "min_tokens", NULL},
+    {C, "{\"prompt\":\"a\",\"min_tokens\":-1}", 400, "min_tokens", NULL},
+    {C, "{\"prompt\":\"a\",\"priority\":\"high\"}", 400, "priority", NULL},
+    {C, "{\"prompt\":\"a\",\"priority\":1.5}", 400, "priority", NULL},
     {C, "{\"prompt\":\"a\",\"echo\":true}", 400, "echo", NULL},
     {C, "{\"prompt\":\"a\",\"logprobs\":6}", 400, "logprobs", NULL},
     {C, "{\"prompt\":\"a\",\"logprobs\":true}", 400, "logprobs", NULL},
     {C, "{\"prompt\":\"a\",\"ignore_eos\":\"no\"}", 400, "ignore_eos", NULL},
     {C, "{\"prompt\":\"a\",\"user\":42}", 400, "user", NULL},
     {C, "{\"prompt\":\"a\",\"best_of\":3}", 400, "best_of", NULL},
+    /* a message other than assistant needs content; continue_final_message */
+    {H, "{\"messages\":[{\"role\":\"user\"}]}", 400, "messages[0].content", NULL},
+    {H, "{\"messages\":[{\"role\":\"system\",\"content\":null},{\"role\":\"user\",\"content\":\"x\"}]}", 400, "messages[0].content", NULL},
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"},{\"role\":\"assistant\",\"content\":\"b\"}],\"continue_final_message\":true,\"add_generation_prompt\":true}", 400, "continue_final_message", NULL},
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"},{\"role\":\"assistant\"}],\"continue_final_message\":true}", 400, "continue_final_message", NULL},
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],\"continue_final_message\":1}", 400, "continue_final_message", NULL},
     /* chat */
     {H, "{}", 400, "messages", NULL},
     {H, "{\"messages\":[]}", 400, "messages", NULL},
@@ -282,7 +307,58 @@ static void test_completion_full(void **state) {
     assert_true(p.sp.logprobs);
     assert_int_equal(p.sp.top_logprobs, 5);
     assert_string_equal(p.cache_salt, "s");
+    assert_int_equal(p.n, 1);
+    assert_int_equal(p.n_logit_bias, 0);
+    assert_int_equal(p.min_tokens, 0);
+    assert_int_equal(p.priority, 0);
     oai_request_free(&r);
+}
+
+static void test_sampling_fields(void **state) {
+    (void)state;
+    struct oai_request r;
+    parse_ok(C,
+             "{\"prompt\":\"a\",\"n\":3,\"best_of\":3,\"logit_bias\":{\"7\":-100,\"511\":2.5,\"0\":100},"
+             "\"stop_token_ids\":[2,13],\"min_tokens\":16,\"priority\":-7,\"seed\":9}",
+             &r);
+    struct engine_request_params p;
+    int32_t ids[1] = {1};
+    oai_engine_params(&r, ids, 1, 512, &p);
+    assert_int_equal(p.n, 3);
+    assert_int_equal(p.n_logit_bias, 3);
+    int seen = 0;
+    for (int i = 0; i < 3; i++) {
+        if (p.logit_bias[i].id == 7) seen += p.logit_bias[i].bias == -100.0f;
+        if (p.logit_bias[i].id == 511) seen += p.logit_bias[i].bias == 2.5f;
+        if (p.logit_bias[i].id == 0) seen += p.logit_bias[i].bias == 100.0f;
+    }
+    assert_int_equal(seen, 3);
+    assert_int_equal(p.n_stop_token_ids, 2);
+    assert_int_equal(p.stop_token_ids[1], 13);
+    assert_int_equal(p.min_tokens, 16);
+    assert_int_equal(p.priority, -7);
+    oai_request_free(&r);
+    /* chat: min_tokens is checked against max_completion_tokens when given */
+    parse_ok(H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"min_tokens\":400}", &r);
+    assert_int_equal(r.min_tokens, 400);
+    oai_request_free(&r);
+    /* continue_final_message: add_generation_prompt defaults to false then */
+    parse_ok(H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"},{\"role\":\"assistant\",\"content\":\"Once\"}],"
+                "\"continue_final_message\":true}", &r);
+    assert_true(r.continue_final_message);
+    assert_false(r.add_generation_prompt);
+    oai_request_free(&r);
+    /* aliases of the served name */
+    static const char *const al[] = {"a1", "a2"};
+    struct oai_limits lim = LIM;
+    lim.aliases = al;
+    lim.n_aliases = 2;
+    struct oai_error e;
+    const char *body = "{\"prompt\":\"a\",\"model\":\"a2\"}";
+    assert_int_equal(oai_parse(C, body, strlen(body), &lim, &r, &e), KV_OK);
+    oai_request_free(&r);
+    assert_int_equal(oai_parse(C, body, strlen(body), &LIM, &r, &e), KV_EINVAL);
+    assert_int_equal(e.status, 404);
 }
 
 static void test_completion_token_prompt(void **state) {
@@ -328,7 +404,7 @@ static void test_chat(void **state) {
     assert_int_equal(json_array_size(r.chat_msgs), 3);
     assert_string_equal(msg_str(&r, 0, "role"), "system");
     assert_string_equal(msg_str(&r, 0, "content"), "Be brief.");
-    assert_string_equal(msg_str(&r, 1, "content"), "Tell me");
+    assert_string_equal(msg_str(&r, 1, "content"), "Tell \nme"); /* parts joined with \n (vLLM) */
     /* an assistant turn without content reaches the template as null */
     assert_true(json_is_null(json_object_get(json_array_get(r.chat_msgs, 2), "content")));
     assert_null(r.chat_kwargs);
@@ -482,7 +558,7 @@ static void test_tokenize_detokenize(void **state) {
 
 static void test_responses_shapes(void **state) {
     (void)state;
-    struct resp_meta m = {"cmpl-abc", 1700000000, "stories260K", OAI_COMPLETION};
+    struct resp_meta m = {"cmpl-abc", 1700000000, "stories260K", OAI_COMPLETION, 0};
     struct resp_usage u = {5, 3, 0};
     char *s = resp_full_json(&m, "Hi \"x\"", 6, NULL, "length", &u);
     assert_non_null(s);
@@ -515,6 +591,7 @@ int main(void) {
         cmocka_unit_test(test_completion_defaults),
         cmocka_unit_test(test_completion_full),
         cmocka_unit_test(test_completion_token_prompt),
+        cmocka_unit_test(test_sampling_fields),
         cmocka_unit_test(test_chat),
         cmocka_unit_test(test_chat_tools),
         cmocka_unit_test(test_disaggregated_params),

@@ -13,6 +13,7 @@
 
 #include "model/gguf.h"
 #include "model/model.h"
+#include "model/model_internal.h"
 #include "test_util.h"
 
 static char g_tmpdir[256];
@@ -136,9 +137,7 @@ static void roundtrip(model_arch arch) {
     assert_int_equal(b->eos_id, 2);
     assert_int_equal(b->n_eos_ids, 2);
     assert_int_equal(b->eos_ids[1], 5);
-    char want_name[64];
-    snprintf(want_name, sizeof want_name, "rt-%s", model_arch_name(arch));
-    assert_string_equal(b->name, want_name);
+    assert_string_equal(b->name, a->name); /* general.name survives the round trip */
     if (a->tied_embeddings) assert_ptr_equal(l->w.output.data, l->w.tok_embd.data);
     assert_int_equal(l->format, MODEL_FORMAT_GGUF);
     assert_false(l->is_demo);
@@ -214,8 +213,35 @@ static void test_load_llama2_tiny(void **s) {
     assert_int_equal(rc, KV_OK);
     assert_int_equal(m->cfg.arch, MODEL_ARCH_LLAMA);
     assert_int_equal(m->cfg.n_vocab, 32000);
-    assert_string_equal(m->cfg.name, "llama-2-tiny-random");
+    assert_string_equal(m->cfg.name, "LLaMA v2"); /* its general.name */
     model_free(m);
+}
+
+/* The default name of a directory without a name in its config (model_internal.h). */
+static void test_dir_name(void **s) {
+    (void)s;
+    static const struct {
+        const char *dir, *want;
+    } cases[] = {
+        {"/data/models/Qwen3-8B", "Qwen3-8B"},
+        {"/data/models/Qwen3-8B/", "Qwen3-8B"},
+        {"/data/stories260K/hf", "stories260K"},
+        {"stories260K/hf/", "stories260K"},
+        {"hf", "hf"},
+        {"/data/llama/checkpoint", "llama"},
+        {"/c/hub/models--Qwen--Qwen3-0.6B/snapshots/e6de91484c29aa9480d55605af694f39b081c455", "Qwen/Qwen3-0.6B"},
+        {"/c/hub/models--gpt2/snapshots/607a30d783dfa663caf39e06633721c8d4cfcd7e/", "gpt2"},
+        {"/x/m/0123abc", "m"},
+    };
+    char out[128];
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        model_dir_name(cases[i].dir, out, sizeof out);
+        if (strcmp(out, cases[i].want)) fail_msg("%s -> '%s', want '%s'", cases[i].dir, out, cases[i].want);
+    }
+    assert_true(model_set_name(out, sizeof out, " Qwen3 8B ", 10));
+    assert_string_equal(out, "Qwen3 8B");
+    assert_false(model_set_name(out, sizeof out, "a\"b", 3));
+    assert_false(model_set_name(out, sizeof out, "", 0));
 }
 
 /* Quantized GGUF matrices are used in place from the file's map: loading allocates only
@@ -311,6 +337,7 @@ int main(void) {
         cmocka_unit_test(test_roundtrip_qwen3),
         cmocka_unit_test(test_load_stories_gguf),
         cmocka_unit_test(test_load_llama2_tiny),
+        cmocka_unit_test(test_dir_name),
         cmocka_unit_test(test_load_keeps_stored_precision),
         cmocka_unit_test(test_demo),
     };
