@@ -334,7 +334,7 @@ def bad_cases():
         ("top_k float", "POST", P, {"prompt": "a", "top_k": 2.5}, 400, "top_k"),
         ("stop number", "POST", P, {"prompt": "a", "stop": 3}, 400, "stop"),
         ("17 stops", "POST", P, {"prompt": "a", "stop": [str(i) for i in range(17)]}, 400, "stop"),
-        ("n=2", "POST", P, {"prompt": "a", "n": 2}, 400, "n"),
+        ("n=129", "POST", P, {"prompt": "a", "n": 129}, 400, "n"),
         ("echo", "POST", P, {"prompt": "a", "echo": True}, 400, "echo"),
         ("logprobs 6", "POST", P, {"prompt": "a", "logprobs": 6}, 400, "logprobs"),
         ("stream string", "POST", P, {"prompt": "a", "stream": "yes"}, 400, "stream"),
