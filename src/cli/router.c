@@ -55,6 +55,8 @@ static void router_usage(FILE *f) {
             "                           most N legs more than the least loaded one (default 32; 0 = off)\n"
             "  --health-interval S      GET /health period; 2 failures in a row take a worker out\n"
             "                           (default 1; 0 = off)\n"
+            "  --worker-api-key KEY     sent as \"Authorization: Bearer KEY\" to the workers (started\n"
+            "                           with --api-key); env KVSERVE_WORKER_API_KEY\n"
             "  --log-level LEVEL        debug | info | warn | error (default info)\n"
             "environment: KVSERVE_DISAGG_NO_RETRY=1 disables every retry.\n");
 }
@@ -99,7 +101,8 @@ int cmd_router(int argc, char **argv) {
                               .max_conversations = 100000, .max_conversation_keys = 512,
                               .tokens_per_block = 16, .predicted_prefix_ttl_s = 5,
                               .kv_balance_threshold = 32,
-                              .health_interval_s = 1};
+                              .health_interval_s = 1,
+                              .worker_api_key = getenv("KVSERVE_WORKER_API_KEY")};
     const char **ctx = NULL, **gen = NULL, **wk = NULL;
     int nctx = 0, ngen = 0, nwk = 0, rc = 2;
     for (int i = 1; i < argc; i++) {
@@ -163,6 +166,7 @@ int cmd_router(int argc, char **argv) {
         else if (!strcmp(a, "--kv-balance-threshold") && parse_long(v, 0, 1 << 20, &n))
             c.kv_balance_threshold = (int)n;
         else if (!strcmp(a, "--health-interval") && parse_double(v, 0, 3600, &d)) c.health_interval_s = d;
+        else if (!strcmp(a, "--worker-api-key") && *v) c.worker_api_key = v;
         else if (!strcmp(a, "--log-level") && !strcmp(v, "debug")) kv_log_set_level(KV_LOG_DEBUG);
         else if (!strcmp(a, "--log-level") && !strcmp(v, "info")) kv_log_set_level(KV_LOG_INFO);
         else if (!strcmp(a, "--log-level") && !strcmp(v, "warn")) kv_log_set_level(KV_LOG_WARN);

@@ -2,9 +2,10 @@
  * access: API keys and CORS for the worker's routes (server.c calls access_check first).
  *
  *   request --Origin allowed?--> + Access-Control-Allow-Origin / Vary / Expose-Headers
- *           --OPTIONS?--> preflight (Origin + Access-Control-Request-Method): 204 with the
- *                         allowed methods and the requested headers, or 403 (origin or method
- *                         not allowed); a plain OPTIONS: 204 with Allow
+ *           --OPTIONS?--> preflight (Origin + Access-Control-Request-Method): 200 (as vLLM's
+ *                         and llama.cpp's servers) with the allowed methods and the requested
+ *                         headers echoed (a "*" would not cover Authorization, Fetch standard),
+ *                         or 403 (origin or method not allowed); a plain OPTIONS: 204 with Allow
  *           --keys configured, route not open, no valid "Authorization: Bearer KEY"?--> 401
  *           --> routing
  *
@@ -22,7 +23,7 @@
 
 #include "server_internal.h"
 
-#define CORS_METHODS "GET, POST, OPTIONS"
+#define CORS_METHODS "GET, POST" /* (HEAD and OPTIONS need no preflight) */
 #define CORS_MAX_AGE "600"
 
 static bool open_route(const char *path) {
@@ -77,7 +78,7 @@ bool access_check(struct evhttp_request *req, const char *path) {
     if (evhttp_request_get_command(req) == EVHTTP_REQ_OPTIONS) {
         const char *method = evhttp_find_header(in, "Access-Control-Request-Method");
         if (!origin || !method) { /* not a preflight */
-            evhttp_add_header(out, "Allow", CORS_METHODS);
+            evhttp_add_header(out, "Allow", "GET, POST, OPTIONS");
             http_send_body(req, 204, NULL, "", 0);
             return true;
         }
@@ -99,7 +100,7 @@ bool access_check(struct evhttp_request *req, const char *path) {
         evhttp_add_header(out, "Access-Control-Allow-Headers", hdrs && *hdrs ? hdrs : "Authorization, Content-Type");
         evhttp_add_header(out, "Access-Control-Max-Age", CORS_MAX_AGE);
         evhttp_add_header(out, "Vary", "Access-Control-Request-Method, Access-Control-Request-Headers");
-        http_send_body(req, 204, NULL, "", 0);
+        http_send_body(req, 200, "text/plain", "OK", 2);
         return true;
     }
     if (c->n_api_keys > 0 && !open_route(path) && !key_ok(req)) {

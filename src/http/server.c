@@ -41,6 +41,10 @@ static const struct {
     {"/v1/completions", EVHTTP_REQ_POST, R_COMPLETIONS},
     {"/v1/chat/completions", EVHTTP_REQ_POST, R_CHAT},
     {"/v1/models", EVHTTP_REQ_GET, R_MODELS},
+    /* without the /v1 prefix too, as llama.cpp's server (clients given the bare host URL) */
+    {"/completions", EVHTTP_REQ_POST, R_COMPLETIONS},
+    {"/chat/completions", EVHTTP_REQ_POST, R_CHAT},
+    {"/models", EVHTTP_REQ_GET, R_MODELS},
     {"/health", EVHTTP_REQ_GET, R_HEALTH},
     {"/ready", EVHTTP_REQ_GET, R_READY},
     {"/tokenize", EVHTTP_REQ_POST, R_TOKENIZE},
@@ -85,14 +89,14 @@ static void on_request(struct evhttp_request *req, void *arg) {
     enum evhttp_cmd_type cmd = evhttp_request_get_command(req);
     KV_DEBUG("http: %s %s", http_method_name(cmd), path);
     if (access_check(req, path)) return;
-    if (!strncmp(path, "/v1/models/", 11) && path[11]) {
+    if ((!strncmp(path, "/v1/models/", 11) && path[11]) || (!strncmp(path, "/models/", 8) && path[8])) {
         if (cmd != EVHTTP_REQ_GET) {
             evhttp_add_header(evhttp_request_get_output_headers(req), "Allow", "GET");
             http_send_errf(req, 405, "invalid_request_error", NULL, "method_not_allowed",
                            "only GET is allowed on /v1/models/{model}");
             return;
         }
-        handle_model(req, path + 11);
+        handle_model(req, path + (path[1] == 'v' ? 11 : 8)); /* after "/v1/models/" or "/models/" */
         return;
     }
     for (size_t i = 0; i < sizeof routes / sizeof routes[0]; i++) {

@@ -48,6 +48,8 @@ struct router_config {
     double predicted_prefix_ttl_s; /* kv_aware in-flight awareness window (5 s; 0 = off) */
     int kv_balance_threshold;   /* kv_aware BUG-14 guard: legs beyond the least loaded (32; 0 = off) */
     double health_interval_s;   /* GET /health period (1 s; 0 = off) */
+    const char *worker_api_key; /* sent as "Authorization: Bearer KEY" on every request to a
+                                   worker (workers started with --api-key); NULL = none */
     const char *etcd;           /* etcd base URL (v3 JSON gateway): discover workers, or NULL */
     const char *etcd_prefix;    /* default ETCD_DEFAULT_PREFIX "kvserve/workers/" */
     const char *coordinator;    /* another router's base URL: place through its /select, or NULL */

@@ -37,6 +37,7 @@ struct router {
     struct http_counters ctr;
     struct http_reply_ctx reply;
     char self_id[300];
+    char worker_auth[600];        /* "Authorization: Bearer <--worker-api-key>" */
     struct upstream up;
     struct rt_pool pools[POOL_N]; /* aggregated, context, generation */
     struct rt_retry_policy pol;

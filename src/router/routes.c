@@ -490,6 +490,10 @@ kv_status router_run(const struct router_config *cfg, char *err, size_t errlen) 
         st = kv_errf(KV_ENOMEM, err, errlen, "cannot create the event loop / libcurl");
         goto done;
     }
+    if (r->cfg.worker_api_key && *r->cfg.worker_api_key) {
+        snprintf(r->worker_auth, sizeof r->worker_auth, "Authorization: Bearer %s", r->cfg.worker_api_key);
+        r->up.auth_header = r->worker_auth;
+    }
     r->tick = event_new(r->base, -1, EV_PERSIST, rtq_on_tick, r);
     if (!r->tick) {
         st = kv_errf(KV_ENOMEM, err, errlen, "out of memory");

@@ -177,6 +177,14 @@ struct upx *upx_start(struct upstream *up, const char *url, const char *body, si
         return NULL;
     }
     u->hdrs = h2;
+    if (up->auth_header) {
+        struct curl_slist *h3 = curl_slist_append(u->hdrs, up->auth_header);
+        if (!h3) {
+            upx_free(u);
+            return NULL;
+        }
+        u->hdrs = h3;
+    }
     CURL *e = u->easy;
     curl_easy_setopt(e, CURLOPT_URL, url);
     curl_easy_setopt(e, CURLOPT_PRIVATE, (char *)u);

@@ -20,6 +20,8 @@
 
 struct upstream {
     struct event_base *base; /* borrowed */
+    const char *auth_header; /* borrowed, NULL = none: "Authorization: Bearer KEY" added to
+                                every request (workers started with --api-key) */
     CURLM *multi;
     struct event *timer;
 };

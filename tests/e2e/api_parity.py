@@ -250,10 +250,10 @@ def test_access():
                "Access-Control-Request-Headers": "authorization, content-type, x-stainless-lang"}
         st, hdrs, _ = s.request("OPTIONS", C, headers=pre)
         h = {k.lower(): v for k, v in hdrs}
-        check(st == 204 and h.get("access-control-allow-origin") == "https://app.example"
+        check(st == 200 and h.get("access-control-allow-origin") == "https://app.example"
               and "POST" in h.get("access-control-allow-methods", "")
               and "x-stainless-lang" in h.get("access-control-allow-headers", ""),
-              "CORS preflight from an allowed origin -> 204 (%s %s)" % (st, h))
+              "CORS preflight from an allowed origin -> 200 (%s %s)" % (st, h))
         st, _, payload = s.request("OPTIONS", C, headers=dict(pre, Origin="https://evil.example"))
         check(st == 403 and json.loads(payload)["error"]["code"] == "cors_origin_not_allowed",
               "CORS preflight from another origin -> 403")
@@ -271,8 +271,47 @@ def test_access():
               "no CORS headers for another origin")
         st, hdrs, _ = s.request("OPTIONS", "/v1/models")
         check(st == 204 and any(k.lower() == "allow" for k, _ in hdrs), "a plain OPTIONS -> 204 with Allow")
+        test_router_key(s)
     finally:
         s.stop()
+
+
+def test_router_key(s):
+    """kvserve router --worker-api-key: every request to the worker (health checks included)
+    carries the key; without it the worker answers 401 and never becomes live."""
+    import subprocess
+    import tempfile
+    from e2e_util import read_port
+    url = "http://127.0.0.1:%d" % s.port
+    for key in ("cli-key", None):
+        tmp = tempfile.mkdtemp(prefix="kvserve-rt-key-")
+        pf = os.path.join(tmp, "port")
+        env = dict(os.environ)
+        env.pop("KVSERVE_WORKER_API_KEY", None)
+        if key:
+            env["KVSERVE_WORKER_API_KEY"] = key
+        p = subprocess.Popen([H.BIN, "router", "--port", "0", "--port-file", pf, "--workers", url,
+                              "--health-interval", "0.2"], env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+        try:
+            port = read_port(pf, p)
+            def ask():
+                c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+                c.request("POST", P, body=json.dumps({"prompt": "Once", "max_tokens": 2}),
+                          headers={"Content-Type": "application/json"})
+                r = c.getresponse()
+                st = r.status
+                r.read()
+                c.close()
+                return st
+            if key:
+                check(ask() == 200, "router with KVSERVE_WORKER_API_KEY reaches a keyed worker")
+            else:
+                wait_for(lambda: ask() != 200, 10, "the worker refused without the key")
+                check(ask() in (401, 502, 503), "router without the worker's key is refused")
+        finally:
+            p.terminate()
+            p.wait(10)
 
 
 # ---------------------------------------------------------------- metrics
