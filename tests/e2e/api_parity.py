@@ -33,7 +33,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import http_api as H  # noqa: E402  (Server, check)
-from e2e_util import wait_for  # noqa: E402
+from e2e_util import parse_metrics, wait_for  # noqa: E402
 
 check = H.check
 P = "/v1/completions"
@@ -315,16 +315,6 @@ def test_router_key(s):
 
 
 # ---------------------------------------------------------------- metrics
-
-def parse_metrics(text):
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        name, val = line.rsplit(" ", 1)
-        out[name] = float(val)
-    return out
-
 
 def test_metrics(s):
     prompt = "Once upon a time, there was a little girl named Lily. " * 4

@@ -13,6 +13,17 @@ def wait_for(cond, limit=10.0, what="condition"):
     raise AssertionError("timed out waiting for " + what)
 
 
+def parse_metrics(text):
+    """Prometheus text -> {"name{labels}": value} (comments and blank lines skipped)."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name, val = line.rsplit(" ", 1)
+        out[name] = float(val)
+    return out
+
+
 def read_port(path, proc, limit=10.0):
     """The port a process wrote to its --port-file; fails early if the process exits."""
     def ok():

@@ -1,41 +1,17 @@
 // Acceptance: the official OpenAI Node SDK drives kvserve's completions and chat endpoints,
 // streaming and not; the concatenated stream deltas equal the non-stream text.
 // Usage: node openai_sdk.mjs <kvserve-binary> <model-path>
-import { spawn } from 'node:child_process';
-import { mkdtempSync, readFileSync, existsSync } from 'node:fs';
-import { tmpdir } from 'node:os';
-import { join } from 'node:path';
 import assert from 'node:assert/strict';
 import OpenAI from 'openai';
+import { startServer, checker } from './sdk_server.mjs';
 
 const [bin, model] = process.argv.slice(2);
-const dir = mkdtempSync(join(tmpdir(), 'kvserve-sdk-'));
-const portFile = join(dir, 'port');
-const server = spawn(bin, ['serve', '--model', model, '--port', '0', '--port-file', portFile,
-  '--max-model-len', '512', '--log-level', 'warn'], { stdio: ['ignore', 'inherit', 'inherit'] });
-let exited = false;
-server.on('exit', () => { exited = true; });
-
-async function waitPort() {
-  for (let i = 0; i < 600; i++) {
-    if (exited) throw new Error('server exited before listening');
-    if (existsSync(portFile)) {
-      const p = readFileSync(portFile, 'utf8').trim();
-      if (p) return Number(p);
-    }
-    await new Promise((r) => setTimeout(r, 100));
-  }
-  throw new Error('server did not start');
-}
-
-let failures = 0, passed = 0;
-async function check(name, fn) {
-  try { await fn(); passed++; console.log(`ok - ${name}`); }
-  catch (e) { failures++; console.log(`not ok - ${name}: ${e.stack || e}`); }
-}
+const { check, fail, finish } = checker();
+let server = null;
 
 try {
-  const port = await waitPort();
+  server = await startServer(bin, model);
+  const port = server.port;
   const client = new OpenAI({ baseURL: `http://127.0.0.1:${port}/v1`, apiKey: 'unused', maxRetries: 0 });
   const models = await client.models.list();
   const id = models.data[0].id;
@@ -99,10 +75,8 @@ try {
       (e) => e.status === 400);
   });
 } catch (e) {
-  failures++;
-  console.log(`not ok - setup: ${e.stack || e}`);
+  fail('setup', e);
 } finally {
-  server.kill('SIGINT');
+  if (server) server.stop();
 }
-console.log(`${passed} passed, ${failures} failed`);
-process.exit(failures ? 1 : 0);
+finish();

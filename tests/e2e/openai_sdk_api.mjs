@@ -5,44 +5,20 @@
 // and vLLM's extra fields (stop_token_ids, min_tokens, priority, continue_final_message) sent
 // through the SDK's request body.
 // Usage: node openai_sdk_api.mjs <kvserve-binary> <model-path>
-import { spawn } from 'node:child_process';
-import { mkdtempSync, readFileSync, existsSync } from 'node:fs';
-import { tmpdir } from 'node:os';
-import { join } from 'node:path';
 import assert from 'node:assert/strict';
 import OpenAI from 'openai';
+import { startServer, checker } from './sdk_server.mjs';
 
 const [bin, model] = process.argv.slice(2);
-const dir = mkdtempSync(join(tmpdir(), 'kvserve-sdk-api-'));
-const portFile = join(dir, 'port');
 const KEY = 'sk-test-kvserve';
-const server = spawn(bin, ['serve', '--model', model, '--port', '0', '--port-file', portFile,
-  '--max-model-len', '512', '--threads', '1', '--log-level', 'warn', '--api-key', KEY,
-  '--served-model-name', 'story-model', 'story-alias'], { stdio: ['ignore', 'inherit', 'inherit'] });
-let exited = false;
-server.on('exit', () => { exited = true; });
-
-async function waitPort() {
-  for (let i = 0; i < 600; i++) {
-    if (exited) throw new Error('server exited before listening');
-    if (existsSync(portFile)) {
-      const p = readFileSync(portFile, 'utf8').trim();
-      if (p) return Number(p);
-    }
-    await new Promise((r) => setTimeout(r, 100));
-  }
-  throw new Error('server did not start');
-}
-
-let failures = 0, passed = 0;
-async function check(name, fn) {
-  try { await fn(); passed++; console.log(`ok - ${name}`); }
-  catch (e) { failures++; console.log(`not ok - ${name}: ${e.stack || e}`); }
-}
+const { check, fail, finish } = checker();
+let server = null;
 const ids = (choice) => choice.logprobs.tokens.map((t) => Number(t.split(':')[1]));
 
 try {
-  const port = await waitPort();
+  server = await startServer(bin, model, ['--threads', '1', '--api-key', KEY,
+    '--served-model-name', 'story-model', 'story-alias']);
+  const port = server.port;
   const baseURL = `http://127.0.0.1:${port}/v1`;
   const client = new OpenAI({ baseURL, apiKey: KEY, maxRetries: 0 });
   const id = 'story-model';
@@ -145,10 +121,8 @@ try {
       (e) => e instanceof OpenAI.BadRequestError && e.param === 'messages[0].content');
   });
 } catch (e) {
-  failures++;
-  console.log(`not ok - setup: ${e.stack || e}`);
+  fail('setup', e);
 } finally {
-  server.kill('SIGTERM');
+  if (server) server.stop();
 }
-console.log(`${passed} passed, ${failures} failed`);
-process.exit(failures ? 1 : 0);
+finish();

@@ -42,7 +42,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e_util import read_port, wait_for  # noqa: E402
+from e2e_util import parse_metrics, read_port, wait_for  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BIN = os.environ.get("KVSERVE_BIN", os.path.join(HERE, "../../build/kvserve"))
@@ -74,13 +74,7 @@ def call(port, method, path, body=None, headers=None, timeout=60):
 
 def metrics(port):
     st, text, _ = call(port, "GET", "/metrics")
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        name, val = line.rsplit(" ", 1)
-        out[name] = float(val)
-    return out
+    return parse_metrics(text)
 
 
 class Worker:

@@ -8,4 +8,5 @@ if ! command -v node >/dev/null; then echo "SKIP: node not installed"; exit 77; 
 if [[ ! -d "$here/node_modules/openai" ]]; then
   (cd "$here" && npm install --no-audit --no-fund --loglevel=error >/dev/null)
 fi
-exec node "$here/openai_sdk.mjs" "${KVSERVE_BIN:?}" "$model"
+# $1: the test script (default openai_sdk.mjs; test_openai_sdk_api.sh passes openai_sdk_api.mjs)
+exec node "$here/${1:-openai_sdk.mjs}" "${KVSERVE_BIN:-$here/../../build/kvserve}" "$model"

@@ -1,11 +1,3 @@
 #!/usr/bin/env bash
 # The official OpenAI Node SDK against the API parity features (openai_sdk_api.mjs).
-set -euo pipefail
-here=$(cd "$(dirname "$0")" && pwd)
-model="${KVSERVE_TEST_DATA:-$here/../../../shared/data}/models/stories260K/stories260K.gguf"
-if [[ ! -f "$model" ]]; then echo "SKIP: $model not found (set KVSERVE_TEST_DATA)"; exit 77; fi
-if ! command -v node >/dev/null; then echo "SKIP: node not installed"; exit 77; fi
-if [[ ! -d "$here/node_modules/openai" ]]; then
-  (cd "$here" && npm install --no-audit --no-fund --loglevel=error >/dev/null)
-fi
-exec node "$here/openai_sdk_api.mjs" "${KVSERVE_BIN:-$here/../../build/kvserve}" "$model"
+exec bash "$(cd "$(dirname "$0")" && pwd)/test_openai_sdk.sh" openai_sdk_api.mjs
