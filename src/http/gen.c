@@ -277,7 +277,7 @@ static void observe_latency(const struct gen *g) {
         if (c->t_first_ns && c->completion_tokens > 1)
             metrics_observe(l, MH_TPOT, (double)(now - c->t_first_ns) / 1e9 / (c->completion_tokens - 1));
         if (c->finish == FINISH_LENGTH) l->finished_length++;
-        else l->finished_stop++;
+        else if (c->finish == FINISH_STOP) l->finished_stop++;
     }
     if (!g->t_arrival_ns) return;
     if (first >= g->t_arrival_ns) metrics_observe(l, MH_TTFT, (double)(first - g->t_arrival_ns) / 1e9);

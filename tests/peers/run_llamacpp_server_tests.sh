@@ -3,7 +3,7 @@
 # /work/peers/llama.cpp; LLAMACPP_DIR to change it) against kvserve through llama_server_shim.py
 # (which maps llama-server's options to `kvserve serve`). Nothing of the suite is copied into
 # this repository: it is copied to a temporary folder and run there.
-#   tests/peers/run_llamacpp_server_tests.sh [pytest args...]   (default: the OpenAI-compatible
+#   tests/peers/run_llamacpp_server_tests.sh [pytest args...]   (no file named: the OpenAI-compatible
 #   files: unit/test_chat_completion.py unit/test_completion.py unit/test_basic.py
 #   unit/test_security.py)
 # Needs /usr/bin/python3 with pytest, requests and wget (Debian: python3-pytest python3-requests
@@ -30,6 +30,8 @@ if ! $py -c "import openai" 2>/dev/null; then
     echo "NOTE: the openai Python package is not installed: tests using its client are skipped"
     pp="$here/stub_openai:$tmp"
 fi
-[ $# -gt 0 ] || set -- unit/test_chat_completion.py unit/test_completion.py unit/test_basic.py unit/test_security.py
+files=0
+for a in "$@"; do case "$a" in -*) ;; *) files=1 ;; esac; done
+[ $files = 1 ] || set -- "$@" unit/test_chat_completion.py unit/test_completion.py unit/test_basic.py unit/test_security.py
 cd "$tmp" && PYTHONPATH="$pp" LLAMA_SERVER_BIN_PATH="$here/llama_server_shim.py" LLAMA_CACHE="$tmp/cache" \
     $py -m pytest -p no:cacheprovider -q -rfEs "$@"
