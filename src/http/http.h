@@ -1,16 +1,17 @@
 /*
  * http: the OpenAI-compatible HTTP front of a worker (libevent evhttp, one loop thread).
  * Routes: POST /v1/completions, POST /v1/chat/completions (stream and non-stream),
- * GET /v1/models, GET /health, POST /tokenize, POST /detokenize, GET /metrics,
+ * GET /v1/models, GET /v1/models/{model}, GET /health (liveness), GET /ready (readiness),
+ * POST /tokenize, POST /detokenize, GET /metrics,
  * GET /server_info, GET /kv_events (an SSE stream of KV block events; ?poll=1 for one JSON
  * page). The wire format of every route, field and error is in docs/api.md.
  * The loop never blocks on the engine: requests are validated, rendered and tokenized
  * here, handed to engine_submit, and engine events come back through a locked queue and
  * event_active(). A client disconnect cancels the request.
  * Errors: OpenAI error JSON {"error":{"message","type","param","code"}} with 400 (bad JSON,
- * invalid parameter, prompt too long), 404 (unknown route/model), 413 (body too large),
- * 503 (queue full). After the first streamed byte, an error is a `data: {"error":...}`
- * event followed by `data: [DONE]`.
+ * invalid parameter, prompt too long), 401 (API key), 404 (unknown route/model), 413 (body
+ * too large), 503 (queue full, draining; with Retry-After). After the first streamed byte, an
+ * error is a `data: {"error":...}` event followed by `data: [DONE]`. SIGTERM drains (server.c).
  */
 #ifndef KV_HTTP_H
 #define KV_HTTP_H
