@@ -421,6 +421,51 @@ static void test_priority_preemption(void **st) {
     }
 }
 
+static kv_status fake_forward_sample(backend_t *be, const struct batch *b, const struct backend_sampling *sp,
+                                     struct backend_sample_out *out, char *err, size_t errlen) {
+    (void)be, (void)b, (void)sp, (void)out;
+    return kv_errf(KV_EINTERNAL, err, errlen, "not called by this test");
+}
+
+/* A backend that samples on the device never sees host logits rows: n > 1, logit_bias and
+ * min_tokens are refused at submit (KV_EUNSUPPORTED), unless the engine samples on the host. */
+static void test_device_sampling_refuses(void **st) {
+    (void)st;
+    for (int host = 0; host < 2; host++) {
+        struct fake f;
+        fake_init(&f);
+        f.ops.forward_sample = fake_forward_sample;
+        struct engine_config cfg = small_cfg(64, 64);
+        cfg.host_sampling = host;
+        engine_t *e = start(&f, &cfg);
+        struct req_spec r;
+        greedy_spec(&r, 4);
+        struct logit_bias lb = {5, 1.0f};
+        char err[256];
+        struct coll c[2];
+        for (int k = 0; k < 3; k++) {
+            struct engine_request_params p = r.p;
+            if (k == 0) p.n = 2;
+            if (k == 1) {
+                p.logit_bias = &lb;
+                p.n_logit_bias = 1;
+            }
+            if (k == 2) p.min_tokens = 2;
+            memset(c, 0, sizeof c);
+            kv_status s = engine_submit(e, &p, host ? on_choice_event : on_event, c, NULL, err, sizeof err);
+            if (host) {
+                assert_int_equal(s, KV_OK);
+                wait_done(c, p.n > 1 ? 2 : 1);
+            } else {
+                assert_int_equal(s, KV_EUNSUPPORTED);
+                assert_non_null(strstr(err, "--host-sampling"));
+            }
+        }
+        engine_stop(e);
+        fake_destroy(&f);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_choices_equal_alone),
@@ -431,6 +476,7 @@ int main(void) {
         cmocka_unit_test(test_min_tokens_stop_string),
         cmocka_unit_test(test_priority_admission),
         cmocka_unit_test(test_priority_preemption),
+        cmocka_unit_test(test_device_sampling_refuses),
     };
     return cmocka_run_group_tests(tests, group_setup, group_teardown);
 }
