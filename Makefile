@@ -34,7 +34,7 @@ test-asan: test-deps
 	@cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DKVSERVE_SANITIZE=ON -DKVSERVE_TESTS_REQUIRED=ON >/dev/null
 	@cmake --build $(ASAN_BUILD) -j$(JOBS)
 	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
-	  KVSERVE_ASAN=1 ctest --output-on-failure -j$(JOBS) -LE slow
+	  ctest --output-on-failure -j$(JOBS) -LE slow
 
 bench: build
 	bench/run.sh
