@@ -39,6 +39,7 @@ static void serve_usage(FILE *f) {
             "                           model's context length)\n"
             "  --max-queue N            waiting requests before 503 (default 1024)\n"
             "  --max-body-size SIZE     largest request body (default 16MiB; larger gets 413)\n"
+            CLI_CONN_LIMITS_HELP
             "  --no-prefix-cache        do not reuse KV blocks across requests (A/B runs, tests)\n"
             "  --host-cache-memory SIZE host-memory tier for evicted KV blocks, e.g. 4GiB (default 0)\n"
             "  --prefix-wait-blocks N   a request waits for an in-flight prefill that will cover >= N\n"
@@ -133,6 +134,7 @@ int cmd_serve(int argc, char **argv) {
     enum backend_kind be_kind = BACKEND_KIND_CPU;
     int kv_dtype = -1; /* -1: not given (f32 for every backend) */
     uint64_t kv_mem = 0, max_body = 16ull << 20, host_mem = 0;
+    struct http_conn_limits conn_limits = {0};
     bool kv_mem_set = false, no_prefix_cache = false, deterministic = false, qmode_set = false;
     bool host_sampling = false;
     enum kv_matmul_quant qmode = KV_MATMUL_QUANT_AUTO;
@@ -179,6 +181,10 @@ int cmd_serve(int argc, char **argv) {
         int rc = serve_disagg_option(&sd, a, v);
         if (rc == 1) continue;
         if (rc) return rc;
+        if ((rc = cli_conn_limit_opt("serve", a, v, &conn_limits)) != 0) {
+            if (rc < 0) return 2;
+            continue;
+        }
         if (!strcmp(a, "--model")) model_path = v;
         else if (!strcmp(a, "--host")) host = v;
         else if (!strcmp(a, "--served-model-name")) served = v;
@@ -381,6 +387,7 @@ int cmd_serve(int argc, char **argv) {
                 ptc.resync_tokens, ptc.min_bytes);
     }
     struct http_config hc = {.host = host, .port = port, .max_body_bytes = (size_t)max_body,
+                             .conn = conn_limits,
                              .served_model_name = served, .port_file = port_file,
                              .prefix_cache = pcache};
     st = serve_disagg_start(&sd, e, be, m, tpb, host, &hc, err, sizeof err);

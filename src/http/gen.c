@@ -41,7 +41,7 @@ struct gen {
     struct evhttp_connection *conn; /* NULL once closed or our closecb removed */
     bool detached;                /* req detached from its connection: we must free it */
     bool client_gone;
-    bool peek_gone;               /* non-stream: EOF seen by peer_closed, cancelled */
+    bool peek_gone;               /* non-stream: reset seen by peer_closed, cancelled */
     bool stream, include_usage, started, tokens_as_ids;
     enum oai_kind kind;
     uint64_t eid;
@@ -179,7 +179,9 @@ static void meta_of(const struct gen *g, struct resp_meta *m) {
     m->kind = g->kind;
 }
 
-/* Is the peer of a non-stream request gone? (EOF seen by a non-consuming peek.) */
+/* Is the peer of a non-stream request gone? (A reset seen by a non-consuming peek.) An end
+ * of input is not: a client may shut down its sending side after the request and still read
+ * the answer (conn_gate.h); one that closed completely is found when the answer is written. */
 static bool peer_closed(struct gen *g) {
     if (!g->conn) return false;
     struct bufferevent *bev = evhttp_connection_get_bufferevent(g->conn);
@@ -187,7 +189,7 @@ static bool peer_closed(struct gen *g) {
     if (fd < 0) return false;
     char c;
     ssize_t n = recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
-    return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+    return n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR;
 }
 
 static int engine_err_status(kv_status st) {

@@ -179,6 +179,7 @@ kv_status http_serve(const struct http_config *cfg, engine_t *e, const model_t *
     struct http_listener_config lc = {
         .name = "http", .host = host, .port = cfg->port, .port_file = NULL,
         .max_body_bytes = cfg->max_body_bytes, .timeout_s = 3600, /* a stream may wait long */
+        .conn = cfg->conn,
         .handle_signals = true, .reply = &srv.reply, .on_request = on_request,
         .on_stop = begin_stop, .arg = NULL};
     if ((st = http_listener_start(srv.base, &lc, &srv.listener, err, errlen))) goto done;
