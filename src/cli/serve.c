@@ -43,7 +43,8 @@ static void serve_usage(FILE *f) {
             "  --no-prefix-cache        do not reuse KV blocks across requests (A/B runs, tests)\n"
             "  --host-cache-memory SIZE host-memory tier for evicted KV blocks, e.g. 4GiB (default 0)\n"
             "  --prefix-wait-blocks N   a request waits for an in-flight prefill that will cover >= N\n"
-            "                           more of its blocks (default 64; 0 disables)\n"
+            "                           more of its blocks (default: max-model-len / 8 in blocks,\n"
+            "                           at most 64; 0 disables)\n"
             "  --hash-key-file PATH     32-byte block-hash secret (created if absent; default: random\n"
             "                           per start)\n"
             "  --prefix-token-cache     reuse the ids of the longest cached prompt prefix and\n"
@@ -138,7 +139,7 @@ int cmd_serve(int argc, char **argv) {
     bool kv_mem_set = false, no_prefix_cache = false, deterministic = false, qmode_set = false;
     bool host_sampling = false;
     enum kv_matmul_quant qmode = KV_MATMUL_QUANT_AUTO;
-    int prefix_wait = 64;
+    int prefix_wait = -1; /* not given: the engine's scaled default */
     const char *hash_key_file = NULL;
     struct serve_etcd se = {.prefix = ETCD_DEFAULT_PREFIX, .ttl_s = 5};
     bool ptc_on = false, ptc_set = false;
@@ -368,7 +369,7 @@ int cmd_serve(int argc, char **argv) {
                                .max_model_len = max_model_len, .max_queue = max_queue,
                                .no_prefix_cache = no_prefix_cache,
                                .host_cache_blocks = (int)host_blocks,
-                               .prefix_wait_blocks = prefix_wait > 0 ? prefix_wait : -1,
+                               .prefix_wait_blocks = prefix_wait < 0 ? 0 : prefix_wait > 0 ? prefix_wait : -1,
                                .hash_key = hash_key_file ? &hkey : NULL,
                                .kv_dtype = kv_dtype, .host_sampling = host_sampling};
     kv_status st = engine_start(&ec, m, t, be, &e, err, sizeof err);

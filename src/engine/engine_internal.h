@@ -99,6 +99,11 @@ struct engine {
     /* ---- shared, under mu ---- */
     pthread_mutex_t mu;
     pthread_cond_t cv;
+    pthread_cond_t idle_cv;   /* broadcast when the engine thread goes to sleep with no work */
+    bool idle;                /* under mu: asleep with no work, stats published */
+    int fault_leak;           /* under mu: engine_fault_leak_blocks not yet taken */
+    int32_t *leaked;          /* engine thread: blocks taken by engine_fault_leak_blocks */
+    int n_leaked;
     bool stopping;
     struct request **incoming;  /* submitted, not yet seen by the engine thread */
     int n_incoming, cap_incoming;

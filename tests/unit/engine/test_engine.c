@@ -313,12 +313,7 @@ static void submit_ok(engine_t *e, const struct engine_request_params *p, struct
 
 static void wait_blocks_free(engine_t *e) {
     struct engine_stats s;
-    for (int i = 0; i < 2000; i++) {
-        engine_get_stats(e, &s);
-        if (s.kv_blocks_used == 0 && s.n_running == 0 && s.n_waiting == 0) break;
-        struct timespec d = {0, 1000000};
-        nanosleep(&d, NULL);
-    }
+    assert_int_equal(engine_wait_idle(e, 60000), KV_OK);
     engine_get_stats(e, &s);
     assert_int_equal(s.kv_blocks_used, 0);
     assert_int_equal(s.kv_blocks_free, s.kv_blocks_total);
@@ -731,6 +726,35 @@ static void test_stop_engine_with_live_requests(void **st) {
     fake_destroy(&f);
 }
 
+/* worker ids are random and non-zero with and without the reuse index (with
+ * --no-prefix-cache every worker used to report 0 and collided in routers); the default
+ * prefix wait scales with max_model_len (a fixed 64 blocks never triggered at <= 1024). */
+static void test_worker_id_and_wait_default(void **st) {
+    (void)st;
+    struct fake f1, f2;
+    fake_init(&f1);
+    fake_init(&f2);
+    struct engine_config cfg = {.tokens_per_block = 16, .n_blocks = 32, .max_batch_size = 8,
+                                .max_num_tokens = 64, .max_model_len = 256, .max_queue = 8,
+                                .no_prefix_cache = true};
+    engine_t *a = start(&f1, &cfg);
+    cfg.no_prefix_cache = false;
+    engine_t *b = start(&f2, &cfg);
+    assert_true(engine_worker_id(a) != 0);
+    assert_true(engine_worker_id(b) != 0);
+    assert_true(engine_worker_id(a) != engine_worker_id(b));
+    engine_stop(a);
+    engine_stop(b);
+    fake_destroy(&f1);
+    fake_destroy(&f2);
+    struct { int len, T, want; } w[] = {{512, 16, 4}, {480, 16, 3}, {128, 16, 1}, {16, 16, 1},
+                                        {8192, 16, 64}, {131072, 16, 64}, {4096, 64, 8}};
+    for (size_t i = 0; i < sizeof w / sizeof w[0]; i++) {
+        struct engine_config c = {.tokens_per_block = w[i].T, .max_model_len = w[i].len};
+        assert_int_equal(engine_default_wait_blocks(&c), w[i].want);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_batching_invariance),
@@ -742,6 +766,7 @@ int main(void) {
         cmocka_unit_test(test_eos),
         cmocka_unit_test(test_stop_strings),
         cmocka_unit_test(test_stop_engine_with_live_requests),
+        cmocka_unit_test(test_worker_id_and_wait_default),
     };
     return cmocka_run_group_tests(tests, group_setup, group_teardown);
 }
