@@ -74,7 +74,8 @@ struct gate {
     kv_buf line;        /* a chunk-size or trailer line */
     size_t reserved;    /* bytes of the budget held by the current request */
     bool head_method;   /* the request being answered is a HEAD */
-    bool eof_held;      /* the client ended its input while its request was answered */
+    bool half_closed;   /* the client's input had ended when its request was complete */
+    bool eof_held;      /* ... and that end is kept from evhttp until the answer is out */
     bool refuse_conn;   /* over max_connections: answer 503 once the socket is set */
     bool finished;      /* EOF handed to evhttp: the connection is being freed */
     uint64_t linger_start_ns;
@@ -200,6 +201,21 @@ static bool alive(struct gate *g) {
     if (r != NULL) return true;
     g->finished = true;
     return false;
+}
+
+/* The request is complete (its last byte is passed to evhttp). A client that shut down its
+ * sending side right after it (the end of input is already queued behind the request) wants
+ * the answer: remember it, so that end of input is not taken for a disconnect. An end that
+ * arrives later, while the request is answered, is one. */
+static void request_complete(struct gate *g) {
+    g->rs = R_WAIT;
+    evtimer_del(g->timer);
+    g->half_closed = false;
+    evutil_socket_t fd = bufferevent_getfd(g->under);
+    if (fd >= 0 && evbuffer_get_length(bufferevent_get_input(g->under)) == 0) {
+        char c;
+        g->half_closed = recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT) == 0;
+    }
 }
 
 /* ------------------------------------------------------------------ head parsing */
@@ -391,7 +407,7 @@ static bool take_head(struct gate *g, struct evbuffer *dst) {
     else if (cl > 0) {
         g->rs = R_BODY;
         g->body_left = (uint64_t)cl;
-    } else g->rs = R_WAIT;
+    } else request_complete(g);
     return true;
 }
 
@@ -522,10 +538,8 @@ static enum bufferevent_filter_result gate_in(struct evbuffer *src, struct evbuf
             if (n > g->body_left) n = (size_t)g->body_left;
             evbuffer_remove_buffer(src, dst, n);
             g->body_left -= n;
-            if (g->body_left == 0) {
-                g->rs = R_WAIT;
-                evtimer_del(g->timer);
-            } else arm(g, gs->lim.header_timeout_ms);
+            if (g->body_left == 0) request_complete(g);
+            else arm(g, gs->lim.header_timeout_ms);
             break;
         }
         case R_CHUNK_LINE: {
@@ -602,8 +616,7 @@ static enum bufferevent_filter_result gate_in(struct evbuffer *src, struct evbuf
             g->line.len = 0;
             if (empty) {
                 evbuffer_add(dst, "\r\n", 2);
-                g->rs = R_WAIT;
-                evtimer_del(g->timer);
+                request_complete(g);
             }
             break;
         }
@@ -618,6 +631,7 @@ static void response_done(struct gate *g) {
     struct http_gates *gs = g->gs;
     g->streaming = false;
     if (g->rs != R_WAIT) return;
+    g->half_closed = false;
     release_all(g);
     g->rs = R_HEAD;
     g->begun = false;
@@ -669,10 +683,6 @@ static void head_written(struct gate *g) {
         response_done(g);
     } else if (g->os == O_CHUNK_LINE) {
         g->streaming = true;
-        if (g->eof_held) { /* the client is gone: a stream cannot be answered */
-            g->eof_held = false;
-            finish(g);
-        }
     }
 }
 
@@ -886,7 +896,7 @@ static void on_under_event(struct bufferevent *bev, short what, void *arg) {
     }
     /* the client ended its input after a complete request that is still being answered
      * (not streamed): hold the end back so the answer is still sent */
-    if ((what & BEV_EVENT_EOF) && !(what & BEV_EVENT_ERROR) && g->rs == R_WAIT && !g->streaming) {
+    if ((what & BEV_EVENT_EOF) && !(what & BEV_EVENT_ERROR) && g->rs == R_WAIT && g->half_closed) {
         g->eof_held = true;
         return;
     }
@@ -997,6 +1007,16 @@ fail:
     free(g);
     if (under) bufferevent_free(under);
     return NULL; /* evhttp then makes a plain socket bufferevent itself */
+}
+
+bool http_gate_half_closed(struct evhttp_connection *conn) {
+    struct bufferevent *filt = conn ? evhttp_connection_get_bufferevent(conn) : NULL;
+    struct bufferevent *under = filt ? bufferevent_get_underlying(filt) : NULL;
+    if (!under) return false;
+    bufferevent_data_cb r = NULL;
+    void *arg = NULL;
+    bufferevent_getcb(under, &r, NULL, NULL, &arg);
+    return r == on_under_read && ((struct gate *)arg)->half_closed;
 }
 
 struct http_gates *http_gates_new(struct event_base *base, struct evhttp *http,

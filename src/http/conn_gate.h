@@ -29,10 +29,11 @@
  * One request at a time per connection: the next pipelined request is held (at most 64 KiB of
  * it is read from the socket) until the previous response is complete.
  *
- * Half-closed clients: a client that shuts down its sending side after its request still gets
- * the answer (the end of input is held back from evhttp until the response is complete, then
- * the connection is closed). Once a streamed (chunked) response has begun, an end of input
- * means the client is gone and is passed on at once (the stream is cancelled).
+ * Half-closed clients: a client that shuts down its sending side right after its request (the
+ * end of input is already there when the request is complete) still gets the answer: the end
+ * of input is held back from evhttp until the response is complete, then the connection is
+ * closed. An end of input that arrives later, while the request is being answered, means the
+ * client left (the request is cancelled, as before).
  *
  * Thread-safety: the loop thread of the listener's event_base only.
  */
@@ -81,6 +82,12 @@ struct http_gates *http_gates_new(struct event_base *base, struct evhttp *http,
 /* The effective limits (defaults resolved). */
 const struct http_gate_limits *http_gates_limits(const struct http_gates *gs);
 void http_gates_stats(const struct http_gates *gs, struct http_gate_stats *out);
+/* True when conn (an evhttp connection behind a gate) belongs to a client that shut down its
+ * sending side right after its current request and still reads the answer: an end of input
+ * seen on its socket is then not a disconnect. False for other connections. Loop thread. */
+#include <stdbool.h>
+bool http_gate_half_closed(struct evhttp_connection *conn);
+
 /* Drops the owner's reference. Call after evhttp_free: connections libevent frees later
  * (deferred finalizers) still find their gate set; the last one frees it. NULL is a no-op. */
 void http_gates_release(struct http_gates *gs);

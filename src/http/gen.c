@@ -24,6 +24,7 @@
 #include <event2/bufferevent.h>
 #include <event2/keyvalq_struct.h>
 
+#include "conn_gate.h"
 #include "server_internal.h"
 
 /* One engine event copied for the loop thread; payload arrays live in the same block. */
@@ -41,7 +42,7 @@ struct gen {
     struct evhttp_connection *conn; /* NULL once closed or our closecb removed */
     bool detached;                /* req detached from its connection: we must free it */
     bool client_gone;
-    bool peek_gone;               /* non-stream: reset seen by peer_closed, cancelled */
+    bool peek_gone;               /* non-stream: EOF seen by peer_closed, cancelled */
     bool stream, include_usage, started, tokens_as_ids;
     enum oai_kind kind;
     uint64_t eid;
@@ -179,9 +180,9 @@ static void meta_of(const struct gen *g, struct resp_meta *m) {
     m->kind = g->kind;
 }
 
-/* Is the peer of a non-stream request gone? (A reset seen by a non-consuming peek.) An end
- * of input is not: a client may shut down its sending side after the request and still read
- * the answer (conn_gate.h); one that closed completely is found when the answer is written. */
+/* Is the peer of a non-stream request gone? (EOF or a reset seen by a non-consuming peek; an
+ * EOF that was already there when the request was complete is a half-close: that client
+ * still reads the answer, conn_gate.h.) */
 static bool peer_closed(struct gen *g) {
     if (!g->conn) return false;
     struct bufferevent *bev = evhttp_connection_get_bufferevent(g->conn);
@@ -189,6 +190,7 @@ static bool peer_closed(struct gen *g) {
     if (fd < 0) return false;
     char c;
     ssize_t n = recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+    if (n == 0) return !http_gate_half_closed(g->conn);
     return n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR;
 }
 

@@ -45,6 +45,7 @@ def check(cond, what):
 
 class Proc:
     def __init__(self, args):
+        self.args = args
         self.tmp = tempfile.mkdtemp(prefix="kvserve-limits-")
         pf = os.path.join(self.tmp, "port")
         self.log = open(os.path.join(self.tmp, "log"), "w+")
@@ -57,12 +58,18 @@ class Proc:
             return int(f.read().split("VmRSS:")[1].split()[0])
 
     def stop(self):
+        """SIGTERM; the process must exit 0 (a sanitizer report or a hang fails the test)."""
         self.proc.terminate()
         try:
-            self.proc.wait(timeout=30)
+            rc = self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            rc = "hung"
             self.proc.wait()
+        if rc != 0:
+            self.log.flush()
+            self.log.seek(0)
+            check(False, "%s exited %s:\n%s" % (self.args[0], rc, self.log.read()[-3000:]))
 
 
 def server(*extra):
@@ -128,8 +135,13 @@ def read_response(s, buf=b""):
 
 
 def exchange(port, data, shut=False):
+    """Sends data (then, with shut, ends the sending side: corked, so the end of input travels
+    in the same segment as the request's last bytes, as a client that half-closes right after
+    its request) and reads one response."""
     s = connect(port)
     try:
+        if shut:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 1)
         s.sendall(data)
         if shut:
             s.shutdown(socket.SHUT_WR)
@@ -226,7 +238,12 @@ def test_half_close_and_pipelining(port):
     s.close()
     check(r1[0] == 200 and b"ok" in r1[2] and completion_ok(r2[0], r2[2]) and r3[0] == 200 and b"stories260K" in r3[2],
           "three pipelined requests answered in order")
-    # streaming after a half-close is cancelled (the client cannot read it), the server stays fine
+    # a half-closed client of a stream reads it to the end too
+    body = b'{"prompt":"Once upon a time","max_tokens":4,"temperature":0,"stream":true}'
+    st, h, b, _ = exchange(port, post_head("/v1/completions", len(body)) + body, shut=True)
+    check(st == 200 and b.rstrip().endswith(b"data: [DONE]") and b.count(b"data: ") == 6,
+          "half-closed client gets its whole stream (%s %r)" % (st, b[-80:]))
+    # a client that leaves while its request is answered: cancelled, the server stays fine
     s = connect(port)
     body = b'{"prompt":"Once upon a time","max_tokens":200,"stream":true}'
     s.sendall(post_head("/v1/completions", len(body)) + body)
