@@ -40,6 +40,7 @@ static void serve_usage(FILE *f) {
             "  --max-queue N            waiting requests before 503 (default 1024)\n"
             "  --max-body-size SIZE     largest request body (default 16MiB; larger gets 413)\n"
             CLI_CONN_LIMITS_HELP
+            "  --max-kv-subscribers N   GET /kv_events streams at once; more get 503 (default 64)\n"
             "  --no-prefix-cache        do not reuse KV blocks across requests (A/B runs, tests)\n"
             "  --host-cache-memory SIZE host-memory tier for evicted KV blocks, e.g. 4GiB (default 0)\n"
             "  --prefix-wait-blocks N   a request waits for an in-flight prefill that will cover >= N\n"
@@ -136,6 +137,7 @@ int cmd_serve(int argc, char **argv) {
     int kv_dtype = -1; /* -1: not given (f32 for every backend) */
     uint64_t kv_mem = 0, max_body = 16ull << 20, host_mem = 0;
     struct http_conn_limits conn_limits = {0};
+    int max_kv_subs = 0;
     bool kv_mem_set = false, no_prefix_cache = false, deterministic = false, qmode_set = false;
     bool host_sampling = false;
     enum kv_matmul_quant qmode = KV_MATMUL_QUANT_AUTO;
@@ -184,6 +186,10 @@ int cmd_serve(int argc, char **argv) {
         if (rc) return rc;
         if ((rc = cli_conn_limit_opt("serve", a, v, &conn_limits)) != 0) {
             if (rc < 0) return 2;
+            continue;
+        }
+        if (!strcmp(a, "--max-kv-subscribers")) {
+            if ((rc = parse_int_opt(a, v, 1, 100000, &max_kv_subs)) != 0) return rc;
             continue;
         }
         if (!strcmp(a, "--model")) model_path = v;
@@ -388,7 +394,7 @@ int cmd_serve(int argc, char **argv) {
                 ptc.resync_tokens, ptc.min_bytes);
     }
     struct http_config hc = {.host = host, .port = port, .max_body_bytes = (size_t)max_body,
-                             .conn = conn_limits,
+                             .conn = conn_limits, .max_kv_subscribers = max_kv_subs,
                              .served_model_name = served, .port_file = port_file,
                              .prefix_cache = pcache};
     st = serve_disagg_start(&sd, e, be, m, tpb, host, &hc, err, sizeof err);

@@ -274,6 +274,13 @@ struct engine_kv_event {
  * that were dropped from the ring (4096 events) before they could be read. Thread-safe. */
 int engine_kv_events(engine_t *e, uint64_t after, struct engine_kv_event *out, int32_t *tok,
                      int cap, uint64_t *lost);
+/* Push instead of polling: fn(arg) is called (from the engine thread, under the event ring's
+ * lock: it must only signal, e.g. event_active) when an event is added and none was
+ * notified since the last engine_kv_events call. NULL fn turns it off; after this returns,
+ * the previous fn is not called any more. Thread-safe. */
+void engine_set_kv_notify(engine_t *e, void (*fn)(void *arg), void *arg);
+/* The last event sequence number assigned (0: none yet). Thread-safe. */
+uint64_t engine_kv_last_seq(engine_t *e);
 /* The default prefix_wait_blocks: an eighth of max_model_len in blocks, at least 1, at most
  * 64 (a fixed 64 could never trigger when max_model_len <= 1024 tokens at 16 per block). */
 int engine_default_wait_blocks(const struct engine_config *c);

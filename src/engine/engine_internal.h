@@ -155,6 +155,9 @@ struct engine {
     struct engine_kv_event *ev_ring; /* (EV_RING) tokens point into ev_tok */
     int32_t *ev_tok;            /* (EV_RING * tokens_per_block) */
     uint64_t ev_seq;            /* last assigned */
+    void (*ev_notify)(void *); /* engine_set_kv_notify: called once per batch of new events */
+    void *ev_notify_arg;
+    bool ev_notified;           /* notify called, no engine_kv_events since */
 };
 
 #define ENGINE_EV_RING ENGINE_KV_EVENTS_RING

@@ -42,7 +42,26 @@ static void on_pool_event(const struct kv_pool_event *pe, void *user) {
         ev->n_tokens = pe->n_tokens < T ? pe->n_tokens : T;
         memcpy(e->ev_tok + (size_t)slot * (size_t)T, pe->tokens, (size_t)ev->n_tokens * sizeof(int32_t));
     }
+    if (e->ev_notify && !e->ev_notified) { /* one wakeup until the reader comes */
+        e->ev_notified = true;
+        e->ev_notify(e->ev_notify_arg);
+    }
     pthread_mutex_unlock(&e->ev_mu);
+}
+
+void engine_set_kv_notify(engine_t *e, void (*fn)(void *arg), void *arg) {
+    pthread_mutex_lock(&e->ev_mu);
+    e->ev_notify = fn;
+    e->ev_notify_arg = arg;
+    e->ev_notified = false;
+    pthread_mutex_unlock(&e->ev_mu);
+}
+
+uint64_t engine_kv_last_seq(engine_t *e) {
+    pthread_mutex_lock(&e->ev_mu);
+    uint64_t s = e->ev_seq;
+    pthread_mutex_unlock(&e->ev_mu);
+    return s;
 }
 
 int engine_kv_events(engine_t *e, uint64_t after, struct engine_kv_event *out, int32_t *tok,
@@ -51,6 +70,7 @@ int engine_kv_events(engine_t *e, uint64_t after, struct engine_kv_event *out, i
     if (lost) *lost = 0;
     if (!e->ev_ring) return 0;
     pthread_mutex_lock(&e->ev_mu);
+    e->ev_notified = false;
     uint64_t first = e->ev_seq >= ENGINE_EV_RING ? e->ev_seq - ENGINE_EV_RING + 1 : 1;
     if (after < first - 1) { /* (not after + 1 < first: after may be UINT64_MAX) */
         if (lost) *lost = first - (after + 1);

@@ -19,6 +19,7 @@
 #include <strings.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 
 #include <event2/buffer.h>
 #include <event2/bufferevent.h>
@@ -805,43 +806,63 @@ static void on_reply_queued(struct evbuffer *buf, const struct evbuffer_cb_info 
     if (!event_pending(g->wev, EV_WRITE, NULL)) event_add(g->wev, NULL);
 }
 
-/* Writes queued reply bytes; 0, or -1 when the client is gone. */
+/* Writes queued reply bytes with one writev (a head and its body in one segment, as a plain
+ * bufferevent does: separate small writes meet Nagle's algorithm and the client's delayed
+ * ACK, 40 ms each), then follows the framing over what the kernel took. 0, or -1 when the
+ * client is gone. */
 static int write_out(struct gate *g) {
     struct evbuffer *src = bufferevent_get_output(g->filt);
     evutil_socket_t fd = bufferevent_getfd(g->under);
     while (evbuffer_get_length(src) > 0) {
-        size_t seg = out_segment(g, src);
-        if (seg == 0) break;
-        char line[64];
-        size_t line_len = 0;
-        bool line_el = g->os == O_CHUNK_LINE || g->os == O_CHUNK_END || g->os == O_TRAILER;
-        if (line_el) {
-            line_len = seg < sizeof line - 1 ? seg : sizeof line - 1;
-            evbuffer_copyout(src, line, line_len);
-            line[line_len] = 0;
+        struct evbuffer_iovec v[64];
+        struct iovec iov[64];
+        int nv = evbuffer_peek(src, -1, NULL, v, 64);
+        if (nv > 64) nv = 64;
+        for (int i = 0; i < nv; i++) {
+            iov[i].iov_base = v[i].iov_base;
+            iov[i].iov_len = v[i].iov_len;
         }
-        int w = evbuffer_write_atmost(src, fd, (ev_ssize_t)seg);
+        ssize_t w = writev(fd, iov, nv);
         if (w < 0) {
-            int e = EVUTIL_SOCKET_ERROR();
-            if (e == EAGAIN || e == EWOULDBLOCK || e == EINTR) {
+            if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
                 event_add(g->wev, NULL);
                 return 0;
             }
             return -1;
         }
-        if (line_el && (size_t)w < seg) { /* a partial line: its transition waits for the rest */
-            memcpy(g->pend_line, line, line_len + 1);
-            g->pend_line_len = line_len;
-            g->pend_os = g->os;
-            g->orest = seg - (size_t)w;
-            g->os = O_REST;
-            event_add(g->wev, NULL);
-            return 0;
+        size_t left = (size_t)w;
+        while (left > 0) {
+            size_t seg = out_segment(g, src);
+            if (seg == 0) seg = left;
+            size_t take = seg < left ? seg : left;
+            char line[64];
+            size_t line_len = 0;
+            bool line_el = g->os == O_CHUNK_LINE || g->os == O_CHUNK_END || g->os == O_TRAILER;
+            if (line_el) {
+                line_len = seg < sizeof line - 1 ? seg : sizeof line - 1;
+                evbuffer_copyout(src, line, line_len);
+                line[line_len] = 0;
+            }
+            evbuffer_drain(src, take);
+            left -= take;
+            if (line_el && take < seg) { /* a partial line: its transition waits for the rest */
+                memcpy(g->pend_line, line, line_len + 1);
+                g->pend_line_len = line_len;
+                g->pend_os = g->os;
+                g->orest = seg - take;
+                g->os = O_REST;
+            } else {
+                out_advance(g, take, line, line_len, true);
+            }
         }
-        out_advance(g, (size_t)w, line, line_len, true);
-        if ((size_t)w < seg) {
-            event_add(g->wev, NULL);
-            return 0;
+        if (evbuffer_get_length(src) > 0 && (size_t)w < evbuffer_get_length(src) + (size_t)w) {
+            /* the kernel took less than we had: wait until it is writable */
+            size_t had = 0;
+            for (int i = 0; i < nv; i++) had += v[i].iov_len;
+            if ((size_t)w < had) {
+                event_add(g->wev, NULL);
+                return 0;
+            }
         }
     }
     return 0;

@@ -201,11 +201,26 @@ void handle_kv_events(struct evhttp_request *req) {
         http_send_errf(req, 400, "invalid_request_error", NULL, NULL, err);
         return;
     }
+    if (!q.poll && !q.has_after) { /* SSE reconnect: resume after the last id the client saw */
+        const char *lei = evhttp_find_header(evhttp_request_get_input_headers(req), "Last-Event-ID");
+        if (lei && kvapi_parse_u64(lei, &q.after)) q.has_after = true;
+    }
+    uint64_t last = engine_kv_last_seq(srv.e);
+    if (q.has_after && q.after > last) { /* a restarted worker, or a bad resume point */
+        char msg[200];
+        snprintf(msg, sizeof msg, "after=%llu is beyond the last event (%llu): resubscribe "
+                 "without after (the worker may have restarted)", (unsigned long long)q.after,
+                 (unsigned long long)last);
+        struct oai_error e;
+        oai_errf(&e, 400, "invalid_request_error", "after", "after_beyond_last", "%s", msg);
+        char *ej = resp_error_json(&e);
+        json_t *o = ej ? json_loads(ej, 0, NULL) : NULL;
+        free(ej);
+        if (o) json_object_set_new(o, "last_seq", json_integer((json_int_t)last));
+        http_send_json(req, 400, o);
+        return;
+    }
     if (!q.poll) {
-        if (!q.has_after) { /* SSE reconnect: resume after the last id the client saw */
-            const char *lei = evhttp_find_header(evhttp_request_get_input_headers(req), "Last-Event-ID");
-            if (lei && kvapi_parse_u64(lei, &q.after)) q.has_after = true;
-        }
         kvstream_start(req, q.has_after, q.after);
         return;
     }

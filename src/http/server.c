@@ -191,6 +191,10 @@ kv_status http_serve(const struct http_config *cfg, engine_t *e, const model_t *
         (st = http_write_port_file(cfg->port_file, port, err, errlen)))
         goto done;
     srv.http = http_listener_evhttp(srv.listener);
+    if (kvstream_init() != KV_OK) {
+        st = kv_errf(KV_ENOMEM, err, errlen, "out of memory");
+        goto done;
+    }
     KV_INFO("http: listening on http://%s:%d (model '%s', max_model_len %d)", host, port,
             srv.model_name, srv.lim.max_model_len);
     pthread_mutex_lock(&g_stop_mu);

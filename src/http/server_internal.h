@@ -98,10 +98,14 @@ void handle_kv_probe(struct evhttp_request *req);
 void handle_kv_events(struct evhttp_request *req);
 
 /* ---- kv_stream.c ---- */
+/* Creates the stream machinery and registers the engine's push (engine_set_kv_notify);
+ * KV_ENOMEM. Call once the loop and engine are set. */
+kv_status kvstream_init(void);
 /* Turns req into an SSE stream of KV events (query already validated by the caller:
  * has_after/after = the resume point). Answers errors itself. */
 void kvstream_start(struct evhttp_request *req, bool has_after, uint64_t after);
-/* Ends every stream (shutdown: the final chunk is queued, then the subscriber is freed). */
+/* Ends every stream (shutdown: the final chunk is queued, then the subscriber is freed) and
+ * unregisters the engine's push. Idempotent. */
 void kvstream_close_all(void);
 
 #endif
