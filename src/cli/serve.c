@@ -41,6 +41,8 @@ static void serve_usage(FILE *f) {
             "  --max-body-size SIZE     largest request body (default 16MiB; larger gets 413)\n"
             CLI_CONN_LIMITS_HELP
             "  --max-kv-subscribers N   GET /kv_events streams at once; more get 503 (default 64)\n"
+            "  --prep-threads N         threads that parse, render and tokenize requests off the\n"
+            "                           HTTP thread (default 2)\n"
             "  --no-prefix-cache        do not reuse KV blocks across requests (A/B runs, tests)\n"
             "  --host-cache-memory SIZE host-memory tier for evicted KV blocks, e.g. 4GiB (default 0)\n"
             "  --prefix-wait-blocks N   a request waits for an in-flight prefill that will cover >= N\n"
@@ -137,7 +139,7 @@ int cmd_serve(int argc, char **argv) {
     int kv_dtype = -1; /* -1: not given (f32 for every backend) */
     uint64_t kv_mem = 0, max_body = 16ull << 20, host_mem = 0;
     struct http_conn_limits conn_limits = {0};
-    int max_kv_subs = 0;
+    int max_kv_subs = 0, prep_threads = 0;
     bool kv_mem_set = false, no_prefix_cache = false, deterministic = false, qmode_set = false;
     bool host_sampling = false;
     enum kv_matmul_quant qmode = KV_MATMUL_QUANT_AUTO;
@@ -186,6 +188,10 @@ int cmd_serve(int argc, char **argv) {
         if (rc) return rc;
         if ((rc = cli_conn_limit_opt("serve", a, v, &conn_limits)) != 0) {
             if (rc < 0) return 2;
+            continue;
+        }
+        if (!strcmp(a, "--prep-threads")) {
+            if ((rc = parse_int_opt(a, v, 1, 16, &prep_threads)) != 0) return rc;
             continue;
         }
         if (!strcmp(a, "--max-kv-subscribers")) {
@@ -395,6 +401,7 @@ int cmd_serve(int argc, char **argv) {
     }
     struct http_config hc = {.host = host, .port = port, .max_body_bytes = (size_t)max_body,
                              .conn = conn_limits, .max_kv_subscribers = max_kv_subs,
+                             .prep_threads = prep_threads,
                              .served_model_name = served, .port_file = port_file,
                              .prefix_cache = pcache};
     st = serve_disagg_start(&sd, e, be, m, tpb, host, &hc, err, sizeof err);

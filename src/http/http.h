@@ -34,6 +34,7 @@ struct http_config {
     size_t max_body_bytes;   /* default 16 MiB; larger bodies get 413 */
     struct http_conn_limits conn; /* connection limits (zeros = defaults) */
     int max_kv_subscribers;  /* GET /kv_events streams at once; more get 503; 0 = 64 */
+    int prep_threads;        /* threads that parse, render and tokenize requests; 0 = 2 */
     const char *served_model_name; /* id in /v1/models and responses; default model name */
     const char *port_file;   /* optional: write the bound port here once listening */
     /* optional, borrowed (outlives http_serve): prompts of /v1/completions,

@@ -118,13 +118,14 @@ static void begin_stop(void *arg) {
     gen_cancel_all();
     bool had_streams = srv.n_subs > 0;
     kvstream_close_all(); /* final chunks queued */
-    if (srv.n_live == 0 && !had_streams) {
+    if (srv.n_live == 0 && !had_streams && prep_pending() == 0) {
         event_base_loopbreak(srv.base);
         return;
     }
     /* live generations: up to 10 s for their terminal events (gen_free breaks the loop when
      * the last one ends); only /kv_events streams: 100 ms to flush their last chunk */
-    struct timeval tv = {srv.n_live > 0 ? 10 : 0, srv.n_live > 0 ? 0 : 100000};
+    bool work = srv.n_live > 0 || prep_pending() > 0;
+    struct timeval tv = {work ? 10 : 0, work ? 0 : 100000};
     g_grace_timer = evtimer_new(srv.base, on_grace, NULL);
     if (g_grace_timer) evtimer_add(g_grace_timer, &tv);
     else event_base_loopbreak(srv.base);
@@ -191,7 +192,7 @@ kv_status http_serve(const struct http_config *cfg, engine_t *e, const model_t *
         (st = http_write_port_file(cfg->port_file, port, err, errlen)))
         goto done;
     srv.http = http_listener_evhttp(srv.listener);
-    if (kvstream_init() != KV_OK) {
+    if (kvstream_init() != KV_OK || prep_init(cfg->prep_threads > 0 ? cfg->prep_threads : 2) != KV_OK) {
         st = kv_errf(KV_ENOMEM, err, errlen, "out of memory");
         goto done;
     }
@@ -206,6 +207,7 @@ kv_status http_serve(const struct http_config *cfg, engine_t *e, const model_t *
     pthread_mutex_unlock(&g_stop_mu);
     KV_INFO("http: stopped");
 done:
+    prep_shutdown();
     gen_shutdown();
     kvstream_close_all();
     http_listener_free(srv.listener); /* frees the evhttp and every connection */

@@ -85,6 +85,20 @@ void gen_shutdown(void);
 /* The wake event's callback (engine events -> handlers). */
 void gen_on_wake(evutil_socket_t fd, short what, void *arg);
 
+/* ---- prep.c: request preparation (parse, render, tokenize) on worker threads ---- */
+#define PREP_MAX_THREADS 16
+enum prep_what { PREP_GENERATE, PREP_PROBE, PREP_TOKENIZE };
+/* Starts n_threads workers (1..PREP_MAX_THREADS); KV_ENOMEM. After srv.base/t/lim are set. */
+kv_status prep_init(int n_threads);
+/* Moves req's body into a job for a worker; the request is answered later on the loop
+ * thread (error JSON, gen_start, or the /tokenize reply). kind: the endpoint (PREP_PROBE
+ * decides between completion and chat from the body). */
+void prep_submit(struct evhttp_request *req, enum prep_what what, enum oai_kind kind);
+/* Jobs submitted and not answered yet. */
+int prep_pending(void);
+/* Stops and joins the workers; drops unanswered jobs (after the loop ended). */
+void prep_shutdown(void);
+
 /* ---- handlers.c ---- */
 void handle_generate(struct evhttp_request *req, enum oai_kind kind);
 void handle_tokenize(struct evhttp_request *req);

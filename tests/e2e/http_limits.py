@@ -9,7 +9,8 @@ a half-closed client still gets its answer; pipelined requests are answered in o
 and body timeouts answer 408, idle keep-alive connections are closed; the connection cap
 answers 503 and frees its slot when a client leaves; the buffered-bytes budget answers 503
 and is released when the request that held it is answered; 20 clients declaring 60 MiB each
-do not grow the server. Waits are bounded polls on socket events, never fixed sleeps.
+do not grow the server; /health is answered while a 4 MB /tokenize is being tokenized, and a
+prompt that cannot fit is refused before tokenization. Waits are bounded polls on socket events, never fixed sleeps.
 
 env: KVSERVE_BIN, KVSERVE_TEST_DATA. Exit 0 = passed, 77 = skipped (data missing).
 """
@@ -341,6 +342,41 @@ def test_memory_bound(port, srv):
     check(srv.rss_kb() - rss0 < 64 * 1024, "RSS grew by %d kB (want < 64 MiB)" % (srv.rss_kb() - rss0))
 
 
+def test_prep_off_loop():
+    """Parsing, rendering and tokenizing run on worker threads (src/http/prep.c): /health is
+    answered while a 4 MB /tokenize is still being tokenized (it used to wait for it), and a
+    prompt that cannot fit max_model_len is refused before it is tokenized."""
+    import select
+    srv = server("--max-body-size", "16MiB")
+    try:
+        text = ("Once upon a time there was a little girl. " * 100000)[:4 << 20]
+        body = json.dumps({"prompt": text}).encode()
+        big = connect(srv.port, timeout=120)
+        big.sendall(post_head("/tokenize", len(body)) + body)
+
+        def unacked():  # bytes the server's kernel has not acknowledged yet (SIOCOUTQ)
+            import fcntl
+            import struct
+            import termios
+            return struct.unpack("i", fcntl.ioctl(big.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+        wait_for(lambda: unacked() == 0, 30, "the 4 MB body to reach the server")
+        st, h, b, _ = exchange(srv.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        pending = not select.select([big], [], [], 0)[0]
+        check(st == 200 and pending, "/health answered while a 4 MB /tokenize is in progress (%s, pending %s)" % (st, pending))
+        st, h, b, _ = read_response(big)
+        big.close()
+        check(st == 200 and json.loads(b)["count"] > 100000, "the 4 MB /tokenize completes (%s)" % st)
+        body = json.dumps({"prompt": text, "max_tokens": 4}).encode()
+        st, h, b, _ = exchange(srv.port, post_head("/v1/completions", len(body)) + body)
+        check(is_error_json(st, h, b, 400, "context_length_exceeded") and b"before tokenization" in b,
+              "a 4 MB prompt is refused before tokenization (%s %r)" % (st, b[:160]))
+        msgs = json.dumps({"messages": [{"role": "user", "content": text}], "max_tokens": 4}).encode()
+        st, h, b, _ = exchange(srv.port, post_head("/v1/chat/completions", len(msgs)) + msgs)
+        check(is_error_json(st, h, b, 400, "context_length_exceeded"), "a 4 MB chat prompt: 400 (%s)" % st)
+    finally:
+        srv.stop()
+
+
 def test_router():
     w = server()
     r = Proc(["router", "--workers", "http://127.0.0.1:%d" % w.port, "--max-body-size", "65536"])
@@ -374,7 +410,7 @@ def main():
         check(srv.proc.poll() is None, "server alive after the bad inputs")
     finally:
         srv.stop()
-    for name, fn in [("timeouts", test_timeouts), ("connection_cap", test_connection_cap),
+    for name, fn in [("prep", test_prep_off_loop), ("timeouts", test_timeouts), ("connection_cap", test_connection_cap),
                      ("buffered_budget", test_buffered_budget), ("router", test_router)]:
         before = len(failures)
         try:
