@@ -9,25 +9,19 @@ Goal: both maxima under 50 ms (docs/benchmarks.md has the figures, base vs branc
 import json
 import os
 import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "../tests/e2e"))
-from e2e_util import read_port  # noqa: E402
+from e2e_util import start_kvserve  # noqa: E402
 
 BIG = 15 << 20
 
 
 def serve(bin_, model, extra):
-    d = tempfile.mkdtemp()
-    pf = os.path.join(d, "port")
-    p = subprocess.Popen([bin_, "serve", "--model", model, "--port", "0", "--port-file", pf,
-                          "--max-model-len", "512", "--max-body-size", "32MiB", *extra],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return p, read_port(pf, p, 60)
+    return start_kvserve(bin_, ["serve", "--model", model, "--max-model-len", "512",
+                                "--max-body-size", "32MiB", *extra])
 
 
 def request(port, method, path, body=None):

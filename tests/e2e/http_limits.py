@@ -23,7 +23,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from e2e_util import read_port, wait_for  # noqa: E402
+from e2e_util import Checks, start_kvserve, wait_for  # noqa: E402
 
 BIN = os.environ.get("KVSERVE_BIN", "build/kvserve")
 DATA = os.environ.get("KVSERVE_TEST_DATA", os.path.join(os.path.dirname(__file__), "../../../shared/data"))
@@ -31,28 +31,15 @@ GGUF = os.path.join(DATA, "models/stories260K/stories260K.gguf")
 BODY = b'{"prompt":"Once upon a time","max_tokens":4,"temperature":0}'
 WANT_TEXT = ", there was a"
 
-failures = []
-passed = 0
-
-
-def check(cond, what):
-    global passed
-    if cond:
-        passed += 1
-    else:
-        failures.append(what)
-        print("FAIL:", what, flush=True)
+check = Checks()
+failures = check.failures
 
 
 class Proc:
     def __init__(self, args):
         self.args = args
-        self.tmp = tempfile.mkdtemp(prefix="kvserve-limits-")
-        pf = os.path.join(self.tmp, "port")
-        self.log = open(os.path.join(self.tmp, "log"), "w+")
-        self.proc = subprocess.Popen([BIN, *args, "--port", "0", "--port-file", pf],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
-        self.port = read_port(pf, self.proc, 60)
+        self.log = open(os.path.join(tempfile.mkdtemp(prefix="kvserve-limits-"), "log"), "w+")
+        self.proc, self.port = start_kvserve(BIN, args, log=self.log)
 
     def rss_kb(self):
         with open("/proc/%d/status" % self.proc.pid) as f:
@@ -418,7 +405,7 @@ def main():
         except Exception as e:  # noqa: BLE001
             check(False, "%s raised %r" % (name, e))
         print("%-22s %s" % (name, "ok" if len(failures) == before else "FAILED"), flush=True)
-    print("%d passed, %d failed" % (passed, len(failures)))
+    print("%d passed, %d failed" % (check.passed, len(failures)))
     return 1 if failures else 0
 
 

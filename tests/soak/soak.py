@@ -14,7 +14,6 @@ import json
 import os
 import random
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -22,7 +21,7 @@ import time
 
 here = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(here, "../e2e"))
-from e2e_util import read_port, wait_for  # noqa: E402
+from e2e_util import start_kvserve, wait_for  # noqa: E402
 
 DATA = os.environ.get("KVSERVE_TEST_DATA", os.path.join(here, "../../../shared/data"))
 GGUF = os.path.join(DATA, "models/stories260K/stories260K.gguf")
@@ -114,13 +113,10 @@ def main():
         print("SKIP: %s not found" % GGUF)
         return 77
     d = tempfile.mkdtemp(prefix="kvserve-soak-")
-    pf = os.path.join(d, "port")
     log = open(os.path.join(d, "server.log"), "w")
     env = dict(os.environ, ASAN_OPTIONS="detect_leaks=1:abort_on_error=1", UBSAN_OPTIONS="print_stacktrace=1")
-    p = subprocess.Popen([a.bin, "serve", "--model", GGUF, "--port", "0", "--port-file", pf,
-                          "--max-model-len", "512", "--kv-cache-memory", "64MiB"],
-                         stdout=log, stderr=subprocess.STDOUT, env=env)
-    port = read_port(pf, p, 120)
+    p, port = start_kvserve(a.bin, ["serve", "--model", GGUF, "--max-model-len", "512",
+                                    "--kv-cache-memory", "64MiB"], log=log, env=env)
     rss0 = rss_kb(p.pid)
     end = time.time() + a.minutes * 60
     stats, lock = {}, threading.Lock()
