@@ -214,6 +214,48 @@ def test_framing(port):
     check(out.startswith(b"HTTP/1.1 405") and out.endswith(b"\r\n\r\n"), "HEAD: 405 without a body (%r)" % out[-60:])
 
 
+def test_mutated_heads(port):
+    """400 seeded random mutations (byte flips, insertions, deletions, duplicated lines) of
+    valid requests: every answer is a JSON body or a plain close, never libevent's HTML."""
+    import random
+    rng = random.Random(13)
+    bases = [post_head("/tokenize", 15) + b'{"prompt":"hi"}',
+             b"GET /health HTTP/1.1\r\nHost: x\r\nAccept: */*\r\n\r\n",
+             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+             b"5\r\n{\"pro\r\n0\r\n\r\n"]
+    alphabet = b" :\r\n\t\x00\x7f\xff;,0123456789abcdefABCDEF/%?#[]-"
+    html = []
+    for k in range(400):
+        d = bytearray(rng.choice(bases))
+        for _ in range(rng.randint(1, 4)):
+            op = rng.randrange(4)
+            i = rng.randrange(len(d))
+            if op == 0:
+                d[i] = rng.choice(alphabet)
+            elif op == 1:
+                d[i:i] = bytes([rng.choice(alphabet)])
+            elif op == 2 and len(d) > 1:
+                del d[i]
+            else:
+                lines = bytes(d).split(b"\r\n")
+                j = rng.randrange(len(lines))
+                lines.insert(j, lines[j])
+                d = bytearray(b"\r\n".join(lines))
+        s = connect(port, timeout=5)
+        try:
+            s.sendall(bytes(d))
+            s.shutdown(socket.SHUT_WR)
+            out = read_all(s)
+        except OSError:
+            out = b""
+        s.close()
+        for resp in out.split(b"HTTP/1.1 ")[1:]:
+            head = resp.split(b"\r\n\r\n", 1)[0].lower()
+            if b"content-type: text/html" in head or b"<html" in resp.lower():
+                html.append(bytes(d[:80]))
+    check(not html, "mutated requests: no HTML answers (%d, e.g. %r)" % (len(html), html[:2]))
+
+
 def test_half_close_and_pipelining(port):
     st, h, b, _ = exchange(port, post_head("/v1/completions", len(BODY)) + BODY, shut=True)
     check(completion_ok(st, b), "half-closed client gets its completion (%s %r)" % (st, b[:400]))
@@ -386,6 +428,7 @@ def main():
     srv = server("--max-body-size", "64KiB")
     try:
         for name, fn in [("framing", lambda: test_framing(srv.port)),
+                         ("mutations", lambda: test_mutated_heads(srv.port)),
                          ("half_close_pipelining", lambda: test_half_close_and_pipelining(srv.port)),
                          ("memory", lambda: test_memory_bound(srv.port, srv))]:
             before = len(failures)
