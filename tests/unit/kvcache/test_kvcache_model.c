@@ -127,26 +127,32 @@ static void check_copies(int n_to_host, int n_to_device) {
     kv_pool_clear_copies(P);
 }
 
+/* Looks a random known entry up in the pool and in the model; they must agree. Returns the
+ * model entry found (-1: a miss) and the pool's entry id in *e. */
+static int lookup_both(int *e) {
+    struct mentry *m = &E[rnd((uint32_t)nE)];
+    uint64_t uid = 0;
+    *e = kv_pool_lookup(P, m->parent, &m->h, m->tok, &uid);
+    int w = model_find(m->parent, m->tok, &m->h);
+    if (w < 0) {
+        assert_int_equal(*e, -1);
+        return -1;
+    }
+    assert_true(*e >= 0);
+    assert_true(uid == E[w].uid);
+    assert_int_equal(*e >= NB, E[w].host);
+    if (!E[w].host) assert_int_equal(*e, E[w].block);
+    return w;
+}
+
 static void check_state(void) {
     int cached = n_dlru;
     assert_int_equal(kv_pool_n_free(P), model_free() + cached);
     assert_int_equal(kv_pool_n_cached(P), cached);
     assert_int_equal(kv_pool_n_host_cached(P), n_hlru);
     for (int b = 0; b < NB; b++) assert_int_equal(kv_pool_refcount(P, b), refc[b]);
-    for (int k = 0; k < 8 && nE; k++) { /* sampled lookups agree */
-        struct mentry *m = &E[rnd((uint32_t)nE)];
-        uint64_t uid = 0;
-        int e = kv_pool_lookup(P, m->parent, &m->h, m->tok, &uid);
-        int w = model_find(m->parent, m->tok, &m->h);
-        if (w < 0) {
-            assert_int_equal(e, -1);
-        } else {
-            assert_true(e >= 0);
-            assert_true(uid == E[w].uid);
-            assert_int_equal(e >= NB, E[w].host);
-            if (!E[w].host) assert_int_equal(e, E[w].block);
-        }
-    }
+    int e;
+    for (int k = 0; k < 8 && nE; k++) lookup_both(&e); /* sampled lookups agree */
 }
 
 static void op_root(void);
@@ -225,15 +231,8 @@ static void op_alloc_register(void) {
 
 static void op_acquire(void) {
     if (!nE || n_held == (int)(sizeof held / sizeof held[0])) return;
-    struct mentry *m = &E[rnd((uint32_t)nE)];
-    uint64_t uid = 0;
-    int e = kv_pool_lookup(P, m->parent, &m->h, m->tok, &uid);
-    int w = model_find(m->parent, m->tok, &m->h);
-    if (w < 0) {
-        assert_int_equal(e, -1);
-        return;
-    }
-    assert_true(e >= 0);
+    int e, w = lookup_both(&e);
+    if (w < 0) return;
     struct mentry *x = &E[w];
     if (!x->host) {
         assert_int_equal(kv_pool_acquire(P, e), x->block);
