@@ -40,7 +40,7 @@ def metrics(port):
     for line in c.getresponse().read().decode().splitlines():
         if line and not line.startswith("#"):
             k, v = line.rsplit(" ", 1)
-            out[k] = float(v)
+            out[k.split("{", 1)[0]] = float(v)  # the name without its labels
     c.close()
     return out
 
