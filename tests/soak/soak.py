@@ -54,7 +54,8 @@ def client(port, end, rng, stats, lock):
                 body = json.dumps({"prompt": prompt, "max_tokens": rng.randint(8, 120), "stream": True,
                                    "temperature": rng.choice([0, 0.8]), "seed": rng.randrange(99)}).encode()
                 s = socket.create_connection(("127.0.0.1", port), timeout=120)
-                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                          b"Content-Length: %d\r\n\r\n" % len(body) + body)  # read until the close
                 want = rng.choice([0, 200, 2000, 10 ** 9])
                 got = b""
                 while len(got) < want:
