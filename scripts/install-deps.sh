@@ -2,12 +2,13 @@
 # Installs the Debian 12 packages kvserve needs. Idempotent and non-interactive.
 #   scripts/install-deps.sh          build + run dependencies
 #   scripts/install-deps.sh --test   also what the tests need (cmocka, PyTorch reference,
-#                                    clang sanitizer runtime, Node.js + npm peers)
+#                                    clang + libFuzzer runtime, Node.js + npm peers)
 set -euo pipefail
 want=(build-essential cmake pkg-config gnuplot-nox librust-blake3-dev libevent-dev libjansson-dev libpcre2-dev libutf8proc-dev
       libopenblas-dev libcurl4-openssl-dev libucx-dev curl ca-certificates)
 if [[ "${1:-}" == "--test" ]]; then
-  want+=(libcmocka-dev python3 python3-numpy python3-torch nodejs npm jq iproute2 etcd-server)
+  want+=(libcmocka-dev python3 python3-numpy python3-torch nodejs npm jq iproute2 etcd-server
+         clang libclang-rt-dev)
 fi
 missing=()
 for p in "${want[@]}"; do

@@ -70,18 +70,36 @@ uint64_t kv_now_ns(void) {
 double kv_now_s(void) { return (double)kv_now_ns() / 1e9; }
 int64_t kv_unix_time(void) { return (int64_t)time(NULL); }
 
+/* Fault injection (kv_alloc_fail_at): the number of kv_* allocations left before the one
+ * that fails; 0 = none armed. */
+static _Atomic long g_alloc_countdown;
+static _Atomic long g_alloc_calls;
+
+void kv_alloc_fail_at(long n) {
+    g_alloc_calls = 0;
+    g_alloc_countdown = n > 0 ? n : 0;
+}
+long kv_alloc_calls(void) { return g_alloc_calls; }
+
+/* True when this allocation is the one to fail. */
+static bool alloc_injected(void) {
+    g_alloc_calls++;
+    if (g_alloc_countdown <= 0) return false;
+    return --g_alloc_countdown == 0;
+}
+
 void *kv_malloc(size_t n) {
-    void *p = malloc(n ? n : 1);
+    void *p = alloc_injected() ? NULL : malloc(n ? n : 1);
     if (!p) KV_ERROR("out of memory allocating %zu bytes", n);
     return p;
 }
 void *kv_calloc(size_t count, size_t size) {
-    void *p = calloc(count ? count : 1, size ? size : 1);
+    void *p = alloc_injected() ? NULL : calloc(count ? count : 1, size ? size : 1);
     if (!p) KV_ERROR("out of memory allocating %zu x %zu bytes", count, size);
     return p;
 }
 void *kv_realloc(void *p, size_t n) {
-    void *q = realloc(p, n ? n : 1);
+    void *q = alloc_injected() ? NULL : realloc(p, n ? n : 1);
     if (!q) KV_ERROR("out of memory reallocating %zu bytes", n);
     return q;
 }

@@ -65,6 +65,12 @@ void *kv_calloc(size_t count, size_t size);
 void *kv_realloc(void *p, size_t n);
 char *kv_strdup(const char *s);
 char *kv_strndup(const char *s, size_t n);
+/* Fault injection (tests; SQLite's "fail the N-th allocation"): the n-th kv_malloc /
+ * kv_calloc / kv_realloc (kv_strdup too) from now returns NULL, every other one succeeds;
+ * n <= 0 disarms. kv_alloc_calls counts the kv_* allocations since the last call (any
+ * thread; atomic), so a sweep knows when n went past the last one. */
+void kv_alloc_fail_at(long n);
+long kv_alloc_calls(void);
 
 /* ---- files ---- */
 /* Reads a whole file into a NUL-terminated heap buffer (caller frees).

@@ -142,6 +142,20 @@ typedef struct {
     FILE *progress_out;     /* borrowed; NULL = stderr */
     volatile int *stop_flag; /* borrowed; when it becomes non-zero the run stops: in-flight
                                 requests are aborted and recorded as "cancelled" */
+    /* Clock of every time the runner reads (request start, chunk arrivals, end, scheduling):
+     * monotonic ns; NULL = kv_now_ns. Tests inject a virtual clock so measured TTFT / ITL are
+     * exact instead of compared with the wall clock on a loaded machine. */
+    uint64_t (*now_ns)(void *arg);
+    void *clock_arg;
+    /* Observers (tests; NULL = none), called on the runner's thread: a request is about to
+     * start (before its start time is read), a content chunk was recorded (after its arrival
+     * time was read), a request's record is complete (after its end time was read). */
+    void (*on_request_start)(void *arg);
+    void (*on_chunk)(void *arg);
+    void (*on_request_done)(void *arg);
+    /* The runner blocks waiting for the network (true) / has woken up (false). */
+    void (*on_wait)(void *arg, bool waiting);
+    void *observer_arg;
 } bench_config;
 
 bench_config bench_config_defaults(void);

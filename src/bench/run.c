@@ -97,6 +97,9 @@ typedef struct runner {
 
 static double rel_s(const runner *r, uint64_t ns) { return (double)(ns - r->t0_ns) * 1e-9; }
 
+/* The run's clock (bench_config.now_ns, default the monotonic clock). */
+static uint64_t clk(const runner *r) { return r->c->now_ns ? r->c->now_ns(r->c->clock_arg) : kv_now_ns(); }
+
 static void set_err(char **kind, char **msg, const char *k, const char *m) {
     if (*kind) return;
     *kind = kv_strdup(k);
@@ -131,7 +134,7 @@ static int on_event(void *ud, const char *data, size_t len) {
                               ? json_string_value(json_object_get(json_object_get(ch, "delta"), "content"))
                               : json_string_value(json_object_get(ch, "text"));
         if (txt && *txt) {
-            double ts = (double)(kv_now_ns() - q->t0_ns) * 1e-9;
+            double ts = (double)(clk(q->run) - q->t0_ns) * 1e-9;
             if (q->rec.n_chunks == q->chunk_cap) {
                 size_t nc = q->chunk_cap ? q->chunk_cap * 2 : 64;
                 double *n2 = kv_realloc(q->rec.chunk_s, nc * sizeof *n2);
@@ -144,6 +147,7 @@ static int on_event(void *ud, const char *data, size_t len) {
             size_t tl = strlen(txt);
             q->rec.output_chars += tl;
             if (kv_buf_append(&q->reply, txt, tl)) { json_decref(j); q->run->oom = true; return -1; }
+            if (q->run->c->on_chunk) q->run->c->on_chunk(q->run->c->observer_arg);
         }
     }
     json_t *u = json_object_get(j, "usage");
@@ -323,7 +327,8 @@ static bool send_turn(runner *r, sess_st *s) {
     curl_easy_setopt(q->h, CURLOPT_TCP_NODELAY, 1L);
     curl_easy_setopt(q->h, CURLOPT_HTTP_VERSION, (long)CURL_HTTP_VERSION_1_1);
     if (c->timeout_s > 0) curl_easy_setopt(q->h, CURLOPT_TIMEOUT_MS, (long)(c->timeout_s * 1000));
-    q->t0_ns = kv_now_ns();
+    if (r->c->on_request_start) r->c->on_request_start(r->c->observer_arg);
+    q->t0_ns = clk(r);
     q->rec.start_s = rel_s(r, q->t0_ns);
     if (curl_multi_add_handle(r->m, q->h) != CURLM_OK) { req_free(q); return false; }
     s->in_flight = true;
@@ -348,7 +353,7 @@ static const char *curl_kind(CURLcode rc, char *tmp, size_t n) {
 /* Finishes a request (rc from curl, or cancelled); moves its record to the result and
  * advances or ends its session. */
 static void finish_req(runner *r, req_st *q, CURLcode rc, bool cancelled) {
-    uint64_t now = kv_now_ns();
+    uint64_t now = clk(r);
     curl_multi_remove_handle(r->m, q->h);
     r->n_inflight--;
     q->rec.e2e_s = (double)(now - q->t0_ns) * 1e-9;
@@ -391,6 +396,7 @@ static void finish_req(runner *r, req_st *q, CURLcode rc, bool cancelled) {
         sess_remove(r, s);
     }
     req_free(q);
+    if (r->c->on_request_done) r->c->on_request_done(r->c->observer_arg);
 }
 
 static bool start_session(runner *r, double now) {
@@ -513,13 +519,13 @@ kv_status bench_run(const bench_config *c, const bench_trace *t, bench_result *o
     r.target_sessions = c->num_sessions ? c->num_sessions : (c->duration_s > 0 ? 0 : t->n_sessions);
     if (r.target_sessions)
         for (size_t i = 0; i < r.target_sessions; i++) r.planned_requests += t->sessions[i % t->n_sessions].n_turns;
-    r.t0_ns = kv_now_ns();
+    r.t0_ns = clk(&r);
     r.last_progress = 0;
     r.next_arrival = 0;
     bool open_loop = c->request_rate > 0;
     double end_t = 0;
     for (;;) {
-        double now = rel_s(&r, kv_now_ns());
+        double now = rel_s(&r, clk(&r));
         if (c->stop_flag && *c->stop_flag) {
             out->interrupted = true;
             r.stopping = true;
@@ -559,23 +565,32 @@ kv_status bench_run(const bench_config *c, const bench_trace *t, bench_result *o
         curl_multi_perform(r.m, &running);
         CURLMsg *msg;
         int left;
+        bool finished_any = false;
         while ((msg = curl_multi_info_read(r.m, &left))) {
             if (msg->msg != CURLMSG_DONE) continue;
             req_st *q = NULL;
             curl_easy_getinfo(msg->easy_handle, CURLINFO_PRIVATE, (char **)&q);
             finish_req(&r, q, msg->data.result, false);
-            end_t = rel_s(&r, kv_now_ns());
+            end_t = rel_s(&r, clk(&r));
+            finished_any = true;
         }
-        now = rel_s(&r, kv_now_ns());
+        now = rel_s(&r, clk(&r));
         progress(&r, now, false);
         double wait = next_due - now;
         if (c->duration_s > 0 && !r.stopping && c->duration_s - now < wait) wait = c->duration_s - now;
         int wait_ms = wait > 0.05 ? 50 : wait <= 0 ? 0 : (int)ceil(wait * 1e3);
-        if (r.n_inflight > 0 || wait_ms > 0) curl_multi_poll(r.m, NULL, 0, wait_ms, NULL);
+        /* a request just finished: its session may send its next turn, or a new session may
+         * start, at once (waiting here delayed the next turn by up to 50 ms) */
+        if (finished_any) wait_ms = 0;
+        if (r.n_inflight > 0 || wait_ms > 0) {
+            if (c->on_wait) c->on_wait(c->observer_arg, true);
+            curl_multi_poll(r.m, NULL, 0, wait_ms, NULL);
+            if (c->on_wait) c->on_wait(c->observer_arg, false);
+        }
     }
     if (c->stop_flag && *c->stop_flag) out->interrupted = true;
-    out->duration_s = end_t > 0 ? end_t : rel_s(&r, kv_now_ns());
-    progress(&r, rel_s(&r, kv_now_ns()), true);
+    out->duration_s = end_t > 0 ? end_t : rel_s(&r, clk(&r));
+    progress(&r, rel_s(&r, clk(&r)), true);
     curl_multi_cleanup(r.m);
     curl_global_cleanup();
     if (r.oom) return kv_errf(KV_ENOMEM, err, errlen, "bench: out of memory (partial results kept)");

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "base/base.h"
+#include "cli.h"
 #include "router/router.h"
 
 static void router_usage(FILE *f) {
@@ -32,6 +33,7 @@ static void router_usage(FILE *f) {
             "                           tokens are not cached there (default off)\n"
             "  --timeout SECONDS        limit of one upstream leg (default 180; 0 = none)\n"
             "  --max-body-size BYTES    largest client body (default 16777216)\n"
+            CLI_CONN_LIMITS_HELP
             "  --policy P               round_robin (default) | least_loaded | kv_aware | conversation;\n"
             "                           applied to --workers and to each role (docs/routing.md)\n"
             "  --load-metric M          requests (default) | tokens: the load least-loaded choices use\n"
@@ -136,6 +138,9 @@ int cmd_router(int argc, char **argv) {
         }
         const char *v = argv[++i];
         long n;
+        int lrc = cli_conn_limit_opt("router", a, v, &c.conn);
+        if (lrc < 0) goto out;
+        if (lrc > 0) continue;
         double d;
         if (!strcmp(a, "--host")) c.host = v;
         else if (!strcmp(a, "--port") && parse_long(v, 0, 65535, &n)) c.port = (int)n;

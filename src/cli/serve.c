@@ -50,10 +50,15 @@ static void serve_usage(FILE *f) {
             "                           model's context length)\n"
             "  --max-queue N            waiting requests before 503 (default 1024)\n"
             "  --max-body-size SIZE     largest request body (default 16MiB; larger gets 413)\n"
+            CLI_CONN_LIMITS_HELP
+            "  --max-kv-subscribers N   GET /kv_events streams at once; more get 503 (default 64)\n"
+            "  --prep-threads N         threads that parse, render and tokenize requests off the\n"
+            "                           HTTP thread (default 2)\n"
             "  --no-prefix-cache        do not reuse KV blocks across requests (A/B runs, tests)\n"
             "  --host-cache-memory SIZE host-memory tier for evicted KV blocks, e.g. 4GiB (default 0)\n"
             "  --prefix-wait-blocks N   a request waits for an in-flight prefill that will cover >= N\n"
-            "                           more of its blocks (default 64; 0 disables)\n"
+            "                           more of its blocks (default: max-model-len / 8 in blocks,\n"
+            "                           at most 64; 0 disables)\n"
             "  --hash-key-file PATH     32-byte block-hash secret (created if absent; default: random\n"
             "                           per start)\n"
             "  --prefix-token-cache     reuse the ids of the longest cached prompt prefix and\n"
@@ -162,10 +167,12 @@ int cmd_serve(int argc, char **argv) {
     enum backend_kind be_kind = BACKEND_KIND_CPU;
     int kv_dtype = -1; /* -1: not given (f32 for every backend) */
     uint64_t kv_mem = 0, max_body = 16ull << 20, host_mem = 0;
+    struct http_conn_limits conn_limits = {0};
+    int max_kv_subs = 0, prep_threads = 0;
     bool kv_mem_set = false, no_prefix_cache = false, deterministic = false, qmode_set = false;
     bool host_sampling = false;
     enum kv_matmul_quant qmode = KV_MATMUL_QUANT_AUTO;
-    int prefix_wait = 64;
+    int prefix_wait = -1; /* not given: the engine's scaled default */
     const char *hash_key_file = NULL;
     struct serve_etcd se = {.prefix = ETCD_DEFAULT_PREFIX, .ttl_s = 5};
     bool ptc_on = false, ptc_set = false;
@@ -208,6 +215,18 @@ int cmd_serve(int argc, char **argv) {
         int rc = serve_disagg_option(&sd, a, v);
         if (rc == 1) continue;
         if (rc) return rc;
+        if ((rc = cli_conn_limit_opt("serve", a, v, &conn_limits)) != 0) {
+            if (rc < 0) return 2;
+            continue;
+        }
+        if (!strcmp(a, "--prep-threads")) {
+            if ((rc = parse_int_opt(a, v, 1, 16, &prep_threads)) != 0) return rc;
+            continue;
+        }
+        if (!strcmp(a, "--max-kv-subscribers")) {
+            if ((rc = parse_int_opt(a, v, 1, 100000, &max_kv_subs)) != 0) return rc;
+            continue;
+        }
         if (!strcmp(a, "--model")) model_path = v;
         else if (!strcmp(a, "--host")) host = v;
         else if (!strcmp(a, "--served-model-name")) {
@@ -414,7 +433,7 @@ int cmd_serve(int argc, char **argv) {
                                .max_model_len = max_model_len, .max_queue = max_queue,
                                .no_prefix_cache = no_prefix_cache,
                                .host_cache_blocks = (int)host_blocks,
-                               .prefix_wait_blocks = prefix_wait > 0 ? prefix_wait : -1,
+                               .prefix_wait_blocks = prefix_wait < 0 ? 0 : prefix_wait > 0 ? prefix_wait : -1,
                                .hash_key = hash_key_file ? &hkey : NULL,
                                .kv_dtype = kv_dtype, .host_sampling = host_sampling};
     kv_status st = engine_start(&ec, m, t, be, &e, err, sizeof err);
@@ -433,6 +452,8 @@ int cmd_serve(int argc, char **argv) {
                 ptc.resync_tokens, ptc.min_bytes);
     }
     struct http_config hc = {.host = host, .port = port, .max_body_bytes = (size_t)max_body,
+                             .conn = conn_limits, .max_kv_subscribers = max_kv_subs,
+                             .prep_threads = prep_threads,
                              .served_model_name = served, .port_file = port_file,
                              .prefix_cache = pcache,
                              .model_aliases = n_names > 1 ? names + 1 : NULL,

@@ -615,7 +615,10 @@ static void *engine_main(void *arg) {
         while (!e->stopping && e->n_incoming == 0 && e->n_cancels == 0 && e->n_xdone == 0 &&
                e->n_running == 0 && (e->n_waiting == 0 || (last_plan == 0 && e->n_xfer > 0))) {
             if (e->n_xfer == 0) {
+                e->idle = true; /* every step's stats were published before this point */
+                pthread_cond_broadcast(&e->idle_cv);
                 pthread_cond_wait(&e->cv, &e->mu);
+                e->idle = false;
                 continue;
             }
             /* only transfers in flight: sleep until their nearest deadline (or a wakeup) */
@@ -632,6 +635,8 @@ static void *engine_main(void *arg) {
             if (pthread_cond_timedwait(&e->cv, &e->mu, &ts) != 0) break;
         }
         stop = e->stopping;
+        int leak = e->fault_leak;
+        e->fault_leak = 0;
         /* incoming -> tail of waiting */
         if (e->n_incoming && e->n_waiting + e->n_incoming > e->cap_waiting) {
             int nc = e->cap_waiting ? e->cap_waiting : 64;
@@ -678,6 +683,17 @@ static void *engine_main(void *arg) {
         }
         int n_xd = take_xdone(e, &xd, &cap_xd);
         pthread_mutex_unlock(&e->mu);
+        if (leak > 0) { /* fault injection: blocks that never come back (a leak) */
+            int32_t *nl = kv_realloc(e->leaked, (size_t)(e->n_leaked + leak) * sizeof *nl);
+            if (nl) {
+                e->leaked = nl;
+                for (int i = 0; i < leak; i++) {
+                    int b = kv_pool_alloc(e->pool);
+                    if (b < 0) break;
+                    e->leaked[e->n_leaked++] = b;
+                }
+            }
+        }
 
         for (int i = 0; i < n_probes; i++) disagg_answer_probe(e, probes[i]);
         if (n_xd) disagg_apply_done(e, xd, n_xd);
@@ -724,6 +740,8 @@ static void *engine_main(void *arg) {
 static void engine_destroy(struct engine *e) {
     if (!e) return;
     reuse_destroy(e);
+    for (int i = 0; i < e->n_leaked; i++) kv_pool_release(e->pool, e->leaked[i]);
+    free(e->leaked);
     kv_pool_free(e->pool);
     pthread_mutex_destroy(&e->ev_mu);
     free(e->waiting);
@@ -746,6 +764,7 @@ static void engine_destroy(struct engine *e) {
     pthread_mutex_destroy(&e->mu);
     pthread_mutex_destroy(&e->stats_mu);
     pthread_cond_destroy(&e->cv);
+    pthread_cond_destroy(&e->idle_cv);
     free(e);
 }
 
@@ -780,6 +799,7 @@ kv_status engine_start(const struct engine_config *cfg_in, const model_t *m, con
     pthread_mutex_init(&e->stats_mu, NULL);
     pthread_mutex_init(&e->ev_mu, NULL);
     pthread_cond_init(&e->cv, NULL);
+    pthread_cond_init(&e->idle_cv, NULL);
     e->cfg = c;
     e->m = m;
     e->t = t;
@@ -831,6 +851,31 @@ kv_status engine_start(const struct engine_config *cfg_in, const model_t *m, con
     e->thread_started = true;
     *out = e;
     return KV_OK;
+}
+
+void engine_fault_leak_blocks(engine_t *e, int n) {
+    pthread_mutex_lock(&e->mu);
+    e->fault_leak += n > 0 ? n : 0;
+    pthread_cond_signal(&e->cv);
+    pthread_mutex_unlock(&e->mu);
+}
+
+kv_status engine_wait_idle(engine_t *e, int timeout_ms) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    uint64_t ns = (uint64_t)ts.tv_nsec + (uint64_t)(timeout_ms > 0 ? timeout_ms : 0) * 1000000ull;
+    ts.tv_sec += (time_t)(ns / 1000000000ull);
+    ts.tv_nsec = (long)(ns % 1000000000ull);
+    kv_status st = KV_OK;
+    pthread_mutex_lock(&e->mu);
+    while (!(e->idle && e->n_incoming == 0 && e->n_cancels == 0 && e->n_xdone == 0)) {
+        if (pthread_cond_timedwait(&e->idle_cv, &e->mu, &ts) != 0) {
+            st = KV_EBUSY;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&e->mu);
+    return st;
 }
 
 void engine_stop(engine_t *e) {

@@ -175,7 +175,8 @@ struct engine_config {
     int host_cache_blocks;    /* host offload tier size in blocks (0 = none) */
     int prefix_wait_blocks;   /* in-flight prefix waits: a new request waits for a prefilling
                                  owner that will cover >= this many more blocks than the
-                                 cache offers. 0 = default 64; < 0 disables */
+                                 cache offers. 0 = default (engine_default_wait_blocks);
+                                 < 0 disables */
     const kv_hash_key *hash_key; /* per-worker secret (copied); NULL = random at start */
     int kv_dtype;             /* enum kv_dtype of the KV pool (backend/backend.h); 0 = f32.
                                  The backend's kv_alloc refuses a dtype it does not support
@@ -234,6 +235,17 @@ void engine_get_stats(engine_t *e, struct engine_stats *out);
  * error); why gets the reason. Thread-safe. After that engine_submit refuses requests with
  * KV_EIO and the running ones fail with the backend's error. */
 bool engine_healthy(engine_t *e, char *why, size_t whylen);
+/* Blocks until the engine thread has nothing to do (no queued, waiting, running or
+ * transferring request, no pending cancel) and has published the stats of its last step, or
+ * timeout_ms passes (KV_EBUSY). A barrier for tests and drains instead of polling stats:
+ * after KV_OK, engine_get_stats shows every finished request's tokens and freed blocks (a
+ * request submitted meanwhile by another thread can make it busy again). Thread-safe. */
+kv_status engine_wait_idle(engine_t *e, int timeout_ms);
+/* Fault injection (tests): the engine thread takes n blocks from the KV pool at its next
+ * pass and never returns them (until engine_stop), as a block leak would. Requests that then
+ * cannot get blocks with nothing running stall; the deadlock detector fails them after
+ * ENGINE_STALL_PASSES passes. Thread-safe. */
+void engine_fault_leak_blocks(engine_t *e, int n);
 const struct engine_config *engine_config(const engine_t *e);
 
 /* ---- disaggregated serving: the KV-transfer seam ----
@@ -298,7 +310,18 @@ struct engine_kv_event {
  * that were dropped from the ring (4096 events) before they could be read. Thread-safe. */
 int engine_kv_events(engine_t *e, uint64_t after, struct engine_kv_event *out, int32_t *tok,
                      int cap, uint64_t *lost);
-/* Worker id (random 64-bit, fixed for the engine's life) for KV events. */
+/* Push instead of polling: fn(arg) is called (from the engine thread, under the event ring's
+ * lock: it must only signal, e.g. event_active) when an event is added and none was
+ * notified since the last engine_kv_events call. NULL fn turns it off; after this returns,
+ * the previous fn is not called any more. Thread-safe. */
+void engine_set_kv_notify(engine_t *e, void (*fn)(void *arg), void *arg);
+/* The last event sequence number assigned (0: none yet). Thread-safe. */
+uint64_t engine_kv_last_seq(engine_t *e);
+/* The default prefix_wait_blocks: an eighth of max_model_len in blocks, at least 1, at most
+ * 64 (a fixed 64 could never trigger when max_model_len <= 1024 tokens at 16 per block). */
+int engine_default_wait_blocks(const struct engine_config *c);
+/* Worker id (random 64-bit, never 0, fixed for the engine's life, with or without the reuse
+ * index) for KV events and /server_info. */
 uint64_t engine_worker_id(const engine_t *e);
 /* Public fingerprint of the block-hash secret (kv_hash_key_id, 16 hex digits): a router
  * mirroring this worker compares it with its own (--hash-key-file) and refuses a mismatch. */

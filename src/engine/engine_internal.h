@@ -111,6 +111,11 @@ struct engine {
     /* ---- shared, under mu ---- */
     pthread_mutex_t mu;
     pthread_cond_t cv;
+    pthread_cond_t idle_cv;   /* broadcast when the engine thread goes to sleep with no work */
+    bool idle;                /* under mu: asleep with no work, stats published */
+    int fault_leak;           /* under mu: engine_fault_leak_blocks not yet taken */
+    int32_t *leaked;          /* engine thread: blocks taken by engine_fault_leak_blocks */
+    int n_leaked;
     bool stopping;
     struct request **incoming;  /* submitted, not yet seen by the engine thread */
     int n_incoming, cap_incoming;
@@ -165,6 +170,9 @@ struct engine {
     struct engine_kv_event *ev_ring; /* (EV_RING) tokens point into ev_tok */
     int32_t *ev_tok;            /* (EV_RING * tokens_per_block) */
     uint64_t ev_seq;            /* last assigned */
+    void (*ev_notify)(void *); /* engine_set_kv_notify: called once per batch of new events */
+    void *ev_notify_arg;
+    bool ev_notified;           /* notify called, no engine_kv_events since */
 };
 
 #define ENGINE_EV_RING ENGINE_KV_EVENTS_RING

@@ -17,6 +17,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 /* ---------------------------------------------------------------- events */
 
@@ -41,7 +42,26 @@ static void on_pool_event(const struct kv_pool_event *pe, void *user) {
         ev->n_tokens = pe->n_tokens < T ? pe->n_tokens : T;
         memcpy(e->ev_tok + (size_t)slot * (size_t)T, pe->tokens, (size_t)ev->n_tokens * sizeof(int32_t));
     }
+    if (e->ev_notify && !e->ev_notified) { /* one wakeup until the reader comes */
+        e->ev_notified = true;
+        e->ev_notify(e->ev_notify_arg);
+    }
     pthread_mutex_unlock(&e->ev_mu);
+}
+
+void engine_set_kv_notify(engine_t *e, void (*fn)(void *arg), void *arg) {
+    pthread_mutex_lock(&e->ev_mu);
+    e->ev_notify = fn;
+    e->ev_notify_arg = arg;
+    e->ev_notified = false;
+    pthread_mutex_unlock(&e->ev_mu);
+}
+
+uint64_t engine_kv_last_seq(engine_t *e) {
+    pthread_mutex_lock(&e->ev_mu);
+    uint64_t s = e->ev_seq;
+    pthread_mutex_unlock(&e->ev_mu);
+    return s;
 }
 
 int engine_kv_events(engine_t *e, uint64_t after, struct engine_kv_event *out, int32_t *tok,
@@ -50,6 +70,7 @@ int engine_kv_events(engine_t *e, uint64_t after, struct engine_kv_event *out, i
     if (lost) *lost = 0;
     if (!e->ev_ring) return 0;
     pthread_mutex_lock(&e->ev_mu);
+    e->ev_notified = false;
     uint64_t first = e->ev_seq >= ENGINE_EV_RING ? e->ev_seq - ENGINE_EV_RING + 1 : 1;
     if (after < first - 1) { /* (not after + 1 < first: after may be UINT64_MAX) */
         if (lost) *lost = first - (after + 1);
@@ -72,16 +93,29 @@ void engine_hash_key_id(const engine_t *e, char out[17]) { kv_hash_key_id(&e->ke
 
 /* ---------------------------------------------------------------- setup */
 
+int engine_default_wait_blocks(const struct engine_config *c) {
+    int T = c->tokens_per_block > 0 ? c->tokens_per_block : 16;
+    int blocks = c->max_model_len > 0 ? c->max_model_len / T : 0;
+    int w = blocks / 8;
+    return w < 1 ? 1 : w > 64 ? 64 : w;
+}
+
 kv_status reuse_init(struct engine *e, char *err, size_t errlen) {
     const struct engine_config *c = &e->cfg;
     e->reuse = !c->no_prefix_cache;
-    e->wait_blocks = c->prefix_wait_blocks == 0 ? 64 : c->prefix_wait_blocks;
+    e->wait_blocks = c->prefix_wait_blocks == 0 ? engine_default_wait_blocks(c) : c->prefix_wait_blocks;
+    /* the worker id is random for every engine, with or without reuse: routers key workers by
+     * it (with --no-prefix-cache every worker used to report 0 and they collided) */
+    kv_hash_key wid;
+    if (kv_hash_key_random(&wid) == KV_OK) memcpy(&e->worker_id, wid.key, sizeof e->worker_id);
+    if (e->worker_id == 0) /* no randomness: time, process and address still tell workers apart */
+        e->worker_id = (kv_now_ns() * 0x9e3779b97f4a7c15ull) ^ ((uint64_t)getpid() << 40) ^
+                       (uint64_t)(uintptr_t)e;
+    if (e->worker_id == 0) e->worker_id = 1;
     if (!e->reuse) return KV_OK;
     if (c->hash_key) e->key = *c->hash_key;
     else if (kv_hash_key_random(&e->key) != KV_OK)
         return kv_errf(KV_EIO, err, errlen, "engine: no randomness for the block-hash key");
-    kv_hash_key wid;
-    if (kv_hash_key_random(&wid) == KV_OK) memcpy(&e->worker_id, wid.key, sizeof e->worker_id);
     int nh = c->host_cache_blocks > 0 ? c->host_cache_blocks : 0;
     if (kv_pool_enable_reuse(e->pool, nh) != KV_OK)
         return kv_errf(KV_ENOMEM, err, errlen, "engine: out of memory for the reuse index");

@@ -33,6 +33,7 @@
 #include <event2/bufferevent.h>
 #include <event2/keyvalq_struct.h>
 
+#include "conn_gate.h"
 #include "server_internal.h"
 
 /* One engine event copied for the loop thread; payload arrays live in the same block. */
@@ -110,7 +111,7 @@ static void gen_free(struct gen *g) {
     kv_buf_free(&g->pending);
     free(g->prompt_ids);
     free(g);
-    if (srv.stopping && srv.n_live == 0) server_drained();
+    if (srv.stopping && srv.n_live == 0 && prep_pending() == 0) server_drained();
 }
 
 /* Releases our hold on the connection/request before a final write or free. */
@@ -214,7 +215,9 @@ static void meta_of(const struct gen *g, struct resp_meta *m) {
     m->index = 0;
 }
 
-/* Is the peer of a non-stream request gone? (EOF seen by a non-consuming peek.) */
+/* Is the peer of a non-stream request gone? (EOF or a reset seen by a non-consuming peek; an
+ * EOF that was already there when the request was complete is a half-close: that client
+ * still reads the answer, conn_gate.h.) */
 static bool peer_closed(struct gen *g) {
     if (!g->conn) return false;
     struct bufferevent *bev = evhttp_connection_get_bufferevent(g->conn);
@@ -222,7 +225,8 @@ static bool peer_closed(struct gen *g) {
     if (fd < 0) return false;
     char c;
     ssize_t n = recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
-    return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+    if (n == 0) return !http_gate_half_closed(g->conn);
+    return n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR;
 }
 
 static int engine_err_status(kv_status st) {

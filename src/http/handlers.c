@@ -1,10 +1,10 @@
 /*
  * handlers: the route handlers of the HTTP server (routing itself is in server.c).
  *
- *   completions / chat: parse (openai.c) -> render the chat template (tok_chat_render_json,
- *   with tools / chat_template_kwargs) -> tokenize (prefix token cache when configured) ->
- *   length checks -> gen_start (gen.c) which submits to the engine.
- *   tokenize, detokenize, models, metrics, server_info: answered at once.
+ *   completions / chat / kv_probe / tokenize: handed to prep.c's worker threads (parse,
+ *   render the chat template, tokenize, length checks), answered or submitted (gen_start)
+ *   back on the loop thread.
+ *   detokenize, models, metrics, server_info: answered at once.
  *   kv_events: ?poll=1 answers one JSON page; otherwise the SSE stream of kv_stream.c.
  */
 #include <stdio.h>
@@ -30,101 +30,26 @@ static kv_status parse_body(struct evhttp_request *req, enum oai_kind kind, stru
     return KV_OK;
 }
 
-/* Prompt ids of a parsed request (chat: rendered template). *ids heap; errors answered. */
-static kv_status prompt_ids(struct evhttp_request *req, const struct oai_request *r,
-                            bool add_special, int32_t **ids, size_t *n) {
-    char err[512] = "";
-    struct prefix_cache *pc = srv.cfg ? srv.cfg->prefix_cache : NULL;
-    kv_status st = oai_prompt_ids(srv.t, pc, r, add_special, ids, n, err, sizeof err);
-    if (st == KV_EINVAL)
-        http_send_errf(req, 400, "invalid_request_error", "messages", NULL,
-                       *err ? err : "the messages cannot be rendered with this model's chat template");
-    else if (st)
-        http_send_errf(req, 500, "server_error", NULL, NULL, "out of memory");
-    return st;
-}
-
-static void generate(struct evhttp_request *req, enum oai_kind kind, bool probe) {
+void handle_generate(struct evhttp_request *req, enum oai_kind kind) {
     if (srv.stopping) {
         http_send_errf(req, 503, "server_error", NULL, "shutting_down",
                        "the server is shutting down and takes no new requests");
         return;
     }
-    struct oai_request r;
-    if (parse_body(req, kind, &r)) return;
-    const char *role = srv.cfg && srv.cfg->role ? srv.cfg->role : "aggregated";
-    if ((r.disagg.type == OAI_DISAGG_CONTEXT_ONLY && strcmp(role, "context")) ||
-        (r.disagg.type == OAI_DISAGG_GENERATION_ONLY && strcmp(role, "generation"))) {
-        char msg[200];
-        snprintf(msg, sizeof msg, "this worker runs --role %s and does not serve %s legs", role,
-                 r.disagg.type == OAI_DISAGG_CONTEXT_ONLY ? "context_only" : "generation_only");
-        http_send_errf(req, 400, "invalid_request_error", "disaggregated_params.request_type", NULL, msg);
-        oai_request_free(&r);
-        return;
-    }
-    if (probe) {
-        r.probe = true;
-        r.stream = false;
-        if (r.disagg.type != OAI_DISAGG_NONE) {
-            http_send_errf(req, 400, "invalid_request_error", "disaggregated_params", NULL,
-                           "/kv_probe takes an ordinary completions or chat body (no "
-                           "disaggregated_params)");
-            oai_request_free(&r);
-            return;
-        }
-    }
-    int32_t *ids = NULL;
-    size_t n = 0;
-    if (prompt_ids(req, &r, true, &ids, &n)) {
-        oai_request_free(&r);
-        return;
-    }
-    int mml = engine_config(srv.e)->max_model_len;
-    if (n == 0) {
-        http_send_errf(req, 400, "invalid_request_error", kind == OAI_CHAT ? "messages" : "prompt",
-                       NULL, "the prompt is empty (no tokens)");
-    } else if (n >= (size_t)mml) {
-        char msg[256];
-        snprintf(msg, sizeof msg,
-                 "This model's maximum context length is %d tokens; the prompt has %zu tokens "
-                 "(at least 1 token must be left for the completion)", mml, n);
-        http_send_errf(req, 400, "invalid_request_error", kind == OAI_CHAT ? "messages" : "prompt",
-                       "context_length_exceeded", msg);
-    } else {
-        gen_start(req, &r, ids, n);
-    }
-    free(ids);
-    oai_request_free(&r);
+    prep_submit(req, PREP_GENERATE, kind); /* parse, render, tokenize: prep.c */
 }
-
-void handle_generate(struct evhttp_request *req, enum oai_kind kind) { generate(req, kind, false); }
 
 /* POST /kv_probe: a completions body (with "prompt") or a chat body (with "messages");
  * answers {"prompt_tokens", "cached_tokens"} (docs/disaggregation.md). */
 void handle_kv_probe(struct evhttp_request *req) {
-    struct evbuffer *in = evhttp_request_get_input_buffer(req);
-    size_t len = evbuffer_get_length(in);
-    const char *body = len ? (const char *)evbuffer_pullup(in, -1) : "";
-    json_t *o = json_loadb(body, len, 0, NULL);
-    bool chat = o && json_object_get(o, "messages") != NULL;
-    json_decref(o);
-    generate(req, chat ? OAI_CHAT : OAI_COMPLETION, true);
+    if (srv.stopping) {
+        http_send_errf(req, 503, "server_error", NULL, NULL, "the server is shutting down");
+        return;
+    }
+    prep_submit(req, PREP_PROBE, OAI_COMPLETION);
 }
 
-void handle_tokenize(struct evhttp_request *req) {
-    struct oai_request r;
-    if (parse_body(req, OAI_TOKENIZE, &r)) return;
-    int32_t *ids = NULL;
-    size_t n = 0;
-    if (prompt_ids(req, &r, r.add_special, &ids, &n) == KV_OK) {
-        json_t *arr = json_array();
-        for (size_t i = 0; i < n; i++) json_array_append_new(arr, json_integer(ids[i]));
-        http_send_json(req, 200, json_pack("{s:o, s:I, s:i}", "tokens", arr, "count", (json_int_t)n,
-                                           "max_model_len", engine_config(srv.e)->max_model_len));
-        free(ids);
-    }
-    oai_request_free(&r);
-}
+void handle_tokenize(struct evhttp_request *req) { prep_submit(req, PREP_TOKENIZE, OAI_TOKENIZE); }
 
 void handle_detokenize(struct evhttp_request *req) {
     struct oai_request r;
@@ -227,11 +152,26 @@ void handle_kv_events(struct evhttp_request *req) {
         http_send_errf(req, 400, "invalid_request_error", NULL, NULL, err);
         return;
     }
+    if (!q.poll && !q.has_after) { /* SSE reconnect: resume after the last id the client saw */
+        const char *lei = evhttp_find_header(evhttp_request_get_input_headers(req), "Last-Event-ID");
+        if (lei && kvapi_parse_u64(lei, &q.after)) q.has_after = true;
+    }
+    uint64_t last = engine_kv_last_seq(srv.e);
+    if (q.has_after && q.after > last) { /* a restarted worker, or a bad resume point */
+        char msg[200];
+        snprintf(msg, sizeof msg, "after=%llu is beyond the last event (%llu): resubscribe "
+                 "without after (the worker may have restarted)", (unsigned long long)q.after,
+                 (unsigned long long)last);
+        struct oai_error e;
+        oai_errf(&e, 400, "invalid_request_error", "after", "after_beyond_last", "%s", msg);
+        char *ej = resp_error_json(&e);
+        json_t *o = ej ? json_loads(ej, 0, NULL) : NULL;
+        free(ej);
+        if (o) json_object_set_new(o, "last_seq", json_integer((json_int_t)last));
+        http_send_json(req, 400, o);
+        return;
+    }
     if (!q.poll) {
-        if (!q.has_after) { /* SSE reconnect: resume after the last id the client saw */
-            const char *lei = evhttp_find_header(evhttp_request_get_input_headers(req), "Last-Event-ID");
-            if (lei && kvapi_parse_u64(lei, &q.after)) q.has_after = true;
-        }
         kvstream_start(req, q.has_after, q.after);
         return;
     }

@@ -18,10 +18,24 @@
 
 #include "../engine/engine.h"
 
+/* Connection limits of an HTTP front (the worker's and the router's; conn_gate.h enforces
+ * them before a request reaches a handler). 0 in any field = its default. */
+struct http_conn_limits {
+    size_t max_buffered_bytes; /* request bytes being read or answered, all connections;
+                                  default 256 MiB; a request that does not fit gets 503 */
+    int max_connections;       /* default 4096 (at most RLIMIT_NOFILE - 64); more get 503 */
+    int header_timeout_ms;     /* request head within, body reads at most this far apart;
+                                  default 60000 (nginx's client_header/body_timeout); 408 */
+    int keepalive_timeout_ms;  /* idle keep-alive connections closed; default 75000 (nginx) */
+};
+
 struct http_config {
     const char *host;        /* default "127.0.0.1" */
     int port;                /* default 8000; 0 = pick a free port (logged) */
     size_t max_body_bytes;   /* default 16 MiB; larger bodies get 413 */
+    struct http_conn_limits conn; /* connection limits (zeros = defaults) */
+    int max_kv_subscribers;  /* GET /kv_events streams at once; more get 503; 0 = 64 */
+    int prep_threads;        /* threads that parse, render and tokenize requests; 0 = 2 */
     const char *served_model_name; /* id in /v1/models and responses; default model name */
     const char *port_file;   /* optional: write the bound port here once listening */
     /* optional, borrowed (outlives http_serve): prompts of /v1/completions,

@@ -140,6 +140,11 @@ struct prefix_cache;
  * heap. KV_EINVAL: the messages cannot be rendered (message in err); KV_ENOMEM. */
 kv_status oai_prompt_ids(const tokenizer_t *t, struct prefix_cache *pc, const struct oai_request *r,
                          bool add_special, int32_t **ids, size_t *n, char *err, size_t errlen);
+/* The same, refusing (KV_ETOOLONG, nothing tokenized) a rendered chat prompt longer than
+ * max_bytes (0 = no bound): the early length check of prep.c. */
+kv_status oai_prompt_ids_bounded(const tokenizer_t *t, struct prefix_cache *pc,
+                                 const struct oai_request *r, bool add_special, size_t max_bytes,
+                                 int32_t **ids, size_t *n, char *err, size_t errlen);
 
 /* ---- responses.c ---- */
 

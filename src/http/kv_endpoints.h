@@ -16,12 +16,13 @@
  *                                         "parent_is_root","tokens":[...]}
  *                                  data: {"type":"lost","worker_id","lost","after","final"}
  *                                Starts after SEQ (or the Last-Event-ID header), else with
- *                                the oldest retained event. "lost" (final false) when the ring
- *                                already dropped events the client asked for; a client that
- *                                falls a whole ring (ENGINE_KV_EVENTS_RING events) behind gets
- *                                a final "lost" and the stream ends (resync: treat the worker
- *                                as cleared, reconnect without after). ": keepalive" comments
- *                                every 15 s of silence.
+ *                                the oldest retained event; SEQ beyond the last event is a 400
+ *                                carrying "last_seq". "lost" (final false) when the ring
+ *                                already dropped events the client asked for; a client whose
+ *                                queue (1 MiB) fills up gets a final "lost" and the stream ends
+ *                                (resync: treat the worker as cleared, reconnect without
+ *                                after). ": keepalive" comments every 15 s of silence. At most
+ *                                max_kv_subscribers streams (503 beyond).
  *   GET /kv_events?poll=1&after=SEQ&max=N
  *                               {"worker_id","tokens_per_block","hash_scheme","last_seq",
  *                                "lost","events":[...same event objects, no worker_id...]}

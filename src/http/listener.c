@@ -14,6 +14,7 @@
 #include <event2/keyvalq_struct.h>
 #include <event2/listener.h>
 
+#include "conn_gate.h"
 #include "listener.h"
 
 #define HTTP_MAX_HEADERS_BYTES (1 << 20) /* request line + headers */
@@ -24,6 +25,7 @@ struct http_listener {
     char host[256];
     struct event_base *base;
     struct evhttp *http;
+    struct http_gates *gates;   /* per-connection framing and limits (conn_gate.h) */
     struct evhttp_bound_socket *bound;
     struct event *accept_timer; /* re-enables the listener after an accept() failure */
     struct event *stop_ev;      /* event_active'd by http_listener_stop */
@@ -193,9 +195,21 @@ kv_status http_listener_start(struct event_base *base, const struct http_listene
     }
     if (l->sigint) evsignal_add(l->sigint, NULL);
     if (l->sigterm) evsignal_add(l->sigterm, NULL);
+    /* The gates enforce the limits and answer with JSON; libevent's own (HTML) limits are
+     * set above them and are never reached by a request that passed a gate. */
+    struct http_gate_limits gl = {.max_head_bytes = HTTP_MAX_HEADERS_BYTES,
+                                  .max_body_bytes = l->body_limit,
+                                  .max_buffered_bytes = cfg->conn.max_buffered_bytes,
+                                  .max_connections = cfg->conn.max_connections,
+                                  .header_timeout_ms = cfg->conn.header_timeout_ms,
+                                  .keepalive_timeout_ms = cfg->conn.keepalive_timeout_ms};
+    l->gates = http_gates_new(base, l->http, &gl, cfg->reply, l->name);
+    if (!l->gates) {
+        st = kv_errf(KV_ENOMEM, err, errlen, "out of memory");
+        goto fail;
+    }
     evhttp_set_max_body_size(l->http, (ev_ssize_t)body_hard_cap(l->body_limit));
-    /* libevent's default is no limit: a client could make us buffer gigabytes of headers */
-    evhttp_set_max_headers_size(l->http, HTTP_MAX_HEADERS_BYTES);
+    evhttp_set_max_headers_size(l->http, HTTP_MAX_HEADERS_BYTES + (64 << 10));
     evhttp_set_flags(l->http, EVHTTP_SERVER_LINGERING_CLOSE);
     evhttp_set_timeout(l->http, cfg->timeout_s > 0 ? cfg->timeout_s : 3600);
     evhttp_set_allowed_methods(l->http, EVHTTP_REQ_GET | EVHTTP_REQ_POST | EVHTTP_REQ_HEAD |
@@ -229,6 +243,10 @@ fail:
     return st;
 }
 
+void http_listener_gate_stats(const struct http_listener *l, struct http_gate_stats *out) {
+    http_gates_stats(l ? l->gates : NULL, out);
+}
+
 int http_listener_port(const struct http_listener *l) { return l ? l->port : -1; }
 const char *http_listener_host(const struct http_listener *l) { return l ? l->host : ""; }
 struct evhttp *http_listener_evhttp(struct http_listener *l) { return l ? l->http : NULL; }
@@ -246,6 +264,7 @@ void http_listener_free(struct http_listener *l) {
     if (!l) return;
     registry_remove(l);
     if (l->http) evhttp_free(l->http);
+    http_gates_release(l->gates); /* connections freed later by libevent still find it */
     if (l->accept_timer) event_free(l->accept_timer);
     if (l->sigint) event_free(l->sigint);
     if (l->sigterm) event_free(l->sigterm);

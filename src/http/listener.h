@@ -3,7 +3,9 @@
  * (src/router/): an instance-based evhttp listener and plain replies bound to a reply context.
  *
  *   http_listener_start: evhttp on the caller's event_base, bind (port 0 = a free port, written
- *   to the port file), header/body limits (bodies over the limit get a 413 OpenAI error JSON),
+ *   to the port file), connection gates in front of evhttp (conn_gate.h: request framing and
+ *   validation, head/body/buffered-bytes/connection limits, header and keep-alive timeouts,
+ *   each refusal an OpenAI error JSON),
  *   accept() backoff on descriptor exhaustion, SIGINT/SIGTERM -> a clean stop. Requests within
  *   the limits go to the owner's on_request; a stop (signal or http_listener_stop) closes the
  *   listening socket and calls the owner's on_stop once; the owner breaks its loop when done.
@@ -23,6 +25,7 @@
 #include <event2/event.h>
 #include <event2/http.h>
 
+#include "http.h"
 #include "http_internal.h"
 
 /* Where a server's replies are counted and which identity header they carry. Borrowed by
@@ -63,6 +66,10 @@ struct http_listener_config {
     const char *port_file;       /* optional: the bound port is written here (atomically) */
     size_t max_body_bytes;       /* default 16 MiB; larger bodies get 413 JSON */
     int timeout_s;               /* evhttp read/write timeout; default 3600 */
+    /* Connection limits enforced before evhttp sees a byte (conn_gate.h); 0 = default:
+     * 256 MiB, 4096 (or RLIMIT_NOFILE - 64), 60000 ms, 75000 ms. max_body_bytes above is
+     * the gate's body limit too. */
+    struct http_conn_limits conn;
     bool handle_signals;         /* SIGINT/SIGTERM start a stop */
     const struct http_reply_ctx *reply; /* for the listener's own answers (413); borrowed */
     /* Called for every request within the limits (counted in reply->ctr->http_requests_total
@@ -101,6 +108,10 @@ bool http_listener_signalled(const struct http_listener *l);
  * the stop, later SIGINT/SIGTERM are ignored (process managers send several; the process must
  * not die mid-teardown). NULL is a no-op. */
 void http_listener_free(struct http_listener *l);
+
+/* What the listener's connection gates did (conn_gate.h); zeros before start. */
+struct http_gate_stats;
+void http_listener_gate_stats(const struct http_listener *l, struct http_gate_stats *out);
 
 /* Writes "<port>\n" to path atomically (temp file + rename). KV_EIO on failure. */
 kv_status http_write_port_file(const char *path, int port, char *err, size_t errlen);

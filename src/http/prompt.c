@@ -82,6 +82,12 @@ static kv_status copy_ids(const int32_t *src, size_t n, int32_t **ids, size_t *n
 
 kv_status oai_prompt_ids(const tokenizer_t *t, struct prefix_cache *pc, const struct oai_request *r,
                          bool add_special, int32_t **ids, size_t *n, char *err, size_t errlen) {
+    return oai_prompt_ids_bounded(t, pc, r, add_special, 0, ids, n, err, errlen);
+}
+
+kv_status oai_prompt_ids_bounded(const tokenizer_t *t, struct prefix_cache *pc,
+                                 const struct oai_request *r, bool add_special, size_t max_bytes,
+                                 int32_t **ids, size_t *n, char *err, size_t errlen) {
     if (r->disagg.prompt_ids) /* generation leg: the context worker's prompt, as it was run */
         return copy_ids(r->disagg.prompt_ids, r->disagg.n_prompt_ids, ids, n);
     if (r->ids) return copy_ids(r->ids, r->n_ids, ids, n);
@@ -97,6 +103,10 @@ kv_status oai_prompt_ids(const tokenizer_t *t, struct prefix_cache *pc, const st
         }
         text = rendered;
         len = strlen(rendered);
+        if (max_bytes && len > max_bytes) {
+            free(rendered);
+            return KV_ETOOLONG;
+        }
         /* the template may write BOS itself: then no second one (tokenizer.h, llama.cpp) */
         if (add_special && tok_text_starts_with_bos(t, text, len)) add_special = false;
     }

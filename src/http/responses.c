@@ -15,11 +15,34 @@ static json_t *lp_json(float v) {
     return json_real((double)v);
 }
 
+/* s as valid UTF-8 into out (cap bytes, NUL-terminated): a byte that does not start a valid
+ * sequence becomes the text \xNN. Error messages quote client input (a path, a parameter
+ * name) and may cut a character; jansson refuses invalid UTF-8 (the answer was {}). */
+static const char *utf8_clean(const char *s, char *out, size_t cap) {
+    size_t o = 0, n = strlen(s);
+    for (size_t i = 0; i < n && o + 5 < cap;) {
+        int l = kv_utf8_seq_len((unsigned char)s[i]);
+        if (l > 0 && i + (size_t)l <= n && kv_utf8_valid(s + i, (size_t)l)) {
+            if (o + (size_t)l + 1 > cap) break;
+            memcpy(out + o, s + i, (size_t)l);
+            o += (size_t)l;
+            i += (size_t)l;
+        } else {
+            o += (size_t)snprintf(out + o, cap - o, "\\x%02X", (unsigned char)s[i]);
+            i++;
+        }
+    }
+    out[o] = 0;
+    return out;
+}
+
 static json_t *error_obj(const struct oai_error *e) {
-    return json_pack("{s:{s:s, s:s, s:o, s:o}}", "error", "message", e->message, "type",
+    char msg[4 * sizeof e->message + 8], param[4 * sizeof e->param + 8];
+    return json_pack("{s:{s:s, s:s, s:o, s:o}}", "error", "message",
+                     utf8_clean(e->message, msg, sizeof msg), "type",
                      e->type ? e->type : "invalid_request_error", "param",
-                     e->param[0] ? json_string(e->param) : json_null(), "code",
-                     e->code ? json_string(e->code) : json_null());
+                     e->param[0] ? json_string(utf8_clean(e->param, param, sizeof param)) : json_null(),
+                     "code", e->code ? json_string(e->code) : json_null());
 }
 
 char *resp_error_json(const struct oai_error *e) {

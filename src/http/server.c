@@ -144,6 +144,8 @@ static void on_grace(evutil_socket_t fd, short what, void *arg) {
     event_base_loopbreak(srv.base);
 }
 
+bool server_drain_failing(void) { return g_failing || g_drained; }
+
 void server_drained(void) {
     if (g_drained) return;
     g_drained = true;
@@ -166,7 +168,7 @@ static void fail_remaining(void) {
     oai_errf(&e, 503, "server_error", NULL, "shutting_down",
              "the server is shutting down: the request did not finish within the shutdown timeout");
     gen_fail_all(&e);
-    if (srv.n_live == 0) {
+    if (srv.n_live == 0 && prep_pending() == 0) {
         server_drained();
         return;
     }
@@ -193,12 +195,12 @@ static void begin_stop(void *arg) {
     if (srv.cfg && srv.cfg->on_stopping) srv.cfg->on_stopping(srv.cfg->hook_arg);
     int t = srv.cfg ? srv.cfg->shutdown_timeout_s : 0;
     if (t == 0) t = HTTP_DEFAULT_SHUTDOWN_TIMEOUT_S;
-    if (srv.n_live == 0) {
+    if (srv.n_live == 0 && prep_pending() == 0) {
         server_drained();
         return;
     }
-    KV_INFO("http: draining: %d request(s) in flight get %d s to finish (--shutdown-timeout); new "
-            "requests get 503", srv.n_live, t > 0 ? t : 0);
+    KV_INFO("http: draining: %d request(s) in flight (+%d being prepared) get %d s to finish "
+            "(--shutdown-timeout); new requests get 503", srv.n_live, prep_pending(), t > 0 ? t : 0);
     if (t < 0) {
         fail_remaining();
         return;
@@ -269,6 +271,7 @@ kv_status http_serve(const struct http_config *cfg, engine_t *e, const model_t *
     struct http_listener_config lc = {
         .name = "http", .host = host, .port = cfg->port, .port_file = NULL,
         .max_body_bytes = cfg->max_body_bytes, .timeout_s = 3600, /* a stream may wait long */
+        .conn = cfg->conn,
         .handle_signals = true, .reply = &srv.reply, .on_request = on_request,
         .on_stop = begin_stop, .on_signal_again = on_signal_again, .keep_accepting = true,
         .arg = NULL};
@@ -281,6 +284,10 @@ kv_status http_serve(const struct http_config *cfg, engine_t *e, const model_t *
         (st = http_write_port_file(cfg->port_file, port, err, errlen)))
         goto done;
     srv.http = http_listener_evhttp(srv.listener);
+    if (kvstream_init() != KV_OK || prep_init(cfg->prep_threads > 0 ? cfg->prep_threads : 2) != KV_OK) {
+        st = kv_errf(KV_ENOMEM, err, errlen, "out of memory");
+        goto done;
+    }
     KV_INFO("http: listening on http://%s:%d (model '%s', max_model_len %d)", host, port,
             srv.model_name, srv.lim.max_model_len);
     pthread_mutex_lock(&g_stop_mu);
@@ -292,6 +299,7 @@ kv_status http_serve(const struct http_config *cfg, engine_t *e, const model_t *
     pthread_mutex_unlock(&g_stop_mu);
     KV_INFO("http: stopped");
 done:
+    prep_shutdown();
     gen_shutdown();
     kvstream_close_all();
     http_listener_free(srv.listener); /* frees the evhttp and every connection */

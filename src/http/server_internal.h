@@ -90,6 +90,9 @@ void gen_on_wake(evutil_socket_t fd, short what, void *arg);
 /* The drain ended (no live generation left while stopping): closes the /kv_events streams and
  * the listening socket and ends the loop once the last bytes are out. Idempotent. */
 void server_drained(void);
+/* True once the drain time is over (the remaining requests are being failed) or it ended:
+ * a request whose preparation finishes then is answered 503 instead of started. */
+bool server_drain_failing(void);
 
 /* ---- access.c ---- */
 /* API keys and CORS for one request, before routing: adds the CORS headers for an allowed
@@ -97,6 +100,20 @@ void server_drained(void);
  * code invalid_api_key) when keys are configured and the request has none of them on a route
  * other than /health, /ready and /metrics. Returns true when req was answered. */
 bool access_check(struct evhttp_request *req, const char *path);
+
+/* ---- prep.c: request preparation (parse, render, tokenize) on worker threads ---- */
+#define PREP_MAX_THREADS 16
+enum prep_what { PREP_GENERATE, PREP_PROBE, PREP_TOKENIZE };
+/* Starts n_threads workers (1..PREP_MAX_THREADS); KV_ENOMEM. After srv.base/t/lim are set. */
+kv_status prep_init(int n_threads);
+/* Moves req's body into a job for a worker; the request is answered later on the loop
+ * thread (error JSON, gen_start, or the /tokenize reply). kind: the endpoint (PREP_PROBE
+ * decides between completion and chat from the body). */
+void prep_submit(struct evhttp_request *req, enum prep_what what, enum oai_kind kind);
+/* Jobs submitted and not answered yet. */
+int prep_pending(void);
+/* Stops and joins the workers; drops unanswered jobs (after the loop ended). */
+void prep_shutdown(void);
 
 /* ---- handlers.c ---- */
 void handle_generate(struct evhttp_request *req, enum oai_kind kind);
@@ -113,10 +130,14 @@ void handle_kv_probe(struct evhttp_request *req);
 void handle_kv_events(struct evhttp_request *req);
 
 /* ---- kv_stream.c ---- */
+/* Creates the stream machinery and registers the engine's push (engine_set_kv_notify);
+ * KV_ENOMEM. Call once the loop and engine are set. */
+kv_status kvstream_init(void);
 /* Turns req into an SSE stream of KV events (query already validated by the caller:
  * has_after/after = the resume point). Answers errors itself. */
 void kvstream_start(struct evhttp_request *req, bool has_after, uint64_t after);
-/* Ends every stream (shutdown: the final chunk is queued, then the subscriber is freed). */
+/* Ends every stream (shutdown: the final chunk is queued, then the subscriber is freed) and
+ * unregisters the engine's push. Idempotent. */
 void kvstream_close_all(void);
 
 #endif

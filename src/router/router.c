@@ -29,6 +29,7 @@
 #include <event2/bufferevent.h>
 #include <event2/keyvalq_struct.h>
 
+#include "http/conn_gate.h"
 #include "http/listener.h"
 #include "router.h"
 #include "upstream.h"
@@ -283,7 +284,9 @@ void rtq_on_complete_foreign(struct evhttp_request *req, void *arg) {
     rtq_client_gone(q);
 }
 
-/* EOF on a connection we are not writing to (libevent does not read it meanwhile). */
+/* EOF or a reset on a connection we are not writing to (libevent does not read it
+ * meanwhile); an EOF already there when the request was complete is a half-close whose client
+ * still reads the answer (conn_gate.h). */
 static bool peer_closed(struct rreq *q) {
     if (!q->conn) return false;
     struct bufferevent *bev = evhttp_connection_get_bufferevent(q->conn);
@@ -291,7 +294,8 @@ static bool peer_closed(struct rreq *q) {
     if (fd < 0) return false;
     char c;
     ssize_t n = recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
-    return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+    if (n == 0) return !http_gate_half_closed(q->conn);
+    return n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR;
 }
 
 void rtq_on_tick(evutil_socket_t fd, short what, void *arg) {

@@ -15,6 +15,7 @@
 #include <stddef.h>
 
 #include "../base/base.h"
+#include "../http/http.h"
 
 enum router_style { ROUTER_CONTEXT_FIRST = 0, ROUTER_GENERATION_FIRST };
 /* Placement policies (docs/routing.md); the values equal router_internal.h's rt_policy_kind. */
@@ -35,6 +36,7 @@ struct router_config {
     long max_local_prefill_tokens; /* < 0 = conditional disaggregation off */
     double timeout_s;           /* per upstream leg, 0 = none (default 180) */
     size_t max_body_bytes;      /* client bodies; default 16 MiB */
+    struct http_conn_limits conn; /* client connection limits (http.h; zeros = defaults) */
     /* placement (docs/routing.md); applied to the aggregated pool and to each role */
     enum router_policy policy;  /* default round robin */
     bool load_tokens;           /* --load-metric tokens (default requests) */

@@ -503,6 +503,7 @@ kv_status router_run(const struct router_config *cfg, char *err, size_t errlen) 
     evtimer_add(r->tick, &tv);
     struct http_listener_config lc = {.name = "router", .host = cfg->host, .port = cfg->port,
                                       .port_file = NULL, .max_body_bytes = cfg->max_body_bytes,
+                                      .conn = cfg->conn,
                                       .timeout_s = 3600, .handle_signals = true, .reply = &r->reply,
                                       .on_request = on_request, .on_stop = on_stop, .arg = r};
     if ((st = http_listener_start(r->base, &lc, &r->lis, err, errlen))) goto done;

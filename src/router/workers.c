@@ -227,6 +227,8 @@ static void on_events_done(struct upx *u, const struct rt_outcome *o, CURLcode r
     kw->u = NULL;
     char why[300];
     snprintf(why, sizeof why, "stream ended (%s, HTTP %ld)", rtq_curl_reason(u, rc), o->http_status);
+    /* 400: our resume point is beyond the worker's last event (it restarted): start over */
+    if (o->http_status == 400) kw->have_seq = false;
     upx_free(u);
     watch_failed(r, w, why);
 }

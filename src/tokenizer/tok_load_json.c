@@ -52,7 +52,9 @@ static kv_status parse_normalizer(tokenizer_t *t, const json_t *n, const char *p
         return KV_OK;
     }
     GROW(t->norm, t->n_norm);
-    struct norm_step *s = &t->norm[t->n_norm];
+    /* counted at once: a step that fails half-built (a compiled regex, then a bad field) is
+     * freed with the tokenizer (found by tests/fuzz/fuzz_tokenizer_json) */
+    struct norm_step *s = &t->norm[t->n_norm++];
     if (!strcmp(type, "NFC")) s->kind = N_NFC;
     else if (!strcmp(type, "NFD")) s->kind = N_NFD;
     else if (!strcmp(type, "NFKC")) s->kind = N_NFKC;
@@ -85,7 +87,6 @@ static kv_status parse_normalizer(tokenizer_t *t, const json_t *n, const char *p
     } else {
         return kv_errf(KV_EUNSUPPORTED, err, errlen, "%s: normalizer type %s not supported", path, type);
     }
-    t->n_norm++;
     return KV_OK;
 }
 
@@ -110,7 +111,9 @@ static kv_status parse_pre(tokenizer_t *t, const json_t *n, const char *path, ch
         return KV_OK;
     }
     GROW(t->pre, t->n_pre);
-    struct pre_step *s = &t->pre[t->n_pre];
+    /* counted at once: a step that fails half-built (a compiled regex, then a bad field) is
+     * freed with the tokenizer (found by tests/fuzz/fuzz_tokenizer_json) */
+    struct pre_step *s = &t->pre[t->n_pre++];
     if (!strcmp(type, "Split")) {
         s->kind = P_SPLIT;
         const char *p;
@@ -153,7 +156,6 @@ static kv_status parse_pre(tokenizer_t *t, const json_t *n, const char *path, ch
     } else {
         return kv_errf(KV_EUNSUPPORTED, err, errlen, "%s: pre_tokenizer type %s not supported", path, type);
     }
-    t->n_pre++;
     return KV_OK;
 }
 
@@ -172,7 +174,9 @@ static kv_status parse_decoder(tokenizer_t *t, const json_t *n, const char *path
         return KV_OK;
     }
     GROW(t->dec, t->n_dec);
-    struct dec_step *s = &t->dec[t->n_dec];
+    /* counted at once: a step that fails half-built (a compiled regex, then a bad field) is
+     * freed with the tokenizer (found by tests/fuzz/fuzz_tokenizer_json) */
+    struct dec_step *s = &t->dec[t->n_dec++];
     if (!strcmp(type, "ByteLevel")) s->kind = D_BYTELEVEL;
     else if (!strcmp(type, "ByteFallback")) s->kind = D_BYTEFALLBACK;
     else if (!strcmp(type, "Fuse")) s->kind = D_FUSE;
@@ -203,7 +207,6 @@ static kv_status parse_decoder(tokenizer_t *t, const json_t *n, const char *path
     } else {
         return kv_errf(KV_EUNSUPPORTED, err, errlen, "%s: decoder type %s not supported", path, type);
     }
-    t->n_dec++;
     return KV_OK;
 }
 

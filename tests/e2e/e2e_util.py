@@ -35,3 +35,31 @@ def read_port(path, proc, limit=10.0):
         except (OSError, ValueError):
             return None
     return wait_for(ok, limit, "port file " + path)
+
+
+def start_kvserve(bin_, args, log=None, env=None):
+    """Starts `kvserve ARGS --port 0 --port-file TMP` (stdout/stderr to log, else discarded);
+    returns (process, port) once the port file is written."""
+    import os
+    import subprocess
+    import tempfile
+    pf = os.path.join(tempfile.mkdtemp(prefix="kvserve-"), "port")
+    out = log if log is not None else subprocess.DEVNULL
+    p = subprocess.Popen([bin_, *args, "--port", "0", "--port-file", pf], stdout=out,
+                         stderr=subprocess.STDOUT, env=env)
+    return p, read_port(pf, p, 120)
+
+
+class Checks:
+    """check(cond, what): counts a passed check or prints and keeps a failure."""
+
+    def __init__(self):
+        self.passed = 0
+        self.failures = []
+
+    def __call__(self, cond, what):
+        if cond:
+            self.passed += 1
+        else:
+            self.failures.append(what)
+            print("FAIL:", what, flush=True)

@@ -315,6 +315,45 @@ def ring(s):
     slow.close()
 
 
+def subscribers(s, ref):
+    """s: --max-kv-subscribers 40. The cap answers 503 JSON; 39 streams that never read do not
+    change the answers of concurrent completions (and each stalled stream is dropped with a
+    final "lost" once its queue is full, not kept forever); ?after= beyond the last event is
+    a 400 that names the current last_seq (a restarted worker's router resubscribes)."""
+    prompts = [[1] + [3 + (k * 37 + j * 11) % 500 for j in range(200)] for k in range(10)]
+    want = [ids_of(complete(ref, p, 8)) for p in prompts]
+    idle = [EventStream(s.port, "?after=0", read=False, rcvbuf=4096) for _ in range(39)]
+    live = EventStream(s.port)
+    check(live.wait(lambda e: len(e) >= 1), "subs: stream 40 of 40 starts")
+    st, _, payload = s.request("GET", "/kv_events")
+    err = json.loads(payload).get("error", {}) if payload.startswith(b"{") else {}
+    check(st == 503 and err.get("code") == "too_many_subscribers", "subs: stream 41 gets 503 JSON (%s %r)" % (st, payload[:120]))
+    t0 = time.time()
+    got = [ids_of(complete(s, p, 8)) for p in prompts]
+    print("  subs: 10 completions with 39 stalled streams + 1 reader in %.2fs" % (time.time() - t0), flush=True)
+    check(got == want, "subs: completions unchanged by stalled subscribers")
+    check(live.wait(lambda e: sum(1 for x in e if x.get("type") == "stored") >= 10 * 12),
+          "subs: the reading stream got the stored events (%d)" % len(live.events))
+    last = json.loads(s.request("GET", "/kv_events?poll=1&max=1&after=0")[2])["last_seq"]
+    st, _, payload = s.request("GET", "/kv_events?poll=1&after=%d" % (last + 1000))
+    body = json.loads(payload)
+    check(st == 400 and body.get("error", {}).get("code") == "after_beyond_last" and body.get("last_seq", -1) >= last,
+          "poll: after beyond the last event -> 400 with last_seq (%s %r)" % (st, payload[:160]))
+    st, _, payload = s.request("GET", "/kv_events?after=%d" % (last + 1000))
+    check(st == 400 and json.loads(payload).get("last_seq", -1) >= last, "stream: after beyond the last event -> 400")
+    for x in idle:
+        x.close()
+    live.close()
+    wait_for_subs = time.time() + 10
+    while time.time() < wait_for_subs:  # the closed streams free their slots
+        fresh = EventStream(s.port)
+        ok = fresh.wait(lambda e: len(e) >= 1, timeout=2)
+        fresh.close()
+        if ok:
+            break
+    check(ok, "subs: slots are freed when clients leave")
+
+
 def host(s, recs):
     """s: 40 device blocks + a host tier. A prompt is evicted from the device by others, then
     replayed: its blocks come back from the host tier, output identical."""
@@ -420,6 +459,7 @@ def main():
                                           "--prefix-token-cache-bucket-chars", "32", "--prefix-token-cache-overlap", "16",
                                           "--prefix-token-cache-resync", "8"), recs)),
         ("tools", lambda: tools(srv("main"))),
+        ("subs", lambda: subscribers(srv("subs", "--max-kv-subscribers", "40"), srv("ref", "--no-prefix-cache"))),
     ]
     try:
         for name, fn in groups:

@@ -207,9 +207,14 @@ def generation_first():
         ctx = legs(W["ctx0"], "/v1/completions")
         gen = legs(W["gen0"], "/v1/completions")
         assert len(ctx) == 2 and len(gen) == 2
-        for c, g in zip(ctx, gen):
+        # the two legs of a request go out at once: pair them by id, not by arrival order (a
+        # context leg can reach its worker after the next request's)
+        by_id = {c["body"]["disaggregated_params"]["disagg_request_id"]: c for c in ctx}
+        assert len(by_id) == 2, ctx
+        for g in gen:
             gdp = g["body"]["disaggregated_params"]
-            cdp = c["body"]["disaggregated_params"]
+            assert gdp["ctx_request_id"] in by_id, (gdp, ctx)
+            cdp = by_id[gdp["ctx_request_id"]]["body"]["disaggregated_params"]
             assert gdp["request_type"] == "generation_only" and gdp["schedule_style"] == "generation_first"
             assert gdp["ctx_request_id"] == gdp["disagg_request_id"] == cdp["disagg_request_id"], (gdp, cdp)
             assert gdp["ctx_info_endpoint"] == W["ctx0"][7:] + ":kvx", gdp

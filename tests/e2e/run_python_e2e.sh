@@ -11,10 +11,8 @@ if [ ! -x "$KVSERVE_BIN" ]; then
     echo "FAIL: kvserve binary not found at $KVSERVE_BIN (set KVSERVE_BIN)"
     exit 1
 fi
-if ! command -v python3 >/dev/null; then
-    echo "SKIP: python3 not found"
-    exit 77
-fi
+source "$here/lib.sh"
+need_cmd python3
 script=$1
 shift
 exec python3 "$here/$script" "$@"

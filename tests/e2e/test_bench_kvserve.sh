@@ -13,7 +13,8 @@ srv_pid=""
 cleanup() { [[ -n "$srv_pid" ]] && kill "$srv_pid" 2>/dev/null; wait 2>/dev/null; rm -rf "$tmp"; }
 trap cleanup EXIT
 fail() { echo "FAIL: $*"; exit 1; }
-command -v jq >/dev/null || { echo "SKIP: jq not installed"; exit 77; }
+source "$here/lib.sh"
+need_cmd jq
 
 # 1. same seed -> same trace, byte for byte; another seed -> another trace
 syn=(--sessions 20 --turns 3 --system-tokens 8 --shared-fraction 0.5 --user-tokens 6 --tool-tokens 6
@@ -29,7 +30,7 @@ cmp -s "$tmp/a.jsonl" "$tmp/c.jsonl" && fail "different seeds gave the same trac
 cmp "$tmp/a.jsonl" "$tmp/d.jsonl" || fail "load+save changed the trace"
 echo "ok: trace reproducible"
 
-if [[ ! -f "$model" ]]; then echo "SKIP: $model not found (set KVSERVE_TEST_DATA)"; exit 77; fi
+[[ -f "$model" ]] || skip_test "$model not found (set KVSERVE_TEST_DATA)"
 
 # 2. a real worker
 "$bin" serve --model "$model" --port 0 --port-file "$tmp/port" --max-model-len 512 > "$tmp/serve.log" 2>&1 &

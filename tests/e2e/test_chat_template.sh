@@ -7,11 +7,10 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 data="${KVSERVE_TEST_DATA:-$here/../../../shared/data}"
 bin="${KVSERVE_BIN:?set KVSERVE_BIN}"
-if [[ ! -d "$data/tokenizers" ]]; then echo "SKIP: $data/tokenizers not found (set KVSERVE_TEST_DATA)"; exit 77; fi
-if ! command -v node >/dev/null; then echo "SKIP: node not installed"; exit 77; fi
-if [[ ! -d "$here/node_modules/@huggingface/jinja" ]]; then
-  echo "SKIP: $here/node_modules/@huggingface/jinja missing (run npm install in tests/e2e)"; exit 77
-fi
+source "$here/lib.sh"
+[[ -d "$data/tokenizers" ]] || skip_test "$data/tokenizers not found (set KVSERVE_TEST_DATA)"
+need_cmd node
+need_node_module @huggingface/jinja
 node "$here/chat_template_diff.mjs" "$bin" "$data" 60
 
 # errors: a clear message naming the construct and its position, exit status 1

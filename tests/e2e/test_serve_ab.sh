@@ -10,8 +10,9 @@ bin="${KVSERVE_BIN:?KVSERVE_BIN not set}"
 data="${KVSERVE_TEST_DATA:-$src/../shared/data}"
 model="$data/models/stories260K/stories260K.gguf"
 script="$src/bench/serve_ab.sh"
-for t in jq curl python3; do command -v "$t" >/dev/null || { echo "SKIP: $t not installed"; exit 77; }; done
-[[ -f $model ]] || { echo "SKIP: $model missing"; exit 77; }
+source "$here/lib.sh"
+need_cmd jq curl python3
+[[ -f $model ]] || skip_test "$model missing"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 fail() { echo "FAIL: $*"; exit 1; }

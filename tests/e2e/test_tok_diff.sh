@@ -6,11 +6,10 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 data="${KVSERVE_TEST_DATA:-$here/../../../shared/data}"
-if [[ ! -d "$data/tokenizers/qwen3" ]]; then echo "SKIP: $data/tokenizers not found (set KVSERVE_TEST_DATA)"; exit 77; fi
-if ! command -v node >/dev/null; then echo "SKIP: node not installed"; exit 77; fi
-if [[ ! -d "$here/node_modules/@anush008/tokenizers" ]]; then
-  (cd "$here" && npm install --no-audit --no-fund --loglevel=error >/dev/null) || { echo "SKIP: npm install failed"; exit 77; }
-fi
+source "$here/lib.sh"
+[[ -d "$data/tokenizers/qwen3" ]] || skip_test "$data/tokenizers not found (set KVSERVE_TEST_DATA)"
+need_cmd node
+need_node_module @anush008/tokenizers
 # HF single-threaded so the 2-core CI machine is shared fairly with the kvserve processes.
 export RAYON_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
 exec node "$here/tok_diff.mjs" "${KVSERVE_BIN:?}" "$data" --cases "${TOK_DIFF_CASES:-20000}" --seed "${TOK_DIFF_SEED:-1234}"

@@ -1,6 +1,8 @@
 /* bench: SSE parser, statistics, trace generation/IO, datasets, and the load generator
  * against a fake OpenAI-style server (libevent evhttp, own thread) that injects delays
- * and errors. */
+ * and errors. The timing tests run on a virtual clock (bench_config.now_ns) that the fake
+ * server advances in lockstep with the client, so measured TTFT / ITL / durations are exact
+ * whatever the machine's load (see "virtual time" below). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -233,12 +235,14 @@ static void test_datasets(void **st) {
  *   "nodone"                      one chunk, then the stream ends without [DONE]
  *   "badjson"                     an unparsable data line, then [DONE]
  * Replies carry X-Kvserve-Worker: w<k % 2> (k = request number). Every request body is kept. */
-typedef struct {
+typedef struct fake_stream {
     struct evhttp_request *req;
     struct event *tm;
     int sent, n, itl_ms;
     int mode; /* 0 ok, 1 streamerr, 2 nodone, 3 badjson */
     int k;    /* request number */
+    uint64_t due; /* virtual time of the next chunk */
+    struct fake_stream *next; /* virtual time: pending streams */
 } fake_stream;
 
 #define FAKE_MAX_CHUNKS 16
@@ -255,6 +259,66 @@ static struct {
     uint64_t sent_ns[256][FAKE_MAX_CHUNKS];
 } fk;
 
+/* ---- virtual time: the fake server owns the clock the client reads (bench_config.now_ns).
+ * Instead of timers, each stream's next chunk has a virtual due time; a sequencer on the
+ * fake's loop sends the earliest one, setting the clock to its due time, but only when the
+ * client has recorded every chunk sent so far (on_chunk) and the server has received every
+ * request the client started (on_request_start). So the client reads the clock exactly
+ * when the chunk it records was "sent", and a request's start time is the time the server
+ * schedules it from: TTFT and ITL come out exactly as injected. Replies the server ended
+ * must also be recorded by the client first, and the client must be blocked on the network
+ * (a finished session's successor starts at the virtual time its predecessor ended). */
+static struct {
+    pthread_mutex_t mu;
+    bool on;
+    uint64_t now;                 /* ns */
+    int started, received;        /* requests: client side, server side */
+    int sent, consumed;           /* content chunks */
+    int ended, finished;          /* replies: ended by the server, recorded by the client */
+    bool waiting;                 /* the client is blocked on the network (nothing to do) */
+    fake_stream *pending;
+    struct event *seq;            /* the sequencer (persistent, 1 ms) */
+} vt = {.mu = PTHREAD_MUTEX_INITIALIZER};
+
+static uint64_t vt_clock(void *arg) {
+    (void)arg;
+    pthread_mutex_lock(&vt.mu);
+    uint64_t v = vt.now;
+    pthread_mutex_unlock(&vt.mu);
+    return v;
+}
+static void vt_on_start(void *arg) {
+    (void)arg;
+    pthread_mutex_lock(&vt.mu);
+    vt.started++;
+    pthread_mutex_unlock(&vt.mu);
+}
+static void vt_on_done(void *arg) {
+    (void)arg;
+    pthread_mutex_lock(&vt.mu);
+    vt.finished++;
+    pthread_mutex_unlock(&vt.mu);
+}
+static void vt_on_wait(void *arg, bool waiting) {
+    (void)arg;
+    pthread_mutex_lock(&vt.mu);
+    vt.waiting = waiting;
+    pthread_mutex_unlock(&vt.mu);
+}
+static void vt_ended(void) {
+    pthread_mutex_lock(&vt.mu);
+    vt.ended++;
+    pthread_mutex_unlock(&vt.mu);
+}
+static void vt_on_chunk(void *arg) {
+    (void)arg;
+    pthread_mutex_lock(&vt.mu);
+    vt.consumed++;
+    pthread_mutex_unlock(&vt.mu);
+}
+/* The fake's clock: virtual when on, else the monotonic clock. */
+static uint64_t fake_now(void) { return vt.on ? vt_clock(NULL) : kv_now_ns(); }
+
 static void send_data(struct evhttp_request *req, const char *s) {
     struct evbuffer *b = evbuffer_new();
     evbuffer_add_printf(b, "data: %s\n\n", s);
@@ -268,10 +332,16 @@ static void fake_tick(evutil_socket_t fd, short what, void *arg) {
     char buf[256];
     if (fs->sent < fs->n) {
         snprintf(buf, sizeof buf, "{\"choices\":[{\"index\":0,\"delta\":{\"content\":\"t%d \"}}]}", fs->sent);
-        if (fs->k < 256 && fs->sent < FAKE_MAX_CHUNKS) fk.sent_ns[fs->k][fs->sent] = kv_now_ns();
+        if (fs->k < 256 && fs->sent < FAKE_MAX_CHUNKS) fk.sent_ns[fs->k][fs->sent] = fake_now();
         send_data(fs->req, buf);
         fs->sent++;
         if (fs->sent < fs->n && fs->mode == 0) {
+            if (vt.on) { /* back to the pending list, due one ITL later */
+                fs->due += (uint64_t)fs->itl_ms * 1000000ull;
+                fs->next = vt.pending;
+                vt.pending = fs;
+                return;
+            }
             struct timeval tv = {fs->itl_ms / 1000, (fs->itl_ms % 1000) * 1000};
             evtimer_add(fs->tm, &tv);
             return;
@@ -288,14 +358,41 @@ static void fake_tick(evutil_socket_t fd, short what, void *arg) {
     if (fs->mode != 2) send_data(fs->req, "[DONE]");
     evhttp_connection_set_closecb(evhttp_request_get_connection(fs->req), NULL, NULL);
     evhttp_send_reply_end(fs->req);
+    vt_ended();
     event_free(fs->tm);
     free(fs);
+}
+
+/* Virtual time: sends the earliest due chunk once the client is caught up (see vt). */
+static void vt_sequence(evutil_socket_t fd, short what, void *arg) {
+    (void)fd, (void)what, (void)arg;
+    pthread_mutex_lock(&vt.mu);
+    bool ready = vt.pending && vt.waiting && vt.consumed == vt.sent &&
+                 vt.started == vt.received && vt.finished == vt.ended;
+    fake_stream **best = NULL;
+    for (fake_stream **p = &vt.pending; ready && *p; p = &(*p)->next)
+        if (!best || (*p)->due < (*best)->due || ((*p)->due == (*best)->due && (*p)->k < (*best)->k))
+            best = p;
+    fake_stream *fs = NULL;
+    if (best) {
+        fs = *best;
+        *best = fs->next;
+        if (fs->due > vt.now) vt.now = fs->due;
+        if (fs->sent < fs->n) vt.sent++; /* a content chunk goes out */
+    }
+    pthread_mutex_unlock(&vt.mu);
+    if (fs) fake_tick(-1, 0, fs);
 }
 
 /* The client went away mid-stream (cancelled run): drop the pending timer. */
 static void fake_closed(struct evhttp_connection *conn, void *arg) {
     (void)conn;
     fake_stream *fs = arg;
+    for (fake_stream **p = &vt.pending; *p; p = &(*p)->next)
+        if (*p == fs) {
+            *p = fs->next;
+            break;
+        }
     /* libevent detached the unfinished request from the dead connection; ending the
      * reply frees it */
     evhttp_send_reply_end(fs->req);
@@ -312,8 +409,11 @@ static void fake_handler(struct evhttp_request *req, void *arg) {
     int k = fk.n_requests++;
     if (k < 256) {
         fk.bodies[k] = body;
-        fk.recv_ns[k] = kv_now_ns();
+        fk.recv_ns[k] = fake_now();
     }
+    pthread_mutex_lock(&vt.mu);
+    vt.received++;
+    pthread_mutex_unlock(&vt.mu);
     json_t *j = json_loads(body, 0, NULL);
     json_t *msgs = json_object_get(j, "messages");
     const char *last = json_string_value(json_object_get(json_array_get(msgs, json_array_size(msgs) - 1), "content"));
@@ -326,6 +426,7 @@ static void fake_handler(struct evhttp_request *req, void *arg) {
         evbuffer_add_printf(b, "{\"error\":{\"message\":\"injected %d\"}}", code);
         evhttp_send_reply(req, code, "Err", b);
         evbuffer_free(b);
+        vt_ended();
     } else {
         fake_stream *fs = calloc(1, sizeof *fs);
         fs->req = req;
@@ -339,8 +440,14 @@ static void fake_handler(struct evhttp_request *req, void *arg) {
         evhttp_send_reply_start(req, 200, "OK");
         fs->tm = evtimer_new(fk.base, fake_tick, fs);
         evhttp_connection_set_closecb(evhttp_request_get_connection(req), fake_closed, fs);
-        struct timeval tv = {ttft / 1000, (ttft % 1000) * 1000};
-        evtimer_add(fs->tm, &tv);
+        if (vt.on) { /* first chunk due ttft after the request's (virtual) arrival */
+            fs->due = fk.recv_ns[k < 256 ? k : 0] + (uint64_t)ttft * 1000000ull;
+            fs->next = vt.pending;
+            vt.pending = fs;
+        } else {
+            struct timeval tv = {ttft / 1000, (ttft % 1000) * 1000};
+            evtimer_add(fs->tm, &tv);
+        }
     }
     json_decref(j);
     if (k >= 256) free(body);
@@ -363,6 +470,9 @@ static int fake_setup(void **st) {
     socklen_t sl = sizeof ss;
     getsockname(evhttp_bound_socket_get_fd(s), (struct sockaddr *)&ss, &sl);
     fk.port = ntohs(((struct sockaddr_in *)&ss)->sin_port);
+    vt.seq = event_new(fk.base, -1, EV_PERSIST, vt_sequence, NULL);
+    struct timeval tv = {0, 1000};
+    evtimer_add(vt.seq, &tv);
     pthread_create(&fk.th, NULL, fake_loop, NULL);
     return 0;
 }
@@ -373,6 +483,24 @@ static void reset_fake(void) {
         fk.bodies[i] = NULL;
     }
     fk.n_requests = 0; /* only touched between runs, when the server is idle */
+    pthread_mutex_lock(&vt.mu);
+    vt.on = false;
+    vt.started = vt.received = vt.sent = vt.consumed = vt.ended = vt.finished = 0;
+    vt.waiting = false;
+    pthread_mutex_unlock(&vt.mu);
+}
+
+/* Switches the fake and c to virtual time (after reset_fake; the server is idle). */
+static void use_virtual_time(bench_config *c) {
+    pthread_mutex_lock(&vt.mu);
+    vt.on = true;
+    vt.now = 1000000000ull; /* any origin */
+    pthread_mutex_unlock(&vt.mu);
+    c->now_ns = vt_clock;
+    c->on_request_start = vt_on_start;
+    c->on_chunk = vt_on_chunk;
+    c->on_request_done = vt_on_done;
+    c->on_wait = vt_on_wait;
 }
 
 static void add_session(bench_trace *t, const char *sys, int nturns, const char **users) {
@@ -410,6 +538,7 @@ static void test_fake_delays_and_errors(void **st) {
     char url[64], err[256];
     bench_config c = fake_config(url, sizeof url);
     c.concurrency = 3;
+    use_virtual_time(&c);
     bench_result r;
     assert_int_equal(bench_run(&c, &t, &r, err, sizeof err), KV_OK);
     assert_int_equal(r.n_records, 8);
@@ -429,20 +558,17 @@ static void test_fake_delays_and_errors(void **st) {
             for (int j = 0; j < fk.n_requests && j < 256; j++)
                 if (fk.bodies[j] && strstr(fk.bodies[j], u)) sk = j;
             assert_true(sk >= 0);
-            /* The fake's timers fire at the injected delays (libevent measures them from its
-             * cached loop time, and a loaded machine runs them late), so the client's
-             * measurement is compared with what the server really did: within 10 ms. */
-            (void)ttft;
-            (void)itl;
-            assert_true(fabs(q->ttft_s * 1e3 - (fk.sent_ns[sk][0] - fk.recv_ns[sk]) / 1e6) < 10);
+            /* virtual time: the client's measurements are exactly the injected delays, and
+             * exactly what the server did */
+            assert_true(fabs(q->ttft_s - ttft * 1e-3) < 1e-9);
+            assert_true(fabs(q->ttft_s - (fk.sent_ns[sk][0] - fk.recv_ns[sk]) * 1e-9) < 1e-9);
             for (size_t k = 1; k < q->n_chunks; k++) {
-                double served_ms = (fk.sent_ns[sk][k] - fk.sent_ns[sk][k - 1]) / 1e6;
-                assert_true(fabs((q->chunk_s[k] - q->chunk_s[k - 1]) * 1e3 - served_ms) < 10);
+                assert_true(fabs(q->chunk_s[k] - q->chunk_s[k - 1] - itl * 1e-3) < 1e-9);
+                assert_true(fabs(q->chunk_s[k] - q->chunk_s[k - 1] -
+                                 (fk.sent_ns[sk][k] - fk.sent_ns[sk][k - 1]) * 1e-9) < 1e-9);
             }
             assert_true(q->ttft_s <= q->e2e_s);
-            /* usage and [DONE] follow the last chunk at once (the server's timers may drift
-             * a little per gap, so compare with the measured last chunk) */
-            assert_true(q->e2e_s - q->chunk_s[n - 1] >= 0 && q->e2e_s - q->chunk_s[n - 1] < 0.050);
+            assert_true(q->e2e_s >= q->chunk_s[n - 1]);
         } else {
             assert_non_null(q->error_kind);
         }
@@ -466,7 +592,7 @@ static void test_fake_delays_and_errors(void **st) {
     assert_int_equal(s.workers[0].count, 4);
     /* ITL pooled over both ok requests: 4 gaps of 40 ms and 7 of 25 ms */
     assert_int_equal(s.itl.n, 11);
-    assert_true(fabs(s.itl.mean * 1e3 - (4 * 40 + 7 * 25) / 11.0) < 5);
+    assert_true(fabs(s.itl.mean * 1e3 - (4 * 40 + 7 * 25) / 11.0) < 1e-6);
     assert_true(fabs(s.cached_ratio - 0.4) < 1e-12);
     assert_int_equal(s.output_tokens, 13);
     /* JSON out round trip: every request present */
@@ -543,11 +669,10 @@ static void test_fake_abort_session(void **st) {
 
 /* Closed loop concurrency, and the stop flag: in-flight requests become "cancelled" records. */
 static volatile int g_stop;
-static void *stopper(void *arg) {
+static int g_started;
+static void stop_at_third_start(void *arg) { /* the runner's thread */
     (void)arg;
-    usleep(300 * 1000);
-    g_stop = 1;
-    return NULL;
+    if (++g_started == 3) g_stop = 1;
 }
 
 static void test_fake_concurrency_and_stop(void **st) {
@@ -559,11 +684,13 @@ static void test_fake_concurrency_and_stop(void **st) {
     char url[64], err[256];
     bench_config c = fake_config(url, sizeof url);
     c.concurrency = 4;
+    use_virtual_time(&c);
     bench_result r;
     assert_int_equal(bench_run(&c, &t, &r, err, sizeof err), KV_OK);
     assert_int_equal(r.n_records, 8);
-    /* two waves of ~105 ms each */
-    assert_true(r.duration_s > 0.2 && r.duration_s < 0.35);
+    /* two waves of 100 + 5 ms (virtual time: exactly) */
+    assert_true(fabs(r.duration_s - 0.210) < 1e-9);
+    for (size_t i = 0; i < 8; i++) assert_true(fabs(r.records[i].start_s - (i < 4 ? 0 : 0.105)) < 1e-9);
     bench_result_free(&r);
     bench_trace_free(&t);
 
@@ -571,15 +698,15 @@ static void test_fake_concurrency_and_stop(void **st) {
     memset(&t, 0, sizeof t);
     const char *slow[] = {"ok 5000 5 2"};
     for (int i = 0; i < 5; i++) add_session(&t, NULL, 1, slow);
+    c = fake_config(url, sizeof url); /* the real clock */
     c.concurrency = 3;
     g_stop = 0;
+    g_started = 0;
     c.stop_flag = &g_stop;
-    pthread_t th;
-    pthread_create(&th, NULL, stopper, NULL);
+    c.on_request_start = stop_at_third_start; /* the stop lands with 3 requests in flight */
     double t0 = kv_now_s();
     assert_int_equal(bench_run(&c, &t, &r, err, sizeof err), KV_OK);
-    pthread_join(th, NULL);
-    assert_true(kv_now_s() - t0 < 1.5);
+    assert_true(kv_now_s() - t0 < 4.5); /* liveness: it did not wait for the 5 s replies */
     assert_true(r.interrupted);
     assert_int_equal(r.n_records, 3);
     for (size_t i = 0; i < 3; i++) assert_string_equal(r.records[i].error_kind, "cancelled");

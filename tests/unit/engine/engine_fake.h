@@ -319,12 +319,7 @@ static inline void submit_ok(engine_t *e, const struct engine_request_params *p,
 
 static inline void wait_blocks_free(engine_t *e) {
     struct engine_stats s;
-    for (int i = 0; i < 2000; i++) {
-        engine_get_stats(e, &s);
-        if (s.kv_blocks_used == 0 && s.n_running == 0 && s.n_waiting == 0) break;
-        struct timespec d = {0, 1000000};
-        nanosleep(&d, NULL);
-    }
+    assert_int_equal(engine_wait_idle(e, 60000), KV_OK);
     engine_get_stats(e, &s);
     assert_int_equal(s.kv_blocks_used, 0);
     assert_int_equal(s.kv_blocks_free, s.kv_blocks_total);

@@ -366,6 +366,88 @@ static void test_stop_engine_with_live_requests(void **st) {
     fake_destroy(&f);
 }
 
+/* Every allocation failure over whole request lifetimes (SQLite's N-th allocation sweep):
+ * with the N-th kv_* allocation after the engine started failing, for N = 1, 2, ... until a
+ * run no longer reaches it, three requests (logprobs, stop strings, a shared prefix for the
+ * reuse index, a small pool for preemption) each end with exactly one terminal event or a
+ * refused submit, nothing hangs, every block comes back, and the engine serves a normal
+ * request afterwards. Leaks show up in the ASan build (make test-asan). */
+static void test_alloc_failure_sweep(void **st) {
+    (void)st;
+    struct req_spec r[3];
+    make_specs(r, 3, 40, 120, 12, 77);
+    memcpy(r[1].prompt, r[0].prompt, 32 * sizeof(int32_t)); /* two full blocks shared */
+    const char *stops[] = {"zz", "\n\n"};
+    r[2].p.stop = stops;
+    r[2].p.n_stop = 2;
+    r[0].p.sp.logprobs = true;
+    r[0].p.sp.top_logprobs = 3;
+    long n = 1, last_calls = 0;
+    for (; n < 100000; n++) {
+        struct fake f;
+        fake_init(&f);
+        struct engine_config cfg = {.tokens_per_block = 16, .n_blocks = 24, .max_batch_size = 4,
+                                    .max_num_tokens = 48, .max_model_len = 256, .max_queue = 8};
+        engine_t *e = start(&f, &cfg);
+        struct coll c[3];
+        memset(c, 0, sizeof c);
+        kv_alloc_fail_at(n);
+        bool submitted[3];
+        for (int i = 0; i < 3; i++) {
+            char err[256] = "";
+            submitted[i] = engine_submit(e, &r[i].p, on_event, &c[i], &c[i].id, err, sizeof err) == KV_OK;
+        }
+        for (int i = 0; i < 3; i++)
+            if (submitted[i]) wait_done(&c[i], 1); /* a hang fails here */
+        assert_int_equal(engine_wait_idle(e, 30000), KV_OK);
+        last_calls = kv_alloc_calls();
+        kv_alloc_fail_at(0);
+        for (int i = 0; i < 3; i++) assert_int_equal(c[i].n_after_term, 0); /* one terminal */
+        struct engine_stats s;
+        engine_get_stats(e, &s);
+        assert_int_equal(s.kv_blocks_used, 0);
+        struct coll after;
+        memset(&after, 0, sizeof after);
+        submit_ok(e, &r[1].p, &after);
+        wait_done(&after, 1);
+        assert_int_equal(after.term, ENGINE_EV_FINISH);
+        engine_stop(e);
+        fake_destroy(&f);
+        if (last_calls < n) break; /* the whole lifetime made fewer allocations: swept */
+    }
+    fprintf(stderr, "allocation failures swept: %ld points\n", n - 1);
+    assert_true(n > 10);
+}
+
+/* worker ids are random and non-zero with and without the reuse index (with
+ * --no-prefix-cache every worker used to report 0 and collided in routers); the default
+ * prefix wait scales with max_model_len (a fixed 64 blocks never triggered at <= 1024). */
+static void test_worker_id_and_wait_default(void **st) {
+    (void)st;
+    struct fake f1, f2;
+    fake_init(&f1);
+    fake_init(&f2);
+    struct engine_config cfg = {.tokens_per_block = 16, .n_blocks = 32, .max_batch_size = 8,
+                                .max_num_tokens = 64, .max_model_len = 256, .max_queue = 8,
+                                .no_prefix_cache = true};
+    engine_t *a = start(&f1, &cfg);
+    cfg.no_prefix_cache = false;
+    engine_t *b = start(&f2, &cfg);
+    assert_true(engine_worker_id(a) != 0);
+    assert_true(engine_worker_id(b) != 0);
+    assert_true(engine_worker_id(a) != engine_worker_id(b));
+    engine_stop(a);
+    engine_stop(b);
+    fake_destroy(&f1);
+    fake_destroy(&f2);
+    struct { int len, T, want; } w[] = {{512, 16, 4}, {480, 16, 3}, {128, 16, 1}, {16, 16, 1},
+                                        {8192, 16, 64}, {131072, 16, 64}, {4096, 64, 8}};
+    for (size_t i = 0; i < sizeof w / sizeof w[0]; i++) {
+        struct engine_config c = {.tokens_per_block = w[i].T, .max_model_len = w[i].len};
+        assert_int_equal(engine_default_wait_blocks(&c), w[i].want);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_batching_invariance),
@@ -377,6 +459,8 @@ int main(void) {
         cmocka_unit_test(test_eos),
         cmocka_unit_test(test_stop_strings),
         cmocka_unit_test(test_stop_engine_with_live_requests),
+        cmocka_unit_test(test_worker_id_and_wait_default),
+        cmocka_unit_test(test_alloc_failure_sweep),
     };
     return cmocka_run_group_tests(tests, group_setup, group_teardown);
 }

@@ -84,15 +84,11 @@ static void wait_term(struct out *o) {
 /* Waits (bounded) until the engine's used-block count is `want`. */
 static void wait_used(engine_t *e, int want, double max_s) {
     struct engine_stats s;
-    uint64_t end = kv_now_ns() + (uint64_t)(max_s * 1e9);
-    for (;;) {
-        engine_get_stats(e, &s);
-        if (s.kv_blocks_used == want && s.n_transfer_in + s.n_transfer_out == 0) return;
-        if (kv_now_ns() > end) fail_msg("kv_blocks_used %d (want %d), transfers %d/%d",
-                                        s.kv_blocks_used, want, s.n_transfer_out, s.n_transfer_in);
-        struct timespec d = {0, 2000000};
-        nanosleep(&d, NULL);
-    }
+    if (engine_wait_idle(e, (int)(max_s * 1000)) != KV_OK) fail_msg("engine not idle after %.0f s", max_s);
+    engine_get_stats(e, &s);
+    if (s.kv_blocks_used != want || s.n_transfer_in + s.n_transfer_out != 0)
+        fail_msg("kv_blocks_used %d (want %d), transfers %d/%d", s.kv_blocks_used, want,
+                 s.n_transfer_out, s.n_transfer_in);
 }
 
 /* ---------------------------------------------------------------- mock transfer */

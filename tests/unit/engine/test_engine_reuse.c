@@ -2,7 +2,8 @@
  * KV reuse through the whole engine on the real model (stories260K, CPU backend):
  * cache hits are bitwise identical to cold runs (tokens and logprobs), multi-turn reuse of
  * generated tokens, 8-bit hash collisions never reused, cache_salt isolation, the host
- * offload tier, cancellation mid-prefill, and in-flight prefix waits.
+ * offload tier, cancellation mid-prefill (landed at exact steps by the fault backend's hold),
+ * and in-flight prefix waits.
  */
 #include <pthread.h>
 #include <setjmp.h>
@@ -16,6 +17,7 @@
 #include <cmocka.h>
 
 #include "engine/engine.h"
+#include "support/fault_backend.h"
 #include "test_util.h"
 
 #define MAX_GEN 64
@@ -146,14 +148,10 @@ static engine_t *start(struct engine_config *cfg) {
     return e;
 }
 
-/* Stats once the engine has published after the last step (blocks all released). */
+/* Stats once the engine is idle (engine_wait_idle: the last step published, blocks released). */
 static void idle_stats(engine_t *e, struct engine_stats *s) {
-    for (int i = 0; i < 2000; i++) {
-        engine_get_stats(e, s);
-        if (s->kv_blocks_used == 0 && s->n_running == 0 && s->n_waiting == 0) return;
-        struct timespec d = {0, 1000000};
-        nanosleep(&d, NULL);
-    }
+    assert_int_equal(engine_wait_idle(e, 300000), KV_OK);
+    engine_get_stats(e, s);
 }
 
 static void same_output(const struct job *a, const struct job *b) {
@@ -204,9 +202,11 @@ static void test_hits_identical_reference_prompts(void **st) {
 
     struct job *jobs = calloc(2 * 3 * (size_t)n, sizeof *jobs); /* [cache][round][prompt] */
     for (int c = 0; c < 2; c++) {
+        /* no prefix waits: round 0 is cold for every prompt (a waiting prompt would hit the
+         * block another prompt of the round shares with it; waits have their own test) */
         struct engine_config cfg = {.tokens_per_block = 16, .n_blocks = 512, .max_batch_size = 16,
                                     .max_num_tokens = 64, .max_model_len = 512, .max_queue = 64,
-                                    .no_prefix_cache = c == 1};
+                                    .no_prefix_cache = c == 1, .prefix_wait_blocks = -1};
         engine_t *e = start(&cfg);
         for (int round = 0; round < 3; round++) {
             struct job *js = jobs + ((size_t)c * 3 + (size_t)round) * (size_t)n;
@@ -408,15 +408,23 @@ static void test_cancel_mid_prefill(void **st) {
 
     cfg.no_prefix_cache = false;
     for (int it = 0; it < 6; it++) {
-        e = start(&cfg);
+        /* the cancel lands while forward call it+1 runs (held by the fault backend): A has
+         * prefilled it chunks of 32 tokens, mid-prefill for every it (400 tokens = 13 chunks) */
+        struct fault_be fb;
+        fault_be_init(&fb, g_be);
+        fb.hold_forward_at = it + 1;
+        engine_t *e2 = NULL;
+        char err[512] = "";
+        if (engine_start(&cfg, g_model, g_tok, &fb.be, &e2, err, sizeof err) != KV_OK) fail_msg("%s", err);
+        e = e2;
         struct job a = {.prompt = pa, .n_prompt = 400, .max_tokens = 16};
         struct job b = {.prompt = pb, .n_prompt = 300, .max_tokens = 16, .logprobs = true};
         submit(e, &a);
         if (it % 2) submit(e, &b);
-        struct timespec d = {0, (long)it * 2000000L};
-        nanosleep(&d, NULL);
+        assert_int_equal(fault_be_wait_held(&fb, 60000), 0);
         engine_cancel(e, a.id);
         if (!(it % 2)) submit(e, &b);
+        fault_be_release(&fb);
         struct job both[2] = {a, b};
         (void)both;
         wait_jobs(&a, 1);
@@ -429,6 +437,7 @@ static void test_cancel_mid_prefill(void **st) {
         assert_int_equal(s.kv_blocks_used, 0); /* every block is free or cached */
         assert_int_equal(s.kv_blocks_free, s.kv_blocks_total);
         engine_stop(e);
+        fault_be_destroy(&fb);
     }
 }
 
@@ -445,16 +454,8 @@ static void run_prefix_burst(int wait_blocks, struct engine_stats *s, struct job
         jobs[i] = (struct job){.prompt = prompts + (size_t)i * (PRE + SUF), .n_prompt = PRE + SUF,
                                .max_tokens = 1, .logprobs = true};
     run_jobs(e, jobs, N);
-    idle_stats(e, s);
-    /* The terminal events of a step are sent before that step's token counters are added:
-     * a snapshot taken right after the last event can still be the previous step's, which
-     * also looks idle when the other requests were not admitted yet (seen under load:
-     * "prefilled 1056 tokens"). Wait until every generated token is counted. */
-    for (int i = 0; i < 5000 && s->generation_tokens_total < (uint64_t)N; i++) {
-        struct timespec d = {0, 1000000};
-        nanosleep(&d, NULL);
-        engine_get_stats(e, s);
-    }
+    idle_stats(e, s); /* after the last step's counters (engine_wait_idle) */
+    assert_int_equal(s->generation_tokens_total, (uint64_t)N);
     engine_stop(e);
 }
 
@@ -497,6 +498,153 @@ static void test_prefix_waits_prefill_once(void **st) {
     free(prompts);
 }
 
+/* ---------------------------------------------------------------- 7. faults */
+
+static engine_t *start_on(struct engine_config *cfg, backend_t *be) {
+    engine_t *e = NULL;
+    char err[512] = "";
+    if (engine_start(cfg, g_model, g_tok, be, &e, err, sizeof err) != KV_OK) fail_msg("%s", err);
+    return e;
+}
+
+/* Submits n jobs, waits for every terminal event (finish or error: none may hang). */
+static void run_any(engine_t *e, struct job *jobs, int n) {
+    for (int i = 0; i < n; i++) submit(e, &jobs[i]);
+    wait_jobs(jobs, n);
+    for (int i = 0; i < n; i++) assert_int_equal(jobs[i].n_term, 1);
+}
+
+/* A forward call fails (every call number in turn, over the whole life of three requests
+ * sharing a prefix): the requests in that step get an error, the others finish exactly as
+ * without the fault, no block leaks, and the same requests run again on the same engine give
+ * the reference output (no block written by the failed call is reused). */
+static void test_fault_forward_failure_sweep(void **st) {
+    (void)st;
+    require_data();
+    enum { N = 3 };
+    int32_t p[N][80];
+    fill_random(p[0], 80, 91);
+    for (int i = 1; i < N; i++) {
+        memcpy(p[i], p[0], 48 * sizeof(int32_t)); /* a shared 48-token prefix (3 blocks) */
+        fill_random(p[i] + 48, 32, 92 + (uint64_t)i);
+    }
+    int lens[N] = {80, 70, 60};
+    struct engine_config cfg = {.tokens_per_block = 16, .n_blocks = 64, .max_model_len = 256,
+                                .max_num_tokens = 48};
+    struct job ref[N];
+    engine_t *e = start(&cfg);
+    for (int i = 0; i < N; i++) ref[i] = (struct job){.prompt = p[i], .n_prompt = lens[i], .max_tokens = 6, .logprobs = true};
+    for (int i = 0; i < N; i++) run_jobs(e, &ref[i], 1); /* one at a time: the reference */
+    engine_stop(e);
+    int failed_steps = 0;
+    for (int k = 1;; k++) {
+        struct fault_be fb;
+        fault_be_init(&fb, g_be);
+        fb.fail_forward_at = k;
+        e = start_on(&cfg, &fb.be);
+        struct job jobs[N];
+        for (int i = 0; i < N; i++) jobs[i] = (struct job){.prompt = p[i], .n_prompt = lens[i], .max_tokens = 6, .logprobs = true};
+        run_any(e, jobs, N);
+        int errors = 0;
+        for (int i = 0; i < N; i++) {
+            if (jobs[i].term == ENGINE_EV_ERROR) errors++;
+            else same_output(&jobs[i], &ref[i]);
+        }
+        struct engine_stats s;
+        idle_stats(e, &s);
+        assert_int_equal(s.kv_blocks_used, 0);
+        pthread_mutex_lock(&fb.mu); /* the engine is idle: no more faults from here */
+        bool fired = fb.n_forward >= k;
+        fb.fail_forward_at = 0;
+        pthread_mutex_unlock(&fb.mu);
+        assert_true(fired ? errors > 0 : errors == 0);
+        struct job again[N];
+        for (int i = 0; i < N; i++) again[i] = (struct job){.prompt = p[i], .n_prompt = lens[i], .max_tokens = 6, .logprobs = true};
+        run_jobs(e, again, N);
+        for (int i = 0; i < N; i++) same_output(&again[i], &ref[i]);
+        idle_stats(e, &s);
+        assert_int_equal(s.kv_blocks_used, 0);
+        engine_stop(e);
+        fault_be_destroy(&fb);
+        if (!fired) break; /* k is past the last forward call of the three requests */
+        failed_steps++;
+    }
+    fprintf(stderr, "forward failure swept over %d steps\n", failed_steps);
+    assert_true(failed_steps >= 4);
+}
+
+/* A host-tier copy fails (each copy number in turn): the engine drops its cache and fails
+ * only the requests of that step; nothing leaks or hangs, and replays match the reference. */
+static void test_fault_host_copy_failure(void **st) {
+    (void)st;
+    require_data();
+    enum { N = 5, LEN = 128 };
+    int32_t *prompts = malloc((size_t)N * LEN * sizeof *prompts);
+    for (int i = 0; i < N; i++) fill_random(prompts + (size_t)i * LEN, LEN, 800 + (uint64_t)i);
+    /* device pool: two prompts (8 blocks each) and change; the rest goes to the host tier */
+    struct engine_config cfg = {.tokens_per_block = 16, .n_blocks = 20, .max_model_len = 256,
+                                .max_num_tokens = 128, .host_cache_blocks = 64};
+    struct job ref = {.prompt = prompts, .n_prompt = LEN, .max_tokens = 4, .logprobs = true};
+    engine_t *e = start(&cfg);
+    run_jobs(e, &ref, 1);
+    engine_stop(e);
+    int swept = 0;
+    for (int k = 1; k <= 6; k++) {
+        struct fault_be fb;
+        fault_be_init(&fb, g_be);
+        fb.fail_copy_at = k;
+        e = start_on(&cfg, &fb.be);
+        struct job jobs[N + 1];
+        for (int i = 0; i < N; i++) /* evicts earlier prompts to the host tier */
+            jobs[i] = (struct job){.prompt = prompts + (size_t)i * LEN, .n_prompt = LEN, .max_tokens = 4, .logprobs = true};
+        jobs[N] = ref; /* back from the host tier */
+        jobs[N].n_term = 0;
+        jobs[N].n_got = 0;
+        jobs[N].lp_sum = 0;
+        for (int i = 0; i <= N; i++) run_any(e, &jobs[i], 1);
+        struct engine_stats s;
+        idle_stats(e, &s);
+        assert_int_equal(s.kv_blocks_used, 0);
+        if (jobs[N].term == ENGINE_EV_FINISH) same_output(&jobs[N], &ref);
+        pthread_mutex_lock(&fb.mu);
+        swept += fb.n_copies >= k;
+        fb.fail_copy_at = 0;
+        pthread_mutex_unlock(&fb.mu);
+        struct job again = ref;
+        again.n_term = again.n_got = 0;
+        again.lp_sum = 0;
+        run_jobs(e, &again, 1);
+        same_output(&again, &ref);
+        engine_stop(e);
+        fault_be_destroy(&fb);
+    }
+    assert_true(swept >= 2); /* the sweep reached real copies */
+    free(prompts);
+}
+
+/* The deadlock detector: with blocks leaked, a request that cannot get its blocks (and nothing
+ * running to free any) fails with a clear error after ENGINE_STALL_PASSES passes instead of
+ * hanging; smaller requests still run. */
+static void test_fault_deadlock_detector(void **st) {
+    (void)st;
+    require_data();
+    struct engine_config cfg = {.tokens_per_block = 16, .n_blocks = 16, .max_model_len = 256,
+                                .max_num_tokens = 256};
+    engine_t *e = start(&cfg);
+    engine_fault_leak_blocks(e, 10);
+    int32_t p[200];
+    fill_random(p, 200, 77);
+    struct job big = {.prompt = p, .n_prompt = 200, .max_tokens = 4};
+    run_any(e, &big, 1);
+    assert_int_equal(big.term, ENGINE_EV_ERROR);
+    struct job small = {.prompt = p, .n_prompt = 40, .max_tokens = 4};
+    run_jobs(e, &small, 1);
+    struct engine_stats s;
+    idle_stats(e, &s);
+    assert_int_equal(s.kv_blocks_used, 10); /* only the leaked ones */
+    engine_stop(e);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_hits_identical_reference_prompts),
@@ -507,6 +655,9 @@ int main(void) {
         cmocka_unit_test(test_host_tier_round_trip),
         cmocka_unit_test(test_cancel_mid_prefill),
         cmocka_unit_test(test_prefix_waits_prefill_once),
+        cmocka_unit_test(test_fault_forward_failure_sweep),
+        cmocka_unit_test(test_fault_host_copy_failure),
+        cmocka_unit_test(test_fault_deadlock_detector),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

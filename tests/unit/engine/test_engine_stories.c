@@ -180,12 +180,8 @@ static void run_all(struct engine_config *cfg, struct engine_stats *stats) {
                 fail_msg("timeout");
             }
     pthread_mutex_unlock(&g_mu);
-    for (int i = 0; i < 1000; i++) { /* stats are published right after the last step */
-        engine_get_stats(e, stats);
-        if (stats->kv_blocks_used == 0) break;
-        struct timespec d = {0, 1000000};
-        nanosleep(&d, NULL);
-    }
+    assert_int_equal(engine_wait_idle(e, 60000), KV_OK); /* the last step's stats are out */
+    engine_get_stats(e, stats);
     engine_stop(e);
 }
 

@@ -1,0 +1,346 @@
+/* conn_gate: per-connection framing, validation and limits in front of evhttp (conn_gate.h).
+ *
+ * Each accepted connection gets a socket bufferevent ("under") wrapped in a filter bufferevent
+ * ("filt") that evhttp uses as its connection. gate_in (conn_gate_head.c) sees the client's
+ * bytes; the replies are written by conn_gate_out.c. The under's callbacks are the filter's
+ * own, called through wrappers, so the gate also sees end-of-input and write-drained events
+ * first. This file: the lifecycle, the budget, timers, refusals and socket events.
+ *
+ *   request side (rs):  HEAD --head ok, body--> BODY | CHUNK_* --body done--> WAIT
+ *                         \--head ok, no body------------------------------>  WAIT
+ *                       WAIT --response complete (gate_out)--> HEAD (keep-alive timer)
+ *                       any --refusal--> CLOSING (answer written, then shutdown, linger, close)
+ */
+#include <errno.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+#include <event2/buffer.h>
+#include <event2/bufferevent.h>
+#include <jansson.h>
+
+#include "conn_gate_internal.h"
+#include "listener.h"
+
+/* ------------------------------------------------------------------ budget, timers */
+
+static void gates_unref(struct http_gates *gs) {
+    if (--gs->refs == 0) free(gs);
+}
+
+bool gate_reserve(struct gate *g, size_t n) {
+    struct http_gates *gs = g->gs;
+    if (n > gs->lim.max_buffered_bytes - gs->st.buffered_bytes) return false;
+    gs->st.buffered_bytes += n;
+    g->reserved += n;
+    return true;
+}
+
+void gate_release_all(struct gate *g) {
+    g->gs->st.buffered_bytes -= g->reserved;
+    g->reserved = 0;
+}
+
+void gate_arm(struct gate *g, int ms) {
+    if (ms <= 0) {
+        evtimer_del(g->timer);
+        return;
+    }
+    struct timeval tv = {ms / 1000, (ms % 1000) * 1000};
+    evtimer_add(g->timer, &tv);
+}
+
+/* ------------------------------------------------------------------ refusals */
+
+static const char *reason_of(int status) {
+    switch (status) {
+    case 400: return "Bad Request";
+    case 408: return "Request Timeout";
+    case 405: return "Method Not Allowed";
+    case 413: return "Payload Too Large";
+    case 417: return "Expectation Failed";
+    case 431: return "Request Header Fields Too Large";
+    case 501: return "Not Implemented";
+    case 503: return "Service Unavailable";
+    case 505: return "HTTP Version Not Supported";
+    default: return "Error";
+    }
+}
+
+/* Hands the end of input to evhttp, which frees the connection (and so this gate), from
+ * the loop: never inside a call that evhttp or the filter is still running. */
+void gate_finish(struct gate *g) {
+    if (g->finished || g->want_finish) return;
+    g->want_finish = true;
+    evtimer_del(g->timer);
+    gate_release_all(g);
+    event_active(g->defer, EV_READ, 0);
+}
+
+/* Writes an OpenAI error answer on the socket (after whatever is queued there) and closes
+ * the connection once it is flushed: shutdown of our side, then the client's remaining
+ * bytes are read and dropped for up to GATE_LINGER_MS (closing with unread input would
+ * reset the connection and could destroy the answer before the client reads it). */
+void gate_refuse(struct gate *g, int status, const char *code, const char *fmt, ...) {
+    if (g->rs == R_CLOSING || g->finished) return;
+    struct http_gates *gs = g->gs;
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    if (status == 408) gs->st.timeouts++;
+    else if (status == 413) gs->st.refused_too_large++;
+    else if (status == 503) *(g->refuse_conn ? &gs->st.refused_connections : &gs->st.refused_busy) += 1;
+    else gs->st.refused_bad++;
+    http_reply_count(gs->reply, status);
+    json_t *o = json_pack("{s:{s:s, s:s, s:n, s:s?}}", "error", "message", msg, "type",
+                          status >= 500 ? "server_error" : "invalid_request_error", "param",
+                          "code", code);
+    char *body = o ? json_dumps(o, JSON_COMPACT) : NULL;
+    json_decref(o);
+    const char *b = body ? body : "{\"error\":{\"message\":\"refused\",\"type\":\"server_error\"}}";
+    struct evbuffer *out = bufferevent_get_output(g->under);
+    evbuffer_add_printf(out, "HTTP/1.1 %d %s\r\nContent-Type: application/json\r\n"
+                        "Content-Length: %zu\r\nConnection: close\r\n", status, reason_of(status),
+                        strlen(b));
+    if (gs->reply && gs->reply->id_header && gs->reply->id_value && *gs->reply->id_value)
+        evbuffer_add_printf(out, "%s: %s\r\n", gs->reply->id_header, gs->reply->id_value);
+    if (status == 503) evbuffer_add_printf(out, "Retry-After: 1\r\n");
+    evbuffer_add_printf(out, "\r\n%s", g->head_method ? "" : b); /* HEAD: the head alone */
+    free(body);
+    KV_DEBUG("%s: refused a request: %d %s", gs->name, status, msg);
+    g->rs = R_CLOSING;
+    g->linger_start_ns = kv_now_ns();
+    /* the declared body that is probably on its way, else a little: a client flooding us
+     * with headers is not read for long */
+    g->linger_left = (g->declared > 0 ? (uint64_t)g->declared : 0) + ((uint64_t)1 << 20);
+    if (g->linger_left > ((uint64_t)1 << 30)) g->linger_left = (uint64_t)1 << 30;
+    gate_release_all(g);
+    gate_arm(g, GATE_LINGER_MS);
+    bufferevent_enable(g->under, EV_WRITE);
+}
+
+/* Is the connection still evhttp's? When evhttp frees it (inside one of its callbacks),
+ * libevent clears the socket bufferevent's callbacks at once and frees the memory later. */
+bool gate_alive(struct gate *g) {
+    if (g->finished) return false;
+    bufferevent_data_cb r = NULL;
+    bufferevent_getcb(g->under, &r, NULL, NULL, NULL);
+    if (r != NULL) return true;
+    g->finished = true;
+    return false;
+}
+
+/* The request is complete (its last byte is passed to evhttp). A client that shut down its
+ * sending side right after it (the end of input is already queued behind the request) wants
+ * the answer: remember it, so that end of input is not taken for a disconnect. An end that
+ * arrives later, while the request is answered, is one. */
+void gate_request_complete(struct gate *g) {
+    g->rs = R_WAIT;
+    evtimer_del(g->timer);
+    g->half_closed = false;
+    evutil_socket_t fd = bufferevent_getfd(g->under);
+    if (fd >= 0 && evbuffer_get_length(bufferevent_get_input(g->under)) == 0) {
+        char c;
+        g->half_closed = recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT) == 0;
+    }
+}
+
+/* ------------------------------------------------------------------ socket events */
+
+static void on_under_read(struct bufferevent *bev, void *arg) {
+    struct gate *g = arg;
+    g->f_rcb(bev, g->f_arg);
+}
+
+static void on_under_write(struct bufferevent *bev, void *arg) {
+    struct gate *g = arg;
+    if (g->rs == R_CLOSING) { /* our refusal is flushed: stop sending, linger on input */
+        if (!g->finished && evbuffer_get_length(bufferevent_get_output(bev)) == 0) {
+            evutil_socket_t fd = bufferevent_getfd(bev);
+            if (fd >= 0) shutdown(fd, SHUT_WR);
+            bufferevent_enable(bev, EV_READ);
+        }
+        return;
+    }
+    g->f_wcb(bev, g->f_arg);
+}
+
+static void on_under_event(struct bufferevent *bev, short what, void *arg) {
+    struct gate *g = arg;
+    if (g->finished) return;
+    if (g->rs == R_CLOSING) {
+        gate_finish(g);
+        return;
+    }
+    /* the client ended its input after a complete request that is still being answered
+     * (not streamed): hold the end back so the answer is still sent */
+    if ((what & BEV_EVENT_EOF) && !(what & BEV_EVENT_ERROR) && g->rs == R_WAIT && g->half_closed) {
+        g->eof_held = true;
+        return;
+    }
+    g->f_ecb(bev, what, g->f_arg);
+}
+
+static void on_defer(evutil_socket_t fd, short what, void *arg) {
+    (void)fd;
+    (void)what;
+    struct gate *g = arg;
+    if (!gate_alive(g)) return;
+    if (g->want_error || g->want_finish) {
+        g->finished = true;
+        g->f_ecb(g->under, g->want_error ? BEV_EVENT_ERROR | BEV_EVENT_WRITING
+                                         : BEV_EVENT_EOF | BEV_EVENT_READING, g->f_arg);
+        return;
+    }
+    if (g->want_kick) {
+        g->want_kick = false;
+        if (g->rs == R_HEAD && evbuffer_get_length(bufferevent_get_input(g->under)))
+            g->f_rcb(g->under, g->f_arg);
+    }
+}
+
+
+static void on_timer(evutil_socket_t fd, short what, void *arg) {
+    (void)fd;
+    (void)what;
+    struct gate *g = arg;
+    struct http_gates *gs = g->gs;
+    if (g->finished) return;
+    if (g->refuse_conn && g->rs != R_CLOSING) {
+        gate_refuse(g, 503, "too_many_connections", "too many open connections (limit %d); retry shortly",
+               gs->lim.max_connections);
+        return;
+    }
+    switch (g->rs) {
+    case R_CLOSING: gate_finish(g); return;
+    case R_WAIT: return;
+    case R_HEAD:
+        if (!g->begun) { /* idle between requests */
+            gs->st.idle_closed++;
+            gate_finish(g);
+            return;
+        }
+        gate_refuse(g, 408, "request_timeout", "request head not received within %d ms",
+               gs->lim.header_timeout_ms);
+        return;
+    default:
+        gate_refuse(g, 408, "request_timeout", "request body stalled for %d ms", gs->lim.header_timeout_ms);
+        return;
+    }
+}
+
+/* ------------------------------------------------------------------ lifecycle */
+
+static void gate_free_ctx(void *ctx) {
+    struct gate *g = ctx;
+    struct http_gates *gs = g->gs;
+    gate_release_all(g);
+    gs->st.connections--;
+    if (g->timer) event_free(g->timer);
+    if (g->defer) event_free(g->defer);
+    if (g->wev) event_free(g->wev);
+    kv_buf_free(&g->head);
+    kv_buf_free(&g->line);
+    kv_buf_free(&g->ohead);
+    free(g);
+    gates_unref(gs);
+}
+
+static struct bufferevent *gate_bevcb(struct event_base *base, void *arg) {
+    struct http_gates *gs = arg;
+    struct bufferevent *under = bufferevent_socket_new(base, -1, BEV_OPT_CLOSE_ON_FREE);
+    struct gate *g = calloc(1, sizeof *g);
+    struct event *timer = NULL;
+    if (!under || !g) goto fail;
+    g->gs = gs;
+    g->under = under;
+    g->declared = -1;
+    timer = evtimer_new(base, on_timer, g);
+    g->defer = event_new(base, -1, 0, on_defer, g);
+    if (!timer || !g->defer) goto fail;
+    g->timer = timer;
+    kv_buf_init(&g->head);
+    kv_buf_init(&g->line);
+    kv_buf_init(&g->ohead);
+    g->filt = bufferevent_filter_new(under, gate_in, gate_out, BEV_OPT_CLOSE_ON_FREE, gate_free_ctx, g);
+    if (!g->filt) goto fail;
+    /* from here the filter owns under and g (gate_free_ctx) */
+    gs->refs++;
+    gs->st.connections++;
+    bufferevent_getcb(under, &g->f_rcb, &g->f_wcb, &g->f_ecb, &g->f_arg);
+    bufferevent_setcb(under, on_under_read, on_under_write, on_under_event, g);
+    bufferevent_setwatermark(under, EV_READ, 0, GATE_SOCKET_READ_MAX);
+    evbuffer_add_cb(bufferevent_get_output(g->filt), gate_on_reply_queued, g);
+    if (gs->st.connections > gs->lim.max_connections) {
+        g->refuse_conn = true;
+        gate_arm(g, 1); /* the socket is set after we return */
+    } else {
+        gate_arm(g, gs->lim.header_timeout_ms);
+    }
+    return g->filt;
+fail:
+    KV_WARN("%s: out of memory for a new connection", gs->name);
+    if (timer) event_free(timer);
+    if (g && g->defer) event_free(g->defer);
+    free(g);
+    if (under) bufferevent_free(under);
+    return NULL; /* evhttp then makes a plain socket bufferevent itself */
+}
+
+bool http_gate_half_closed(struct evhttp_connection *conn) {
+    struct bufferevent *filt = conn ? evhttp_connection_get_bufferevent(conn) : NULL;
+    struct bufferevent *under = filt ? bufferevent_get_underlying(filt) : NULL;
+    if (!under) return false;
+    bufferevent_data_cb r = NULL;
+    void *arg = NULL;
+    bufferevent_getcb(under, &r, NULL, NULL, &arg);
+    return r == on_under_read && ((struct gate *)arg)->half_closed;
+}
+
+struct http_gates *http_gates_new(struct event_base *base, struct evhttp *http,
+                                  const struct http_gate_limits *lim,
+                                  const struct http_reply_ctx *reply, const char *name) {
+    struct http_gates *gs = calloc(1, sizeof *gs);
+    if (!gs) return NULL;
+    gs->base = base;
+    gs->reply = reply;
+    gs->refs = 1;
+    snprintf(gs->name, sizeof gs->name, "%s", name ? name : "http");
+    struct http_gate_limits d = lim ? *lim : (struct http_gate_limits){0};
+    if (!d.max_head_bytes) d.max_head_bytes = (size_t)1 << 20;
+    if (d.max_headers <= 0) d.max_headers = 256;
+    if (!d.max_body_bytes) d.max_body_bytes = (size_t)16 << 20;
+    if (!d.max_buffered_bytes) d.max_buffered_bytes = (size_t)256 << 20;
+    if (d.max_connections <= 0) {
+        d.max_connections = 4096;
+        struct rlimit rl;
+        if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY &&
+            rl.rlim_cur < (rlim_t)d.max_connections + 64)
+            d.max_connections = rl.rlim_cur > 128 ? (int)rl.rlim_cur - 64 : 64;
+    }
+    if (d.header_timeout_ms <= 0) d.header_timeout_ms = 60000;
+    if (d.keepalive_timeout_ms <= 0) d.keepalive_timeout_ms = 75000;
+    gs->lim = d;
+    evhttp_set_bevcb(http, gate_bevcb, gs);
+    return gs;
+}
+
+const struct http_gate_limits *http_gates_limits(const struct http_gates *gs) { return &gs->lim; }
+
+void http_gates_stats(const struct http_gates *gs, struct http_gate_stats *out) {
+    if (gs) *out = gs->st;
+    else memset(out, 0, sizeof *out);
+}
+
+void http_gates_release(struct http_gates *gs) {
+    if (gs) gates_unref(gs);
+}
