@@ -65,6 +65,7 @@ for tr in "${TR[@]}"; do
   # shellcheck disable=SC2046
   "$build/kvserve" bench --api completions $(trace_args "$tr") --save-trace "$out/$tr.jsonl" --dry-run --quiet >/dev/null
   start single serve "${wopts[@]}" "${single_mem[@]}"
+  [[ $tr == "${TR[0]}" ]] && echo "# worker: $(grep -m1 -o 'cpu backend.*' "$out/single.log")"
   run "http://127.0.0.1:$port" single "$tr"
   cleanup
   for pol in "${PO[@]}"; do

@@ -64,6 +64,9 @@ void rt_predict_free(struct rt_predict *pr);
 /* Forgets every prediction for worker (it left). */
 void rt_predict_forget_worker(struct rt_predict *pr, int worker);
 
+/* kv_aware: a worker prefilling a prefix the request shares takes it regardless of its load
+ * when that in-flight prefix is at least this many times the request's own new tokens. */
+#define RT_KV_FOLLOW_RATIO 4
 /* kv_aware placement (the score above); records the request's blocks as predicted for the
  * chosen worker. *predicted = matched tokens there. */
 int rt_kv_select(struct rt_pool *p, const struct rt_route *rq, int exclude, enum rt_reason *why,

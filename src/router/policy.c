@@ -99,18 +99,26 @@ int rt_pool_least_loaded(struct rt_pool *p, int exclude) {
     return tied[p->next++ % (unsigned)nt];
 }
 
-void rt_pool_charge(struct rt_pool *p, int idx, long tokens) {
+void rt_pool_charge(struct rt_pool *p, int idx, long tokens, long work) {
     if (idx < 0 || idx >= p->n) return;
     p->w[idx]->active++;
     p->w[idx]->tokens += tokens;
+    p->w[idx]->work += work;
     p->w[idx]->requests++;
 }
 
-void rt_pool_release(struct rt_pool *p, int idx, long tokens) {
+void rt_pool_release(struct rt_pool *p, int idx, long tokens, long work) {
     if (idx < 0 || idx >= p->n) return;
     struct rt_worker *w = p->w[idx];
     w->active = w->active > 0 ? w->active - 1 : 0; /* clamped at 0 (spec §1.2) */
     w->tokens = w->tokens > tokens ? w->tokens - tokens : 0;
+    w->work = w->work > work ? w->work - work : 0;
+}
+
+long rt_leg_work(long prompt_tokens, long predicted, long max_tokens) {
+    long out = max_tokens > 0 ? max_tokens : RT_OUT_DEFAULT;
+    long pre = prompt_tokens > predicted ? prompt_tokens - predicted : 0;
+    return pre + (out < RT_OUT_CAP ? out : RT_OUT_CAP);
 }
 
 void rt_pool_worker_gone(struct rt_pool *p, int idx) {

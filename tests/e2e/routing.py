@@ -155,6 +155,17 @@ def ok_answer(st, resp, hd, what):
     return hd["x-kvserve-worker"]
 
 
+def worker_last_seq(port):
+    """The seq of a worker's newest /kv_events event (its polling form, page by page)."""
+    after = 0
+    while True:
+        st, page, _ = call(port, "GET", "/kv_events?poll=1&max=1024&after=%d" % after)
+        check(st == 200, "kv_events poll: HTTP %s %s" % (st, page))
+        if not page["events"] and not page["lost"]:
+            return after
+        after = page["last_seq"]
+
+
 def rand_ids(rng, n):
     return [rng.randrange(3, 500) for _ in range(n)]
 
@@ -302,13 +313,14 @@ def case_same_hashes(ws):
                  ("/v1/chat/completions", {"messages": msgs})]
         for path, body in cases:
             b = dict(body, max_tokens=2, temperature=0)
-            before = metrics(r.port)
             st, resp, hd = call(r.port, "POST", path, b)
             w = ok_answer(st, resp, hd, "first " + path)
-            # the new blocks reach the router's mirror through the worker's event stream
-            key = 'kvserve_router_worker_mirrored_blocks{role="aggregated",worker="%s"}' % w
-            want = before.get(key, 0) + (resp["usage"]["prompt_tokens"] - 1) // T
-            wait_for(lambda: metrics(r.port).get(key, 0) >= want, 10, "the blocks in the mirror")
+            # the new blocks reach the router's mirror through the worker's event stream: wait
+            # until the mirror applied the worker's latest event (a count of mirrored blocks
+            # can be reached by the replay of older events instead)
+            key = 'kvserve_router_worker_kv_events_seq{role="aggregated",worker="%s"}' % w
+            seq = worker_last_seq(int(w.rsplit(":", 1)[1]))
+            wait_for(lambda: metrics(r.port).get(key, 0) >= seq, 10, "the worker's events in the mirror")
             m0 = metrics(r.port)
             st, resp2, hd2 = call(r.port, "POST", path, b)
             check(ok_answer(st, resp2, hd2, "second " + path) == w, "the repeat left its worker")
