@@ -198,12 +198,20 @@ enum kv_mirror_result kv_mirror_apply(struct kv_mirror *m, const json_t *ev,
     return KV_MIRROR_BAD;
 }
 
-/* ---- predictions: block hash -> (expiry ms << 12 | worker) ---- */
+/* ---- predictions: (block hash, worker) -> (expiry ms << 12 | worker); branches ---- */
 
 struct rt_predict {
     struct u64map map;
     uint64_t ttl_ms;
+    /* block hash -> the hash of the block that followed it in the first request placed with
+     * it (low bit cleared), low bit set once a request continued it with another block: the
+     * prefix up to it is shared by several chains (sessions), not one session's history */
+    struct u64map next;
 };
+
+/* Branch memory bound (entries); past it the map is cleared (shared prefixes are found again
+ * by the next requests that diverge from them). */
+#define RT_KV_BRANCH_MAX (1u << 20)
 
 struct rt_predict *rt_predict_new(double ttl_s) {
     struct rt_predict *pr = calloc(1, sizeof *pr);
@@ -214,15 +222,46 @@ struct rt_predict *rt_predict_new(double ttl_s) {
 void rt_predict_free(struct rt_predict *pr) {
     if (!pr) return;
     map_free(&pr->map);
+    map_free(&pr->next);
     free(pr);
+}
+
+/* Blocks of bh[0..n) before the deepest one another placed chain continued differently (0 =
+ * nothing shared with a diverging chain). */
+static int common_depth(const struct rt_predict *pr, const uint64_t *bh, int n) {
+    int d = 0;
+    for (int j = 0; pr && j + 1 < n; j++) {
+        long f = map_find(&pr->next, bh[j]);
+        if (f < 0) break; /* chained hashes: nothing deeper was placed */
+        uint64_t v = pr->next.v[f];
+        if ((v & 1) || (v & ~1ull) != (bh[j + 1] & ~1ull)) d = j + 1;
+    }
+    return d;
+}
+
+/* Records the chain bh[0..n): each block's successor, or that it now has two. */
+static void record_chain(struct rt_predict *pr, const uint64_t *bh, int n) {
+    if (!pr) return;
+    if (pr->next.n + (size_t)n > RT_KV_BRANCH_MAX) map_free(&pr->next);
+    for (int j = 0; j + 1 < n; j++) {
+        long f = map_find(&pr->next, bh[j]);
+        uint64_t child = bh[j + 1] & ~1ull;
+        if (f < 0) {
+            if (map_put(&pr->next, bh[j], child, NULL, NULL)) return;
+        } else if ((pr->next.v[f] & ~1ull) != child) {
+            pr->next.v[f] |= 1;
+        }
+    }
 }
 
 static bool not_expired(uint64_t v, void *arg) { return (v >> 12) > *(const uint64_t *)arg; }
 
-static int predicted_worker(const struct rt_predict *pr, uint64_t h, uint64_t now_ms) {
-    long f = pr ? map_find(&pr->map, h) : -1;
-    if (f < 0 || (pr->map.v[f] >> 12) <= now_ms) return -1;
-    return (int)(pr->map.v[f] & 0xfff);
+/* Predictions are keyed by (block, worker): a prefix sent to two workers is predicted on both. */
+static uint64_t pred_key(uint64_t h, int worker) { return h ^ (0x9e3779b97f4a7c15ull * (uint64_t)(worker + 1)); }
+
+static bool predicted_on(const struct rt_predict *pr, uint64_t h, int worker, uint64_t now_ms) {
+    long f = pr ? map_find(&pr->map, pred_key(h, worker)) : -1;
+    return f >= 0 && (pr->map.v[f] >> 12) > now_ms && (int)(pr->map.v[f] & 0xfff) == worker;
 }
 
 void rt_predict_forget_worker(struct rt_predict *pr, int worker) {
@@ -242,7 +281,7 @@ static int block_tier(const struct rt_pool *p, int w, const struct rt_route *rq,
     const struct kv_mirror *m = p->w[w]->mirror;
     int t = m ? kv_mirror_tier(m, rq->bh[j]) : 0;
     if (t) return t;
-    return predicted_worker(p->pred, rq->bh[j], now_ms) == w ? 3 : 0;
+    return predicted_on(p->pred, rq->bh[j], w, now_ms) ? 3 : 0;
 }
 
 /* Credit of one block of tpb tokens in quarter tokens: device and predicted 4, host 3
@@ -253,7 +292,8 @@ struct kv_cand {
     int depth;      /* leading blocks the worker has (any tier) */
     long raw_q;     /* credit of those blocks (quarter tokens) */
     long spec_q;    /* credit of those held by no other candidate */
-    long inflight;  /* tokens of the specific ones sent there and not yet reported stored */
+    long inflight;  /* tokens of those sent there and not yet reported stored */
+    bool follow;    /* joins the prefill of that in-flight prefix (load 0) */
     double cost;
 };
 
@@ -296,18 +336,21 @@ int rt_kv_select(struct rt_pool *p, const struct rt_route *rq, int exclude, enum
         at_depth[d]++;
     }
     for (int j = nb - 1; j >= 0; j--) holders[j] = holders[j + 1] + at_depth[j + 1]; /* depth > j */
+    int common = common_depth(p->pred, rq->bh, nb);
     /* 2. cost = load - W x saved tokens (docs/routing.md "kv_aware"):
-     *  saved: blocks no other candidate holds (a prefix two workers hold is replicated, so it
-     *    is no reason to prefer either: load spreads it further, BUG-14);
+     *  saved: blocks the worker holds that are specific to this request's chain: held by no
+     *    other candidate (a prefix two workers hold is replicated) and below no point where
+     *    another placed request continued differently (a prefix several sessions share, a
+     *    system prompt). A shared prefix is no reason to prefer a worker: load spreads it,
+     *    and each worker prefills it once (BUG-14). One session's history is specific.
      *  load: legs in flight there x the pool's mean work per leg in flight. Legs, not the work
      *    queued this instant: a request's later turns follow it, so the sessions a worker runs
      *    predict its load; a cold leg (a prefix being replicated) counts as one leg.
-     *  in flight: a worker now prefilling a prefix this request shares (specific blocks sent
-     *    there within the TTL, not yet reported stored) has load 0 when that prefix is at
-     *    least RT_KV_FOLLOW_RATIO x the request's own new tokens: such a request mostly waits
-     *    for that one prefill, so a cold burst of short tails on a long prefix is prefilled
-     *    once (bounded by the balance guard); a request with a long tail of its own is placed
-     *    by the cost, and the prefix is replicated where load sends it. */
+     *  follow: a worker now prefilling a prefix of this request (blocks sent there within
+     *    the TTL, not yet reported stored) has load 0 when that prefix is at least
+     *    RT_KV_FOLLOW_RATIO x the request's own new tokens: such a request mostly waits for
+     *    that one prefill, so a cold burst of short tails on a long prefix is prefilled once
+     *    (bounded by the balance guard); one with a long tail of its own is placed by load. */
     long sum_work = 0, sum_legs = 0;
     for (int i = 0; i < p->n; i++)
         if (KV_CANDIDATE(i)) sum_work += p->w[i]->work, sum_legs += p->w[i]->active;
@@ -318,23 +361,19 @@ int rt_kv_select(struct rt_pool *p, const struct rt_route *rq, int exclude, enum
         for (int j = 0; j < c[i].depth; j++) {
             int t = block_tier(p, i, rq, j, now_ms);
             c[i].raw_q += tier_q(t, tpb);
-            if (holders[j] == 1) {
-                c[i].spec_q += tier_q(t, tpb);
-                if (t == 3) c[i].inflight += tpb;
-            }
+            if (t == 3) c[i].inflight += tpb;
+            if (holders[j] == 1 && j >= common) c[i].spec_q += tier_q(t, tpb);
         }
         long own = rq->tokens - (long)c[i].depth * tpb;
-        bool follow = c[i].inflight > 0 && c[i].inflight >= RT_KV_FOLLOW_RATIO * (own > 0 ? own : 0);
-        double load = follow ? 0.0 : (double)p->w[i]->active * per_leg;
+        c[i].follow = c[i].inflight > 0 && c[i].inflight >= RT_KV_FOLLOW_RATIO * (own > 0 ? own : 0);
+        double load = c[i].follow ? 0.0 : (double)p->w[i]->active * per_leg;
         c[i].cost = load - p->overlap_weight * (double)c[i].spec_q / 4.0;
-        affinity |= c[i].spec_q > 0;
+        affinity |= c[i].spec_q > 0 || c[i].follow;
     }
     /* 3. the lowest cost; ties: more of the prompt held (no needless replication), then the
-     * least loaded (--load-metric), then round robin. Without affinity (no candidate holds a
-     * block no other holds: a new session, or only a replicated prefix matches) the least
-     * loaded first, then more held, then the least work: where the request lands, its later
-     * turns follow, so the sessions a worker runs (its legs) predict its load better than the
-     * work queued at this instant (BUG-14 shares). */
+     * least loaded (--load-metric), then round robin. Without affinity (nothing specific
+     * held, nothing to follow: a new session, or only a shared prefix matches) the least
+     * loaded first, then more held, then the least work. */
     int best = -1, tied[256], nt = 0;
     for (int i = 0; i < p->n; i++) {
         if (!KV_CANDIDATE(i)) continue;
@@ -349,11 +388,11 @@ int rt_kv_select(struct rt_pool *p, const struct rt_route *rq, int exclude, enum
     }
     if (nt > 1) best = tied[p->next++ % (unsigned)nt];
 #undef KV_CANDIDATE
-    *why = c[best].spec_q == 0 ? RT_WHY_LOAD : c[best].inflight > 0 ? RT_WHY_PREDICTED : RT_WHY_KV;
+    *why = c[best].follow ? RT_WHY_PREDICTED : c[best].spec_q > 0 ? RT_WHY_KV : RT_WHY_LOAD;
     /* BUG-14 guard (SGLang's balance threshold): a worker chosen for blocks only it holds may
      * not run more than balance legs beyond the least loaded one; past that the least loaded
      * worker takes the request (and then holds the prefix too: it is replicated). */
-    if (c[best].spec_q > 0 && p->balance > 0) {
+    if ((c[best].spec_q > 0 || c[best].follow) && p->balance > 0) {
         int ll = rt_pool_least_loaded(p, exclude);
         if (ll >= 0 && p->w[best]->active > p->w[ll]->active + p->balance) {
             best = ll;
@@ -366,15 +405,16 @@ int rt_kv_select(struct rt_pool *p, const struct rt_route *rq, int exclude, enum
     for (int i = 0; i < p->n && i < 16 && dl < sizeof dbg; i++)
         if (rt_worker_live(p->w[i]))
             dl += (size_t)snprintf(dbg + dl, sizeof dbg - dl, " [%d] legs %ld work %ld saved %ld%s held %ld cost %.0f", i,
-                                   p->w[i]->active, p->w[i]->work, c[i].spec_q / 4, c[i].inflight ? " (in flight)" : "",
+                                   p->w[i]->active, p->w[i]->work, c[i].spec_q / 4, c[i].follow ? " (follows)" : "",
                                    c[i].raw_q / 4, c[i].cost);
     KV_DEBUG("router kv_aware: %d blocks -> [%d] (%s):%s", nb, best, rt_reason_name(*why), dbg);
     free(c);
     free(holders);
+    record_chain(p->pred, rq->bh, rq->n_blocks);
     if (p->pred && p->pred->ttl_ms > 0) { /* in-flight awareness: this prefix follows best a while */
         uint64_t v = ((now_ms + p->pred->ttl_ms) << 12) | (uint64_t)(best & 0xfff);
         for (int i = 0; i < rq->n_blocks; i++)
-            if (map_put(&p->pred->map, rq->bh[i], v, not_expired, &now_ms)) break;
+            if (map_put(&p->pred->map, pred_key(rq->bh[i], best), v, not_expired, &now_ms)) break;
     }
     return best;
 }

@@ -314,6 +314,24 @@ static void test_kv_aware(void **st) {
     legs(&p, 0, 2, 1, 1, 10);
     assert_int_equal(rt_select(&p, &rz4, -1, &why, &pred), 0);
     legs(&p, 0, 0, 0, 0, 0);
+    /* chains: a prefix that placed requests continued in two ways (sessions sharing a system
+     * prompt) is shared, even on one worker: no reason to prefer it; a chain that only grows
+     * (one session's turns) stays specific */
+    uint64_t s1[8], s2[8], s3[8];
+    for (int i = 0; i < 8; i++) s1[i] = s2[i] = s3[i] = 500 + (uint64_t)i;
+    s2[5] = 611, s2[6] = 612, s2[7] = 613; /* s2 leaves s1 after 5 blocks */
+    for (int i = 0; i < 8; i++) store(p.w[3]->mirror, s1[i], false);
+    struct rt_route r1 = {NULL, NULL, 0, s1, 6, 16, 97, t0}, r2 = {NULL, NULL, 0, s2, 8, 16, 129, t0},
+                    r3 = {NULL, NULL, 0, s3, 8, 16, 129, t0};
+    legs(&p, 0, 0, 0, 1, 20); /* worker 3: one leg of 20 < its 96 specific tokens */
+    assert_int_equal(rt_select(&p, &r1, -1, &why, &pred), 3); /* first placement of the chain */
+    assert_int_equal(rt_select(&p, &r3, -1, &why, &pred), 3); /* the same chain, longer: a turn */
+    assert_int_equal(why, RT_WHY_KV);
+    g = rt_select(&p, &r2, -1, &why, &pred); /* diverges after 5 blocks: 80 shared tokens */
+    assert_int_not_equal(g, 3);
+    assert_int_equal(why, RT_WHY_LOAD);
+    assert_int_not_equal(rt_select(&p, &r1, -1, &why, &pred), 3); /* now s1's first 5 are shared too */
+    legs(&p, 0, 0, 0, 0, 0);
     /* BUG-14 guard: 3 legs beyond the least loaded with balance 2: the least loaded takes it */
     p.balance = 2;
     legs(&p, 0, 3, 0, 0, 1);
