@@ -310,6 +310,7 @@ static int kv_order(const struct rt_pool *p, const struct kv_cand *c, int a, int
     }
     if ((o = cmp3(la, lb))) return o;
     if ((o = cmp3((double)c[b].raw_q, (double)c[a].raw_q))) return o;
+    if ((o = cmp3((double)p->w[a]->requests, (double)p->w[b]->requests))) return o;
     return cmp3((double)p->w[a]->work, (double)p->w[b]->work);
 }
 
@@ -373,7 +374,7 @@ int rt_kv_select(struct rt_pool *p, const struct rt_route *rq, int exclude, enum
     /* 3. the lowest cost; ties: more of the prompt held (no needless replication), then the
      * least loaded (--load-metric), then round robin. Without affinity (nothing specific
      * held, nothing to follow: a new session, or only a shared prefix matches) the least
-     * loaded first, then more held, then the least work. */
+     * loaded first, then more held, then the fewest legs sent so far, then the least work. */
     int best = -1, tied[256], nt = 0;
     for (int i = 0; i < p->n; i++) {
         if (!KV_CANDIDATE(i)) continue;

@@ -82,6 +82,7 @@ long rt_pool_load(const struct rt_pool *p, int idx) {
 int rt_pool_least_loaded(struct rt_pool *p, int exclude) {
     int tied[256], nt = 0, fallback = -1;
     long best = 0;
+    uint64_t fewest = 0;
     for (int i = 0; i < p->n; i++) {
         if (!rt_worker_live(p->w[i])) continue;
         if (i == exclude) {
@@ -89,11 +90,13 @@ int rt_pool_least_loaded(struct rt_pool *p, int exclude) {
             continue;
         }
         long l = rt_pool_load(p, i);
-        if (nt == 0 || l < best) {
+        uint64_t sent = p->w[i]->requests;
+        if (nt == 0 || l < best || (l == best && sent < fewest)) {
             best = l;
+            fewest = sent;
             nt = 0;
         }
-        if (l == best && nt < (int)(sizeof tied / sizeof tied[0])) tied[nt++] = i;
+        if (l == best && sent == fewest && nt < (int)(sizeof tied / sizeof tied[0])) tied[nt++] = i;
     }
     if (nt == 0) return fallback;
     return tied[p->next++ % (unsigned)nt];

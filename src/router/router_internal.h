@@ -93,9 +93,11 @@ int rt_pool_n_live(const struct rt_pool *p);
 /* Round robin over live workers (spec §1.1 RoundRobin): the next live index; if it equals
  * exclude (>= 0) and another live worker exists, the one after. -1 when none is live. */
 int rt_pool_pick(struct rt_pool *p, int exclude);
-/* Least loaded live worker other than exclude (spec §1.0): minimum of the pool's metric, ties
- * round robin (tied[next % n_tied], next++). With only the excluded worker live it is
- * returned (a single worker is retried on itself). -1 when none is live. */
+/* Least loaded live worker other than exclude (spec §1.0): minimum of the pool's metric; ties
+ * go to the worker sent the fewest legs so far (keeps the shares even when a closed loop
+ * leaves several idle at once, BUG-14), then round robin (tied[next % n_tied], next++). With
+ * only the excluded worker live it is returned (a single worker is retried on itself). -1
+ * when none is live. */
 int rt_pool_least_loaded(struct rt_pool *p, int exclude);
 long rt_pool_load(const struct rt_pool *p, int idx);
 /* Load bookkeeping of one leg: +1 request / +tokens / +work at placement, the same back at

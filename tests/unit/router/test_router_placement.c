@@ -122,7 +122,7 @@ static void test_conversation_policy(void **st) {
     struct rt_route oq = {"c3", other, 8, NULL, 0, 16, 100, 0};
     rt_select(&p, &oq, -1, &why, &pred);
     assert_int_equal(why, RT_WHY_LOAD);
-    rt_pool_release(&p, w1, 100, 100); /* equal loads: least loaded = round robin */
+    rt_pool_release(&p, w1, 100, 100); /* equal loads: the fewest sent, then round robin */
     /* the 1/N rule: 40 conversations sharing a 4-key prefix are spread, not followed */
     int share[4] = {0};
     for (int i = 0; i < 40; i++) {
@@ -132,7 +132,10 @@ static void test_conversation_policy(void **st) {
         keys_of(9, 4, k);
         k[4] = 5000 + (uint64_t)i, k[5] = 6000 + (uint64_t)i;
         struct rt_route sq = {id, k, 6, NULL, 0, 16, 100, 0};
-        share[rt_select(&p, &sq, -1, &why, &pred)]++;
+        int w = rt_select(&p, &sq, -1, &why, &pred);
+        share[w]++;
+        rt_pool_charge(&p, w, 100, 100); /* sent and answered */
+        rt_pool_release(&p, w, 100, 100);
     }
     for (int i = 0; i < 4; i++) assert_true(share[i] >= 8 && share[i] <= 12);
     /* a worker that leaves: its conversations are forgotten */

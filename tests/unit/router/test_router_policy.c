@@ -80,6 +80,18 @@ static void test_least_loaded(void **st) {
     assert_int_equal(rt_leg_work(100, 0, 1L << 30), 100 + RT_OUT_CAP);
     assert_int_equal(rt_select(&p, &rq, -1, &why, &pred), 0);
     assert_int_equal(p.reasons[RT_WHY_LOAD], 10);
+    /* equal loads: the worker sent the fewest legs so far (0: 1 + 2 more, 1: 1, 2: 1) */
+    p.metric = RT_LOAD_REQUESTS;
+    rt_pool_release(&p, 1, 10, 20);
+    rt_pool_release(&p, 2, 10, 20);
+    for (int i = 0; i < 2; i++) rt_pool_charge(&p, 0, 1, 1), rt_pool_release(&p, 0, 1, 1);
+    for (int i = 0; i < 4; i++) {
+        int w = rt_select(&p, &rq, -1, &why, &pred);
+        assert_int_not_equal(w, 0);
+        rt_pool_charge(&p, w, 1, 1), rt_pool_release(&p, w, 1, 1);
+    }
+    assert_int_equal(p.w[1]->requests, 3);
+    assert_int_equal(p.w[2]->requests, 3);
     rt_pool_free(&p);
 }
 
