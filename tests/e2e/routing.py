@@ -175,6 +175,29 @@ def rand_ids(rng, n):
 # ------------------------------------------------------------------------------ cases
 
 
+def shared_prompt_shares(r, system, seed, extra):
+    """200 requests `system` + 16 own ids (seeded from seed + i), 8 at a time through router
+    r (extra(i): more complete() arguments); checks that all succeed and that every one of the 4
+    workers got within 25% of the mean; returns the shares."""
+    share, errors, lock = {}, [], threading.Lock()
+
+    def one(i):
+        st, resp, hd = r.complete(system + rand_ids(random.Random(seed + i), 16), **extra(i))
+        with lock:
+            if st != 200:
+                errors.append((st, resp))
+            else:
+                share[hd["x-kvserve-worker"]] = share.get(hd["x-kvserve-worker"], 0) + 1
+    for base in range(0, 200, 8):
+        th = [threading.Thread(target=one, args=(base + k,)) for k in range(8)]
+        [t.start() for t in th]
+        [t.join() for t in th]
+    check(not errors, "shared-prompt requests failed: %s" % errors[:2])
+    check(len(share) == 4 and all(abs(v - 50) <= 12.5 for v in share.values()),
+          "shared system prompt shares %s not within 25%% of 50" % sorted(share.values()))
+    return share
+
+
 def case_sticky(ws):
     r = Router(ws, ["--policy", "conversation"])
     rng = random.Random(1)
@@ -229,26 +252,7 @@ def case_content(ws):
         m1 = metrics(r.port)['kvserve_router_placements_total{role="aggregated",reason="content"}']
         check(m1 == m0, "a 24-block shared prefix was followed")
         # 200 conversations sharing one long system prompt spread evenly (the 1/N rule)
-        system = rand_ids(rng, 48 * T)
-        share = {}
-        lock = threading.Lock()
-        errors = []
-
-        def one(i):
-            st, resp, hd = r.complete(system + rand_ids(random.Random(100 + i), 16), conv="sys-%d" % i)
-            with lock:
-                if st != 200:
-                    errors.append((st, resp))
-                else:
-                    share[hd["x-kvserve-worker"]] = share.get(hd["x-kvserve-worker"], 0) + 1
-        for base in range(0, 200, 8):
-            th = [threading.Thread(target=one, args=(base + k,)) for k in range(8)]
-            [t.start() for t in th]
-            [t.join() for t in th]
-        check(not errors, "shared-prompt requests failed: %s" % errors[:2])
-        mean = 200 / 4
-        check(len(share) == 4 and all(abs(v - mean) <= 0.25 * mean for v in share.values()),
-              "shared system prompt shares %s not within 25%% of %d" % (sorted(share.values()), mean))
+        share = shared_prompt_shares(r, rand_ids(rng, 48 * T), 100, lambda i: {"conv": "sys-%d" % i})
         # text prompts hashed through the router's tokenizer place like ids
         story = " ".join("Once upon a time there was a little dog named Tim who liked to run." for _ in range(14))
         st, resp, hd = r.complete(story, conv="text-a")
@@ -298,26 +302,11 @@ def case_burst(ws):
         # BUG-14 at low concurrency: 200 requests sharing a long system prompt, 8 at a time,
         # spread within 25% of the mean; the prompt is prefilled about once per worker
         system = rand_ids(rng, 48 * T)
-        share, errors, lock = {}, [], threading.Lock()
         before = sum(w.prefilled() for w in ws)
-
-        def sys_one(i):
-            st, resp, hd = r.complete(system + rand_ids(random.Random(300 + i), 16), max_tokens=2)
-            with lock:
-                if st != 200:
-                    errors.append((st, resp))
-                else:
-                    share[hd["x-kvserve-worker"]] = share.get(hd["x-kvserve-worker"], 0) + 1
-        for base in range(0, 200, 8):
-            th = [threading.Thread(target=sys_one, args=(base + k,)) for k in range(8)]
-            [t.start() for t in th]
-            [t.join() for t in th]
+        share = shared_prompt_shares(r, system, 300, lambda i: {})
         total = sum(w.prefilled() for w in ws) - before
         print("     shared system prompt: shares %s, %d prefilled tokens (%d x the prompt beyond the suffixes)"
               % (sorted(share.values()), total, round((total - 200 * 16) / len(system))))
-        check(not errors, "shared-prompt requests failed: %s" % errors[:2])
-        check(len(share) == 4 and all(abs(v - 50) <= 12.5 for v in share.values()),
-              "kv_aware shares %s not within 25%% of 50" % sorted(share.values()))
         # each worker prefills the prompt once; a replication racing in-flight copies may
         # repeat it (one block of slack per request for the block holding the last token)
         check(total <= 8 * len(system) + 200 * (16 + T), "shared prompt prefilled %d tokens" % total)
