@@ -237,11 +237,12 @@ void bench_print_summary(FILE *f, const bench_summary *s);
 kv_status bench_write_json(const char *path, const bench_config *c, const bench_result *r,
                            const bench_summary *s, char *err, size_t errlen);
 /* Prints the summaries of n (2..16) --out files side by side with ratios against the first
- * (two files: columns A, B, B/A), plus the busiest worker's share over the mean. plot_dir
- * (or NULL): also compare.dat, compare.gp and compare.svg/.png there (bars of req/s, cached
- * ratio, TTFT p50/p90, busiest-worker share per file; gnuplot as bench_plot). KV_EFORMAT for
- * a file without a summary, KV_EIO when gnuplot fails. */
-kv_status bench_compare(FILE *f, const char *const *paths, int n, const char *plot_dir, char *err,
+ * (two files: columns A, B, B/A), plus the busiest worker's share over the mean: for every
+ * file but the first (the baseline, e.g. one worker alone) over max(pool, workers seen)
+ * workers (a worker of the pool that got no request counts as 0), else over those seen. plot_dir (or NULL): also compare.dat, compare.gp and compare.svg/.png there (bars of
+ * req/s, cached ratio, TTFT p50/p90, busiest-worker share per file with the workers used;
+ * gnuplot as bench_plot). KV_EFORMAT for a file without a summary, KV_EIO when gnuplot fails. */
+kv_status bench_compare(FILE *f, const char *const *paths, int n, const char *plot_dir, int pool, char *err,
                         size_t errlen);
 /* Writes data files, a gnuplot script and SVG + PNG charts into dir (created) by
  * running `gnuplot` (path from $GNUPLOT, default "gnuplot"). KV_EIO if gnuplot fails

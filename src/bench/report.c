@@ -275,7 +275,9 @@ static kv_status run_gnuplot(const char *dir, const char *script, char *err, siz
 }
 
 /* The busiest worker's requests over the mean of the workers that got any (NAN: none). */
-static double max_share(json_t *sum) {
+/* The busiest worker's requests over the mean of max(workers seen, pool) workers (a worker of
+ * the pool that got nothing counts as 0; pool 0 = the workers seen). */
+static double max_share(json_t *sum, int pool) {
     json_t *w = json_object_get(sum, "workers"), *v;
     const char *k;
     double tot = 0, mx = 0;
@@ -284,6 +286,7 @@ static double max_share(json_t *sum) {
         double x = json_number_value(v);
         tot += x, mx = x > mx ? x : mx, n++;
     }
+    if (pool > n) n = pool;
     return n && tot > 0 ? mx / (tot / n) : NAN;
 }
 
@@ -299,8 +302,8 @@ static void fmt_num(char *b, size_t n, double x) {
 
 /* The chart of an N-way comparison: bars of req/s, cached ratio, TTFT p50/p90 and the
  * busiest worker's share per file (labels = file names without .json). */
-static kv_status compare_plot(const char *dir, const char *const *paths, json_t **sums, int n, char *err,
-                              size_t errlen) {
+static kv_status compare_plot(const char *dir, const char *const *paths, json_t **sums, int n, int pool,
+                              char *err, size_t errlen) {
     if (kv_mkdirs(dir)) return kv_errf(KV_EIO, err, errlen, "%s: cannot create directory", dir);
     char p[4096];
     snprintf(p, sizeof p, "%s/compare.dat", dir);
@@ -314,7 +317,7 @@ static kv_status compare_plot(const char *dir, const char *const *paths, json_t 
         if (dot) *dot = 0;
         fprintf(f, "\"%s\" %.6g %.6g %.6g %.6g %.6g %zu\n", label, jget(sums[i], "request_throughput", NULL),
                 jget(sums[i], "cached_ratio", NULL), jget(sums[i], "ttft_ms", "p50"),
-                jget(sums[i], "ttft_ms", "p90"), max_share(sums[i]),
+                jget(sums[i], "ttft_ms", "p90"), max_share(sums[i], i ? pool : 0),
                 json_object_size(json_object_get(sums[i], "workers")));
     }
     fclose(f);
@@ -342,8 +345,8 @@ static kv_status compare_plot(const char *dir, const char *const *paths, json_t 
     return run_gnuplot(dir, "compare.gp", err, errlen);
 }
 
-kv_status bench_compare(FILE *f, const char *const *paths, int n, const char *plot_dir, char *err,
-                        size_t errlen) {
+kv_status bench_compare(FILE *f, const char *const *paths, int n, const char *plot_dir, int pool,
+                        char *err, size_t errlen) {
     if (n < 2 || n > 16) return kv_errf(KV_EINVAL, err, errlen, "--compare takes 2 to 16 files");
     json_t *docs[16] = {0}, *sums[16] = {0};
     kv_status st = KV_OK;
@@ -386,12 +389,12 @@ kv_status bench_compare(FILE *f, const char *const *paths, int n, const char *pl
         fprintf(f, "%-16s", "max share/mean");
         for (int i = 0; i < n; i++) {
             char b[32];
-            fmt_num(b, sizeof b, max_share(sums[i]));
+            fmt_num(b, sizeof b, max_share(sums[i], i ? pool : 0));
             fprintf(f, n == 2 ? " %14s" : " %12s", b);
         }
         fprintf(f, "\n");
     }
-    if (!st && plot_dir) st = compare_plot(plot_dir, paths, sums, n, err, errlen);
+    if (!st && plot_dir) st = compare_plot(plot_dir, paths, sums, n, pool, err, errlen);
     for (int i = 0; i < n; i++) json_decref(docs[i]);
     return st;
 }

@@ -18,7 +18,7 @@ static void on_sigint(int sig) {
 static void usage(FILE *f) {
     fprintf(f,
         "usage: kvserve bench [options]\n"
-        "       kvserve bench --compare A.json B.json [C.json ...] [--plot DIR]\n"
+        "       kvserve bench --compare A.json B.json [C.json ...] [--plot DIR] [--pool-workers N]\n"
         "\nserver:\n"
         "  --url URL               base URL of the server (default http://127.0.0.1:8000)\n"
         "  --model NAME            model name (default: first id of GET /v1/models)\n"
@@ -57,6 +57,8 @@ static void usage(FILE *f) {
         "\noutput:\n"
         "  --out FILE.json         every request's timings and the summary\n"
         "  --plot DIR              charts (SVG + PNG) with gnuplot\n"
+        "  --pool-workers N        --compare: the busiest worker's share of every file but the first\n"
+        "                          is over N workers (routed pools: one that got nothing counts as 0)\n"
         "  --quiet                 no progress output\n"
         "  --progress-interval S   seconds between progress lines when not on a terminal (default 5)\n");
 }
@@ -109,15 +111,23 @@ int cmd_bench(int argc, char **argv) {
             return 0;
         } else if (!strcmp(a, "--compare")) {
             const char *files[16], *plot = NULL;
-            int nf = 0;
+            int nf = 0, pool = 0;
             for (int j = i + 1; j < argc; j++) {
                 if (!strcmp(argv[j], "--plot") && j + 1 < argc) {
                     plot = argv[++j];
+                } else if (!strcmp(argv[j], "--pool-workers") && j + 1 < argc) {
+                    char *end;
+                    long v = strtol(argv[++j], &end, 10);
+                    if (*end || v < 1 || v > 4096) {
+                        fprintf(stderr, "kvserve bench: --pool-workers %s: expected 1..4096\n", argv[j]);
+                        return 2;
+                    }
+                    pool = (int)v;
                 } else if (nf < 16 && strncmp(argv[j], "--", 2)) {
                     files[nf++] = argv[j];
                 } else {
-                    fprintf(stderr, "kvserve bench: --compare takes 2 to 16 files and an optional --plot DIR "
-                                    "(got %s)\n", argv[j]);
+                    fprintf(stderr, "kvserve bench: --compare takes 2 to 16 files, an optional --plot DIR "
+                                    "and --pool-workers N (got %s)\n", argv[j]);
                     return 2;
                 }
             }
@@ -125,7 +135,7 @@ int cmd_bench(int argc, char **argv) {
                 fprintf(stderr, "kvserve bench: --compare needs at least two files\n");
                 return 2;
             }
-            if (bench_compare(stdout, files, nf, plot, err, sizeof err)) {
+            if (bench_compare(stdout, files, nf, plot, pool, err, sizeof err)) {
                 fprintf(stderr, "kvserve bench: %s\n", err);
                 return 1;
             }

@@ -55,6 +55,8 @@ static void router_usage(FILE *f) {
             "                           placement state; local placement when it does not answer\n"
             "  --kv-balance-threshold N kv_aware: a worker chosen for its cached blocks may run at\n"
             "                           most N legs more than the least loaded one (default 32; 0 = off)\n"
+            "  --kv-overlap-weight W    kv_aware: cost = W x prompt tokens to prefill there + tokens of\n"
+            "                           work in flight there; the lowest wins (default 1; 0 = load only)\n"
             "  --health-interval S      GET /health period; 2 failures in a row take a worker out\n"
             "                           (default 1; 0 = off)\n"
             "  --worker-api-key KEY     sent as \"Authorization: Bearer KEY\" to the workers (started\n"
@@ -102,7 +104,7 @@ int cmd_router(int argc, char **argv) {
                               .max_body_bytes = (size_t)16 << 20, .min_match_blocks = 32,
                               .max_conversations = 100000, .max_conversation_keys = 512,
                               .tokens_per_block = 16, .predicted_prefix_ttl_s = 5,
-                              .kv_balance_threshold = 32,
+                              .kv_balance_threshold = 32, .kv_overlap_weight = 1.0,
                               .health_interval_s = 1,
                               .worker_api_key = getenv("KVSERVE_WORKER_API_KEY")};
     const char **ctx = NULL, **gen = NULL, **wk = NULL;
@@ -170,6 +172,7 @@ int cmd_router(int argc, char **argv) {
         else if (!strcmp(a, "--predicted-prefix-ttl") && parse_double(v, 0, 3600, &d)) c.predicted_prefix_ttl_s = d;
         else if (!strcmp(a, "--kv-balance-threshold") && parse_long(v, 0, 1 << 20, &n))
             c.kv_balance_threshold = (int)n;
+        else if (!strcmp(a, "--kv-overlap-weight") && parse_double(v, 0, 1000, &d)) c.kv_overlap_weight = d;
         else if (!strcmp(a, "--health-interval") && parse_double(v, 0, 3600, &d)) c.health_interval_s = d;
         else if (!strcmp(a, "--worker-api-key") && *v) c.worker_api_key = v;
         else if (!strcmp(a, "--log-level") && !strcmp(v, "debug")) kv_log_set_level(KV_LOG_DEBUG);

@@ -119,9 +119,10 @@ void rt_handle_select(struct router *r, struct evhttp_request *req) {
     x->pool = pool;
     x->idx = idx;
     x->tokens = tokens;
+    x->work = rt_leg_work(tokens, predicted, 0);
     x->next = r->resv;
     r->resv = x;
-    rt_pool_charge(p, idx, tokens);
+    rt_pool_charge(p, idx, tokens, x->work);
     json_t *o = json_pack("{s:s, s:{s:s}, s:s}", "server", p->w[idx]->url, "info", "reason",
                           rt_reason_name(why), "req_id", rid);
     json_decref(j);
@@ -144,7 +145,7 @@ void rt_handle_finish(struct router *r, struct evhttp_request *req) {
     for (struct rt_reservation **pp = &r->resv; *pp; pp = &(*pp)->next) {
         struct rt_reservation *x = *pp;
         if (x->pool != pool || strcmp(x->req_id, rid)) continue;
-        rt_pool_release(&r->pools[pool], x->idx, x->tokens);
+        rt_pool_release(&r->pools[pool], x->idx, x->tokens, x->work);
         *pp = x->next;
         free(x->req_id);
         free(x);
@@ -200,6 +201,13 @@ kv_status rt_workers_metrics(struct router *r, kv_buf *b) {
             if (r->pools[pl].w[i]->mirror)
                 st |= kv_buf_printf(b, "kvserve_router_worker_mirrored_blocks{role=\"%s\",worker=\"%s\"} %ld\n",
                                     r->pools[pl].role, r->pools[pl].w[i]->url, kv_mirror_size(r->pools[pl].w[i]->mirror));
+    HDR("worker_kv_events_seq", "gauge", "kv_aware: seq of the last /kv_events event mirrored per worker.");
+    for (int pl = 0; pl < POOL_N; pl++)
+        for (int i = 0; i < r->pools[pl].n; i++)
+            if (r->pools[pl].w[i]->mirror)
+                st |= kv_buf_printf(b, "kvserve_router_worker_kv_events_seq{role=\"%s\",worker=\"%s\"} %llu\n",
+                                    r->pools[pl].role, r->pools[pl].w[i]->url,
+                                    (unsigned long long)rt_worker_events_seq(r->pools[pl].w[i]));
     HDR("conversations", "gauge", "conversation: tracked conversations per role.");
     for (int pl = 0; pl < POOL_N; pl++)
         if (r->pools[pl].conv)

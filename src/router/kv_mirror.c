@@ -198,12 +198,20 @@ enum kv_mirror_result kv_mirror_apply(struct kv_mirror *m, const json_t *ev,
     return KV_MIRROR_BAD;
 }
 
-/* ---- predictions: block hash -> (expiry ms << 12 | worker) ---- */
+/* ---- predictions: (block hash, worker) -> (expiry ms << 12 | worker); branches ---- */
 
 struct rt_predict {
     struct u64map map;
     uint64_t ttl_ms;
+    /* block hash -> the hash of the block that followed it in the first request placed with
+     * it (low bit cleared), low bit set once a request continued it with another block: the
+     * prefix up to it is shared by several chains (sessions), not one session's history */
+    struct u64map next;
 };
+
+/* Branch memory bound (entries); past it the map is cleared (shared prefixes are found again
+ * by the next requests that diverge from them). */
+#define RT_KV_BRANCH_MAX (1u << 20)
 
 struct rt_predict *rt_predict_new(double ttl_s) {
     struct rt_predict *pr = calloc(1, sizeof *pr);
@@ -214,15 +222,46 @@ struct rt_predict *rt_predict_new(double ttl_s) {
 void rt_predict_free(struct rt_predict *pr) {
     if (!pr) return;
     map_free(&pr->map);
+    map_free(&pr->next);
     free(pr);
+}
+
+/* Blocks of bh[0..n) before the deepest one another placed chain continued differently (0 =
+ * nothing shared with a diverging chain). */
+static int common_depth(const struct rt_predict *pr, const uint64_t *bh, int n) {
+    int d = 0;
+    for (int j = 0; pr && j + 1 < n; j++) {
+        long f = map_find(&pr->next, bh[j]);
+        if (f < 0) break; /* chained hashes: nothing deeper was placed */
+        uint64_t v = pr->next.v[f];
+        if ((v & 1) || (v & ~1ull) != (bh[j + 1] & ~1ull)) d = j + 1;
+    }
+    return d;
+}
+
+/* Records the chain bh[0..n): each block's successor, or that it now has two. */
+static void record_chain(struct rt_predict *pr, const uint64_t *bh, int n) {
+    if (!pr) return;
+    if (pr->next.n + (size_t)n > RT_KV_BRANCH_MAX) map_free(&pr->next);
+    for (int j = 0; j + 1 < n; j++) {
+        long f = map_find(&pr->next, bh[j]);
+        uint64_t child = bh[j + 1] & ~1ull;
+        if (f < 0) {
+            if (map_put(&pr->next, bh[j], child, NULL, NULL)) return;
+        } else if ((pr->next.v[f] & ~1ull) != child) {
+            pr->next.v[f] |= 1;
+        }
+    }
 }
 
 static bool not_expired(uint64_t v, void *arg) { return (v >> 12) > *(const uint64_t *)arg; }
 
-static int predicted_worker(const struct rt_predict *pr, uint64_t h, uint64_t now_ms) {
-    long f = pr ? map_find(&pr->map, h) : -1;
-    if (f < 0 || (pr->map.v[f] >> 12) <= now_ms) return -1;
-    return (int)(pr->map.v[f] & 0xfff);
+/* Predictions are keyed by (block, worker): a prefix sent to two workers is predicted on both. */
+static uint64_t pred_key(uint64_t h, int worker) { return h ^ (0x9e3779b97f4a7c15ull * (uint64_t)(worker + 1)); }
+
+static bool predicted_on(const struct rt_predict *pr, uint64_t h, int worker, uint64_t now_ms) {
+    long f = pr ? map_find(&pr->map, pred_key(h, worker)) : -1;
+    return f >= 0 && (pr->map.v[f] >> 12) > now_ms && (int)(pr->map.v[f] & 0xfff) == worker;
 }
 
 void rt_predict_forget_worker(struct rt_predict *pr, int worker) {
@@ -236,85 +275,147 @@ void rt_predict_forget_worker(struct rt_predict *pr, int worker) {
 
 /* ---- kv_aware ---- */
 
-/* Matched tokens of rq on worker w (x4 fixed point: device 4, host 3 per token). */
-static long matched_q(const struct rt_pool *p, int w, const struct rt_route *rq, uint64_t now_ms,
-                      bool *used_pred) {
+/* Tier of block j of rq on worker w: 1 device, 2 host, 3 predicted (sent there within the
+ * TTL, not yet reported), 0 none. */
+static int block_tier(const struct rt_pool *p, int w, const struct rt_route *rq, int j, uint64_t now_ms) {
     const struct kv_mirror *m = p->w[w]->mirror;
-    long q = 0;
-    *used_pred = false;
-    for (int i = 0; i < rq->n_blocks; i++) {
-        int t = m ? kv_mirror_tier(m, rq->bh[i]) : 0;
-        if (t == 1) q += 4L * rq->tokens_per_block;
-        else if (t == 2) q += 3L * rq->tokens_per_block; /* host tier: 0.75 (Dynamo's credit) */
-        else if (predicted_worker(p->pred, rq->bh[i], now_ms) == w) {
-            q += 4L * rq->tokens_per_block;
-            *used_pred = true;
-        } else break;
+    int t = m ? kv_mirror_tier(m, rq->bh[j]) : 0;
+    if (t) return t;
+    return predicted_on(p->pred, rq->bh[j], w, now_ms) ? 3 : 0;
+}
+
+/* Credit of one block of tpb tokens in quarter tokens: device and predicted 4, host 3
+ * (Dynamo's 1.0 / 0.75). */
+static long tier_q(int tier, int tpb) { return (tier == 2 ? 3L : 4L) * tpb; }
+
+struct kv_cand {
+    int depth;      /* leading blocks the worker has (any tier) */
+    long raw_q;     /* credit of those blocks (quarter tokens) */
+    long spec_q;    /* credit of those held by no other candidate */
+    long inflight;  /* tokens of those sent there and not yet reported stored */
+    bool follow;    /* joins the prefill of that in-flight prefix (load 0) */
+    double cost;
+};
+
+static int cmp3(double a, double b) { return a < b - 1e-9 ? -1 : a > b + 1e-9 ? 1 : 0; }
+
+/* < 0 when candidate a ranks before b, 0 when tied (see step 3 below). */
+static int kv_order(const struct rt_pool *p, const struct kv_cand *c, int a, int b, bool affinity) {
+    int o;
+    double la = (double)rt_pool_load(p, a), lb = (double)rt_pool_load(p, b);
+    if (affinity) {
+        if ((o = cmp3(c[a].cost, c[b].cost))) return o;
+        if ((o = cmp3((double)c[b].raw_q, (double)c[a].raw_q))) return o;
+        return cmp3(la, lb);
     }
-    return q;
+    if ((o = cmp3(la, lb))) return o;
+    if ((o = cmp3((double)c[b].raw_q, (double)c[a].raw_q))) return o;
+    if ((o = cmp3((double)p->w[a]->requests, (double)p->w[b]->requests))) return o;
+    return cmp3((double)p->w[a]->work, (double)p->w[b]->work);
 }
 
 int rt_kv_select(struct rt_pool *p, const struct rt_route *rq, int exclude, enum rt_reason *why,
                  long *predicted) {
     uint64_t now_ms = rq->now_ns / 1000000u;
-    double denom = (double)(rq->n_blocks > 0 ? rq->n_blocks : 1) * (rq->tokens_per_block > 0 ? rq->tokens_per_block : 1);
-    int max_batch = p->max_batch > 0 ? p->max_batch : 64;
-    int best = -1, tied[256], nt = 0;
-    double best_s = 0;
-    long best_q = 0;
-    bool best_pred = false;
+    int tpb = rq->tokens_per_block > 0 ? rq->tokens_per_block : 1, nb = rq->n_blocks > 0 ? rq->n_blocks : 0;
+    bool many = rt_pool_n_live(p) > 1;
+    struct kv_cand *c = calloc((size_t)(p->n > 0 ? p->n : 1), sizeof *c);
+    int *holders = calloc(2 * ((size_t)nb + 1), sizeof *holders), *at_depth = holders ? holders + nb + 1 : NULL;
+    if (!c || !holders) { /* out of memory: a least-loaded choice (never a failed request) */
+        free(c);
+        free(holders);
+        *why = RT_WHY_LOAD;
+        return rt_pool_least_loaded(p, exclude);
+    }
+#define KV_CANDIDATE(i) (rt_worker_live(p->w[i]) && !((i) == exclude && many))
+    /* 1. how deep each candidate holds the prompt's chain; holders[j] = candidates holding block j */
     for (int i = 0; i < p->n; i++) {
-        if (!rt_worker_live(p->w[i]) || (i == exclude && rt_pool_n_live(p) > 1)) continue;
-        bool up;
-        long q = matched_q(p, i, rq, now_ms, &up);
-        double s = (double)q / 4.0 / denom - (double)p->w[i]->active / max_batch;
-        if (best < 0 || s > best_s + 1e-12) {
-            best = i;
-            best_s = s;
-            best_q = q;
-            best_pred = up;
-            nt = 0;
-        }
-        if (s >= best_s - 1e-12 && nt < 256) tied[nt++] = i;
+        if (!KV_CANDIDATE(i)) continue;
+        int d = 0;
+        while (d < nb && block_tier(p, i, rq, d, now_ms)) d++;
+        c[i].depth = d;
+        at_depth[d]++;
     }
-    if (best < 0) return -1;
-    if (nt > 1) { /* ties: least loaded, then round robin (BUG-14) */
-        long lo = -1;
-        int k = 0;
-        for (int t = 0; t < nt; t++) {
-            long l = rt_pool_load(p, tied[t]);
-            if (lo < 0 || l < lo) lo = l, k = 0;
-            if (l == lo) tied[k++] = tied[t];
+    for (int j = nb - 1; j >= 0; j--) holders[j] = holders[j + 1] + at_depth[j + 1]; /* depth > j */
+    int common = common_depth(p->pred, rq->bh, nb);
+    /* 2. cost = load - W x saved tokens (docs/routing.md "kv_aware"):
+     *  saved: blocks the worker holds that are specific to this request's chain: held by no
+     *    other candidate (a prefix two workers hold is replicated) and below no point where
+     *    another placed request continued differently (a prefix several sessions share, a
+     *    system prompt). A shared prefix is no reason to prefer a worker: load spreads it,
+     *    and each worker prefills it once (BUG-14). One session's history is specific.
+     *  load: legs in flight there x the pool's mean work per leg in flight. Legs, not the work
+     *    queued this instant: a request's later turns follow it, so the sessions a worker runs
+     *    predict its load; a cold leg (a prefix being replicated) counts as one leg.
+     *  follow: a worker now prefilling a prefix of this request (blocks sent there within
+     *    the TTL, not yet reported stored) has load 0 when that prefix is at least
+     *    RT_KV_FOLLOW_RATIO x the request's own new tokens: such a request mostly waits for
+     *    that one prefill, so a cold burst of short tails on a long prefix is prefilled once
+     *    (bounded by the balance guard); one with a long tail of its own is placed by load. */
+    long sum_work = 0, sum_legs = 0;
+    for (int i = 0; i < p->n; i++)
+        if (KV_CANDIDATE(i)) sum_work += p->w[i]->work, sum_legs += p->w[i]->active;
+    double per_leg = sum_legs > 0 ? (double)sum_work / (double)sum_legs : (double)(rq->tokens > 0 ? rq->tokens : 1);
+    bool affinity = false;
+    for (int i = 0; i < p->n; i++) {
+        if (!KV_CANDIDATE(i)) continue;
+        for (int j = 0; j < c[i].depth; j++) {
+            int t = block_tier(p, i, rq, j, now_ms);
+            c[i].raw_q += tier_q(t, tpb);
+            if (t == 3) c[i].inflight += tpb;
+            if (holders[j] == 1 && j >= common) c[i].spec_q += tier_q(t, tpb);
         }
-        best = tied[p->next++ % (unsigned)k];
-        bool up;
-        best_q = matched_q(p, best, rq, now_ms, &up);
-        best_pred = up;
+        long own = rq->tokens - (long)c[i].depth * tpb;
+        c[i].follow = c[i].inflight > 0 && c[i].inflight >= RT_KV_FOLLOW_RATIO * (own > 0 ? own : 0);
+        double load = c[i].follow ? 0.0 : (double)p->w[i]->active * per_leg;
+        c[i].cost = load - p->overlap_weight * (double)c[i].spec_q / 4.0;
+        affinity |= c[i].spec_q > 0 || c[i].follow;
     }
-    /* BUG-14 guard (SGLang's balance threshold): a worker chosen for blocks it has STORED
-     * may not run more than balance legs beyond the least loaded one; past that the least
-     * loaded worker takes the request and will hold the prefix too (a hot prefix is then
-     * replicated once per worker and load decides between equals). Predicted placements are
-     * exempt: a burst on a cold prefix is prefilled once. */
-    if (best_q > 0 && !best_pred && p->balance > 0) {
+    /* 3. the lowest cost; ties: more of the prompt held (no needless replication), then the
+     * least loaded (--load-metric), then round robin. Without affinity (nothing specific
+     * held, nothing to follow: a new session, or only a shared prefix matches) the least
+     * loaded first, then more held, then the fewest legs sent so far, then the least work. */
+    int best = -1, tied[256], nt = 0;
+    for (int i = 0; i < p->n; i++) {
+        if (!KV_CANDIDATE(i)) continue;
+        int o = best < 0 ? -1 : kv_order(p, c, i, best, affinity);
+        if (o < 0) best = i, nt = 0;
+        if (o <= 0 && nt < 256) tied[nt++] = i;
+    }
+    if (best < 0) {
+        free(c);
+        free(holders);
+        return -1;
+    }
+    if (nt > 1) best = tied[p->next++ % (unsigned)nt];
+#undef KV_CANDIDATE
+    *why = c[best].follow ? RT_WHY_PREDICTED : c[best].spec_q > 0 ? RT_WHY_KV : RT_WHY_LOAD;
+    /* BUG-14 guard (SGLang's balance threshold): a worker chosen for blocks only it holds may
+     * not run more than balance legs beyond the least loaded one; past that the least loaded
+     * worker takes the request (and then holds the prefix too: it is replicated). */
+    if ((c[best].spec_q > 0 || c[best].follow) && p->balance > 0) {
         int ll = rt_pool_least_loaded(p, exclude);
         if (ll >= 0 && p->w[best]->active > p->w[ll]->active + p->balance) {
-            bool up;
             best = ll;
-            best_q = matched_q(p, best, rq, now_ms, &up);
-            best_pred = up;
             *why = RT_WHY_LOAD;
-            *predicted = best_q / 4;
-            goto record;
         }
     }
-    *predicted = best_q / 4;
-    *why = best_q == 0 ? RT_WHY_LOAD : best_pred ? RT_WHY_PREDICTED : RT_WHY_KV;
-record:
+    *predicted = c[best].raw_q / 4;
+    char dbg[512];
+    size_t dl = 0;
+    for (int i = 0; i < p->n && i < 16 && dl < sizeof dbg; i++)
+        if (rt_worker_live(p->w[i]))
+            dl += (size_t)snprintf(dbg + dl, sizeof dbg - dl, " [%d] legs %ld work %ld saved %ld%s held %ld cost %.0f", i,
+                                   p->w[i]->active, p->w[i]->work, c[i].spec_q / 4, c[i].follow ? " (follows)" : "",
+                                   c[i].raw_q / 4, c[i].cost);
+    KV_DEBUG("router kv_aware: %d blocks -> [%d] (%s):%s", nb, best, rt_reason_name(*why), dbg);
+    free(c);
+    free(holders);
+    record_chain(p->pred, rq->bh, rq->n_blocks);
     if (p->pred && p->pred->ttl_ms > 0) { /* in-flight awareness: this prefix follows best a while */
         uint64_t v = ((now_ms + p->pred->ttl_ms) << 12) | (uint64_t)(best & 0xfff);
         for (int i = 0; i < rq->n_blocks; i++)
-            if (map_put(&p->pred->map, rq->bh[i], v, not_expired, &now_ms)) break;
+            if (map_put(&p->pred->map, pred_key(rq->bh[i], best), v, not_expired, &now_ms)) break;
     }
     return best;
 }

@@ -2,13 +2,19 @@
  * kv_mirror: the kv_aware policy's view of each worker's KV cache (spec §1.1 KvCacheAware,
  * peers.md BUG-13 / BUG-14, docs/routing.md).
  *
- *   worker /kv_events (SSE) --kv_watch.c--> kv_mirror_apply(event) --> set of block hashes
+ *   worker /kv_events (SSE) --workers.c--> kv_mirror_apply(event) --> set of block hashes
  *   request prompt ids --kv_hash_root/kv_hash_block (same secret, tokens per block)--> bh[]
- *   score(W) = matched(W) / (n_blocks * tpb) - load(W) / max_batch;  the highest wins,
- *   ties least loaded then round robin
- *   matched(W): walk bh[0..] while the block is in W's mirror (device 1.0 x tpb tokens, host
+ *   held(W): walk bh[0..] while the block is in W's mirror (device 1.0 x tpb tokens, host
  *   tier 0.75 x tpb) or predicted for W (the router sent that prefix to W less than
  *   --predicted-prefix-ttl ago: 1.0 x tpb); stop at the first block W has neither way.
+ *   specific(W): the held blocks no other worker holds and below no point where another
+ *   placed request continued the chain differently (a shared prefix is nobody's).
+ *   cost(W) = legs(W) x mean work per leg - overlap_weight x specific(W); the lowest wins
+ *   (load 0 on a worker prefilling this request's prefix when that prefix >= 4 x the
+ *   request's own tokens); ties more held, least loaded, round robin; with no specific
+ *   block and nothing to follow: least loaded, more held, fewest sent, least work.
+ *   (Dynamo's KV router cost in tokens; the spec §1.1 score matched / prompt - legs / 64
+ *   piled a shared system prompt onto one worker at low concurrency, BUG-14.)
  *
  * A mirror is only as good as its stream: after a reconnect or a `lost` marker it is cleared
  * and rebuilt from what follows; a changed worker_id is a new worker (cleared). A worker whose
@@ -57,15 +63,19 @@ enum kv_mirror_result kv_mirror_apply(struct kv_mirror *m, const json_t *ev,
 /* The worker_id of the last start event ("" before one). */
 const char *kv_mirror_worker_id(const struct kv_mirror *m);
 
-/* In-flight predictions of one pool: block hash -> (worker, expiry). */
+/* In-flight predictions of one pool: (block hash, worker) -> expiry; and the chains placed
+ * (each block's successor, and whether a second one followed it). */
 struct rt_predict;
 struct rt_predict *rt_predict_new(double ttl_s);
 void rt_predict_free(struct rt_predict *pr);
 /* Forgets every prediction for worker (it left). */
 void rt_predict_forget_worker(struct rt_predict *pr, int worker);
 
-/* kv_aware placement (the score above); records the request's blocks as predicted for the
- * chosen worker. *predicted = matched tokens there. */
+/* kv_aware: a worker prefilling a prefix the request shares takes it regardless of its load
+ * when that in-flight prefix is at least this many times the request's own new tokens. */
+#define RT_KV_FOLLOW_RATIO 4
+/* kv_aware placement (the cost above); records the request's blocks as predicted for the
+ * chosen worker and its chain. *predicted = held tokens there. Out of memory: least loaded. */
 int rt_kv_select(struct rt_pool *p, const struct rt_route *rq, int exclude, enum rt_reason *why,
                  long *predicted);
 

@@ -82,6 +82,7 @@ long rt_pool_load(const struct rt_pool *p, int idx) {
 int rt_pool_least_loaded(struct rt_pool *p, int exclude) {
     int tied[256], nt = 0, fallback = -1;
     long best = 0;
+    uint64_t fewest = 0;
     for (int i = 0; i < p->n; i++) {
         if (!rt_worker_live(p->w[i])) continue;
         if (i == exclude) {
@@ -89,28 +90,38 @@ int rt_pool_least_loaded(struct rt_pool *p, int exclude) {
             continue;
         }
         long l = rt_pool_load(p, i);
-        if (nt == 0 || l < best) {
+        uint64_t sent = p->w[i]->requests;
+        if (nt == 0 || l < best || (l == best && sent < fewest)) {
             best = l;
+            fewest = sent;
             nt = 0;
         }
-        if (l == best && nt < (int)(sizeof tied / sizeof tied[0])) tied[nt++] = i;
+        if (l == best && sent == fewest && nt < (int)(sizeof tied / sizeof tied[0])) tied[nt++] = i;
     }
     if (nt == 0) return fallback;
     return tied[p->next++ % (unsigned)nt];
 }
 
-void rt_pool_charge(struct rt_pool *p, int idx, long tokens) {
+void rt_pool_charge(struct rt_pool *p, int idx, long tokens, long work) {
     if (idx < 0 || idx >= p->n) return;
     p->w[idx]->active++;
     p->w[idx]->tokens += tokens;
+    p->w[idx]->work += work;
     p->w[idx]->requests++;
 }
 
-void rt_pool_release(struct rt_pool *p, int idx, long tokens) {
+void rt_pool_release(struct rt_pool *p, int idx, long tokens, long work) {
     if (idx < 0 || idx >= p->n) return;
     struct rt_worker *w = p->w[idx];
     w->active = w->active > 0 ? w->active - 1 : 0; /* clamped at 0 (spec §1.2) */
     w->tokens = w->tokens > tokens ? w->tokens - tokens : 0;
+    w->work = w->work > work ? w->work - work : 0;
+}
+
+long rt_leg_work(long prompt_tokens, long predicted, long max_tokens) {
+    long out = max_tokens > 0 ? max_tokens : RT_OUT_DEFAULT;
+    long pre = prompt_tokens > predicted ? prompt_tokens - predicted : 0;
+    return pre + (out < RT_OUT_CAP ? out : RT_OUT_CAP);
 }
 
 void rt_pool_worker_gone(struct rt_pool *p, int idx) {

@@ -55,8 +55,9 @@ int rtq_place(struct rreq *q, int pool, int exclude) {
     long predicted;
     int idx = rt_select(p, &rq, exclude, &why, &predicted);
     if (idx < 0) return -1;
-    if (q->charged[pool] >= 0) rt_pool_release(p, q->charged[pool], q->tokens);
-    rt_pool_charge(p, idx, q->tokens);
+    if (q->charged[pool] >= 0) rt_pool_release(p, q->charged[pool], q->tokens, q->work[pool]);
+    q->work[pool] = rt_leg_work(q->tokens, predicted, q->max_tokens);
+    rt_pool_charge(p, idx, q->tokens, q->work[pool]);
     q->charged[pool] = idx;
     p->w[idx]->predicted_tokens += (uint64_t)predicted;
     KV_DEBUG("router: request %llu -> %s worker %s (%s, %ld cached tokens predicted)",
@@ -66,8 +67,9 @@ int rtq_place(struct rreq *q, int pool, int exclude) {
 
 void rtq_assign(struct rreq *q, int pool, int idx, enum rt_reason why) {
     struct rt_pool *p = &q->r->pools[pool];
-    if (q->charged[pool] >= 0) rt_pool_release(p, q->charged[pool], q->tokens);
-    rt_pool_charge(p, idx, q->tokens);
+    if (q->charged[pool] >= 0) rt_pool_release(p, q->charged[pool], q->tokens, q->work[pool]);
+    q->work[pool] = rt_leg_work(q->tokens, 0, q->max_tokens);
+    rt_pool_charge(p, idx, q->tokens, q->work[pool]);
     q->charged[pool] = idx;
     p->reasons[why]++;
     if (pool == POOL_AGG) q->agg_idx = idx;
@@ -77,7 +79,7 @@ void rtq_assign(struct rreq *q, int pool, int idx, enum rt_reason why) {
 
 void rtq_release(struct rreq *q, int pool) {
     if (q->charged[pool] < 0) return;
-    rt_pool_release(&q->r->pools[pool], q->charged[pool], q->tokens);
+    rt_pool_release(&q->r->pools[pool], q->charged[pool], q->tokens, q->work[pool]);
     q->charged[pool] = -1;
 }
 

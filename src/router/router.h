@@ -49,6 +49,7 @@ struct router_config {
     const char *tokenizer;      /* GGUF / tokenizer.json of the served model, or NULL */
     double predicted_prefix_ttl_s; /* kv_aware in-flight awareness window (5 s; 0 = off) */
     int kv_balance_threshold;   /* kv_aware BUG-14 guard: legs beyond the least loaded (32; 0 = off) */
+    double kv_overlap_weight;   /* kv_aware: weight of a prefill token against a token of load (1) */
     double health_interval_s;   /* GET /health period (1 s; 0 = off) */
     const char *worker_api_key; /* sent as "Authorization: Bearer KEY" on every request to a
                                    worker (workers started with --api-key); NULL = none */

@@ -45,6 +45,8 @@ struct rt_worker {
     bool health_busy;        /* a health check is in flight */
     long active;             /* legs in flight (requests load) */
     long tokens;             /* prompt tokens of the legs in flight (tokens load) */
+    long work;               /* kv_aware load: tokens of work in flight, per leg its prompt
+                                tokens not predicted cached there + its max_tokens (capped) */
     uint64_t requests;       /* legs sent */
     uint64_t predicted_tokens, reported_tokens; /* cached prompt tokens: router's guess, worker's usage */
     char *ctx_endpoint;      /* owned: cached ctx_info_endpoint (context workers), or NULL */
@@ -74,7 +76,7 @@ struct rt_pool {
     int min_match_keys;      /* conversation: --new-conversation-min-match-blocks / 8, rounded up; 0 = off */
     conv_index_t *conv;      /* conversation policy state (owned) or NULL */
     struct rt_predict *pred; /* kv_aware in-flight predictions (owned) or NULL */
-    int max_batch;           /* kv_aware: load normaliser (spec §1.1 max_batch_size, 64) */
+    double overlap_weight;   /* kv_aware: --kv-overlap-weight (prefill tokens vs load tokens, 1) */
     int balance;             /* kv_aware: --kv-balance-threshold (legs beyond the least loaded; 0 = off) */
     uint64_t implicit_ids;   /* counter of implicit conversation ids */
     uint64_t reasons[RT_WHY_N];
@@ -91,14 +93,23 @@ int rt_pool_n_live(const struct rt_pool *p);
 /* Round robin over live workers (spec §1.1 RoundRobin): the next live index; if it equals
  * exclude (>= 0) and another live worker exists, the one after. -1 when none is live. */
 int rt_pool_pick(struct rt_pool *p, int exclude);
-/* Least loaded live worker other than exclude (spec §1.0): minimum of the pool's metric, ties
- * round robin (tied[next % n_tied], next++). With only the excluded worker live it is
- * returned (a single worker is retried on itself). -1 when none is live. */
+/* Least loaded live worker other than exclude (spec §1.0): minimum of the pool's metric; ties
+ * go to the worker sent the fewest legs so far (keeps the shares even when a closed loop
+ * leaves several idle at once, BUG-14), then round robin (tied[next % n_tied], next++). With
+ * only the excluded worker live it is returned (a single worker is retried on itself). -1
+ * when none is live. */
 int rt_pool_least_loaded(struct rt_pool *p, int exclude);
 long rt_pool_load(const struct rt_pool *p, int idx);
-/* Load bookkeeping of one leg: +1 request / +tokens at placement, the same back at its end. */
-void rt_pool_charge(struct rt_pool *p, int idx, long tokens);
-void rt_pool_release(struct rt_pool *p, int idx, long tokens);
+/* Load bookkeeping of one leg: +1 request / +tokens / +work at placement, the same back at
+ * its end (each clamped at 0). */
+void rt_pool_charge(struct rt_pool *p, int idx, long tokens, long work);
+void rt_pool_release(struct rt_pool *p, int idx, long tokens, long work);
+/* kv_aware work of one leg placed with `predicted` cached tokens (docs/routing.md): its prompt
+ * tokens not predicted cached + its output allowance (max_tokens, RT_OUT_DEFAULT when the
+ * request has none, at most RT_OUT_CAP). */
+#define RT_OUT_DEFAULT 128
+#define RT_OUT_CAP 1024
+long rt_leg_work(long prompt_tokens, long predicted, long max_tokens);
 /* A worker left the pool (dead, lease gone, refused): its conversations are forgotten. */
 void rt_pool_worker_gone(struct rt_pool *p, int idx);
 

@@ -26,7 +26,7 @@ struct rt_reservation {
     struct rt_reservation *next;
     char *req_id;      /* owned */
     int pool, idx;
-    long tokens;
+    long tokens, work;
 };
 enum outcome { OUT_OK = 0, OUT_CLIENT_ERROR, OUT_UPSTREAM_ERROR, OUT_CANCELLED, OUT_N };
 
@@ -83,6 +83,8 @@ struct rreq {
     /* placement: the worker each pool charged for this request (-1 none) */
     int charged[POOL_N];
     long tokens;                    /* prompt tokens (or an estimate), the tokens load */
+    long max_tokens;                /* the client's max_tokens / max_completion_tokens, 0 = none */
+    long work[POOL_N];              /* the kv_aware work charged per pool (rt_leg_work) */
     uint64_t *ckeys;                /* (n_ckeys) content keys, heap */
     int n_ckeys;
     uint64_t *bh;                   /* (n_blocks) block hashes of the full prompt blocks, heap */
@@ -137,6 +139,8 @@ void rt_worker_left(struct router *r, int pool, int idx, const char *why);
 void rt_handle_select(struct router *r, struct evhttp_request *req);
 void rt_handle_finish(struct router *r, struct evhttp_request *req);
 kv_status rt_workers_metrics(struct router *r, kv_buf *b);
+/* The seq of the last /kv_events event the worker's mirror applied (0 before any). */
+uint64_t rt_worker_events_seq(const struct rt_worker *w);
 
 /* ---- router.c: request lifetime, client side, legs, the two flows (routes.c calls these) ---- */
 void rtq_client_gone(struct rreq *q);

@@ -184,6 +184,9 @@ static void handle_generate(struct router *r, struct evhttp_request *req, bool c
     q->path = chat ? "/v1/chat/completions" : "/v1/completions";
     q->stream = json_is_true(json_object_get(j, "stream"));
     q->include_usage = json_is_true(json_object_get(json_object_get(j, "stream_options"), "include_usage"));
+    json_t *mt = json_object_get(j, "max_completion_tokens");
+    if (!json_is_integer(mt)) mt = json_object_get(j, "max_tokens");
+    q->max_tokens = json_is_integer(mt) && json_integer_value(mt) > 0 ? (long)json_integer_value(mt) : 0;
     json_decref(j);
     kv_buf_init(&q->sse);
     q->id = rtq_new_id(r);
@@ -429,7 +432,7 @@ static kv_status init_pool(struct router *r, int id, const char *role, const cha
     p->role = role;
     p->policy = (enum rt_policy_kind)c->policy;
     p->metric = c->load_tokens ? RT_LOAD_TOKENS : RT_LOAD_REQUESTS;
-    p->max_batch = 64;
+    p->overlap_weight = c->kv_overlap_weight;
     p->balance = c->kv_balance_threshold;
     p->min_match_keys = (c->min_match_blocks + KV_CONTENT_GROUP_BLOCKS - 1) / KV_CONTENT_GROUP_BLOCKS;
     if (p->policy == RT_POLICY_CONVERSATION &&

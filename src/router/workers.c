@@ -36,6 +36,11 @@ static uint64_t g_next_health_ns;
 
 static bool pool_kv(const struct rt_pool *p) { return p->policy == RT_POLICY_KV_AWARE; }
 
+uint64_t rt_worker_events_seq(const struct rt_worker *w) {
+    const struct kv_watch *kw = w->watch;
+    return kw && kw->have_seq ? kw->last_seq : 0;
+}
+
 /* ------------------------------------------------------------------ leaving and joining */
 
 void rt_worker_left(struct router *r, int pool, int idx, const char *why) {

@@ -81,6 +81,11 @@ grep -q "^TTFT p50 ms .* 1.000$" "$tmp/cmp.txt" || { cat "$tmp/cmp.txt"; fail "-
 "$bin" bench --compare "$j" "$j" "$j" > "$tmp/cmp3.txt"
 grep -q "^req/s .* 1.000 *1.000$" "$tmp/cmp3.txt" || { cat "$tmp/cmp3.txt"; fail "--compare of 3 files"; }
 "$bin" bench --compare "$j" 2>/dev/null && fail "--compare of one file accepted"
+# --pool-workers: every file but the first takes its busiest worker's share over N workers
+# (one server saw every request: 1 over itself, 4 over a pool of 4)
+"$bin" bench --compare "$j" "$j" --pool-workers 4 > "$tmp/cmpp.txt"
+grep -q "^max share/mean *1.000 *4.000$" "$tmp/cmpp.txt" || { cat "$tmp/cmpp.txt"; fail "--compare --pool-workers"; }
+"$bin" bench --compare "$j" "$j" --pool-workers 0 2>/dev/null && fail "--pool-workers 0 accepted"
 if command -v gnuplot >/dev/null; then
   "$bin" bench --compare "$j" "$j" "$j" --plot "$tmp/cmpplot" > /dev/null || fail "--compare --plot"
   [[ -s "$tmp/cmpplot/compare.png" && -s "$tmp/cmpplot/compare.svg" ]] || fail "--compare --plot did not draw"

@@ -1,7 +1,8 @@
 /* router placement unit tests: the conversation index (sticky ids, longest shared content
  * prefix, the 1/N rule, LRU bound, a removed worker forgotten), the conversation policy, the
  * kv_aware mirror (start-event checks: BUG-13 refusals; stored/removed/cleared/lost; a new
- * worker_id), its score (device 1.0 vs host 0.75, load, in-flight predictions). */
+ * worker_id), its cost (device 1.0 vs host 0.75 saved tokens against tokens of work in flight,
+ * replicated prefixes neutral, the balance guard, in-flight predictions). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -80,7 +81,7 @@ static void pool4(struct rt_pool *p, enum rt_policy_kind k) {
     memset(p, 0, sizeof *p);
     p->role = "aggregated";
     p->policy = k;
-    p->max_batch = 64;
+    p->overlap_weight = 1.0;
     p->min_match_keys = 4;
     for (int i = 0; i < 4; i++) assert_int_equal(rt_pool_add(p, u[i]), i);
     if (k == RT_POLICY_CONVERSATION) p->conv = conv_index_new(1000, 512);
@@ -99,7 +100,7 @@ static void test_conversation_policy(void **st) {
     struct rt_route rq = {"c1", hist, 6, NULL, 0, 16, 100, 0};
     int w1 = rt_select(&p, &rq, -1, &why, &pred);
     assert_int_equal(why, RT_WHY_LOAD);
-    rt_pool_charge(&p, w1, 100);
+    rt_pool_charge(&p, w1, 100, 100);
     /* the same id stays (sticky), whatever the load */
     for (int i = 0; i < 3; i++) {
         assert_int_equal(rt_select(&p, &rq, -1, &why, &pred), w1);
@@ -121,7 +122,7 @@ static void test_conversation_policy(void **st) {
     struct rt_route oq = {"c3", other, 8, NULL, 0, 16, 100, 0};
     rt_select(&p, &oq, -1, &why, &pred);
     assert_int_equal(why, RT_WHY_LOAD);
-    rt_pool_release(&p, w1, 100); /* equal loads: least loaded = round robin */
+    rt_pool_release(&p, w1, 100, 100); /* equal loads: the fewest sent, then round robin */
     /* the 1/N rule: 40 conversations sharing a 4-key prefix are spread, not followed */
     int share[4] = {0};
     for (int i = 0; i < 40; i++) {
@@ -131,7 +132,10 @@ static void test_conversation_policy(void **st) {
         keys_of(9, 4, k);
         k[4] = 5000 + (uint64_t)i, k[5] = 6000 + (uint64_t)i;
         struct rt_route sq = {id, k, 6, NULL, 0, 16, 100, 0};
-        share[rt_select(&p, &sq, -1, &why, &pred)]++;
+        int w = rt_select(&p, &sq, -1, &why, &pred);
+        share[w]++;
+        rt_pool_charge(&p, w, 100, 100); /* sent and answered */
+        rt_pool_release(&p, w, 100, 100);
     }
     for (int i = 0; i < 4; i++) assert_true(share[i] >= 8 && share[i] <= 12);
     /* a worker that leaves: its conversations are forgotten */
@@ -239,64 +243,147 @@ static void store(struct kv_mirror *m, uint64_t h, bool host) {
     apply(m, ev("{\"type\":\"stored\",\"block_hash\":\"%s\"%s}", hx, host ? ",\"tier\":\"host\"" : ""), &ex);
 }
 
+static void legs(struct rt_pool *p, long a0, long a1, long a2, long a3, long work_each) {
+    long a[4] = {a0, a1, a2, a3};
+    for (int i = 0; i < 4; i++) p->w[i]->active = a[i], p->w[i]->work = a[i] * work_each;
+}
+
 static void test_kv_aware(void **st) {
     (void)st;
     struct rt_pool p;
     pool4(&p, RT_POLICY_KV_AWARE);
     for (int i = 0; i < 4; i++) p.w[i]->mirror = kv_mirror_new();
-    uint64_t bh[8];
-    for (int i = 0; i < 8; i++) bh[i] = 100 + (uint64_t)i;
-    /* worker 1 holds 4 leading blocks on device, worker 2 holds 5 in its host tier (3.75 < 4) */
-    for (int i = 0; i < 4; i++) store(p.w[1]->mirror, bh[i], false);
-    for (int i = 0; i < 5; i++) store(p.w[2]->mirror, bh[i], true);
-    store(p.w[3]->mirror, bh[1], false); /* not a prefix: counts nothing */
     enum rt_reason why;
     long pred;
-    uint64_t t0 = 1000000000000ull;
-    struct rt_route rq = {NULL, NULL, 0, bh, 8, 16, 128, t0};
-    assert_int_equal(rt_select(&p, &rq, -1, &why, &pred), 1);
+    uint64_t t0 = 1000000000000ull, x[8], y[8], z[8];
+    for (int i = 0; i < 8; i++) x[i] = 100 + (uint64_t)i, y[i] = 200 + (uint64_t)i, z[i] = 300 + (uint64_t)i;
+    /* worker 1 holds 4 leading blocks of x on device, worker 2 5 of y in its host tier;
+     * worker 3 holds x's second block only: not a prefix, counts nothing */
+    for (int i = 0; i < 4; i++) store(p.w[1]->mirror, x[i], false);
+    for (int i = 0; i < 5; i++) store(p.w[2]->mirror, y[i], true);
+    store(p.w[3]->mirror, x[1], false);
+    rt_predict_free(p.pred); /* no predictions until the in-flight part below */
+    p.pred = rt_predict_new(0);
+    struct rt_route rx = {NULL, NULL, 0, x, 8, 16, 128, t0}, ry = {NULL, NULL, 0, y, 8, 16, 128, t0};
+    assert_int_equal(rt_select(&p, &rx, -1, &why, &pred), 1);
     assert_int_equal(why, RT_WHY_KV);
     assert_int_equal(pred, 64);
-    /* load: 40 requests on worker 1 cost 40/64 > its 0.5 overlap edge */
-    p.w[1]->active = 40;
-    assert_int_equal(rt_select(&p, &rq, -1, &why, &pred), 2);
+    assert_int_equal(rt_select(&p, &ry, -1, &why, &pred), 2);
     assert_int_equal(pred, 60); /* 5 host blocks x 16 x 0.75 */
-    p.w[1]->active = 0;
+    /* saved tokens against load = legs x the pool's mean work per leg: one leg of 50 costs less
+     * than the 64 saved, one of 80 more */
+    legs(&p, 0, 1, 0, 0, 50);
+    assert_int_equal(rt_select(&p, &rx, -1, &why, &pred), 1);
+    legs(&p, 0, 1, 0, 0, 80);
+    int g = rt_select(&p, &rx, -1, &why, &pred);
+    assert_true(g == 0 || g == 2 || g == 3);
+    assert_int_equal(why, RT_WHY_LOAD);
+    /* legs, not the work queued now: worker 1's one costly leg counts as the mean leg (45) */
+    p.w[0]->active = 1, p.w[0]->work = 10;
+    assert_int_equal(rt_select(&p, &rx, -1, &why, &pred), 1);
+    /* host credit: 60 saved against two legs of 40 (80) loses to worker 3 with none */
+    legs(&p, 0, 0, 2, 0, 40);
+    assert_int_not_equal(rt_select(&p, &ry, -1, &why, &pred), 2);
+    legs(&p, 1, 1, 1, 1, 40); /* one leg each: the overlap decides */
+    assert_int_equal(rt_select(&p, &ry, -1, &why, &pred), 2);
+    legs(&p, 0, 2, 0, 0, 50); /* 100 - 64 > 0, but 100 - 2 x 64 < 0 */
+    assert_int_not_equal(rt_select(&p, &rx, -1, &why, &pred), 1);
+    p.overlap_weight = 2.0;
+    assert_int_equal(rt_select(&p, &rx, -1, &why, &pred), 1);
+    p.overlap_weight = 1.0;
+    legs(&p, 0, 0, 0, 0, 0);
+    /* a prefix two workers hold (replicated: a shared system prompt) is no reason to prefer
+     * either: z[0..3] on workers 1 and 2, z[4] on worker 1 only */
+    for (int i = 0; i < 4; i++) store(p.w[1]->mirror, z[i], false), store(p.w[2]->mirror, z[i], false);
+    store(p.w[1]->mirror, z[4], false);
+    struct rt_route rz = {NULL, NULL, 0, z, 8, 16, 128, t0};
+    assert_int_equal(rt_select(&p, &rz, -1, &why, &pred), 1); /* its one specific block */
+    assert_int_equal(pred, 80);
+    legs(&p, 0, 1, 0, 0, 17); /* 17 - 16 > 0: the replicated blocks count for nobody */
+    g = rt_select(&p, &rz, -1, &why, &pred);
+    assert_true(g == 0 || g == 2 || g == 3);
+    assert_int_equal(why, RT_WHY_LOAD);
+    /* no affinity (only the replicated prefix matches): the least loaded first, then the one
+     * holding more of the prompt (no needless replication) */
+    struct rt_route rz4 = {NULL, NULL, 0, z, 4, 16, 64, t0};
+    legs(&p, 0, 0, 0, 0, 0);
+    for (int k = 0; k < 4; k++) {
+        g = rt_select(&p, &rz4, -1, &why, &pred);
+        assert_true(g == 1 || g == 2);
+        assert_int_equal(pred, 64);
+    }
+    legs(&p, 1, 2, 1, 1, 10);
+    assert_int_equal(rt_select(&p, &rz4, -1, &why, &pred), 2);
+    legs(&p, 0, 2, 1, 1, 10);
+    assert_int_equal(rt_select(&p, &rz4, -1, &why, &pred), 0);
+    legs(&p, 0, 0, 0, 0, 0);
+    /* chains: a prefix that placed requests continued in two ways (sessions sharing a system
+     * prompt) is shared, even on one worker: no reason to prefer it; a chain that only grows
+     * (one session's turns) stays specific */
+    uint64_t s1[8], s2[8], s3[8];
+    for (int i = 0; i < 8; i++) s1[i] = s2[i] = s3[i] = 500 + (uint64_t)i;
+    s2[5] = 611, s2[6] = 612, s2[7] = 613; /* s2 leaves s1 after 5 blocks */
+    for (int i = 0; i < 8; i++) store(p.w[3]->mirror, s1[i], false);
+    struct rt_route r1 = {NULL, NULL, 0, s1, 6, 16, 97, t0}, r2 = {NULL, NULL, 0, s2, 8, 16, 129, t0},
+                    r3 = {NULL, NULL, 0, s3, 8, 16, 129, t0};
+    legs(&p, 0, 0, 0, 1, 20); /* worker 3: one leg of 20 < its 96 specific tokens */
+    assert_int_equal(rt_select(&p, &r1, -1, &why, &pred), 3); /* first placement of the chain */
+    assert_int_equal(rt_select(&p, &r3, -1, &why, &pred), 3); /* the same chain, longer: a turn */
+    assert_int_equal(why, RT_WHY_KV);
+    g = rt_select(&p, &r2, -1, &why, &pred); /* diverges after 5 blocks: 80 shared tokens */
+    assert_int_not_equal(g, 3);
+    assert_int_equal(why, RT_WHY_LOAD);
+    assert_int_not_equal(rt_select(&p, &r1, -1, &why, &pred), 3); /* now s1's first 5 are shared too */
+    legs(&p, 0, 0, 0, 0, 0);
     /* BUG-14 guard: 3 legs beyond the least loaded with balance 2: the least loaded takes it */
     p.balance = 2;
-    p.w[1]->active = 3;
-    p.max_batch = 1000000; /* the score alone would keep worker 1 */
-    rq.now_ns = t0 + 10000000000ull; /* the predictions of the placements above have expired */
-    int g = rt_select(&p, &rq, -1, &why, &pred);
+    legs(&p, 0, 3, 0, 0, 1);
+    p.overlap_weight = 1000; /* the cost alone would keep worker 1 */
+    g = rt_select(&p, &rx, -1, &why, &pred);
     assert_int_not_equal(g, 1);
     assert_int_equal(why, RT_WHY_LOAD);
     p.w[1]->active = 2; /* within the threshold: the overlap wins */
-    rq.now_ns = t0 + 20000000000ull;
-    assert_int_equal(rt_select(&p, &rq, -1, &why, &pred), 1);
+    assert_int_equal(rt_select(&p, &rx, -1, &why, &pred), 1);
     p.balance = 0;
-    p.max_batch = 64;
-    p.w[1]->active = 0;
-    /* in-flight awareness: a cold prefix sent to W follows W within the TTL */
+    p.overlap_weight = 1.0;
+    legs(&p, 0, 0, 0, 0, 0);
+    /* in-flight awareness: a cold prefix sent to W follows W within the TTL while W has not
+     * reported it stored (the requests wait for that one prefill), whatever W's legs */
+    rt_predict_free(p.pred);
+    p.pred = rt_predict_new(5.0);
     uint64_t cold[6];
     for (int i = 0; i < 6; i++) cold[i] = 900 + (uint64_t)i;
-    struct rt_route cq = {NULL, NULL, 0, cold, 6, 16, 96, t0};
+    struct rt_route cq = {NULL, NULL, 0, cold, 6, 16, 97, t0};
     int w = rt_select(&p, &cq, -1, &why, &pred);
     assert_int_equal(why, RT_WHY_LOAD);
-    p.w[w]->active++;
     for (int i = 0; i < 8; i++) {
+        p.w[w]->active++, p.w[w]->work += 100;
         cq.now_ns = t0 + (uint64_t)i * 1000000ull;
         assert_int_equal(rt_select(&p, &cq, -1, &why, &pred), w);
         assert_int_equal(why, RT_WHY_PREDICTED);
-        p.w[w]->active++;
+        assert_int_equal(pred, 96);
     }
-    /* after the TTL the prediction is gone: back to load */
-    cq.now_ns = t0 + 6000000000ull;
-    rt_select(&p, &cq, -1, &why, &pred);
+    /* a request with a long tail of its own (104 new tokens > 96 / RT_KV_FOLLOW_RATIO) is
+     * placed by the cost: W's 9 legs outweigh the 96 saved tokens */
+    struct rt_route lq = {NULL, NULL, 0, cold, 6, 16, 200, cq.now_ns};
+    assert_int_not_equal(rt_select(&p, &lq, -1, &why, &pred), w);
+    /* stored there now: no longer in flight, the cost decides for short tails too */
+    for (int i = 0; i < 6; i++) store(p.w[w]->mirror, cold[i], false);
+    g = rt_select(&p, &cq, -1, &why, &pred);
+    assert_int_not_equal(g, w);
+    /* after the TTL a prediction is gone: a cold prefix goes by load */
+    uint64_t cold2[6];
+    for (int i = 0; i < 6; i++) cold2[i] = 950 + (uint64_t)i;
+    struct rt_route cq2 = {NULL, NULL, 0, cold2, 6, 16, 97, t0 + 10000000ull};
+    w = rt_select(&p, &cq2, -1, &why, &pred);
+    p.w[w]->active++, p.w[w]->work += 100;
+    cq2.now_ns = t0 + 6000000000ull;
+    assert_int_not_equal(rt_select(&p, &cq2, -1, &why, &pred), w);
     assert_int_equal(why, RT_WHY_LOAD);
+    legs(&p, 0, 0, 0, 0, 0);
     /* exclusion is honoured */
-    p.w[w]->active = 0;
-    rq.now_ns = t0 + 7000000000ull;
-    assert_int_not_equal(rt_select(&p, &rq, 1, &why, &pred), 1);
+    rx.now_ns = t0 + 7000000000ull;
+    assert_int_not_equal(rt_select(&p, &rx, 1, &why, &pred), 1);
     for (int i = 0; i < 4; i++) kv_mirror_free(p.w[i]->mirror);
     rt_pool_free(&p);
 }

@@ -58,21 +58,40 @@ static void test_least_loaded(void **st) {
     assert_int_equal(seen[0] + seen[1] + seen[2], 3);
     assert_true(seen[0] == 1 && seen[1] == 1 && seen[2] == 1);
     assert_int_equal(why, RT_WHY_LOAD);
-    rt_pool_charge(&p, 0, 100);
-    rt_pool_charge(&p, 1, 10);
+    rt_pool_charge(&p, 0, 100, 150);
+    rt_pool_charge(&p, 1, 10, 20);
     assert_int_equal(rt_select(&p, &rq, -1, &why, &pred), 2);
-    rt_pool_charge(&p, 2, 10);
+    rt_pool_charge(&p, 2, 10, 20);
     /* requests: 1 and 2 tie (one each) below... all three have one: exclusion decides */
     assert_int_not_equal(rt_select(&p, &rq, 1, &why, &pred), 1);
     /* tokens metric: worker 0 carries 100 tokens */
     p.metric = RT_LOAD_TOKENS;
     for (int i = 0; i < 4; i++) assert_int_not_equal(rt_select(&p, &rq, -1, &why, &pred), 0);
-    rt_pool_release(&p, 0, 100);
-    rt_pool_release(&p, 0, 100); /* clamped at 0 */
+    rt_pool_release(&p, 0, 100, 150);
+    rt_pool_release(&p, 0, 100, 150); /* clamped at 0 */
     assert_int_equal(p.w[0]->active, 0);
     assert_int_equal(p.w[0]->tokens, 0);
+    assert_int_equal(p.w[0]->work, 0);
+    assert_int_equal(p.w[1]->work, 20);
+    /* a leg's work: prompt tokens not predicted cached + max_tokens (default, cap) */
+    assert_int_equal(rt_leg_work(100, 60, 10), 50);
+    assert_int_equal(rt_leg_work(100, 200, 10), 10);
+    assert_int_equal(rt_leg_work(100, 0, 0), 100 + RT_OUT_DEFAULT);
+    assert_int_equal(rt_leg_work(100, 0, 1L << 30), 100 + RT_OUT_CAP);
     assert_int_equal(rt_select(&p, &rq, -1, &why, &pred), 0);
     assert_int_equal(p.reasons[RT_WHY_LOAD], 10);
+    /* equal loads: the worker sent the fewest legs so far (0: 1 + 2 more, 1: 1, 2: 1) */
+    p.metric = RT_LOAD_REQUESTS;
+    rt_pool_release(&p, 1, 10, 20);
+    rt_pool_release(&p, 2, 10, 20);
+    for (int i = 0; i < 2; i++) rt_pool_charge(&p, 0, 1, 1), rt_pool_release(&p, 0, 1, 1);
+    for (int i = 0; i < 4; i++) {
+        int w = rt_select(&p, &rq, -1, &why, &pred);
+        assert_int_not_equal(w, 0);
+        rt_pool_charge(&p, w, 1, 1), rt_pool_release(&p, w, 1, 1);
+    }
+    assert_int_equal(p.w[1]->requests, 3);
+    assert_int_equal(p.w[2]->requests, 3);
     rt_pool_free(&p);
 }
 
