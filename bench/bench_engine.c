@@ -3,7 +3,7 @@
  *
  *   bench_engine --model PATH [--threads N] [--prompt-len 256] [--gen-len 64]
  *                [--concurrency 1,16] [--tokens-per-block 16] [--max-num-tokens 2048]
- *                [--kv-dtype f32|f16|bf16] [--depth 16]
+ *                [--kv-dtype f32|f16|bf16] [--depth 16] [--grammar json|FILE.json [--grammar-reps 3]]
  *   bench_engine --make-model OUT.gguf --vocab-from VOCAB.gguf [--layers 12 --dim 768 ...]
  *
  * Prefill: C requests with prompt_len random-but-valid token ids and max_tokens 1, submitted at
@@ -12,16 +12,27 @@
  * (ignore_eos); rate = tokens generated after each request's first token / (last finish -
  * earliest first token). Logs the kernel ISA (KVSERVE_CPU_ISA forces one),
  * openblas_get_corename() and OPENBLAS_CORETYPE (left as the environment sets it).
+ *
+ * --grammar: the decode pass constrained to a JSON schema (FILE, or "json": a built-in schema
+ * of 100+ records with strings, integers, arrays, booleans) against the same greedy requests
+ * unconstrained: once with a cold mask cache (a schema never seen before), then --grammar-reps
+ * pairs (unconstrained, constrained warm) in turn. Reported per decode step of the batch:
+ * median ms/step, the median of the per-pair ratios, and the engine's own time in the grammar
+ * hooks (mask, apply, accept) per sequence-step and as a share of the unconstrained step (the
+ * figure machine noise does not move). Constrained requests may end early when their grammar
+ * completes (the built-in schema never does before --gen-len).
  */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "backend/backend.h"
 #include "backend/cpu/matmul.h"
 #include "quant/q8.h"
 #include "engine/engine.h"
+#include "grammar/grammar.h"
 #include "kvcache/kvcache.h"
 #include "model/gguf.h"
 #include "model/model.h"
@@ -36,6 +47,8 @@ struct run {
     int failed;
     uint64_t first_token_min, finish_max;
     long gen_tokens_after_first;
+    long steps_after_first;     /* decode steps after the first token: max over requests */
+    gram_t *grammar;            /* NULL = unconstrained */
 };
 
 struct req_state {
@@ -59,6 +72,7 @@ static void on_event(const struct engine_event *ev, void *user) {
             r->first_token_min = rs->t_first;
         if (now > r->finish_max) r->finish_max = now;
         if (rs->n_tokens > 1) r->gen_tokens_after_first += rs->n_tokens - 1;
+        if (rs->n_tokens - 1 > r->steps_after_first) r->steps_after_first = rs->n_tokens - 1;
         r->pending--;
         pthread_cond_broadcast(&r->cv);
         pthread_mutex_unlock(&r->mu);
@@ -68,7 +82,9 @@ static void on_event(const struct engine_event *ev, void *user) {
 /* Submits n requests and waits; returns wall seconds (or -1 on failure). */
 static double run_batch(engine_t *e, int n, int prompt_len, int gen_len, int n_vocab, uint64_t seed,
                         struct run *r) {
+    gram_t *g = r->grammar;
     memset(r, 0, sizeof *r);
+    r->grammar = g;
     pthread_mutex_init(&r->mu, NULL);
     pthread_cond_init(&r->cv, NULL);
     struct req_state *rs = calloc((size_t)n, sizeof *rs);
@@ -86,6 +102,7 @@ static double run_batch(engine_t *e, int n, int prompt_len, int gen_len, int n_v
         p.sp.temperature = 0;
         p.max_tokens = gen_len;
         p.ignore_eos = true;
+        p.grammar = r->grammar;
         rs[i].run = r;
         uint64_t id;
         char err[256];
@@ -200,8 +217,123 @@ static int make_model(const char *out, const char *vocab_path, int layers, int d
     return 0;
 }
 
+/* The built-in schema for --grammar json: a list of at least 100 records with strings,
+ * integers, nested arrays and booleans, so every request runs to --gen-len. */
+static const char *const BENCH_SCHEMA =
+    "{\"type\":\"array\",\"minItems\":100,\"items\":{\"type\":\"object\",\"properties\":{\"name\":{\"type\":\"string\"},"
+    "\"age\":{\"type\":\"integer\"},\"tags\":{\"type\":\"array\",\"items\":{\"type\":\"string\"}},"
+    "\"ok\":{\"type\":\"boolean\"}},\"required\":[\"name\",\"age\",\"tags\",\"ok\"],\"additionalProperties\":false}}";
+
+static gram_t *bench_grammar(const char *spec, int nonce) {
+    char err[512];
+    json_error_t je;
+    json_t *s = !strcmp(spec, "json") ? json_loads(BENCH_SCHEMA, 0, &je) : json_load_file(spec, 0, &je);
+    if (!s) {
+        fprintf(stderr, "bench_engine: --grammar %s: %s\n", spec, je.text);
+        return NULL;
+    }
+    /* a description differing per nonce: a schema the grammar cache has not seen (cold masks) */
+    char d[32];
+    snprintf(d, sizeof d, "bench %d", nonce);
+    json_object_set_new(s, "description", json_string(d));
+    gram_t *g = NULL;
+    if (gram_compile_json_schema(s, true, &g, err, sizeof err)) fprintf(stderr, "bench_engine: --grammar %s: %s\n", spec, err);
+    json_decref(s);
+    return g;
+}
+
+/* Stats after the last request's events (the engine publishes them right after its step). */
+static void settled_stats(engine_t *e, struct engine_stats *s) {
+    for (int i = 0; i < 1000; i++) {
+        engine_get_stats(e, s);
+        if (s->kv_blocks_used == 0) return;
+        struct timespec d = {0, 1000000};
+        nanosleep(&d, NULL);
+    }
+}
+
+static int cmp_dbl(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* --grammar: per concurrency, a cold constrained pass, then `reps` pairs (unconstrained,
+ * constrained warm) in turn; medians of ms/step and of the per-pair ratio, and the engine's
+ * own time in the grammar hooks per masked step (independent of machine noise). */
+static int grammar_passes(engine_t *e, int n_vocab, const char *conc, int depth, int gen_len, const char *spec,
+                          int reps) {
+    printf("%-12s %-18s %8s %10s %12s %12s %14s %8s\n", "concurrency", "pass", "tokens", "ms/step", "vs unconstr.",
+           "grammar us", "grammar/step", "walks");
+    int nonce = (int)(kv_now_ns() % 1000000);
+    for (const char *p = conc; *p;) {
+        int c = atoi(p);
+        double *ratio = calloc((size_t)reps, sizeof *ratio), *mu = calloc((size_t)reps, sizeof *mu),
+               *mw = calloc((size_t)reps, sizeof *mw);
+        double g_us_warm = 0, g_us_cold = 0, ms_cold = 0;
+        long tok_warm = 0, tok_cold = 0;
+        uint64_t walks_warm = 0, walks_cold = 0;
+        for (int k = -1; k < reps; k++)
+            for (int pass = k < 0 ? 1 : 0; pass < 2; pass++) { /* k = -1: the cold pass only */
+                struct run r = {0};
+                if (pass) r.grammar = bench_grammar(spec, k < 0 ? nonce : nonce);
+                if (pass && !r.grammar) return 1;
+                struct gram_stats a, b;
+                struct engine_stats sa, sb;
+                settled_stats(e, &sa);
+                gram_get_stats(&a);
+                double td = run_batch(e, c, depth, gen_len, n_vocab, 2, &r);
+                settled_stats(e, &sb);
+                gram_get_stats(&b);
+                gram_unref(r.grammar);
+                if (td < 0) return 1;
+                double span = (double)(r.finish_max - r.first_token_min) / 1e9;
+                double ms = r.steps_after_first > 0 ? span * 1e3 / (double)r.steps_after_first : 0;
+                uint64_t gsteps = sb.grammar_steps - sa.grammar_steps;
+                double g_us = gsteps ? (double)(sb.grammar_ns - sa.grammar_ns) / 1e3 / (double)gsteps : 0;
+                uint64_t walks = b.mask_misses - a.mask_misses;
+                if (k < 0) {
+                    ms_cold = ms;
+                    g_us_cold = g_us;
+                    tok_cold = r.gen_tokens_after_first + c;
+                    walks_cold = walks;
+                } else if (!pass) {
+                    mu[k] = ms;
+                } else {
+                    mw[k] = ms;
+                    ratio[k] = mu[k] > 0 ? ms / mu[k] : 0;
+                    g_us_warm += g_us / reps;
+                    tok_warm = r.gen_tokens_after_first + c;
+                    walks_warm += walks;
+                }
+                fflush(stdout);
+            }
+        qsort(mu, (size_t)reps, sizeof *mu, cmp_dbl);
+        qsort(mw, (size_t)reps, sizeof *mw, cmp_dbl);
+        qsort(ratio, (size_t)reps, sizeof *ratio, cmp_dbl);
+        /* the grammar time of one batch step (c masked sequences) against the unconstrained step */
+        double base = mu[reps / 2];
+        char rel[32], rel_cold[32];
+        snprintf(rel, sizeof rel, "%+.1f%%", (ratio[reps / 2] - 1) * 100);
+        snprintf(rel_cold, sizeof rel_cold, "%+.1f%%", base > 0 ? (ms_cold / base - 1) * 100 : 0);
+        printf("%-12d %-18s %8d %10.2f %12s %12s %14s %8s\n", c, "unconstrained", gen_len * c, base, "", "", "", "");
+        printf("%-12d %-18s %8ld %10.2f %12s %12.1f %13.1f%% %8llu\n", c, "schema, cold", tok_cold, ms_cold, rel_cold,
+               g_us_cold, base > 0 ? g_us_cold * c / 1e3 / base * 100 : 0, (unsigned long long)walks_cold);
+        printf("%-12d %-18s %8ld %10.2f %12s %12.1f %13.1f%% %8llu\n", c, "schema, warm", tok_warm, mw[reps / 2], rel,
+               g_us_warm, base > 0 ? g_us_warm * c / 1e3 / base * 100 : 0, (unsigned long long)walks_warm);
+        free(ratio);
+        free(mu);
+        free(mw);
+        nonce++;
+        p = strchr(p, ',');
+        if (!p) break;
+        p++;
+    }
+    return 0;
+}
+
 int main(int argc, char **argv) {
-    const char *model_path = NULL, *make = NULL, *vocab = NULL, *conc = "1,16";
+    const char *model_path = NULL, *make = NULL, *vocab = NULL, *conc = "1,16", *grammar = NULL;
+    int grammar_reps = 3;
     int depth = 16, kv_dtype = KV_DTYPE_F32, threads = 0, prompt_len = 256, gen_len = 64, tpb = 16, max_num_tokens = 2048;
     int layers = 12, dim = 768, heads = 12, kv_heads = 12, ffn = 2048;
     for (int i = 1; i < argc; i++) {
@@ -223,6 +355,8 @@ int main(int argc, char **argv) {
         else if (OPT("--kv-heads")) kv_heads = atoi(v);
         else if (OPT("--ffn")) ffn = atoi(v);
         else if (OPT("--depth")) depth = atoi(v);
+        else if (OPT("--grammar")) grammar = v;
+        else if (OPT("--grammar-reps")) grammar_reps = atoi(v);
         else if (OPT("--kv-dtype")) {
             if (kv_dtype_parse(v, &kv_dtype)) {
                 fprintf(stderr, "bench_engine: --kv-dtype %s: expected f32, f16 or bf16\n", v);
@@ -293,8 +427,16 @@ int main(int argc, char **argv) {
            kv_matmul_isa_name(), fi ? fi : "unset", kv_matmul_quant_name(kv_matmul_get_quant()), kv_q8_packed_name(),
            openblas_get_corename(), ct ? ct : "unset", threads, kv_dtype_name(kv_dtype));
     printf("%-12s %-12s %14s %14s\n", "concurrency", "prompt_len", "prefill tok/s", "decode tok/s");
-    struct run r;
+    struct run r = {0};
     run_batch(e, 1, 32, 4, m->cfg.n_vocab, 99, &r); /* warm-up */
+    if (grammar) {
+        int rc = grammar_passes(e, m->cfg.n_vocab, conc, depth, gen_len, grammar, grammar_reps);
+        engine_stop(e);
+        backend_free(be);
+        tok_free(tok);
+        model_free(m);
+        return rc;
+    }
     for (const char *p = conc; *p;) {
         int c = atoi(p);
         double tp = run_batch(e, c, prompt_len, 1, m->cfg.n_vocab, 1, &r);

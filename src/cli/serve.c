@@ -40,6 +40,8 @@ static void serve_usage(FILE *f) {
             "  --shutdown-timeout S     on SIGTERM/SIGINT, new requests get 503 and in-flight ones get S\n"
             "                           seconds to finish before they fail with 503 (default 30; 0 = fail\n"
             "                           them at once; a second Ctrl-C ends the wait)\n"
+            "  --tool-call-parser FMT   how the model writes tool calls: auto (from the chat\n"
+            "                           template, the default), hermes, llama3_json or mistral\n"
             "  --tokens-per-block N     KV cache block size in tokens (default 16)\n"
             "  --kv-cache-memory SIZE   KV cache size, e.g. 512MiB, 2GiB (default 256MiB, capped at\n"
             "                           max-batch-size full-length sequences)\n"
@@ -173,7 +175,7 @@ int cmd_serve(int argc, char **argv) {
     bool host_sampling = false;
     enum kv_matmul_quant qmode = KV_MATMUL_QUANT_AUTO;
     int prefix_wait = -1; /* not given: the engine's scaled default */
-    const char *hash_key_file = NULL;
+    const char *hash_key_file = NULL, *tool_parser = NULL;
     struct serve_etcd se = {.prefix = ETCD_DEFAULT_PREFIX, .ttl_s = 5};
     bool ptc_on = false, ptc_set = false;
     struct prefix_cache_config ptc;
@@ -248,6 +250,7 @@ int cmd_serve(int argc, char **argv) {
         else if (!strcmp(a, "--allowed-origins")) rc = add_list(a, argv[i], origins, &n_origins);
         else if (!strcmp(a, "--shutdown-timeout")) rc = parse_int_opt(a, v, 0, 1 << 20, &shutdown_timeout);
         else if (!strcmp(a, "--port-file")) port_file = v;
+        else if (!strcmp(a, "--tool-call-parser")) tool_parser = v;
         else if (!strcmp(a, "--port")) rc = parse_int_opt(a, v, 0, 65535, &port);
         else if (!strcmp(a, "--tokens-per-block")) rc = parse_int_opt(a, v, 1, 4096, &tpb);
         else if (!strcmp(a, "--kv-cache-blocks")) rc = parse_int_opt(a, v, 1, 1 << 30, &kv_blocks);
@@ -337,6 +340,9 @@ int cmd_serve(int argc, char **argv) {
         snprintf(env_keys, sizeof env_keys, "%s", ek);
         if (add_list("KVSERVE_API_KEY", env_keys, keys, &n_keys)) return 2;
     }
+    if (tool_parser && strcmp(tool_parser, "auto") && !gram_tool_fmt_from_name(tool_parser))
+        return bad_opt("--tool-call-parser", tool_parser, "must be auto, hermes, llama3_json or mistral");
+    if (tool_parser && !strcmp(tool_parser, "auto")) tool_parser = NULL;
     {
         char perr[256];
         if (prefix_cache_config_validate(&ptc, perr, sizeof perr) != KV_OK) {
@@ -455,6 +461,7 @@ int cmd_serve(int argc, char **argv) {
                              .conn = conn_limits, .max_kv_subscribers = max_kv_subs,
                              .prep_threads = prep_threads,
                              .served_model_name = served, .port_file = port_file,
+                             .tool_call_parser = tool_parser,
                              .prefix_cache = pcache,
                              .model_aliases = n_names > 1 ? names + 1 : NULL,
                              .n_model_aliases = n_names > 1 ? n_names - 1 : 0,

@@ -46,6 +46,7 @@ void engine_request_free(struct request *r) {
     reuse_request_free(r);
     stop_free(&r->stop);
     if (r->stream) tok_stream_free(r->stream);
+    gram_matcher_free(r->gm);
     free(r);
 }
 
@@ -174,10 +175,12 @@ static kv_status check_params(const struct engine *e, const struct engine_reques
         if (p->stop_token_ids[i] < 0 || p->stop_token_ids[i] >= e->n_vocab)
             return kv_errf(KV_EINVAL, err, errlen, "stop_token_ids[%d] = %d is outside the "
                            "vocabulary [0, %d)", i, (int)p->stop_token_ids[i], e->n_vocab);
-    if (e->dev_sampling && (p->n > 1 || p->n_logit_bias > 0 || p->min_tokens > 0))
+    if (e->dev_sampling && (p->n > 1 || p->n_logit_bias > 0 || p->min_tokens > 0 || p->grammar))
         return kv_errf(KV_EUNSUPPORTED, err, errlen,
                        "%s needs the host sampler, and this worker samples on the device (start it "
-                       "with --host-sampling)", p->n > 1 ? "n > 1" : p->n_logit_bias ? "logit_bias" : "min_tokens");
+                       "with --host-sampling)",
+                       p->n > 1 ? "n > 1" : p->n_logit_bias ? "logit_bias" : p->min_tokens ? "min_tokens"
+                                                                                  : "structured output");
     if (p->min_tokens < 0 || p->min_tokens > p->max_tokens)
         return kv_errf(KV_EINVAL, err, errlen, "min_tokens must be in [0, max_tokens = %d] (got %d)",
                        p->max_tokens, p->min_tokens);
@@ -237,6 +240,11 @@ kv_status engine_submit(engine_t *e, const struct engine_request_params *p, engi
         stop_init(&r->stop, p->stop, p->n_stop) != KV_OK || fork_request_init(r, p) != KV_OK) {
         engine_request_free(r);
         return kv_errf(KV_ENOMEM, err, errlen, "out of memory");
+    }
+    kv_status gst = constrain_request_init(e, r, p->grammar, err, errlen);
+    if (gst) {
+        engine_request_free(r);
+        return gst;
     }
     memcpy(r->tokens, p->prompt_ids, p->n_prompt * sizeof *r->tokens);
     r->n_tokens = r->n_prompt;
@@ -357,6 +365,8 @@ void engine_publish_stats(struct engine *e, bool step) {
     e->stats.kv_recvs_ok = e->xstats[2];
     e->stats.kv_recvs_failed = e->xstats[3];
     e->stats.kv_transfer_timeouts = e->xstats[4];
+    e->stats.grammar_ns = e->grammar_ns;
+    e->stats.grammar_steps = e->grammar_steps;
     pthread_mutex_unlock(&e->stats_mu);
 }
 
@@ -376,7 +386,15 @@ bool engine_on_token(struct engine *e, struct request *r, int32_t id,
     r->tokens[r->n_tokens++] = id;
     r->state = REQ_DECODE;
     if (!r->t_first_ns) r->t_first_ns = kv_now_ns();
-    bool eog = !r->ignore_eos && engine_is_eog(e, id);
+    /* with a grammar, an end token is only ever allowed when the output is complete: it
+     * ends the request even with ignore_eos, as does a complete output nothing may extend */
+    bool gfinal = false;
+    if (r->gm && !constrain_accept(e, r, id, &gfinal)) {
+        sched_remove(e, r);
+        engine_fail_request(e, r, KV_EINTERNAL, "a token outside the request's grammar reached the output");
+        return true;
+    }
+    bool eog = (!r->ignore_eos || r->gm) && engine_is_eog(e, id);
     bool stop_id = !eog && r->n_stop_ids > 0 && logits_is_stop_id(r, id);
     bool length = req_n_gen(r) >= r->max_gen;
     kv_status st = KV_OK;
@@ -389,7 +407,7 @@ bool engine_on_token(struct engine *e, struct request *r, int32_t id,
             if (!r->stream) st = KV_ENOMEM;
         }
         if (!st && !eog) st = tok_stream_push(r->stream, id, &e->text);
-        if (!st && (eog || length || stop_id)) st = tok_stream_flush(r->stream, &e->text);
+        if (!st && (eog || length || stop_id || gfinal)) st = tok_stream_flush(r->stream, &e->text);
     }
     kv_status st2 = KV_OK;
     bool stopped = false;
@@ -399,7 +417,7 @@ bool engine_on_token(struct engine *e, struct request *r, int32_t id,
         stopped = stop_feed(&r->stop, e->text.data ? e->text.data : "", e->text.len, &e->text2,
                             &st2);
     if (!st) st = st2;
-    if (!st && !stopped && (eog || length || stop_id)) st = stop_flush(&r->stop, &e->text2);
+    if (!st && !stopped && (eog || length || stop_id || gfinal)) st = stop_flush(&r->stop, &e->text2);
     if (st) {
         sched_remove(e, r);
         engine_fail_request(e, r, st, "detokenization failed (out of memory or bad token)");
@@ -433,8 +451,8 @@ bool engine_on_token(struct engine *e, struct request *r, int32_t id,
         r->n_first_top = top ? (n_top < 20 ? n_top : 20) : 0;
         for (int i = 0; i < r->n_first_top; i++) r->first_top[i] = top[i];
     }
-    if (stopped || eog || stop_id || length) {
-        enum finish_reason fin = (stopped || eog || stop_id) ? FINISH_STOP : FINISH_LENGTH;
+    if (stopped || eog || stop_id || length || gfinal) {
+        enum finish_reason fin = (stopped || eog || stop_id || gfinal) ? FINISH_STOP : FINISH_LENGTH;
         if (r->disagg == ENGINE_DISAGG_CONTEXT_ONLY && !r->context_first) {
             /* generation first: the generation leg already waits for this KV and its first
              * token, so it is offered even though the request ends here */
@@ -450,6 +468,35 @@ bool engine_on_token(struct engine *e, struct request *r, int32_t id,
         return true;
     }
     return false;
+}
+
+bool engine_sample(struct engine *e, struct request *r, float *lg) {
+    struct token_logprob chosen;
+    logits_apply(e, r, lg);
+    bool want_lp = r->sp.logprobs || r->sp.top_logprobs > 0;
+    int n_top = r->sp.top_logprobs;
+    if (r->gm) {
+        int n_ok = constrain_mask_logits(e, r, lg);
+        if (n_ok <= 0) {
+            sched_remove(e, r);
+            engine_fail_request(e, r, n_ok < 0 ? KV_ENOMEM : KV_EINTERNAL,
+                                n_ok < 0 ? "out of memory (grammar mask)"
+                                         : "the grammar allows no token of this vocabulary here");
+            return false;
+        }
+    }
+    int32_t id = sampler_sample(&r->sp, lg, e->n_vocab, r->tokens, r->n_prompt, r->tokens + r->n_prompt,
+                                req_n_gen(r), &r->rng, &e->scratch, want_lp ? &chosen : NULL, e->top, n_top);
+    if (r->gm) {
+        int32_t ok = constrain_check(e, r, lg, id);
+        if (ok != id && want_lp) {
+            chosen.id = ok;
+            chosen.logprob = sampler_logprob(lg, e->n_vocab, ok, e->top, n_top);
+        }
+        id = ok;
+    }
+    engine_on_token(e, r, id, want_lp ? &chosen : NULL, e->top, n_top);
+    return true;
 }
 
 /* Deadlock detection: no request progressed for ENGINE_STALL_PASSES passes while some
@@ -545,7 +592,6 @@ static int run_step(struct engine *e) {
     }
     uint64_t gen_tokens = 0;
     int row = 0;
-    struct token_logprob chosen;
     for (int i = 0; i < n; i++) {
         struct sched_entry *p = &e->plan[i];
         struct request *r = p->r;
@@ -555,22 +601,20 @@ static int run_step(struct engine *e) {
         if (!p->logits) continue;
         bool want_lp = r->sp.logprobs || r->sp.top_logprobs > 0;
         int n_top = r->sp.top_logprobs;
-        int32_t id;
-        if (e->dev_sampling) {
+        if (e->dev_sampling) { /* no grammar, logit_bias, min_tokens or n > 1 here (engine_submit) */
+            struct token_logprob chosen;
             const struct backend_sample_out *o = &e->bout[row++];
-            id = o->id;
+            int32_t id = o->id;
             chosen = (struct token_logprob){.id = id, .logprob = o->logprob};
             for (int k = 0; k < n_top; k++)
                 e->top[k] = (struct token_logprob){.id = o->top_id[k], .logprob = o->top_logprob[k]};
-        } else {
-            float *lg = e->logits + (size_t)row++ * (size_t)e->n_vocab;
-            if (r->n_choices > 1) gen_tokens += (uint64_t)fork_choices(e, r, lg);
-            logits_apply(e, r, lg);
-            id = sampler_sample(&r->sp, lg, e->n_vocab, r->tokens, r->n_prompt, r->tokens + r->n_prompt,
-                                req_n_gen(r), &r->rng, &e->scratch, want_lp ? &chosen : NULL, e->top, n_top);
+            gen_tokens++;
+            engine_on_token(e, r, id, want_lp ? &chosen : NULL, e->top, n_top);
+            continue;
         }
-        gen_tokens++;
-        engine_on_token(e, r, id, want_lp ? &chosen : NULL, e->top, n_top);
+        float *lg = e->logits + (size_t)row++ * (size_t)e->n_vocab;
+        if (r->n_choices > 1) gen_tokens += (uint64_t)fork_choices(e, r, lg);
+        if (engine_sample(e, r, lg)) gen_tokens++;
     }
     pthread_mutex_lock(&e->stats_mu);
     e->stats.prefill_tokens_computed += prefill_tokens;
@@ -759,6 +803,8 @@ static void engine_destroy(struct engine *e) {
     free(e->fork_row);
     free(e->eog_ids);
     sampler_scratch_free(&e->scratch);
+    constrain_destroy(e);
+    pthread_mutex_destroy(&e->gv_mu);
     kv_buf_free(&e->text);
     kv_buf_free(&e->text2);
     pthread_mutex_destroy(&e->mu);
@@ -798,6 +844,7 @@ kv_status engine_start(const struct engine_config *cfg_in, const model_t *m, con
     pthread_mutex_init(&e->mu, NULL);
     pthread_mutex_init(&e->stats_mu, NULL);
     pthread_mutex_init(&e->ev_mu, NULL);
+    pthread_mutex_init(&e->gv_mu, NULL);
     pthread_cond_init(&e->cv, NULL);
     pthread_cond_init(&e->idle_cv, NULL);
     e->cfg = c;

@@ -32,6 +32,7 @@
 
 #include "../backend/backend.h"
 #include "../base/base.h"
+#include "../grammar/grammar.h"
 #include "../hash/hash.h"
 #include "../model/model.h"
 #include "../tokenizer/tokenizer.h"
@@ -95,6 +96,13 @@ struct engine_request_params {
     int priority;              /* lower = more urgent (vLLM): admitted before waiting requests
                                   of a higher value, preempted after running ones of a higher
                                   value; equal values keep arrival order */
+    gram_t *grammar;           /* NULL = unconstrained; borrowed (the engine takes a reference).
+                                  Every sampled token keeps the output inside the grammar (the
+                                  sampler sees only the allowed tokens, whatever the sampling
+                                  mode); end-of-generation tokens are allowed exactly when the
+                                  output is complete, and a complete output that nothing may
+                                  extend ends the request with FINISH_STOP (also with
+                                  ignore_eos). Needs a tokenizer (KV_EUNSUPPORTED without). */
     /* ---- disaggregated serving (docs/disaggregation.md); zero = an ordinary request ---- */
     enum engine_disagg_mode {
         ENGINE_DISAGG_NONE = 0,
@@ -134,7 +142,8 @@ const char *finish_reason_str(enum finish_reason r);
 
 struct token_logprob {
     int32_t id;
-    float logprob;            /* natural log of the post-penalty, pre-temperature softmax */
+    float logprob;            /* natural log of the post-penalty, pre-temperature softmax (with a
+                                 grammar: over the allowed tokens only; others are -inf) */
 };
 
 struct engine_event {
@@ -208,6 +217,9 @@ struct engine_stats {
     int n_transfer_out, n_transfer_in;  /* requests whose blocks a transfer holds now */
     uint64_t kv_sends_ok, kv_sends_failed, kv_recvs_ok, kv_recvs_failed;
     uint64_t kv_transfer_timeouts;      /* engine-side deadlines that fired */
+    /* constrained decoding: engine-thread time in the grammar hooks (mask, check, accept)
+     * and the number of masked sampling steps */
+    uint64_t grammar_ns, grammar_steps;
 };
 
 typedef struct engine engine_t;

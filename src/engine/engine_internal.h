@@ -59,6 +59,8 @@ struct request {
     int priority;               /* lower = more urgent (sched.c) */
     struct stop_matcher stop;
     tok_stream_t *stream;       /* created lazily on the engine thread; NULL without tokenizer */
+    gram_matcher_t *gm;         /* owned; NULL = unconstrained. Per sequence: a choice forked
+                                   from another (n > 1) takes gram_matcher_clone() of it */
     uint64_t t_arrival_ns, t_admitted_ns, t_first_ns;
     /* per-step scheduling state */
     int chunk;                  /* tokens scheduled this step (0 = not scheduled) */
@@ -147,6 +149,11 @@ struct engine {
     struct batch_seq *seqs;     /* (max_batch_size) */
     float *logits;              /* (max_batch_size, n_vocab) */
     struct sampler_scratch scratch;
+    /* constrained decoding (constrain.c): the vocabulary trie, built at the first request
+     * with a grammar (any thread, under gv_mu) */
+    pthread_mutex_t gv_mu;
+    gram_vocab_t *gvocab;
+    uint64_t grammar_ns, grammar_steps; /* engine thread; published with the stats */
     struct token_logprob *top;  /* (20) */
     struct backend_sampling *bsamp;   /* (max_batch_size) device sampling requests of a step */
     struct backend_sample_out *bout;  /* (max_batch_size) and their results */
@@ -263,6 +270,20 @@ kv_status logits_init(struct engine *e);
 void logits_apply(const struct engine *e, const struct request *r, float *logits);
 /* True if id is one of r's stop_token_ids. */
 bool logits_is_stop_id(const struct request *r, int32_t id);
+/* ---- constrain.c (constrained decoding hooks) ---- */
+/* Submit: r->gm for grammar g (builds the engine's vocabulary trie once). KV_EUNSUPPORTED
+ * without a tokenizer, KV_ENOMEM. */
+kv_status constrain_request_init(struct engine *e, struct request *r, gram_t *g, char *err, size_t errlen);
+/* Before sampling: disallowed tokens of logits (n_vocab) become -inf. Returns the number of
+ * allowed tokens (0: nothing may follow, the caller fails the request), -1 on ENOMEM. */
+int constrain_mask_logits(struct engine *e, struct request *r, float *logits);
+/* After sampling: id if the grammar allows it, else the allowed token with the largest logit
+ * (only reachable through NaN logits). */
+int32_t constrain_check(struct engine *e, struct request *r, const float *logits, int32_t id);
+/* Advances r's matcher by id. false if id is outside the grammar; *final: the output is now
+ * complete and nothing may extend it. */
+bool constrain_accept(struct engine *e, struct request *r, int32_t id, bool *final);
+void constrain_destroy(struct engine *e);
 
 /* ---- engine.c ---- */
 /* Appends the sampled token id to r, emits its DELTA and, if r is done, its FINISH (a context
@@ -270,6 +291,10 @@ bool logits_is_stop_id(const struct request *r, int32_t id);
 bool engine_on_token(struct engine *e, struct request *r, int32_t id,
                      const struct token_logprob *chosen, const struct token_logprob *top,
                      int n_top);
+/* Samples r's next token from its logits row lg (in place: logit_bias and min_tokens bans,
+ * the grammar mask, penalties; then the sampler) and hands it to engine_on_token. false when
+ * r failed instead (its grammar allows no token: r is freed). */
+bool engine_sample(struct engine *e, struct request *r, float *lg);
 /* Terminal event without freeing (disagg.c). */
 void engine_post_terminal(struct engine *e, struct request *r, enum engine_event_type type,
                           enum finish_reason fin, kv_status st, const char *msg);

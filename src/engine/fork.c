@@ -91,7 +91,8 @@ static struct request *clone_choice(struct engine *e, const struct request *r, i
     c->bias = dup_bytes(r->bias, (size_t)r->n_bias * sizeof *r->bias);
     c->stop_ids = dup_bytes(r->stop_ids, (size_t)r->n_stop_ids * sizeof *r->stop_ids);
     c->root_bytes = dup_bytes(r->root_bytes, r->root_len);
-    if (!c->tokens || !c->blocks || !c->bhash || !c->buid || (r->n_bias && !c->bias) ||
+    c->gm = r->gm ? gram_matcher_clone(r->gm) : NULL; /* its own grammar state, at the start */
+    if (!c->tokens || !c->blocks || !c->bhash || !c->buid || (r->n_bias && !c->bias) || (r->gm && !c->gm) ||
         (r->n_stop_ids && !c->stop_ids) || (r->root_len && !c->root_bytes) ||
         stop_init(&c->stop, (const char *const *)r->stop.stops, r->stop.n_stops) != KV_OK) {
         engine_request_free(c);
@@ -150,7 +151,6 @@ static void fail_unborn(struct engine *e, const struct request *r, int index) {
 int fork_choices(struct engine *e, struct request *r, const float *logits) {
     int n = r->n_choices, sampled = 0;
     r->n_choices = 1;
-    struct token_logprob chosen;
     for (int i = 1; i < n; i++) {
         struct request *c = clone_choice(e, r, i);
         if (!c || engine_vec_grow((void **)&e->running, &e->cap_running, e->n_running + 1,
@@ -165,14 +165,7 @@ int fork_choices(struct engine *e, struct request *r, const float *logits) {
         share_blocks(e, r, c);
         e->running[e->n_running++] = c;
         memcpy(e->fork_row, logits, (size_t)e->n_vocab * sizeof *e->fork_row);
-        logits_apply(e, c, e->fork_row);
-        bool want_lp = c->sp.logprobs || c->sp.top_logprobs > 0;
-        int n_top = c->sp.top_logprobs;
-        int32_t id = sampler_sample(&c->sp, e->fork_row, e->n_vocab, c->tokens, c->n_prompt,
-                                    c->tokens + c->n_prompt, 0, &c->rng, &e->scratch,
-                                    want_lp ? &chosen : NULL, e->top, n_top);
-        sampled++;
-        engine_on_token(e, c, id, want_lp ? &chosen : NULL, e->top, n_top);
+        if (engine_sample(e, c, e->fork_row)) sampled++;
     }
     return sampled;
 }

@@ -70,6 +70,20 @@ void sampler_apply_penalties(const struct sampling_params *sp, float *logits, in
     }
 }
 
+void sampler_apply_mask(float *logits, int n_vocab, const uint64_t *allowed) {
+    for (int w = 0; w * 64 < n_vocab; w++) {
+        uint64_t bits = allowed[w];
+        if (bits == ~0ull) continue;
+        int end = w * 64 + 64 < n_vocab ? w * 64 + 64 : n_vocab;
+        if (bits == 0) { /* the common case in narrow states: a plain (vectorized) fill */
+            for (int i = w * 64; i < end; i++) logits[i] = -INFINITY;
+            continue;
+        }
+        for (int i = w * 64; i < end; i++)
+            if (!((bits >> (i & 63)) & 1)) logits[i] = -INFINITY;
+    }
+}
+
 /* Sort order for candidates: logit desc, then id asc. */
 static _Thread_local const float *g_sort_logits; /* qsort has no context argument */
 static int cand_cmp(const void *a, const void *b) {
@@ -172,7 +186,11 @@ int32_t sampler_pick(const struct sampling_params *sp, const float *logits, int 
         acc += prob[i];
         if (u < acc) return cand[i];
     }
-    return cand[n - 1]; /* rounding: u landed on the total */
+    /* rounding: u landed on the total; take the last candidate with any weight (a candidate
+     * of weight 0, e.g. masked to -inf by a grammar, is never returned) */
+    for (int i = n - 1; i > 0; i--)
+        if (prob[i] > 0.0) return cand[i];
+    return cand[0];
 }
 
 int32_t sampler_sample(const struct sampling_params *sp, float *logits, int n_vocab,

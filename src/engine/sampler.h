@@ -44,6 +44,12 @@ void sampler_apply_penalties(const struct sampling_params *sp, float *logits, in
                              const int32_t *prompt, int n_prompt, const int32_t *gen, int n_gen,
                              struct sampler_scratch *s);
 
+/* Constrained decoding: logits[i] = -inf for every i whose bit is clear in allowed
+ * (ceil(n_vocab / 64) words, bit i of word i / 64). Applied before sampler_sample, so greedy,
+ * temperature, top-k/p, min-p and the penalties all act on the allowed tokens only, and the
+ * reported logprobs are the distribution over them. */
+void sampler_apply_mask(float *logits, int n_vocab, const uint64_t *allowed);
+
 /* log_softmax of logits at id, and (if n_top > 0) the n_top most likely ids with their
  * logprobs, sorted by logprob desc (ties -> lower id). n_top <= n_vocab. */
 float sampler_logprob(const float *logits, int n_vocab, int32_t id, struct token_logprob *top,

@@ -54,6 +54,7 @@ struct gen_choice {
     int completion_tokens;
     bool done;                    /* its terminal event arrived */
     uint64_t t_first_ns;
+    gram_tool_stream_t *tools;    /* tool-call extraction of this choice (toolcalls.c); NULL = none */
     struct qev term;              /* terminal-event slot (never lost to malloc failure) */
 };
 
@@ -94,6 +95,8 @@ struct gen {
     struct token_logprob first_lp, first_top[20];
     int n_first_top;
     bool has_first_lp;
+    /* tool calls extracted from the output (toolcalls.c, per choice) */
+    int tool_fmt, max_calls;
 };
 
 
@@ -107,6 +110,7 @@ static void gen_free(struct gen *g) {
     for (int i = 0; i < g->n; i++) {
         kv_buf_free(&g->ch[i].text);
         json_decref(g->ch[i].lp);
+        gram_tool_stream_free(g->ch[i].tools);
     }
     kv_buf_free(&g->pending);
     free(g->prompt_ids);
@@ -309,7 +313,14 @@ static void stream_event(struct gen *g, struct gen_choice *c, int index,
                              ev->n_ids, ev->n_top, &c->lp_offset);
     }
     const char *fin = terminal ? finish_reason_str(ev->finish) : NULL;
-    if (g->kind == OAI_CHAT) {
+    if (c->tools) {
+        const char *mk = ev->n_ids > 0 && ev->ids ? tools_marker_text(srv.t, g->tool_fmt, ev->ids[0]) : NULL;
+        if (mk)
+            tools_stream_event(c->tools, &g->pending, &m, mk, strlen(mk), NULL, NULL, g->tool_fmt, g->max_calls,
+                               &srv.rng);
+        tools_stream_event(c->tools, &g->pending, &m, ev->text, ev->text_len, lp, fin, g->tool_fmt, g->max_calls,
+                           &srv.rng);
+    } else if (g->kind == OAI_CHAT) {
         /* content (and its logprobs) first; the finish chunk has delta {} (OpenAI) */
         if (ev->text_len > 0 || lp)
             resp_chunk_sse(&g->pending, &m, NULL, ev->text ? ev->text : "", ev->text_len, lp, NULL);
@@ -348,6 +359,13 @@ static void finish_full(struct gen *g) {
             c->lp = NULL; /* stolen */
         }
         body = resp_full_json_n(&m, rc, g->n, &u);
+        for (int i = 0; body && i < g->n; i++)
+            if (g->ch[i].tools) {
+                char *b2 = tools_rewrite_body(g->ch[i].tools, body, i, g->ch[i].text.data, g->ch[i].text.len,
+                                              g->tool_fmt, g->max_calls, &srv.rng);
+                free(body);
+                body = b2;
+            }
         if (body && g->dtype == OAI_DISAGG_CONTEXT_ONLY) {
             /* the KV stays offered unless the request ended here in context first */
             bool offered = g->ch[0].finish == FINISH_NOT_FINISHED || !g->context_first;
@@ -419,6 +437,8 @@ static void handle_event(struct gen *g, const struct engine_event *ev) {
             for (int i = 0; i < g->n_first_top; i++) g->first_top[i] = ev->top[i];
         }
     }
+    const char *mk = c->tools && ev->n_ids > 0 && ev->ids ? tools_marker_text(srv.t, g->tool_fmt, ev->ids[0]) : NULL;
+    if (mk) kv_buf_puts(&c->text, mk);
     if (ev->text_len) kv_buf_append(&c->text, ev->text, ev->text_len);
     if (g->want_lp && ev->logprobs && ev->n_ids > 0)
         resp_logprobs_append(c->lp, g->kind, srv.t, g->tokens_as_ids, ev->logprobs, ev->top,
@@ -621,6 +641,20 @@ void gen_start(struct evhttp_request *req, const struct oai_request *r, const in
         g->n_prompt_ids = n;
     }
     make_id(g->id, sizeof g->id, kind == OAI_CHAT ? "chatcmpl-" : "cmpl-");
+    if (r->so.parse_tool_calls) {
+        g->tool_fmt = srv.lim.tool_fmt;
+        g->max_calls = r->so.parallel_tool_calls ? 0 : 1;
+        for (int i = 0; i < n_ch; i++) {
+            g->ch[i].tools = gram_tool_stream_new((enum gram_tool_fmt)(g->tool_fmt ? g->tool_fmt : GRAM_TOOLS_HERMES));
+            if (!g->ch[i].tools) {
+                for (int k = 0; k < i; k++) gram_tool_stream_free(g->ch[k].tools);
+                free(g->prompt_ids);
+                free(g);
+                http_send_errf(req, 500, "server_error", NULL, NULL, "out of memory");
+                return;
+            }
+        }
+    }
     if (g->want_lp && !g->stream)
         for (int i = 0; i < n_ch; i++) g->ch[i].lp = resp_logprobs_new(kind);
     /* link before submit: events may arrive (on the engine thread) before submit returns,

@@ -38,6 +38,8 @@ struct http_config {
     int prep_threads;        /* threads that parse, render and tokenize requests; 0 = 2 */
     const char *served_model_name; /* id in /v1/models and responses; default model name */
     const char *port_file;   /* optional: write the bound port here once listening */
+    const char *tool_call_parser; /* tool-call format: "hermes" | "llama3_json" | "mistral";
+                                     NULL = detected from the chat template (grammar.h) */
     /* optional, borrowed (outlives http_serve): prompts of /v1/completions,
      * /v1/chat/completions and /tokenize are tokenized through this prefix token cache
      * (tokenizer/prefix_cache.h; same ids as tok_encode), and /metrics reports its counters.

@@ -36,6 +36,7 @@ struct oai_limits {
     int max_model_len;       /* max_tokens above this is rejected; <= 0 = no check */
     const char *const *aliases; /* (n_aliases) more names the model answers to (borrowed) */
     int n_aliases;
+    int tool_fmt;            /* enum gram_tool_fmt: how the model writes tool calls (0 = hermes) */
 };
 
 enum oai_kind { OAI_COMPLETION = 0, OAI_CHAT, OAI_TOKENIZE, OAI_DETOKENIZE };
@@ -64,6 +65,24 @@ struct oai_disagg {
     struct token_logprob first_top[20];
     int n_first_top;
     char *conversation_id;      /* owned or NULL */
+};
+
+/* Structured output and tools of a request (structured.c). */
+enum oai_so_kind { OAI_SO_NONE = 0, OAI_SO_JSON_OBJECT, OAI_SO_JSON_SCHEMA, OAI_SO_REGEX, OAI_SO_CHOICE, OAI_SO_GRAMMAR };
+enum oai_tool_choice { OAI_TOOLS_AUTO = 0, OAI_TOOLS_NONE, OAI_TOOLS_REQUIRED, OAI_TOOLS_NAMED };
+struct oai_structured {
+    enum oai_so_kind kind;
+    json_t *spec;               /* owned: the schema, regex or grammar string, or choice array */
+    bool strict;                /* json_schema.strict */
+    const char *param;          /* static: the field the constraint came from (error param) */
+    json_t *tools;              /* owned or NULL: the request's non-empty "tools" (chat) */
+    enum oai_tool_choice tool_choice;
+    char *tool_name;            /* owned: a named tool_choice */
+    bool parallel_tool_calls;   /* default true */
+    /* set by oai_structured_compile: */
+    gram_t *grammar;            /* owned reference; NULL = unconstrained */
+    bool parse_tool_calls;      /* chat with tools (tool_choice not "none", no response_format):
+                                   tool calls are extracted from the output */
 };
 
 /* A validated request. Everything is owned; release with oai_request_free. */
@@ -105,6 +124,7 @@ struct oai_request {
     bool add_special;           /* tokenize: add_special_tokens (default true) */
     struct oai_disagg disagg;   /* completions/chat: disaggregated_params */
     bool probe;                 /* POST /kv_probe: report the cached prefix, generate nothing */
+    struct oai_structured so;   /* completions/chat: response_format, guided_*, tool choice */
 };
 
 /* Parses body[0..len) as the given endpoint's request. On error returns KV_EINVAL, fills *err
@@ -132,6 +152,17 @@ kv_status oai_get_int(json_t *o, const char *k, int64_t lo, int64_t hi, bool *pr
  * max_tokens -1 becomes max_model_len - n_ids (at least 1). */
 void oai_engine_params(const struct oai_request *r, const int32_t *ids, size_t n_ids,
                        int max_model_len, struct engine_request_params *p);
+
+/* ---- structured.c ---- */
+/* response_format, guided_json/regex/choice/grammar, structured_outputs of body o into r->so
+ * (shape checks; at most one constraint). */
+kv_status oai_parse_structured(json_t *o, struct oai_request *r, struct oai_error *err);
+/* tool_choice and parallel_tool_calls (tools: the validated "tools" array or NULL). */
+kv_status oai_parse_tool_choice(json_t *o, json_t *tools, struct oai_request *r, struct oai_error *err);
+/* Compiles r->so into r->so.grammar (fmt: the model's tool-call format, for forced calls) and
+ * decides whether tool calls are extracted. 400 naming the field and what is unsupported. */
+kv_status oai_structured_compile(struct oai_request *r, enum gram_tool_fmt fmt, struct oai_error *err);
+void oai_structured_free(struct oai_structured *so);
 
 /* ---- prompt.c ---- */
 struct prefix_cache;
@@ -188,6 +219,25 @@ kv_status resp_chunk_sse(kv_buf *out, const struct resp_meta *m, const char *rol
                          const char *text, size_t text_len, json_t *logprobs, const char *finish);
 kv_status resp_usage_sse(kv_buf *out, const struct resp_meta *m, const struct resp_usage *u);
 kv_status resp_error_sse(kv_buf *out, const struct oai_error *e);
+
+/* ---- toolcalls.c (tool calls in chat responses) ---- */
+/* Stream: text of one engine event through the extraction ts; writes a content chunk (with
+ * lp, stolen) when there is content or lp, one tool_calls chunk per batch of completed calls
+ * and, when fin is not NULL (terminal event), the final chunk whose finish_reason is
+ * "tool_calls" if calls were made and fin is "stop". max_calls > 0: later calls are dropped
+ * (parallel_tool_calls false). */
+kv_status tools_stream_event(gram_tool_stream_t *ts, kv_buf *out, const struct resp_meta *m, const char *text,
+                             size_t len, json_t *lp, const char *fin, int fmt, int max_calls, kv_rng *rng);
+/* The text of token id when it is a tool-call marker of format fmt that the vocabulary makes
+ * a special token, so that it is absent from the output text (Mistral's [TOOL_CALLS] in v3
+ * tokenizers, <tool_call> in some Hermes vocabularies): gen.c puts it back for the
+ * extraction. NULL otherwise. */
+const char *tools_marker_text(const tokenizer_t *t, int fmt, int32_t id);
+/* Non-stream: the chat body with choices[index].message.content / tool_calls set from that
+ * choice's full output text (content null when only calls were made). Heap string or NULL
+ * (ENOMEM). */
+char *tools_rewrite_body(gram_tool_stream_t *ts, const char *body, int index, const char *text, size_t len,
+                         int fmt, int max_calls, kv_rng *rng);
 
 /* ---- metrics.c ---- */
 /* A Prometheus histogram over fixed bucket bounds (seconds; metrics.c has the bounds of each

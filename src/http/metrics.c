@@ -137,6 +137,15 @@ kv_status metrics_render(kv_buf *out, const struct engine_stats *s, const struct
       s->prefix_waits_total);
     C("scheduler_deadlock_failures_total", "Requests failed by the no-progress detector.",
       s->deadlock_failures);
+    /* constrained decoding (docs/structured-output.md) */
+    struct gram_stats gs;
+    gram_get_stats(&gs);
+    C("grammar_steps_total", "Sampling steps masked by a request's grammar.", s->grammar_steps);
+    C("grammar_seconds_total", "Engine time in the grammar hooks (masks, applying them, advancing).",
+      (double)s->grammar_ns / 1e9);
+    C("grammar_mask_cache_hits_total", "Token masks served from a grammar's mask cache.", gs.mask_hits);
+    C("grammar_mask_cache_misses_total", "Token masks computed by a vocabulary trie walk.", gs.mask_misses);
+    C("grammar_mask_walk_seconds_total", "Time spent in vocabulary trie walks.", (double)gs.walk_ns / 1e9);
     if (c) {
         C("http_requests_total", "HTTP requests received.", c->http_requests_total);
         C("http_responses_4xx_total", "HTTP responses with a 4xx status.", c->http_errors_4xx);

@@ -338,18 +338,7 @@ static kv_status parse_chat_extras(json_t *o, struct oai_request *r, struct oai_
     }
     json_t *tools = field(o, "tools");
     if (tools && check_tools(tools, err)) return KV_EINVAL;
-    json_t *tc = field(o, "tool_choice");
-    if (tc) {
-        if (json_is_string(tc) && (!strcmp(json_string_value(tc), "none") || !strcmp(json_string_value(tc), "auto"))) {
-            /* accepted: the model decides (output is not constrained either way) */
-        } else if (json_is_string(tc) || json_is_object(tc)) {
-            return BAD("tool_choice", "only tool_choice \"auto\" or \"none\" is supported (no constrained decoding)");
-        } else {
-            return BAD("tool_choice", "'tool_choice' must be a string or an object");
-        }
-    }
-    json_t *ptc = field(o, "parallel_tool_calls");
-    if (ptc && !json_is_boolean(ptc)) return BAD("parallel_tool_calls", "'parallel_tool_calls' must be a boolean");
+    if (oai_parse_tool_choice(o, tools, r, err)) return KV_EINVAL; /* structured.c */
     json_t *kw = field(o, "chat_template_kwargs");
     if (kw && !json_is_object(kw)) return BAD("chat_template_kwargs", "'chat_template_kwargs' must be an object");
     if (!(tools && json_array_size(tools) > 0) && !(kw && json_object_size(kw) > 0)) return KV_OK;
@@ -457,12 +446,6 @@ static kv_status parse_generation(json_t *o, const struct oai_limits *lim, struc
             if (!sp->logprobs && x > 0)
                 return BAD("top_logprobs", "'top_logprobs' requires 'logprobs' to be true");
             sp->top_logprobs = (int)x;
-        }
-        json_t *rf = field(o, "response_format");
-        if (rf) {
-            json_t *t = json_is_object(rf) ? json_object_get(rf, "type") : NULL;
-            if (!json_is_string(t) || strcmp(json_string_value(t), "text") != 0)
-                return BAD("response_format", "only response_format {\"type\": \"text\"} is supported");
         }
     }
     return KV_OK;
@@ -656,12 +639,18 @@ static kv_status parse_obj(enum oai_kind kind, json_t *o, const struct oai_limit
         if (check_model(o, lim, err) || check_ignored_strings(o, err) || parse_cache_salt(o, r, err))
             return KV_EINVAL;
         if (parse_prompt(o, lim, r, err)) return KV_EINVAL;
-        return parse_generation(o, lim, r, err) || parse_disagg(o, lim, r, err) ? KV_EINVAL : KV_OK;
+        return parse_generation(o, lim, r, err) || parse_disagg(o, lim, r, err) ||
+                       oai_parse_structured(o, r, err)
+                   ? KV_EINVAL
+                   : KV_OK;
     case OAI_CHAT:
         if (check_model(o, lim, err) || check_ignored_strings(o, err) || parse_cache_salt(o, r, err))
             return KV_EINVAL;
         if (parse_messages(o, r, err) || parse_chat_extras(o, r, err)) return KV_EINVAL;
-        return parse_generation(o, lim, r, err) || parse_disagg(o, lim, r, err) ? KV_EINVAL : KV_OK;
+        return parse_generation(o, lim, r, err) || parse_disagg(o, lim, r, err) ||
+                       oai_parse_structured(o, r, err)
+                   ? KV_EINVAL
+                   : KV_OK;
     case OAI_TOKENIZE:
         if (check_model(o, lim, err)) return KV_EINVAL;
         if (get_bool(o, "add_special_tokens", &r->add_special, err)) return KV_EINVAL;
@@ -719,6 +708,7 @@ void oai_request_free(struct oai_request *r) {
     free(r->disagg.conversation_id);
     for (int i = 0; i < r->n_stop; i++) free(r->stop[i]);
     free(r->stop);
+    oai_structured_free(&r->so);
     memset(r, 0, sizeof *r);
 }
 
@@ -745,6 +735,7 @@ void oai_engine_params(const struct oai_request *r, const int32_t *ids, size_t n
     p->n_stop_token_ids = r->n_stop_token_ids;
     p->min_tokens = r->min_tokens;
     p->priority = r->priority;
+    p->grammar = r->so.grammar;
     const struct oai_disagg *g = &r->disagg;
     if (g->type == OAI_DISAGG_CONTEXT_ONLY) p->disagg = ENGINE_DISAGG_CONTEXT_ONLY;
     else if (g->type == OAI_DISAGG_GENERATION_ONLY) p->disagg = ENGINE_DISAGG_GENERATION_ONLY;

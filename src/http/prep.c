@@ -130,6 +130,14 @@ static void prepare(struct prep_job *j) {
             }
         }
     }
+    if (j->what == PREP_GENERATE) { /* response_format / guided_* / tool_choice -> grammar (structured.c) */
+        struct oai_error se;
+        if (oai_structured_compile(r, (enum gram_tool_fmt)srv.lim.tool_fmt, &se)) {
+            j->err = se;
+            j->failed = true;
+            return;
+        }
+    }
     /* /tokenize counts any text (clients use it to measure prompts); generation refuses what
      * cannot fit before tokenizing it */
     size_t bound = j->what == PREP_TOKENIZE ? 0 : P.max_prompt_bytes;

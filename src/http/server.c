@@ -246,6 +246,8 @@ kv_status http_serve(const struct http_config *cfg, engine_t *e, const model_t *
     srv.lim.served_name = srv.model_name;
     srv.lim.n_vocab = tok_n_vocab(t);
     srv.lim.max_model_len = engine_config(e)->max_model_len;
+    srv.lim.tool_fmt = cfg && cfg->tool_call_parser ? gram_tool_fmt_from_name(cfg->tool_call_parser)
+                                                    : gram_tool_fmt_detect(tok_chat_template(t));
     srv.live = NULL;
     srv.n_live = 0;
     srv.subs = NULL;

@@ -20,6 +20,7 @@ const char *chat_format_name(chat_format f) {
 }
 
 chat_format tok_chat_format(const tokenizer_t *t) { return t->chat_fmt; }
+const char *tok_chat_template(const tokenizer_t *t) { return t ? t->chat_template : NULL; }
 
 void tok_chat_detect(tokenizer_t *t) {
     const char *s = t->chat_template;

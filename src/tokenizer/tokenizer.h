@@ -112,6 +112,8 @@ struct chat_message {
 };
 typedef enum { CHAT_FMT_CHATML = 0, CHAT_FMT_LLAMA3, CHAT_FMT_MISTRAL } chat_format;
 chat_format tok_chat_format(const tokenizer_t *t);
+/* The model's chat template source (borrowed), or NULL when it has none. */
+const char *tok_chat_template(const tokenizer_t *t);
 const char *chat_format_name(chat_format f);
 /* tok_chat_format: the built-in family detected from the template text (used only when the
  * template itself cannot be run; ChatML without a template). */

@@ -423,7 +423,8 @@ def tools(s):
             ("tool without name", {"tools": [{"type": "function", "function": {}}]}, "tools"),
             ("tool wrong type", {"tools": [{"type": "code", "function": {"name": "x"}}]}, "tools"),
             ("kwargs list", {"chat_template_kwargs": [1]}, "chat_template_kwargs"),
-            ("tool_choice required", {"tool_choice": "required"}, "tool_choice")]:
+            ("tool_choice unknown function", {"tool_choice": {"type": "function", "function": {"name": "nope"}}},
+             "tool_choice")]:
         b = dict(body, **extra)
         st, resp, _ = s.post("/v1/chat/completions", b)
         check(st == 400 and resp["error"]["param"] == param, "tools: %s -> 400 %s (%s %s)" % (name, param, st, resp))

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "http/http_internal.h"
+#include "test_util.h"
 
 static const struct oai_limits LIM = {.served_name = "stories260K", .n_vocab = 512, .max_model_len = 512};
 
@@ -171,7 +172,26 @@ static const struct bad_case bad[] = {
     {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"1\",\"name\":[]}]}", 400, "messages[0].name", NULL},
     {C, "{\"prompt\":\"a\",\"cache_salt\":[\"s\"]}", 400, "cache_salt", NULL},
     {T, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"tools\":5}", 400, "tools", NULL},
-    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"response_format\":{\"type\":\"json_object\"}}", 400, "response_format", NULL},
+    /* structured output and tool choice (structured.c) */
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"response_format\":{\"type\":\"xml\"}}", 400, "response_format", NULL},
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"response_format\":\"json\"}", 400, "response_format", NULL},
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"response_format\":{\"type\":\"json_schema\"}}", 400, "response_format", NULL},
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"schema\":3}}}", 400, "response_format.json_schema.schema", NULL},
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"strict\":\"yes\",\"schema\":{}}}}", 400, "response_format", NULL},
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"response_format\":{\"type\":\"json_object\"},\"guided_regex\":\"a\"}", 400, "guided_regex", NULL},
+    {C, "{\"prompt\":\"a\",\"guided_json\":\"{not json\"}", 400, "guided_json", NULL},
+    {C, "{\"prompt\":\"a\",\"guided_json\":[1]}", 400, "guided_json", NULL},
+    {C, "{\"prompt\":\"a\",\"guided_regex\":5}", 400, "guided_regex", NULL},
+    {C, "{\"prompt\":\"a\",\"guided_choice\":[]}", 400, "guided_choice", NULL},
+    {C, "{\"prompt\":\"a\",\"guided_choice\":[\"a\",1]}", 400, "guided_choice", NULL},
+    {C, "{\"prompt\":\"a\",\"guided_grammar\":{}}", 400, "guided_grammar", NULL},
+    {C, "{\"prompt\":\"a\",\"guided_whitespace_pattern\":\" *\"}", 400, "guided_whitespace_pattern", NULL},
+    {C, "{\"prompt\":\"a\",\"structured_outputs\":{\"xml\":1}}", 400, "structured_outputs", NULL},
+    {C, "{\"prompt\":\"a\",\"structured_outputs\":{\"regex\":\"a\",\"choice\":[\"b\"]}}", 400, "structured_outputs", NULL},
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\"}}],\"tool_choice\":{\"type\":\"function\",\"function\":{\"name\":\"g\"}}}", 400, "tool_choice", NULL},
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\"}}],\"tool_choice\":\"sometimes\"}", 400, "tool_choice", NULL},
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\"}}],\"tool_choice\":{\"function\":{\"name\":\"f\"}}}", 400, "tool_choice", NULL},
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"parallel_tool_calls\":1}", 400, "parallel_tool_calls", NULL},
     /* tokenize / detokenize */
     {T, "{}", 400, "prompt", NULL},
     {T, "{\"prompt\":\"a\",\"add_special_tokens\":\"yes\"}", 400, "add_special_tokens", NULL},
@@ -480,6 +500,102 @@ static void test_chat_tools(void **state) {
     assert_string_equal(e.param, "cache_salt");
 }
 
+/* Structured output: parsed, then compiled (oai_structured_compile) into a grammar; errors
+ * name the field and the unsupported construct. */
+static void test_structured(void **state) {
+    (void)state;
+    struct { int kind; const char *body; enum oai_so_kind so; bool grammar, parse_tools; } ok[] = {
+        {H, "%s\"response_format\":{\"type\":\"text\"}}", OAI_SO_NONE, false, false},
+        {H, "%s\"response_format\":{\"type\":\"json_object\"}}", OAI_SO_JSON_OBJECT, true, false},
+        {H, "%s\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"x\",\"strict\":true,\"schema\":{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"integer\"}},\"required\":[\"a\"],\"additionalProperties\":false}}}}",
+         OAI_SO_JSON_SCHEMA, true, false},
+        {C, "{\"prompt\":\"a\",\"guided_json\":\"{\\\"type\\\":\\\"string\\\"}\"}", OAI_SO_JSON_SCHEMA, true, false},
+        {C, "{\"prompt\":\"a\",\"guided_regex\":\"[0-9]+\"}", OAI_SO_REGEX, true, false},
+        {C, "{\"prompt\":\"a\",\"guided_choice\":[\"yes\",\"no\"]}", OAI_SO_CHOICE, true, false},
+        {C, "{\"prompt\":\"a\",\"guided_grammar\":\"root ::= \\\"x\\\"+\"}", OAI_SO_GRAMMAR, true, false},
+        {C, "{\"prompt\":\"a\",\"structured_outputs\":{\"choice\":[\"a\"]}}", OAI_SO_CHOICE, true, false},
+        /* llama.cpp's extensions */
+        {H, "%s\"response_format\":{\"type\":\"json_object\",\"schema\":{\"const\":\"42\"}}}", OAI_SO_JSON_SCHEMA, true, false},
+        {H, "%s\"json_schema\":{\"items\":[{\"type\":\"integer\"}]}}", OAI_SO_JSON_SCHEMA, true, false},
+        {H, "%s\"grammar\":\"root ::= \\\"a\\\"{5,5}\"}", OAI_SO_GRAMMAR, true, false},
+        {H, "%s\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\"}}]}", OAI_SO_NONE, false, true},
+        {H, "%s\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\"}}],\"tool_choice\":\"none\"}", OAI_SO_NONE, false, false},
+        {H, "%s\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\"}}],\"tool_choice\":\"required\"}", OAI_SO_NONE, true, true},
+        {H, "%s\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\"}}],\"tool_choice\":{\"type\":\"function\",\"function\":{\"name\":\"f\"}},\"parallel_tool_calls\":false}",
+         OAI_SO_NONE, true, true},
+        {H, "%s\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\"}}],\"response_format\":{\"type\":\"json_object\"}}", OAI_SO_JSON_OBJECT, true, false},
+    };
+    const char *M = "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],";
+    for (size_t i = 0; i < sizeof ok / sizeof *ok; i++) {
+        char body[1024];
+        snprintf(body, sizeof body, ok[i].body, M);
+        struct oai_request r;
+        parse_ok(ok[i].kind, body, &r);
+        assert_int_equal(r.so.kind, ok[i].so);
+        struct oai_error e;
+        if (oai_structured_compile(&r, GRAM_TOOLS_HERMES, &e)) fail_msg("case %zu: %s", i, e.message);
+        assert_int_equal(r.so.grammar != NULL, ok[i].grammar);
+        assert_int_equal(r.so.parse_tool_calls, ok[i].parse_tools);
+        struct engine_request_params p;
+        oai_engine_params(&r, (const int32_t[]){1}, 1, 64, &p);
+        assert_ptr_equal(p.grammar, r.so.grammar);
+        oai_request_free(&r);
+    }
+    struct { int kind; const char *body, *param, *want; } bad[] = {
+        {H, "%s\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"schema\":{\"type\":\"object\",\"patternProperties\":{}}}}}",
+         "response_format", "patternProperties"},
+        {C, "{\"prompt\":\"a\",\"guided_json\":{\"type\":\"string\",\"format\":\"hostname\"}}", "guided_json", "hostname"},
+        {C, "{\"prompt\":\"a\",\"guided_regex\":\"(a)\\\\1\"}", "guided_regex", "backreference"},
+        {H, "%s\"response_format\":{\"type\":\"json_object\",\"schema\":{\"type\":\"hiccup\"}}}", "response_format", "hiccup"},
+        {C, "{\"prompt\":\"a\",\"guided_grammar\":\"start ::= \\\"x\\\"\"}", "guided_grammar", "root"},
+        {H, "%s\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\",\"parameters\":{\"type\":\"object\",\"not\":{}}}}],\"tool_choice\":\"required\"}",
+         "tools", "'not'"},
+        {H, "%s\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\"}}],\"tool_choice\":\"required\",\"response_format\":{\"type\":\"json_object\"}}",
+         "tool_choice", "response_format"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        char body[1024];
+        snprintf(body, sizeof body, bad[i].body, M);
+        struct oai_request r;
+        parse_ok(bad[i].kind, body, &r);
+        struct oai_error e;
+        assert_int_equal(oai_structured_compile(&r, GRAM_TOOLS_HERMES, &e), KV_EINVAL);
+        if (e.status != 400 || strcmp(e.param, bad[i].param) || !strstr(e.message, bad[i].want))
+            fail_msg("case %zu: %d param '%s' message '%s'", i, e.status, e.param, e.message);
+        oai_request_free(&r);
+    }
+}
+
+/* Tool-call markers that a vocabulary makes special tokens (absent from the output text) are
+ * recognized for re-insertion; ordinary tokens and markers of other formats are not. */
+static void test_tool_markers(void **state) {
+    (void)state;
+    char dir[128], path[256];
+    assert_int_equal(test_tmpdir_make(dir, sizeof dir, "kv_markers"), 0);
+    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    fputs("{\"version\":\"1.0\",\"added_tokens\":["
+          "{\"id\":3,\"content\":\"[TOOL_CALLS]\",\"single_word\":false,\"lstrip\":false,\"rstrip\":false,\"normalized\":false,\"special\":true},"
+          "{\"id\":4,\"content\":\"<tool_call>\",\"single_word\":false,\"lstrip\":false,\"rstrip\":false,\"normalized\":false,\"special\":true},"
+          "{\"id\":5,\"content\":\"</tool_call>\",\"single_word\":false,\"lstrip\":false,\"rstrip\":false,\"normalized\":false,\"special\":false}],"
+          "\"normalizer\":null,\"pre_tokenizer\":null,\"post_processor\":null,\"decoder\":null,"
+          "\"model\":{\"type\":\"BPE\",\"vocab\":{\"a\":0,\"b\":1,\"c\":2,\"[TOOL_CALLS]\":3,\"<tool_call>\":4,"
+          "\"</tool_call>\":5},\"merges\":[]}}", f);
+    fclose(f);
+    tokenizer_t *t = NULL;
+    char err[256];
+    if (tok_load(path, &t, err, sizeof err)) fail_msg("%s", err);
+    assert_string_equal(tools_marker_text(t, GRAM_TOOLS_MISTRAL, 3), "[TOOL_CALLS]");
+    assert_null(tools_marker_text(t, GRAM_TOOLS_HERMES, 3));      /* not a hermes marker */
+    assert_string_equal(tools_marker_text(t, GRAM_TOOLS_HERMES, 4), "<tool_call>");
+    assert_null(tools_marker_text(t, GRAM_TOOLS_HERMES, 5));      /* not special: already in the text */
+    assert_null(tools_marker_text(t, GRAM_TOOLS_MISTRAL, 0));
+    assert_null(tools_marker_text(t, GRAM_TOOLS_MISTRAL, -1));
+    tok_free(t);
+    test_tmpdir_remove(dir);
+}
+
 static void test_disaggregated_params(void **state) {
     (void)state;
     struct oai_request r;
@@ -594,6 +710,8 @@ int main(void) {
         cmocka_unit_test(test_sampling_fields),
         cmocka_unit_test(test_chat),
         cmocka_unit_test(test_chat_tools),
+        cmocka_unit_test(test_structured),
+        cmocka_unit_test(test_tool_markers),
         cmocka_unit_test(test_disaggregated_params),
         cmocka_unit_test(test_tokenize_detokenize),
         cmocka_unit_test(test_responses_shapes),
