@@ -181,9 +181,15 @@ static void on_under_event(struct bufferevent *bev, short what, void *arg) {
         gate_finish(g);
         return;
     }
-    /* the client ended its input after a complete request that is still being answered
-     * (not streamed): hold the end back so the answer is still sent */
-    if ((what & BEV_EVENT_EOF) && !(what & BEV_EVENT_ERROR) && g->rs == R_WAIT && g->half_closed) {
+    /* The client ended its input after a complete request that is still being answered:
+     * hold the end back so the answer is still sent, when the client half-closed right after
+     * its request, or when a (non-streamed) reply is already being written: evhttp starts
+     * reading when it starts a reply, and would otherwise drop the reply's bytes we have not
+     * written yet (a client that is really gone makes the write fail instead). */
+    bool reply_underway = g->os == O_HEADBYTES || g->os == O_BODY ||
+                          (g->os == O_HEAD && evbuffer_get_length(bufferevent_get_output(g->filt)));
+    if ((what & BEV_EVENT_EOF) && !(what & BEV_EVENT_ERROR) && g->rs == R_WAIT &&
+        (g->half_closed || reply_underway)) {
         g->eof_held = true;
         return;
     }

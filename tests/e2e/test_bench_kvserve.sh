@@ -95,10 +95,16 @@ if command -v gnuplot >/dev/null; then
 fi
 
 # 3. Ctrl-C: stops cleanly, still reports, every request sent is counted
-"$bin" bench --url "$url" --sessions 200 --turns 2 --system-tokens 8 --tool-tokens 6 --output-tokens 64 \
+# (a run far longer than the test; interrupted once the server has answered some of it)
+before=$(curl -s "$url/metrics" | awk '/^kvserve_requests_total/ {print $2}')
+"$bin" bench --url "$url" --sessions 100000 --turns 2 --system-tokens 8 --tool-tokens 6 --output-tokens 64 \
   --concurrency 4 --out "$tmp/int.json" --quiet > "$tmp/int.txt" 2>&1 &
 bpid=$!
-sleep 0.7
+for _ in $(seq 600); do
+  now=$(curl -s "$url/metrics" | awk '/^kvserve_requests_total/ {print $2}')
+  (( ${now%.*} >= ${before%.*} + 8 )) && break
+  sleep 0.05 # a bounded poll for progress, not a timing assumption
+done
 kill -INT "$bpid"
 rc=0; wait "$bpid" || rc=$?
 [[ $rc == 130 ]] || { cat "$tmp/int.txt"; fail "interrupted bench exit code $rc (want 130)"; }
