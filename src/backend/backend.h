@@ -271,4 +271,12 @@ struct backend_options {
 kv_status backend_create(const model_t *m, const struct backend_options *opt, backend_t **out, char *err,
                          size_t errlen);
 
+/* The checks every backend's forward makes before touching memory: a well-formed batch, a KV pool
+ * (pool_ready, be->n_blocks >= 1), per sequence 1 <= n_tokens, 0 <= n_past, a known logits
+ * mode, a block table covering n_past + n_tokens positions at tpb tokens per block with ids in
+ * [0, be->n_blocks), token ids in [0, n_vocab), at most max_tokens tokens in all. KV_EINVAL
+ * with a message naming the sequence and the field; reads only. */
+kv_status backend_check_batch(const backend_t *be, const struct batch *b, bool pool_ready, int tpb, int n_vocab,
+                              long max_tokens, char *err, size_t errlen);
+
 #endif

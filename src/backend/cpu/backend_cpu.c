@@ -332,38 +332,8 @@ static kv_status cpu_kv_alloc(backend_t *be, int n_blocks, const struct kv_geome
 }
 
 static kv_status validate(backend_t *be, const struct batch *b, char *err, size_t errlen) {
-    struct cpu_ctx *c = be->ctx;
-    const struct model_config *cfg = &c->m->cfg;
-    if (!b || b->n_seqs < 0 || (b->n_seqs > 0 && !b->seqs))
-        return kv_errf(KV_EINVAL, err, errlen, "forward: bad batch");
-    if (b->n_seqs > 0 && (!c->pool || be->n_blocks < 1))
-        return kv_errf(KV_EINVAL, err, errlen, "forward: KV pool not allocated");
-    long total = 0;
-    for (int i = 0; i < b->n_seqs; i++) {
-        const struct batch_seq *s = &b->seqs[i];
-        if (s->n_tokens < 1 || !s->tokens || s->n_past < 0 || s->n_tokens > INT32_MAX / 2 ||
-            s->n_past > INT32_MAX / 2)
-            return kv_errf(KV_EINVAL, err, errlen, "forward: seq %d: n_tokens %d / n_past %d invalid", i,
-                           s->n_tokens, s->n_past);
-        if (s->logits != BATCH_LOGITS_NONE && s->logits != BATCH_LOGITS_LAST && s->logits != BATCH_LOGITS_ALL)
-            return kv_errf(KV_EINVAL, err, errlen, "forward: seq %d: bad logits mode %d", i, (int)s->logits);
-        int need = (s->n_past + s->n_tokens + c->tpb - 1) / c->tpb;
-        if (s->n_blocks < need || !s->block_table)
-            return kv_errf(KV_EINVAL, err, errlen,
-                           "forward: seq %d: block table has %d blocks, %d needed for %d positions", i,
-                           s->n_blocks, need, s->n_past + s->n_tokens);
-        for (int k = 0; k < need; k++)
-            if (s->block_table[k] < 0 || s->block_table[k] >= be->n_blocks)
-                return kv_errf(KV_EINVAL, err, errlen, "forward: seq %d: block id %d (entry %d) outside pool of %d",
-                               i, (int)s->block_table[k], k, be->n_blocks);
-        for (int k = 0; k < s->n_tokens; k++)
-            if (s->tokens[k] < 0 || s->tokens[k] >= cfg->n_vocab)
-                return kv_errf(KV_EINVAL, err, errlen, "forward: seq %d: token id %d outside vocabulary of %d",
-                               i, (int)s->tokens[k], cfg->n_vocab);
-        total += s->n_tokens;
-        if (total > INT32_MAX / 4) return kv_errf(KV_EINVAL, err, errlen, "forward: batch too large");
-    }
-    return KV_OK;
+    const struct cpu_ctx *c = be->ctx;
+    return backend_check_batch(be, b, c->pool != NULL, c->tpb, c->m->cfg.n_vocab, INT32_MAX / 4, err, errlen);
 }
 
 static kv_status cpu_forward(backend_t *be, const struct batch *b, float *logits, char *err, size_t errlen) {
