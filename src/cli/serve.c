@@ -338,7 +338,10 @@ int cmd_serve(int argc, char **argv) {
     if (ek && *ek) {
         if (strlen(ek) >= sizeof env_keys) return bad_opt("KVSERVE_API_KEY", "", "longer than 4 KiB");
         snprintf(env_keys, sizeof env_keys, "%s", ek);
+        int before = n_keys;
         if (add_list("KVSERVE_API_KEY", env_keys, keys, &n_keys)) return 2;
+        if (n_keys == before) /* e.g. "${K1},${K2}" with both empty: never serve open by accident */
+            return bad_opt("KVSERVE_API_KEY", ek, "holds no key (only commas and blanks)");
     }
     if (tool_parser && strcmp(tool_parser, "auto") && !gram_tool_fmt_from_name(tool_parser))
         return bad_opt("--tool-call-parser", tool_parser, "must be auto, hermes, llama3_json or mistral");

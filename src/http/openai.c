@@ -313,6 +313,10 @@ static kv_status check_tools(json_t *tools, struct oai_error *err) {
         json_t *d = field(fn, "description"), *p = field(fn, "parameters"), *s = field(fn, "strict");
         if (d && !json_is_string(d)) return BAD("tools", "tools[%zu].function.description must be a string", i);
         if (p && !json_is_object(p)) return BAD("tools", "tools[%zu].function.parameters must be an object", i);
+        json_t *pt = p ? json_object_get(p, "type") : NULL; /* arguments are a JSON object (OpenAI) */
+        if (pt && !(json_is_string(pt) && !strcmp(json_string_value(pt), "object")))
+            return BAD("tools", "tools[%zu].function.parameters must be a JSON schema of type \"object\" "
+                       "(a call's arguments are an object)", i);
         if (s && !json_is_boolean(s)) return BAD("tools", "tools[%zu].function.strict must be a boolean", i);
     }
     return KV_OK;

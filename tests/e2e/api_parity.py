@@ -222,6 +222,13 @@ def test_access():
         s = H.Server(H.GGUF, ["--api-key", "cli-key", "--allowed-origins", "https://app.example,https://b.example"])
     finally:
         del os.environ["KVSERVE_API_KEY"]
+    # a KVSERVE_API_KEY of commas and blanks only ("${K1},${K2}" with both unset) holds no key:
+    # refused at start, never a server left open
+    import subprocess
+    p = subprocess.run([H.BIN, "serve", "--model", H.GGUF, "--port", "0"], capture_output=True, text=True,
+                       timeout=60, env=dict(os.environ, KVSERVE_API_KEY=" , ,"))
+    check(p.returncode == 2 and "KVSERVE_API_KEY" in p.stderr,
+          "KVSERVE_API_KEY without a key: exit %d, %r" % (p.returncode, p.stderr[-200:]))
     try:
         auth = lambda k: {"Authorization": "Bearer " + k}  # noqa: E731
         routes = [("GET", "/v1/models", None), ("GET", "/v1/models/stories260K", None),

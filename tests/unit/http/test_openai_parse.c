@@ -156,6 +156,8 @@ static const struct bad_case bad[] = {
     {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"tools\":[{\"type\":\"retrieval\",\"function\":{\"name\":\"f\"}}]}", 400, "tools", NULL},
     {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\",\"parameters\":[]}}]}", 400, "tools", NULL},
     {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"tools\":[\"f\"]}", 400, "tools", NULL},
+    /* a call's arguments are an object: a parameters schema of another type is refused */
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\",\"parameters\":{\"type\":\"string\"}}}]}", 400, "tools", NULL},
     {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"tool_choice\":\"required\"}", 400, "tool_choice", NULL},
     {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"tool_choice\":3}", 400, "tool_choice", NULL},
     {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"chat_template_kwargs\":[1]}", 400, "chat_template_kwargs", NULL},
