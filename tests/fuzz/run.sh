@@ -3,8 +3,10 @@
 #   run.sh build DIR            configure + build the fuzzers in DIR (clang, -DKVSERVE_FUZZ=ON)
 #   run.sh run DIR TARGET [S]   TARGET's regression inputs (tests/fuzz/regressions/TARGET), then
 #                               S seconds of fuzzing (default $KVSERVE_FUZZ_SECONDS or 15) from
-#                               the seeds (tests/fuzz/corpus/TARGET) plus DIR/corpus/TARGET,
-#                               where new inputs are kept (never in the repository).
+#                               the seeds (tests/fuzz/corpus/TARGET; for gguf and tokenizer_json
+#                               generated into DIR/seeds/TARGET by make_seeds.py, since model and
+#                               tokenizer files are not tracked) plus DIR/corpus/TARGET, where new
+#                               inputs are kept (never in the repository).
 # A crash, leak or timeout fails with the input saved in DIR/artifacts/; add it to
 # tests/fuzz/regressions/TARGET/ once fixed, so every later run replays it.
 set -euo pipefail
@@ -34,8 +36,14 @@ run)
     "$bin" -timeout=20 -rss_limit_mb=2048 "${regs[@]}"
   fi
   # -max_len: big enough for the seeds; -timeout: a single input over 20 s is a hang
+  seeds=()
+  [[ -d "$here/corpus/$t" ]] && seeds+=("$here/corpus/$t")
+  if [[ "$t" == gguf || "$t" == tokenizer_json ]]; then
+    python3 "$here/make_seeds.py" "$dir" "$t"
+    seeds+=("$dir/seeds/$t")
+  fi
   "$bin" -max_total_time="$secs" -timeout=20 -rss_limit_mb=2048 -max_len=16384 -print_final_stats=1 \
-    -artifact_prefix="$dir/artifacts/$t-" "$dir/corpus/$t" "$here/corpus/$t"
+    -artifact_prefix="$dir/artifacts/$t-" "$dir/corpus/$t" "${seeds[@]}"
   ;;
 *) echo "usage: run.sh build DIR | run.sh run DIR TARGET [SECONDS]"; exit 2 ;;
 esac
