@@ -8,10 +8,12 @@
  * DRAM), unless --hot. Each number is the median of 5 timed runs of >= 40 ms each.
  * --type f16|bf16 stores the weights in that precision (the kernel's dequantization panel
  * path; the OpenBLAS methods are skipped then), --shapes NxK,... picks the shapes, --inv-only
- * skips the OpenBLAS methods.
+ * skips the OpenBLAS methods. --cpu-time times with the process's CPU time instead of the wall
+ * clock (for tuning kernels on a shared machine: the figure then ignores time the process spent
+ * waiting for a core; meaningful with --threads 1, where no pool thread spins).
  *
  *   bench_matmul [--threads 1,2] [--m 1,4,16,64,256] [--hot] [--runs 5] [--shapes 2048x768,...]
- *                [--type f32|f16|bf16] [--inv-only]
+ *                [--type f32|f16|bf16] [--inv-only] [--cpu-time]
  */
 #include <cblas.h>
 #include <stdio.h>
@@ -33,6 +35,14 @@ static int parse_list(const char *s, int *out, int cap) {
         s = c + 1;
     }
     return n;
+}
+
+static int cpu_time; /* --cpu-time */
+static double now(void) {
+    if (!cpu_time) return kv_now_s();
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
 enum method { M_INV, M_BLAS, M_TILE16 };
@@ -76,6 +86,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--runs") && i + 1 < argc) runs = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--hot")) hot = 1;
         else if (!strcmp(argv[i], "--inv-only")) inv_only = 1;
+        else if (!strcmp(argv[i], "--cpu-time")) cpu_time = 1;
         else if (!strcmp(argv[i], "--type") && i + 1 < argc) {
             const char *t = argv[++i];
             wtype = !strcmp(t, "f32") ? KV_QTYPE_F32 : !strcmp(t, "f16") ? KV_QTYPE_F16 : !strcmp(t, "bf16") ? KV_QTYPE_BF16 : -1;
@@ -99,7 +110,7 @@ int main(int argc, char **argv) {
         }
         else {
             fprintf(stderr, "usage: bench_matmul [--threads 1,2] [--m 1,4,16,64,256] [--hot] [--runs 5] "
-                            "[--shapes NxK,...] [--type f32|f16|bf16] [--inv-only]\n");
+                            "[--shapes NxK,...] [--type f32|f16|bf16] [--inv-only] [--cpu-time]\n");
             return 2;
         }
     }
@@ -109,9 +120,9 @@ int main(int argc, char **argv) {
     for (int i = 0; i < n_m; i++) maxM = Ms[i] > maxM ? Ms[i] : maxM;
     if (maxM < 1) return 2;
     const char *ct = getenv("OPENBLAS_CORETYPE");
-    printf("# openblas core %s (OPENBLAS_CORETYPE=%s), kernel isa %s, weights %s %s, median of %d runs\n",
+    printf("# openblas core %s (OPENBLAS_CORETYPE=%s), kernel isa %s, weights %s %s, median of %d runs, %s\n",
            openblas_get_corename(), ct ? ct : "unset", kv_matmul_isa_name(), kv_qtype_name(wtype),
-           hot ? "hot (one copy)" : "cold (copies > 64 MiB cycled)", runs);
+           hot ? "hot (one copy)" : "cold (copies > 64 MiB cycled)", runs, cpu_time ? "process CPU time" : "wall clock");
     printf("%-7s %5s %5s %4s %3s | %9s %9s %9s | %6s %6s\n", "method", "N", "K", "M", "thr", "GFLOP/s", "ms/call",
            "GB/s(W)", "vsblas", "vstile");
     srand(1);
@@ -153,15 +164,15 @@ int main(int argc, char **argv) {
                 for (int meth = 0; meth < (inv_only ? 1 : 3); meth++) {
                     double t[64];
                     run_once(&c, meth); /* warm up */
-                    double t0 = kv_now_s();
+                    double t0 = now();
                     int reps = 1;
                     run_once(&c, meth);
-                    double one = kv_now_s() - t0;
+                    double one = now() - t0;
                     reps = one > 0.04 ? 1 : (int)(0.04 / (one > 1e-7 ? one : 1e-7)) + 1;
                     for (int r = 0; r < runs; r++) {
-                        t0 = kv_now_s();
+                        t0 = now();
                         for (int k = 0; k < reps; k++) run_once(&c, meth);
-                        t[r] = (kv_now_s() - t0) / reps;
+                        t[r] = (now() - t0) / reps;
                     }
                     qsort(t, (size_t)runs, sizeof t[0], bench_cmp_d);
                     double med = t[runs / 2];
