@@ -35,6 +35,8 @@ def serve(role, backend, dt, extra=()):
     args = ["serve", "--model", H.GGUF, "--backend", backend, "--kv-cache-dtype", dt] + ARGS
     if role != "aggregated":
         args += ["--role", role, "--kv-transfer-timeout", "5"]
+        if backend == "cpu":  # (its default would be ucx where built; the refusal is the same)
+            args += ["--kv-transport", "tcp"]
     return D.Proc(args + list(extra), name="%s-%s" % (role, backend))
 
 
