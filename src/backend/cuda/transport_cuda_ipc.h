@@ -11,9 +11,9 @@
  *     cudaIpcMemLazyEnablePeerAccess, so a peer on another GPU of the host is read over
  *     NVLink / PCIe peer access); the mapping stays until disconnect. A read() turns its
  *     fragments into device-to-device copies on the transport's own stream: the fragments are
- *     merged where contiguous on both sides, cut into chunks of at most 256 KiB and copied by
- *     one gather kernel launch per 1024 chunks (16-byte vector copies; byte copies for a chunk
- *     whose addresses or length are not 16-byte aligned); a CUDA event recorded after them is
+ *     merged where contiguous on both sides, cut into chunks (about 1024 per read, each 16 KiB
+ *     .. 256 KiB, one CTA each) and copied by one gather kernel launch per 1024 chunks (16-byte
+ *     vector copies; byte copies for a chunk whose addresses or length are not 16-byte aligned); a CUDA event recorded after them is
  *     polled by progress(), which reports the read's completion. Nothing on the host waits for
  *     the copy.
  *   A descriptor from this very process (pid equal, same host) is not opened (CUDA refuses to
