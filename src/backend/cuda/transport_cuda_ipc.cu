@@ -22,8 +22,8 @@
 #define IPC_MAX_CHUNKS 1024      /* chunks per launch (20 KiB of kernel parameters) */
 #define IPC_SMALL_CHUNKS 128     /* a launch of at most this many passes 2.5 KiB */
 #define IPC_CHUNK_MIN (16u << 10)
-#define IPC_CHUNK_MAX (256u << 10)
-#define IPC_TARGET_CTAS 1024     /* a read is cut into about this many chunks (H200: 132 SMs) */
+#define IPC_CHUNK_MAX (1u << 20)
+#define IPC_SMALL_READ (8u << 20) /* reads up to this size: IPC_SMALL_CHUNKS chunks, else IPC_MAX_CHUNKS */
 #define IPC_UNROLL 8
 
 /* One launch's work: chunk i copies len[i] bytes src[i] -> dst[i]. */
@@ -36,7 +36,7 @@ typedef ipc_chunks_n<IPC_MAX_CHUNKS> ipc_chunks;
 
 /* blockIdx.x: chunk. 16-byte vector copies (IPC_UNROLL loads in flight per thread) when the
  * chunk's addresses and length are 16-byte aligned, else byte copies. */
-template <int N>
+template <int N, bool CS>
 __global__ void __launch_bounds__(IPC_THREADS) k_ipc_gather(const __grid_constant__ ipc_chunks_n<N> t) {
     const char *s = t.src[blockIdx.x];
     char *d = t.dst[blockIdx.x];
@@ -48,9 +48,12 @@ __global__ void __launch_bounds__(IPC_THREADS) k_ipc_gather(const __grid_constan
         for (; i + (IPC_UNROLL - 1) * IPC_THREADS < n16; i += IPC_UNROLL * IPC_THREADS) {
             uint4 v[IPC_UNROLL];
 #pragma unroll
-            for (int u = 0; u < IPC_UNROLL; u++) v[u] = s4[i + u * IPC_THREADS];
+            for (int u = 0; u < IPC_UNROLL; u++) v[u] = CS ? __ldcs(s4 + i + u * IPC_THREADS) : s4[i + u * IPC_THREADS];
 #pragma unroll
-            for (int u = 0; u < IPC_UNROLL; u++) d4[i + u * IPC_THREADS] = v[u];
+            for (int u = 0; u < IPC_UNROLL; u++) {
+                if (CS) __stcs(d4 + i + u * IPC_THREADS, v[u]);
+                else d4[i + u * IPC_THREADS] = v[u];
+            }
         }
         for (; i < n16; i += IPC_THREADS) d4[i] = s4[i];
     } else {
@@ -85,6 +88,9 @@ struct ipct {
     ipc_chunks *chunks;    /* host staging of one launch's parameters */
     int n_chunks;
     size_t chunk;                 /* this read's chunk size */
+    bool cs;                      /* streaming cache hints (KVSERVE_CUDA_IPC_CS=1) */
+    cudaEvent_t free_ev[16];      /* completed events kept for reuse */
+    int n_free_ev;
 };
 
 static struct ipct *T(kvx_transport_t *t) { return (struct ipct *)t->ctx; }
@@ -261,9 +267,12 @@ static kv_status flush_chunks(struct ipct *u, char *err, size_t errlen) {
         memcpy(s.src, u->chunks->src, sizeof s.src);
         memcpy(s.dst, u->chunks->dst, sizeof s.dst);
         memcpy(s.len, u->chunks->len, sizeof s.len);
-        k_ipc_gather<IPC_SMALL_CHUNKS><<<(unsigned)u->n_chunks, IPC_THREADS, 0, u->st>>>(s);
+        if (u->cs) k_ipc_gather<IPC_SMALL_CHUNKS, true><<<(unsigned)u->n_chunks, IPC_THREADS, 0, u->st>>>(s);
+        else k_ipc_gather<IPC_SMALL_CHUNKS, false><<<(unsigned)u->n_chunks, IPC_THREADS, 0, u->st>>>(s);
+    } else if (u->cs) {
+        k_ipc_gather<IPC_MAX_CHUNKS, true><<<(unsigned)u->n_chunks, IPC_THREADS, 0, u->st>>>(*u->chunks);
     } else {
-        k_ipc_gather<IPC_MAX_CHUNKS><<<(unsigned)u->n_chunks, IPC_THREADS, 0, u->st>>>(*u->chunks);
+        k_ipc_gather<IPC_MAX_CHUNKS, false><<<(unsigned)u->n_chunks, IPC_THREADS, 0, u->st>>>(*u->chunks);
     }
     kvc_launched();
     u->n_chunks = 0;
@@ -310,10 +319,12 @@ static kv_status ipct_read(kvx_transport_t *t, kvx_peer_t *p, int region, const 
     kv_status s = e == cudaSuccess ? KV_OK : cu_err(KV_EIO, err, errlen, "cudaSetDevice", e);
     size_t total = 0;
     u->n_chunks = 0;
-    /* chunk size: about IPC_TARGET_CTAS chunks for the whole read, 16 KiB .. 256 KiB */
+    /* chunk size: a small read in about IPC_SMALL_CHUNKS chunks (one launch with a small
+     * parameter block), a larger one in about IPC_MAX_CHUNKS (one launch up to 1 GiB); 16 KiB ..
+     * 1 MiB, a multiple of 4 KiB */
     size_t want = 0;
     for (int i = 0; i < n; i++) want += frags[i].len;
-    want = (want / IPC_TARGET_CTAS + 4095) / 4096 * 4096;
+    want = (want / (want <= IPC_SMALL_READ ? IPC_SMALL_CHUNKS : IPC_MAX_CHUNKS) + 4095) / 4096 * 4096;
     u->chunk = want < IPC_CHUNK_MIN ? IPC_CHUNK_MIN : want > IPC_CHUNK_MAX ? IPC_CHUNK_MAX : want;
     for (int i = 0; s == KV_OK && i < n; i++) {
         /* merge runs that are contiguous on both sides */
@@ -331,7 +342,8 @@ static kv_status ipct_read(kvx_transport_t *t, kvx_peer_t *p, int region, const 
     }
     if (s == KV_OK) s = flush_chunks(u, err, errlen);
     if (s == KV_OK && total) {
-        e = cudaEventCreateWithFlags(&r->ev, cudaEventDisableTiming);
+        if (u->n_free_ev) r->ev = u->free_ev[--u->n_free_ev];
+        else e = cudaEventCreateWithFlags(&r->ev, cudaEventDisableTiming);
         if (e == cudaSuccess) e = cudaEventRecord(r->ev, u->st);
         if (e != cudaSuccess) s = cu_err(KV_EIO, err, errlen, "event", e);
     }
@@ -365,7 +377,8 @@ static int ipct_progress(kvx_transport_t *t, struct kvx_completion *out, int cap
                     st = KV_EIO;
                     snprintf(msg, sizeof msg, "cuda_ipc transport: copy failed: %s", cudaGetErrorString(e));
                 }
-                cudaEventDestroy(r->ev);
+                if (st == KV_OK && u->n_free_ev < 16) u->free_ev[u->n_free_ev++] = r->ev;
+                else cudaEventDestroy(r->ev);
             }
             u->head = r->next;
             if (!u->head) u->tail = NULL;
@@ -393,6 +406,7 @@ static void ipct_destroy(kvx_transport_t *t) {
         if (r->ev) cudaEventDestroy(r->ev);
         free(r);
     }
+    while (u->n_free_ev) cudaEventDestroy(u->free_ev[--u->n_free_ev]);
     if (u->st) cudaStreamDestroy(u->st);
     free(u->chunks);
     free(u);
@@ -428,6 +442,8 @@ extern "C" kv_status kvx_transport_cuda_ipc_new(int device, kvx_transport_t **ou
     }
     u->dev = device;
     u->chunks = c;
+    const char *cs = getenv("KVSERVE_CUDA_IPC_CS");
+    u->cs = cs && !strcmp(cs, "1");
     e = cudaStreamCreateWithFlags(&u->st, cudaStreamNonBlocking);
     if (e != cudaSuccess) {
         free(t), free(u), free(c);
