@@ -19,43 +19,55 @@
 #define IPCT_REC (4 + 1 + 1 + 2 + 4 + 4 + 8 + 8 + 8 + 16 + IPCT_BOOT + IPCT_HOST + 64 + 8)
 
 #define IPC_THREADS 256
-#define IPC_MAX_CHUNKS 1024      /* chunks per launch (20 KiB of kernel parameters) */
-#define IPC_SMALL_CHUNKS 128     /* a launch of at most this many passes 2.5 KiB */
+#define IPC_MAX_SEGS 1024        /* segments per launch (24 KiB of kernel parameters) */
+#define IPC_SMALL_SEGS 128       /* a launch of at most this many passes 3 KiB */
+#define IPC_SEG_MAX (1u << 30)   /* longer runs are cut into several segments */
 #define IPC_CHUNK_MIN (16u << 10)
 #define IPC_CHUNK_MAX (1u << 20)
-#define IPC_SMALL_READ (8u << 20) /* reads up to this size: IPC_SMALL_CHUNKS chunks, else IPC_MAX_CHUNKS */
+#define IPC_CTAS 1024            /* a read is cut into about this many chunks (H200: 132 SMs x 8) */
 #define IPC_UNROLL 8
 
-/* One launch's work: chunk i copies len[i] bytes src[i] -> dst[i]. */
-template <int N> struct ipc_chunks_n {
+/* One launch's work: segment i copies len[i] bytes src[i] -> dst[i]; it is cut into chunks of
+ * `chunk` bytes, one CTA each; first[i] = the index of its first chunk (ascending). */
+template <int N> struct ipc_segs_n {
     const char *src[N];
     char *dst[N];
     uint32_t len[N];
+    uint32_t first[N];
+    int n;
+    uint32_t chunk;
 };
-typedef ipc_chunks_n<IPC_MAX_CHUNKS> ipc_chunks;
+typedef ipc_segs_n<IPC_MAX_SEGS> ipc_segs;
 
-/* blockIdx.x: chunk. 16-byte vector copies (IPC_UNROLL loads in flight per thread) when the
- * chunk's addresses and length are 16-byte aligned, else byte copies. */
-template <int N, bool CS>
-__global__ void __launch_bounds__(IPC_THREADS) k_ipc_gather(const __grid_constant__ ipc_chunks_n<N> t) {
-    const char *s = t.src[blockIdx.x];
-    char *d = t.dst[blockIdx.x];
-    uint32_t n = t.len[blockIdx.x];
+/* blockIdx.x: chunk (its segment found by binary search over first[]). 16-byte vector copies,
+ * IPC_UNROLL loads in flight per thread (predicated, so a short chunk keeps them in flight too),
+ * when the chunk's addresses and length are 16-byte aligned, else byte copies. */
+template <int N>
+__global__ void __launch_bounds__(IPC_THREADS) k_ipc_gather(const __grid_constant__ ipc_segs_n<N> t) {
+    uint32_t b = blockIdx.x;
+    int lo = 0, hi = t.n - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) / 2;
+        if (t.first[mid] <= b) lo = mid;
+        else hi = mid - 1;
+    }
+    uint32_t off = (b - t.first[lo]) * t.chunk;
+    uint32_t n = t.len[lo] - off < t.chunk ? t.len[lo] - off : t.chunk;
+    const char *s = t.src[lo] + off;
+    char *d = t.dst[lo] + off;
     if ((((uintptr_t)s | (uintptr_t)d | (uintptr_t)n) & 15u) == 0) {
         const uint4 *s4 = (const uint4 *)s;
         uint4 *d4 = (uint4 *)d;
-        uint32_t n16 = n / 16, i = threadIdx.x;
-        for (; i + (IPC_UNROLL - 1) * IPC_THREADS < n16; i += IPC_UNROLL * IPC_THREADS) {
+        uint32_t n16 = n / 16;
+        for (uint32_t base = threadIdx.x; base < n16; base += IPC_UNROLL * IPC_THREADS) {
             uint4 v[IPC_UNROLL];
 #pragma unroll
-            for (int u = 0; u < IPC_UNROLL; u++) v[u] = CS ? __ldcs(s4 + i + u * IPC_THREADS) : s4[i + u * IPC_THREADS];
+            for (int u = 0; u < IPC_UNROLL; u++)
+                if (base + u * IPC_THREADS < n16) v[u] = s4[base + u * IPC_THREADS];
 #pragma unroll
-            for (int u = 0; u < IPC_UNROLL; u++) {
-                if (CS) __stcs(d4 + i + u * IPC_THREADS, v[u]);
-                else d4[i + u * IPC_THREADS] = v[u];
-            }
+            for (int u = 0; u < IPC_UNROLL; u++)
+                if (base + u * IPC_THREADS < n16) d4[base + u * IPC_THREADS] = v[u];
         }
-        for (; i < n16; i += IPC_THREADS) d4[i] = s4[i];
     } else {
         for (uint32_t i = threadIdx.x; i < n; i += IPC_THREADS) d[i] = s[i];
     }
@@ -85,10 +97,15 @@ struct ipct {
     uint8_t rec[IPCT_REC];
     struct kvx_peer *peers;
     struct ipc_read *head, *tail; /* posted reads, FIFO (one stream: they finish in order) */
-    ipc_chunks *chunks;    /* host staging of one launch's parameters */
-    int n_chunks;
+    ipc_segs *segs;               /* host staging of one launch's parameters */
+    uint32_t n_cta;               /* chunks (CTAs) of the staged segments */
     size_t chunk;                 /* this read's chunk size */
-    bool cs;                      /* streaming cache hints (KVSERVE_CUDA_IPC_CS=1) */
+    int ctas;                     /* chunks a read aims at (KVSERVE_CUDA_IPC_CTAS, default IPC_CTAS) */
+    bool batch;                   /* KVSERVE_CUDA_IPC_COPY=batch: cudaMemcpyBatchAsync instead */
+    void **b_dst;                 /* batch mode: the runs (grown as needed) */
+    const void **b_src;
+    size_t *b_len;
+    int b_n, b_cap;
     cudaEvent_t free_ev[16];      /* completed events kept for reuse */
     int n_free_ev;
 };
@@ -260,36 +277,73 @@ static void ipct_disconnect(kvx_transport_t *t, kvx_peer_t *p) {
 }
 
 /* ---- read ---- */
-static kv_status flush_chunks(struct ipct *u, char *err, size_t errlen) {
-    if (!u->n_chunks) return KV_OK;
-    if (u->n_chunks <= IPC_SMALL_CHUNKS) { /* small parameter block: a cheaper launch */
-        ipc_chunks_n<IPC_SMALL_CHUNKS> s;
-        memcpy(s.src, u->chunks->src, sizeof s.src);
-        memcpy(s.dst, u->chunks->dst, sizeof s.dst);
-        memcpy(s.len, u->chunks->len, sizeof s.len);
-        if (u->cs) k_ipc_gather<IPC_SMALL_CHUNKS, true><<<(unsigned)u->n_chunks, IPC_THREADS, 0, u->st>>>(s);
-        else k_ipc_gather<IPC_SMALL_CHUNKS, false><<<(unsigned)u->n_chunks, IPC_THREADS, 0, u->st>>>(s);
-    } else if (u->cs) {
-        k_ipc_gather<IPC_MAX_CHUNKS, true><<<(unsigned)u->n_chunks, IPC_THREADS, 0, u->st>>>(*u->chunks);
+static kv_status flush_segs(struct ipct *u, char *err, size_t errlen) {
+    ipc_segs *g = u->segs;
+    if (!g->n) return KV_OK;
+    g->chunk = (uint32_t)u->chunk;
+    if (g->n <= IPC_SMALL_SEGS) { /* small parameter block: a cheaper launch */
+        ipc_segs_n<IPC_SMALL_SEGS> sm;
+        memcpy(sm.src, g->src, sizeof sm.src);
+        memcpy(sm.dst, g->dst, sizeof sm.dst);
+        memcpy(sm.len, g->len, sizeof sm.len);
+        memcpy(sm.first, g->first, sizeof sm.first);
+        sm.n = g->n;
+        sm.chunk = g->chunk;
+        k_ipc_gather<IPC_SMALL_SEGS><<<u->n_cta, IPC_THREADS, 0, u->st>>>(sm);
     } else {
-        k_ipc_gather<IPC_MAX_CHUNKS, false><<<(unsigned)u->n_chunks, IPC_THREADS, 0, u->st>>>(*u->chunks);
+        k_ipc_gather<IPC_MAX_SEGS><<<u->n_cta, IPC_THREADS, 0, u->st>>>(*g);
     }
     kvc_launched();
-    u->n_chunks = 0;
+    g->n = 0;
+    u->n_cta = 0;
     CU_TRY(cudaGetLastError(), "cuda_ipc transport: copy launch");
     return KV_OK;
 }
 
+static kv_status flush_batch(struct ipct *u, char *err, size_t errlen) {
+    if (!u->b_n) return KV_OK;
+    struct cudaMemcpyAttributes at;
+    memset(&at, 0, sizeof at);
+    at.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    size_t idx = 0;
+    kvc_inc(&kvc_counters.other_copies);
+    cudaError_t e = cudaMemcpyBatchAsync(u->b_dst, u->b_src, u->b_len, (size_t)u->b_n, &at, &idx, 1, u->st);
+    u->b_n = 0;
+    CU_TRY(e, "cuda_ipc transport: cudaMemcpyBatchAsync");
+    return KV_OK;
+}
+
 static kv_status add_run(struct ipct *u, const char *src, char *dst, size_t len, char *err, size_t errlen) {
-    for (size_t off = 0; off < len; off += u->chunk) {
-        size_t n = len - off < u->chunk ? len - off : u->chunk;
-        u->chunks->src[u->n_chunks] = src + off;
-        u->chunks->dst[u->n_chunks] = dst + off;
-        u->chunks->len[u->n_chunks] = (uint32_t)n;
-        if (++u->n_chunks == IPC_MAX_CHUNKS) {
-            kv_status s = flush_chunks(u, err, errlen);
+    if (u->batch) {
+        if (u->b_n == u->b_cap) {
+            int nc = u->b_cap ? 2 * u->b_cap : 256;
+            void *a = kv_realloc(u->b_dst, (size_t)nc * sizeof *u->b_dst);
+            if (a) u->b_dst = (void **)a;
+            void *b = a ? kv_realloc(u->b_src, (size_t)nc * sizeof *u->b_src) : NULL;
+            if (b) u->b_src = (const void **)b;
+            void *c = b ? kv_realloc(u->b_len, (size_t)nc * sizeof *u->b_len) : NULL;
+            if (!c) return kv_errf(KV_ENOMEM, err, errlen, "cuda_ipc transport: out of memory");
+            u->b_len = (size_t *)c;
+            u->b_cap = nc;
+        }
+        u->b_dst[u->b_n] = dst, u->b_src[u->b_n] = src, u->b_len[u->b_n] = len;
+        u->b_n++;
+        return KV_OK;
+    }
+    ipc_segs *g = u->segs;
+    for (size_t off = 0; off < len; off += IPC_SEG_MAX) {
+        size_t n = len - off < IPC_SEG_MAX ? len - off : IPC_SEG_MAX;
+        uint32_t k = (uint32_t)((n + u->chunk - 1) / u->chunk);
+        if (g->n == IPC_MAX_SEGS || u->n_cta + k > (1u << 30)) {
+            kv_status s = flush_segs(u, err, errlen);
             if (s) return s;
         }
+        g->src[g->n] = src + off;
+        g->dst[g->n] = dst + off;
+        g->len[g->n] = (uint32_t)n;
+        g->first[g->n] = u->n_cta;
+        g->n++;
+        u->n_cta += k;
     }
     return KV_OK;
 }
@@ -318,13 +372,12 @@ static kv_status ipct_read(kvx_transport_t *t, kvx_peer_t *p, int region, const 
     cudaError_t e = cudaSetDevice(u->dev);
     kv_status s = e == cudaSuccess ? KV_OK : cu_err(KV_EIO, err, errlen, "cudaSetDevice", e);
     size_t total = 0;
-    u->n_chunks = 0;
-    /* chunk size: a small read in about IPC_SMALL_CHUNKS chunks (one launch with a small
-     * parameter block), a larger one in about IPC_MAX_CHUNKS (one launch up to 1 GiB); 16 KiB ..
-     * 1 MiB, a multiple of 4 KiB */
+    u->segs->n = 0, u->n_cta = 0, u->b_n = 0;
+    /* chunk size: about u->ctas chunks for the whole read (one CTA each), 16 KiB .. 1 MiB, a
+     * multiple of 4 KiB */
     size_t want = 0;
     for (int i = 0; i < n; i++) want += frags[i].len;
-    want = (want / (want <= IPC_SMALL_READ ? IPC_SMALL_CHUNKS : IPC_MAX_CHUNKS) + 4095) / 4096 * 4096;
+    want = (want / (size_t)u->ctas + 4095) / 4096 * 4096;
     u->chunk = want < IPC_CHUNK_MIN ? IPC_CHUNK_MIN : want > IPC_CHUNK_MAX ? IPC_CHUNK_MAX : want;
     for (int i = 0; s == KV_OK && i < n; i++) {
         /* merge runs that are contiguous on both sides */
@@ -340,7 +393,7 @@ static kv_status ipct_read(kvx_transport_t *t, kvx_peer_t *p, int region, const 
         s = add_run(u, p->base + roff, local, len, err, errlen);
         total += len;
     }
-    if (s == KV_OK) s = flush_chunks(u, err, errlen);
+    if (s == KV_OK) s = u->batch ? flush_batch(u, err, errlen) : flush_segs(u, err, errlen);
     if (s == KV_OK && total) {
         if (u->n_free_ev) r->ev = u->free_ev[--u->n_free_ev];
         else e = cudaEventCreateWithFlags(&r->ev, cudaEventDisableTiming);
@@ -408,7 +461,8 @@ static void ipct_destroy(kvx_transport_t *t) {
     }
     while (u->n_free_ev) cudaEventDestroy(u->free_ev[--u->n_free_ev]);
     if (u->st) cudaStreamDestroy(u->st);
-    free(u->chunks);
+    free(u->segs);
+    free(u->b_dst), free(u->b_src), free(u->b_len);
     free(u);
     free(t);
 }
@@ -435,15 +489,17 @@ extern "C" kv_status kvx_transport_cuda_ipc_new(int device, kvx_transport_t **ou
     }
     kvx_transport_t *t = (kvx_transport_t *)kv_calloc(1, sizeof *t);
     struct ipct *u = (struct ipct *)kv_calloc(1, sizeof *u);
-    ipc_chunks *c = (ipc_chunks *)kv_malloc(sizeof *c);
+    ipc_segs *c = (ipc_segs *)kv_calloc(1, sizeof *c);
     if (!t || !u || !c) {
         free(t), free(u), free(c);
         return kv_errf(KV_ENOMEM, err, errlen, "cuda_ipc transport: out of memory");
     }
     u->dev = device;
-    u->chunks = c;
-    const char *cs = getenv("KVSERVE_CUDA_IPC_CS");
-    u->cs = cs && !strcmp(cs, "1");
+    u->segs = c;
+    const char *cp = getenv("KVSERVE_CUDA_IPC_COPY"), *ct = getenv("KVSERVE_CUDA_IPC_CTAS");
+    u->batch = cp && !strcmp(cp, "batch");
+    u->ctas = ct ? atoi(ct) : IPC_CTAS;
+    if (u->ctas < 1 || u->ctas > (1 << 20)) u->ctas = IPC_CTAS;
     e = cudaStreamCreateWithFlags(&u->st, cudaStreamNonBlocking);
     if (e != cudaSuccess) {
         free(t), free(u), free(c);
