@@ -24,7 +24,7 @@
 #define IPC_SEG_MAX (1u << 30)   /* longer runs are cut into several segments */
 #define IPC_CHUNK_MIN (16u << 10)
 #define IPC_CHUNK_MAX (1u << 20)
-#define IPC_CTAS 1024            /* a read is cut into about this many chunks (H200: 132 SMs x 8) */
+#define IPC_CTAS 4096            /* a read is cut into about this many chunks (bench_cuda_ipc: 4096 beat 512 / 1024 / 2048 on the H200) */
 #define IPC_UNROLL 8
 
 /* One launch's work: segment i copies len[i] bytes src[i] -> dst[i]; it is cut into chunks of

@@ -11,9 +11,11 @@
  *     cudaIpcMemLazyEnablePeerAccess, so a peer on another GPU of the host is read over
  *     NVLink / PCIe peer access); the mapping stays until disconnect. A read() turns its
  *     fragments into device-to-device copies on the transport's own stream: the fragments are
- *     merged where contiguous on both sides, cut into chunks (about 1024 per read, each 16 KiB
- *     .. 256 KiB, one CTA each) and copied by one gather kernel launch per 1024 chunks (16-byte
- *     vector copies; byte copies for a chunk whose addresses or length are not 16-byte aligned); a CUDA event recorded after them is
+ *     merged where contiguous on both sides (runs), and one gather-kernel launch per 1024 runs
+ *     copies them: the kernel cuts the runs into chunks of one CTA each (about 4096 chunks per
+ *     read, 16 KiB .. 1 MiB) and copies with 16-byte vector loads, 8 in flight per thread (byte
+ *     copies for a chunk whose addresses or length are not 16-byte aligned); up to 128 runs
+ *     pass 3 KiB of launch parameters, more 24 KiB; a CUDA event recorded after them is
  *     polled by progress(), which reports the read's completion. Nothing on the host waits for
  *     the copy.
  *   A descriptor from this very process (pid equal, same host) is not opened (CUDA refuses to
@@ -30,6 +32,12 @@
  * handle (its error string). A copy that fails (a CUDA error at launch or on the event) fails
  * the read with KV_EIO; a sticky CUDA error leaves the transport unusable (every later read
  * KV_EIO), as it leaves the backend.
+ *
+ * Experiment knobs (read at creation; docs/benchmarks.md has the figures):
+ * KVSERVE_CUDA_IPC_CTAS=N sets the chunks a read aims at (default 4096);
+ * KVSERVE_CUDA_IPC_COPY=batch copies the runs with one cudaMemcpyBatchAsync instead (as fast
+ * as cudaMemcpyAsync for one contiguous run, 3-5x slower than the kernel for scattered 2 MiB
+ * blocks on the H200).
  *
  * Threading: as transport.h (one thread drives an instance); every call sets the transport's
  * device on the calling thread first. destroy() waits for copies still in flight (a stream
