@@ -9,7 +9,7 @@
  * allocated the blocks it lacks and asks the sender for them (REQUEST_DATA); the sender answers
  * with the source block list (the suffix of its blocks, aligned on the end, see below) and the
  * auxiliary data (first generated token, prompt length); the receiver reads the bytes through
- * the data transport (UCX RMA get, or the TCP data stream) straight into its own blocks, checks
+ * the data transport (UCX RMA get, CUDA IPC device copies, or the TCP data stream) straight into its own blocks, checks
  * the byte count, then tells the sender DONE so it can unpin. Why pull: docs/disaggregation.md.
  *
  * Per request, on each side:
