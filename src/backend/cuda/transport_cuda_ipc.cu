@@ -10,6 +10,9 @@
 
 #include "cuda_internal.h"
 #include "transport_cuda_ipc.h"
+extern "C" {
+#include "../../base/le.h"
+}
 
 #define IPCT_MAGIC "KVXC"
 #define IPCT_VERSION 1
@@ -112,25 +115,6 @@ struct ipct {
 
 static struct ipct *T(kvx_transport_t *t) { return (struct ipct *)t->ctx; }
 
-static void put_u32(uint8_t *p, uint32_t v) {
-    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
-}
-static void put_u64(uint8_t *p, uint64_t v) {
-    for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
-}
-static uint32_t get_u32(const uint8_t *p) {
-    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-static uint64_t get_u64(const uint8_t *p) {
-    uint64_t v = 0;
-    for (int i = 7; i >= 0; i--) v = v << 8 | p[i];
-    return v;
-}
-static uint64_t fnv1a(const uint8_t *p, size_t n) {
-    uint64_t h = 1469598103934665603ull;
-    for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 1099511628211ull;
-    return h;
-}
 
 /* boot id (kernel boot) and host name, NUL padded */
 static void host_identity(char boot[IPCT_BOOT], char host[IPCT_HOST]) {
@@ -180,14 +164,14 @@ static kv_status ipct_expose(kvx_transport_t *t, void *base, size_t len, kv_buf 
     memcpy(r, IPCT_MAGIC, 4);
     r[4] = IPCT_VERSION;
     r[5] = 0;
-    put_u32(r + 8, (uint32_t)getpid());
-    put_u64(r + 16, (uint64_t)(uintptr_t)base);
-    put_u64(r + 24, (uint64_t)len);
-    put_u64(r + 32, 0);
+    kv_put_le32(r + 8, (uint32_t)getpid());
+    kv_put_le64(r + 16, (uint64_t)(uintptr_t)base);
+    kv_put_le64(r + 24, (uint64_t)len);
+    kv_put_le64(r + 32, 0);
     memcpy(r + 40, p.uuid.bytes, 16);
     host_identity((char *)r + 56, (char *)r + 56 + IPCT_BOOT);
     memcpy(r + 56 + IPCT_BOOT + IPCT_HOST, &h, 64);
-    put_u64(r + IPCT_REC - 8, fnv1a(r, IPCT_REC - 8));
+    kv_put_le64(r + IPCT_REC - 8, kv_fnv1a64(r, IPCT_REC - 8));
     if (kv_buf_append(desc, r, IPCT_REC) != KV_OK)
         return kv_errf(KV_ENOMEM, err, errlen, "cuda_ipc transport: out of memory");
     u->exposed = true;
@@ -211,7 +195,7 @@ static kv_status ipct_connect(kvx_transport_t *t, const void *desc, size_t len, 
     if (d[4] != IPCT_VERSION || d[5] != 0)
         return kv_errf(KV_EINVAL, err, errlen, "cuda_ipc transport: descriptor version %u region %u (this build "
                        "reads version %d, region 0)", d[4], d[5], IPCT_VERSION);
-    if (fnv1a(d, IPCT_REC - 8) != get_u64(d + IPCT_REC - 8))
+    if (kv_fnv1a64(d, IPCT_REC - 8) != kv_get_le64(d + IPCT_REC - 8))
         return kv_errf(KV_EINVAL, err, errlen, "cuda_ipc transport: descriptor checksum mismatch (corrupted bytes)");
     char boot[IPCT_BOOT], host[IPCT_HOST];
     host_identity(boot, host);
@@ -221,8 +205,8 @@ static kv_status ipct_connect(kvx_transport_t *t, const void *desc, size_t len, 
     if (strcmp(boot, pboot) != 0 || strcmp(host, phost) != 0)
         return kv_errf(KV_EINVAL, err, errlen, "cuda_ipc transport: the peer runs on another host (%s/%s, this is "
                        "%s/%s): CUDA IPC works between processes of one host only", phost, pboot, host, boot);
-    uint64_t rbase = get_u64(d + 16), rlen = get_u64(d + 24), roff = get_u64(d + 32);
-    uint32_t pid = get_u32(d + 8);
+    uint64_t rbase = kv_get_le64(d + 16), rlen = kv_get_le64(d + 24), roff = kv_get_le64(d + 32);
+    uint32_t pid = kv_get_le32(d + 8);
     if (!rbase || !rlen || roff || rbase + rlen < rbase)
         return kv_errf(KV_EINVAL, err, errlen, "cuda_ipc transport: descriptor has a bad region");
     cudaError_t e = cudaSetDevice(u->dev);
