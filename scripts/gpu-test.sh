@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # GPU tests of the CUDA backend (issue 10) in one call, for a machine with an NVIDIA GPU.
 #
-#   scripts/gpu-test.sh [--bench] [--bench-args "ARGS"]       build build-gpu here, run test_cuda and test_cuda_ops
+#   scripts/gpu-test.sh [--bench] [--bench-args "ARGS"]       build build-gpu here, run test_cuda, test_cuda_ops
+#        and test_cuda_ipc (the CUDA IPC KV transport between two processes on GPU 0)
 #   (environment: SERVE_SMOKE=1 one completion through serve --backend cuda; E2E=1 the HTTP API
 #   e2e suite, tests/e2e/http_api.py, against serve --backend cuda (counted; with bf16 weights
 #   under its KVSERVE_E2E_TOL=bf16 tolerances, see its docstring); TORCH_REF=1 the PyTorch
 #   reference, bench_cuda --torch-dump + tests/gpu/torch_ref.py, after test_cuda; DET_E2E=1
 #   tests/gpu/det_serve.py: 16 concurrent greedy completions == each alone against serve
 #   --backend cuda --deterministic (its status counts), then without --deterministic (printed);
+#   DISAGG_E2E=1 tests/gpu/disagg_cuda.py: router + context + generation workers, all --backend
+#   cuda on GPU 0, KV over CUDA IPC: greedy tokens == the aggregated cuda worker's on the public
+#   stories260K reference prompts (bf16 and f32 KV), mixed cuda/cpu pairs refused (counted);
+#   IPC_BENCH=1 bench_cuda_ipc (CUDA IPC transfer GB/s vs cudaMemcpyAsync D2D; with --bench);
 #   FAULT_E2E=1 tests/gpu/fault_serve.py: injected CUDA faults (KVSERVE_CUDA_FAULT) fail their
 #   requests with a 500 error JSON / an SSE error event and the server keeps serving (counted);
 #   HF_BENCH=1 bench/hf_decode.py after bench_cuda (PyTorch + transformers on the same shapes,
@@ -43,13 +48,15 @@ if [ -n "$bundle" ]; then
     data="${KVSERVE_TEST_DATA:-../shared/data}"
     rm -rf "$bundle" && mkdir -p "$bundle/lib" "$bundle/data/models/stories260K" "$bundle/data/references/stories260K" \
         "$bundle/data/models/tiny-quant"
-    cp "$build/test_cuda" "$build/test_cuda_ops" "$build/bench_cuda" "$build/kvserve" "$bundle/" || exit 1
+    cp "$build/test_cuda" "$build/test_cuda_ops" "$build/test_cuda_ipc" "$build/bench_cuda" "$build/bench_cuda_ipc" \
+        "$build/kvserve" "$bundle/" || exit 1
     # debug info stays here: the device call carries 64 MiB at most (kernel names survive: they
     # are in the CUDA fatbinary)
-    strip "$bundle/test_cuda" "$bundle/test_cuda_ops" "$bundle/bench_cuda" "$bundle/kvserve" 2>/dev/null
+    strip "$bundle/test_cuda" "$bundle/test_cuda_ops" "$bundle/test_cuda_ipc" "$bundle/bench_cuda" \
+        "$bundle/bench_cuda_ipc" "$bundle/kvserve" 2>/dev/null
     # shared libraries that are not glibc / libstdc++ / CUDA / OpenBLAS (the GPU machine has those);
     # --prebuilt drops the ones the GPU machine has itself
-    ldd "$build/test_cuda" "$build/test_cuda_ops" "$build/bench_cuda" "$build/kvserve" | awk '/=> \//{print $3}' | sort -u |
+    ldd "$build/test_cuda" "$build/test_cuda_ops" "$build/test_cuda_ipc" "$build/bench_cuda" "$build/kvserve" | awk '/=> \//{print $3}' | sort -u |
         grep -vE '/(libc|libm|libdl|librt|libpthread|libstdc\+\+|libgcc_s|libcublas|libcublasLt|libcudart|libopenblas|libgfortran|libquadmath)\.so' |
         while read -r l; do cp -L "$l" "$bundle/lib/"; done
     cp "$data/models/stories260K/stories260K.gguf" "$bundle/data/models/stories260K/"
@@ -64,7 +71,7 @@ if [ -n "$bundle" ]; then
     # checkout: `cp -r DIR/overlay/. .` first)
     mkdir -p "$bundle/overlay/scripts" "$bundle/overlay/tests/e2e" "$bundle/overlay/tests/gpu" "$bundle/overlay/bench"
     cp scripts/gpu-test.sh "$bundle/overlay/scripts/"
-    cp tests/e2e/http_api.py "$bundle/overlay/tests/e2e/"
+    cp tests/e2e/http_api.py tests/e2e/disagg.py "$bundle/overlay/tests/e2e/"
     cp tests/gpu/*.py "$bundle/overlay/tests/gpu/"
     cp bench/hf_decode.py "$bundle/overlay/bench/"
     printf '#!/bin/sh\n# kvserve with --backend cuda added to serve (for the e2e suites)\nd=$(dirname "$0")\nif [ "$1" = serve ]; then shift; exec "$d/kvserve" serve --backend cuda "$@"; fi\nexec "$d/kvserve" "$@"\n' > "$bundle/kvserve-cuda"
@@ -87,7 +94,8 @@ if [ -n "$prebuilt" ]; then
 else
     bin="build-gpu"
     cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVSERVE_CUDA=ON >/dev/null || exit 1
-    cmake --build build-gpu -j"$(nproc)" --target test_cuda test_cuda_ops bench_cuda || exit 1
+    cmake --build build-gpu -j"$(nproc)" --target test_cuda test_cuda_ops test_cuda_ipc bench_cuda bench_cuda_ipc kvserve ||
+        exit 1
     export KVSERVE_TEST_DATA="${KVSERVE_TEST_DATA:-$PWD/../shared/data}"
 fi
 if [ "${SERVE_SMOKE:-0}" = 1 ]; then # kvserve serve --backend cuda answers a completion
@@ -128,6 +136,19 @@ echo "== test_cuda_ops"
 orc=$?
 echo "== test_cuda_ops exit $orc"
 [ "$rc" = 0 ] && rc=$orc
+echo "== test_cuda_ipc"
+"$bin/test_cuda_ipc"
+irc=$?
+echo "== test_cuda_ipc exit $irc"
+[ "$irc" = 77 ] && irc=0 # skipped (a SKIP: line says why), as test_cuda's skips
+[ "$rc" = 0 ] && rc=$irc
+if [ "${DISAGG_E2E:-0}" = 1 ]; then # disaggregated serving over CUDA IPC (issue 10)
+    echo "== disagg_cuda: router + context + generation --backend cuda on GPU 0, KV over CUDA IPC"
+    PYTHONUNBUFFERED=1 python3 tests/gpu/disagg_cuda.py "$bin/kvserve"
+    grc=$?
+    echo "== disagg_cuda exit $grc"
+    [ "$rc" = 0 ] && rc=$grc
+fi
 [ "$rc" = 0 ] && [ -n "${erc:-}" ] && rc=$erc
 if [ "${FAULT_E2E:-0}" = 1 ]; then # CUDA faults fail requests with 500, the server keeps serving
     echo "== fault_serve: KVSERVE_CUDA_FAULT against serve --backend cuda"
@@ -162,6 +183,11 @@ if [ "$bench" = 1 ]; then
     # shellcheck disable=SC2086
     "$bin/bench_cuda" $bench_args | tee /tmp/bench_cuda.out
     echo "== bench_cuda exit ${PIPESTATUS[0]}"
+    if [ "${IPC_BENCH:-0}" = 1 ]; then
+        echo "== bench_cuda_ipc"
+        "$bin/bench_cuda_ipc"
+        echo "== bench_cuda_ipc exit $?"
+    fi
     if [ "${HF_BENCH:-0}" = 1 ]; then
         echo "== hf_decode (PyTorch + transformers) ${HF_BENCH_ARGS:-}"
         # shellcheck disable=SC2086

@@ -166,6 +166,13 @@ struct backend_ops {
      * (a sticky device error: every later call would fail or return garbage); why gets the
      * reason. NULL: always healthy. Thread-safe (servers call it from their HTTP thread). */
     bool (*healthy)(backend_t *be, char *why, size_t whylen);
+    /* ---- optional, appended for KV transfer of a pool outside host memory (disaggregated
+     * serving, docs/disaggregation.md "CUDA IPC") ----
+     * The pool's device memory: *base is the start of one device allocation of *len bytes
+     * (n_blocks * kv_block_bytes(&geom)) that holds block b at base + b * kv_block_bytes, on
+     * CUDA device *device. Valid until the next kv_alloc or free. KV_EINVAL when no pool is
+     * allocated. NULL: the pool is in host memory (block_ptr) or cannot be exported. */
+    kv_status (*device_pool)(backend_t *be, void **base, size_t *len, int *device);
 };
 
 struct backend {

@@ -8,6 +8,9 @@
 
 #include "transfer/transfer.h"
 #include "transfer/transport.h"
+#ifdef KVSERVE_HAVE_CUDA
+#include "backend/cuda/transport_cuda_ipc.h"
+#endif
 
 void serve_disagg_defaults(struct serve_disagg *d) {
     memset(d, 0, sizeof *d);
@@ -25,7 +28,8 @@ void serve_disagg_usage(FILE *f) {
             "                           generation (decode; pulls KV from context workers)\n"
             "  --kv-transfer-host ADDR  KV-transfer listen/advertised address (default: --host)\n"
             "  --kv-transfer-port N     KV-transfer port (default 0 = any free port)\n"
-            "  --kv-transport T         ucx | tcp (default ucx when built with UCX, else tcp)\n"
+            "  --kv-transport T         ucx | tcp | cuda_ipc (default: cuda_ipc with --backend cuda,\n"
+            "                           else ucx when built with UCX, else tcp)\n"
             "  --kv-transfer-timeout S  deadline of one KV transfer, each side (default 60)\n"
             "  --kv-stale-ttl S         unclaimed KV requests are failed/dropped after S (default 120)\n"
             "  --kv-bounce-min-bytes SIZE  coalesce fragmented transfers of at least SIZE through a\n"
@@ -68,7 +72,7 @@ int serve_disagg_option(struct serve_disagg *d, const char *a, const char *v) {
         enum kvx_transport_kind k;
         kv_status st = kvx_transport_parse(v, &k);
         if (st == KV_EUNSUPPORTED) return bad(a, v, "this build has no UCX (install libucx-dev and rebuild)");
-        if (st != KV_OK) return bad(a, v, "expected ucx or tcp");
+        if (st != KV_OK) return bad(a, v, "expected ucx, tcp or cuda_ipc");
         d->kv_transport = v;
         return 1;
     }
@@ -134,17 +138,31 @@ kv_status serve_disagg_start(struct serve_disagg *d, engine_t *e, backend_t *be,
                              struct http_config *hc, char *err, size_t errlen) {
     hc->role = d->role;
     if (!strcmp(d->role, "aggregated")) return KV_OK;
-    if (!be->ops->block_ptr || !be->ops->block_ptr(be, 0))
-        return kv_errf(KV_EUNSUPPORTED, err, errlen,
-                       "--role %s needs a backend whose KV pool is in host memory (the %s backend "
-                       "has no KV transfer yet)", d->role, be->ops->name);
+    /* where the pool is: host memory (block_ptr: tcp / ucx) or GPU memory (device_pool: the
+     * backend's own transport, cuda_ipc) */
+    void *pool_base = be->ops->block_ptr ? be->ops->block_ptr(be, 0) : NULL;
+    void *dev_base = NULL;
+    size_t dev_len = 0;
+    int dev = -1;
+    if (!pool_base && (!be->ops->device_pool || be->ops->device_pool(be, &dev_base, &dev_len, &dev) != KV_OK))
+        return kv_errf(KV_EUNSUPPORTED, err, errlen, "--role %s: the %s backend's KV pool can be neither read in "
+                       "host memory nor exported from the device", d->role, be->ops->name);
     enum kvx_transport_kind kind = KVX_TRANSPORT_TCP;
     if (d->kv_transport) {
         if (kvx_transport_parse(d->kv_transport, &kind) != KV_OK)
             return kv_errf(KV_EINVAL, err, errlen, "bad --kv-transport %s", d->kv_transport);
+    } else if (!pool_base) {
+        kind = KVX_TRANSPORT_CUDA_IPC;
     } else if (kvx_transport_ucx_available()) {
         kind = KVX_TRANSPORT_UCX;
     }
+    if (!pool_base && kind != KVX_TRANSPORT_CUDA_IPC)
+        return kv_errf(KV_EINVAL, err, errlen, "--kv-transport %s moves KV blocks in host memory; the %s backend's "
+                       "pool is in GPU memory: use cuda_ipc (the default with --backend %s)", kvx_transport_name(kind),
+                       be->ops->name, be->ops->name);
+    if (pool_base && kind == KVX_TRANSPORT_CUDA_IPC)
+        return kv_errf(KV_EINVAL, err, errlen, "--kv-transport cuda_ipc needs a KV pool in GPU memory (--backend "
+                       "cuda); the %s backend's pool is in host memory", be->ops->name);
     /* the page table describes the pool as it is: its element type decides the block bytes
      * and peers with another KV dtype are refused by kvx_page_table_match */
     enum kvx_dtype pdt;
@@ -160,9 +178,12 @@ kv_status serve_disagg_start(struct serve_disagg *d, engine_t *e, backend_t *be,
     kv_status st = kvx_page_table_dense_kv(&pt, 0, m->cfg.n_layers, m->cfg.n_kv_heads,
                                            m->cfg.head_dim, tokens_per_block, pdt, err, errlen);
     if (st != KV_OK) return st;
-    if (pt.views[0].block_bytes != kv_block_bytes(&be->geom))
+    if (pt.views[0].block_bytes != kv_block_bytes(&be->geom) ||
+        (!pool_base && dev_len != (size_t)be->n_blocks * pt.views[0].block_bytes)) {
+        kvx_page_table_free(&pt);
         return kv_errf(KV_EINVAL, err, errlen, "--role %s: page table block of %zu bytes != KV pool block of %zu bytes",
                        d->role, pt.views[0].block_bytes, kv_block_bytes(&be->geom));
+    }
     json_t *pj = kvx_page_table_to_json(&pt);
     d->pool_json = pj ? json_dumps(pj, JSON_COMPACT) : NULL;
     json_decref(pj);
@@ -175,7 +196,7 @@ kv_status serve_disagg_start(struct serve_disagg *d, engine_t *e, backend_t *be,
     c.stale_ttl_s = d->kv_stale_ttl_s;
     c.bounce_min_bytes = (size_t)d->kv_bounce_min_bytes;
     c.pt = &pt;
-    c.pool_base = be->ops->block_ptr(be, 0);
+    c.pool_base = pool_base ? pool_base : dev_base;
     c.n_blocks = be->n_blocks;
     c.cb = on_result;
     c.user = e;
@@ -187,6 +208,17 @@ kv_status serve_disagg_start(struct serve_disagg *d, engine_t *e, backend_t *be,
             return st;
         }
         KV_WARN("KV transfer fault injection on: KVSERVE_KVX_FAULT=%s", fault);
+    }
+    if (kind == KVX_TRANSPORT_CUDA_IPC) {
+#ifdef KVSERVE_HAVE_CUDA
+        st = kvx_transport_cuda_ipc_new(dev, &c.tp, err, errlen);
+#else
+        st = kv_errf(KV_EUNSUPPORTED, err, errlen, "--kv-transport cuda_ipc: this kvserve was built without CUDA");
+#endif
+        if (st != KV_OK) {
+            kvx_page_table_free(&pt);
+            return st;
+        }
     }
     kvx_agent_t *a = NULL;
     st = kvx_agent_start(&c, &a, err, errlen);

@@ -48,7 +48,7 @@ struct http_config {
     /* disaggregated serving (docs/disaggregation.md); all optional, borrowed */
     const char *role;          /* "aggregated" (NULL = this) | "context" | "generation" */
     const char *kv_endpoint;   /* the KV-transfer agent's "host:port" (ctx_info_endpoint) */
-    const char *kv_transport;  /* "tcp" | "ucx" */
+    const char *kv_transport;  /* "tcp" | "ucx" | "cuda_ipc" */
     const char *kv_pool_json;  /* the KV page table as JSON text (sent as disaggregated_params.pool) */
     /* optional hooks (loop thread): once listening (host, bound port; before the port file is
      * written; a non-KV_OK return stops http_serve with that status and the message in err),

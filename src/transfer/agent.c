@@ -19,7 +19,7 @@
 
 
 const char *kvx_transport_name(enum kvx_transport_kind k) {
-    return k == KVX_TRANSPORT_UCX ? "ucx" : "tcp";
+    return k == KVX_TRANSPORT_UCX ? "ucx" : k == KVX_TRANSPORT_CUDA_IPC ? "cuda_ipc" : "tcp";
 }
 
 kv_status kvx_transport_parse(const char *s, enum kvx_transport_kind *out) {
@@ -30,6 +30,10 @@ kv_status kvx_transport_parse(const char *s, enum kvx_transport_kind *out) {
     if (s && !strcmp(s, "ucx")) {
         if (!kvx_transport_ucx_available()) return KV_EUNSUPPORTED;
         *out = KVX_TRANSPORT_UCX;
+        return KV_OK;
+    }
+    if (s && !strcmp(s, "cuda_ipc")) {
+        *out = KVX_TRANSPORT_CUDA_IPC;
         return KV_OK;
     }
     return KV_EINVAL;
@@ -639,14 +643,22 @@ static int listen_on(const char *host, int port, char *ep, size_t eplen, char *e
 }
 
 kv_status kvx_agent_start(const struct kvx_config *cfg, kvx_agent_t **out, char *err, size_t errlen) {
+    kvx_transport_t *given = cfg && cfg->transport == KVX_TRANSPORT_CUDA_IPC ? cfg->tp : NULL;
     if (!cfg || !out || !cfg->cb || !cfg->pt || cfg->pt->n_views != 1 || !cfg->pool_base ||
-        cfg->n_blocks < 1)
+        cfg->n_blocks < 1 || (cfg->transport == KVX_TRANSPORT_CUDA_IPC && !cfg->tp)) {
+        if (given) given->ops->destroy(given);
         return kv_errf(KV_EINVAL, err, errlen, "kv transfer: bad agent config (one pool view, a "
-                       "pool and a callback are required)");
+                       "pool and a callback are required; cuda_ipc: a transport)");
+    }
     if (cfg->transport == KVX_TRANSPORT_UCX && !kvx_transport_ucx_available())
         return kv_errf(KV_EUNSUPPORTED, err, errlen, "kv transfer: this build has no UCX transport");
     struct kvx_agent *a = kv_calloc(1, sizeof *a);
-    if (!a) return kv_errf(KV_ENOMEM, err, errlen, "out of memory");
+    if (!a) {
+        if (given) given->ops->destroy(given);
+        return kv_errf(KV_ENOMEM, err, errlen, "out of memory");
+    }
+    a->tp = given; /* owned from here (kvx_agent_stop destroys it) */
+    a->device_pool = given != NULL;
     a->cfg = *cfg;
     a->cfg.host = NULL; /* not kept */
     if (a->cfg.timeout_s <= 0) a->cfg.timeout_s = 60;
@@ -665,11 +677,11 @@ kv_status kvx_agent_start(const struct kvx_config *cfg, kvx_agent_t **out, char 
         kvx_agent_stop(a);
         return st;
     }
-    if (cfg->transport == KVX_TRANSPORT_UCX) {
+    if (cfg->transport == KVX_TRANSPORT_UCX || a->tp) {
         const char *h = cfg->host && *cfg->host ? cfg->host : "127.0.0.1";
         kv_buf desc;
         kv_buf_init(&desc);
-        kv_status st = kvx_transport_ucx_new(h, &a->tp, err, errlen);
+        kv_status st = a->tp ? KV_OK : kvx_transport_ucx_new(h, &a->tp, err, errlen);
         if (st == KV_OK)
             st = a->tp->ops->expose(a->tp, cfg->pool_base, (size_t)cfg->n_blocks * a->pt.views[0].block_bytes,
                                     &desc, err, errlen);

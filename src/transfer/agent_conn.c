@@ -200,7 +200,7 @@ static kv_status start_connect(struct kvx_agent *a, struct conn *c, char *why, s
     snprintf(ids, sizeof ids, "%llu", (unsigned long long)c->id);
     json_t *o = pt ? json_pack("{s:s, s:s, s:b, s:i, s:i, s:o, s:s}", "t", "req", "id", ids,
                                "context_first", c->context_first, "n_dst", c->n_dst, "n_tokens",
-                               c->n_tokens, "pt", pt, "tp", a->tp ? "ucx" : "tcp")
+                               c->n_tokens, "pt", pt, "tp", a->tp ? a->tp->ops->name : "tcp")
                    : NULL;
     if (queue_json(c, o) != KV_OK) return kv_errf(KV_ENOMEM, why, whylen, "out of memory");
     return KV_OK;
@@ -339,7 +339,8 @@ void conn_read_done(struct kvx_agent *a, const struct kvx_completion *k) {
     }
     if (c->st == CS_CLOSED) return;
     if (k->status != KV_OK) {
-        recv_done(a, c, KV_EIO, "KV transfer: UCX read failed: %s", k->message);
+        recv_done(a, c, KV_EIO, a->device_pool ? "KV transfer: cuda_ipc read failed: %s"
+                                                : "KV transfer: UCX read failed: %s", k->message);
         conn_fail(a, c, "read failed");
         return;
     }
@@ -393,6 +394,9 @@ static kv_status on_ready(struct kvx_agent *a, struct conn *c, json_t *o, char *
                        (unsigned long long)bytes, (unsigned long long)c->total);
     const char *hex = json_string_value(json_object_get(o, "ucx"));
     if (hex && a->tp) return ucx_start_read(a, c, o, hex, why, whylen);
+    if (a->device_pool) /* (the sender refuses this first; never stream into device memory) */
+        return kv_errf(KV_EINVAL, why, whylen, "the context worker did not offer a cuda_ipc read (its KV pool "
+                       "is in host memory); this worker's pool is in GPU memory");
     if (staged) { /* read one run into staging, scatter when complete */
         c->staging = kv_malloc(c->total ? c->total : 1);
         if (!c->staging) return kv_errf(KV_ENOMEM, why, whylen, "out of memory (staging)");
@@ -533,7 +537,18 @@ static void on_req(struct kvx_agent *a, struct conn *c, json_t *o) {
     c->n_dst = (int)json_integer_value(nd);
     c->n_tokens = (int)json_integer_value(nt);
     const char *tp = json_string_value(json_object_get(o, "tp"));
-    c->ucx = a->tp && tp && !strcmp(tp, "ucx"); /* both sides UCX, else the TCP stream */
+    /* both sides on the same transport (ucx, cuda_ipc), else the TCP stream */
+    c->ucx = a->tp && tp && !strcmp(tp, a->tp->ops->name);
+    bool peer_dev = tp && !strcmp(tp, "cuda_ipc");
+    if (a->device_pool != peer_dev) { /* GPU pool on one side only: never stream device memory */
+        const char *host_tp = a->device_pool ? (tp ? tp : "tcp") : (a->tp ? a->tp->ops->name : "tcp");
+        snprintf(why, sizeof why, "KV transports do not match: context %s (%s KV pool), generation %s (%s KV "
+                 "pool); pair --backend cuda workers with each other", a->device_pool ? "cuda_ipc" : host_tp,
+                 a->device_pool ? "GPU" : "host", a->device_pool ? host_tp : "cuda_ipc", a->device_pool ? "host" : "GPU");
+        KV_WARN("kv transfer: refusing a receiver for %llu: %s", id, why);
+        conn_fail(a, c, why);
+        return;
+    }
     if (kvx_page_table_from_json(json_object_get(o, "pt"), &c->peer_pt, why, sizeof why) != KV_OK) {
         conn_fail(a, c, why);
         return;

@@ -130,8 +130,10 @@ struct kvx_agent {
     uint64_t finished[1024];   /* ids whose send ended (REQ for them gets FAILED) */
     int n_finished;
     uint64_t last_sweep_ns;
-    /* UCX transport (cfg.transport == ucx) */
+    /* the data-plane transport (cfg.transport ucx or cuda_ipc; NULL: tcp streaming) */
     kvx_transport_t *tp;
+    bool device_pool;          /* the pool is in GPU memory (cuda_ipc): no byte of it is ever
+                                  streamed over the control socket */
     char *desc_hex;            /* our exposed pool's descriptor, hex */
     struct {
         char key[208];         /* endpoint + "#" + descriptor hash */

@@ -9,7 +9,7 @@
  * allocated the blocks it lacks and asks the sender for them (REQUEST_DATA); the sender answers
  * with the source block list (the suffix of its blocks, aligned on the end, see below) and the
  * auxiliary data (first generated token, prompt length); the receiver reads the bytes through
- * the data transport (UCX RMA get, or the TCP data stream) straight into its own blocks, checks
+ * the data transport (UCX RMA get, CUDA IPC device copies, or the TCP data stream) straight into its own blocks, checks
  * the byte count, then tells the sender DONE so it can unpin. Why pull: docs/disaggregation.md.
  *
  * Per request, on each side:
@@ -47,12 +47,19 @@
 
 #include "../base/base.h"
 #include "page_table.h"
+#include "transport.h"
 
 typedef struct kvx_agent kvx_agent_t;
 
-enum kvx_transport_kind { KVX_TRANSPORT_TCP = 0, KVX_TRANSPORT_UCX = 1 };
-/* "tcp" / "ucx"; parse returns KV_EINVAL for anything else (and KV_EUNSUPPORTED for "ucx" in a
- * build without UCX). */
+/* cuda_ipc: KV pools in GPU memory, both workers on one host (the CUDA backend's transport,
+ * src/backend/cuda/transport_cuda_ipc.h; the caller creates it and passes it in kvx_config.tp).
+ * A worker whose pool is in GPU memory moves bytes only through it: a peer that asks for
+ * another transport is refused at the handshake with a message (never a TCP byte stream out of
+ * or into device memory), and so is a cuda_ipc peer of a worker whose pool is in host memory. */
+enum kvx_transport_kind { KVX_TRANSPORT_TCP = 0, KVX_TRANSPORT_UCX = 1, KVX_TRANSPORT_CUDA_IPC = 2 };
+/* "tcp" / "ucx" / "cuda_ipc"; parse returns KV_EINVAL for anything else (and KV_EUNSUPPORTED for
+ * "ucx" in a build without UCX; "cuda_ipc" parses in every build: whether the backend has it is
+ * the caller's check). */
 const char *kvx_transport_name(enum kvx_transport_kind k);
 kv_status kvx_transport_parse(const char *s, enum kvx_transport_kind *out);
 
@@ -104,7 +111,12 @@ struct kvx_config {
                                  through a staging buffer (default 2 MiB; 0 = default;
                                  SIZE_MAX = never) */
     const struct kvx_page_table *pt; /* local pool layout (copied) */
-    void *pool_base;          /* borrowed: n_blocks * pt->block_bytes, outlives the agent */
+    void *pool_base;          /* borrowed: n_blocks * pt->block_bytes, outlives the agent; a
+                                 device pointer with KVX_TRANSPORT_CUDA_IPC (the agent then
+                                 never reads or writes it itself) */
+    kvx_transport_t *tp;      /* KVX_TRANSPORT_CUDA_IPC only: the transport, made by the caller
+                                 (kvx_transport_cuda_ipc_new); owned by the agent from the
+                                 kvx_agent_start call on, also when the start fails */
     int n_blocks;
     kvx_result_cb cb;         /* required */
     void *user;

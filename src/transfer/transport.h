@@ -10,6 +10,9 @@
  * with UCX 1.13 a same-host get is emulated over shared memory, so the exposing side must keep
  * calling progress() too (the agent does). Without UCX the agent streams the bytes over its own
  * TCP control connection instead (agent_conn.c), so there is no separate tcp transport.
+ * cuda_ipc (src/backend/cuda/transport_cuda_ipc.h, CUDA builds): KV pools in GPU memory on one
+ * host; the caller creates it and hands it to the agent (kvx_config.tp); no expose_staging, no
+ * event fd.
  *
  * Threading: a transport instance is driven by ONE thread (the agent's transfer thread): every
  * call below, including progress, comes from that thread. The tcp exposing side may run its
@@ -41,7 +44,7 @@ struct kvx_completion {
 };
 
 struct kvx_transport_ops {
-    const char *name;               /* "tcp" / "ucx" */
+    const char *name;               /* "ucx" / "cuda_ipc" (the REQ's "tp": peers must match) */
     /* Exposes [base, base+len) for remote reads (once per transport, before any connect from a
      * peer). Appends the descriptor peers need (opaque bytes; tcp: "host:port" of the data
      * listener; ucx: worker address + packed rkey + base) to desc. */

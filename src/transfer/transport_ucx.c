@@ -36,6 +36,7 @@
  */
 #ifdef KVSERVE_HAVE_UCX
 #include "transport.h"
+#include "../base/le.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -115,30 +116,8 @@ struct ucxt_read {
 
 static struct ucxt *T(kvx_transport_t *t) { return (struct ucxt *)t->ctx; }
 
-/* ---- little-endian helpers + checksum ---- */
+/* ---- little-endian helper (the others: ../base/le.h) ---- */
 static void put_u16(uint8_t *p, uint16_t v) { p[0] = (uint8_t)v; p[1] = (uint8_t)(v >> 8); }
-static void put_u32(uint8_t *p, uint32_t v) {
-    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
-}
-static void put_u64(uint8_t *p, uint64_t v) {
-    for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
-}
-static uint32_t get_u32(const uint8_t *p) {
-    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-static uint64_t get_u64(const uint8_t *p) {
-    uint64_t v = 0;
-    for (int i = 7; i >= 0; i--) v = v << 8 | p[i];
-    return v;
-}
-static uint64_t fnv1a(const uint8_t *p, size_t n) {
-    uint64_t h = 1469598103934665603ull;
-    for (size_t i = 0; i < n; i++) {
-        h ^= p[i];
-        h *= 1099511628211ull;
-    }
-    return h;
-}
 
 static kv_status ucs_err(kv_status s, char *err, size_t errlen, const char *what,
                          ucs_status_t st) {
@@ -193,13 +172,13 @@ static kv_status append_record(struct ucxt *u, int region, kv_buf *desc, char *e
     p[4] = UCXT_VERSION;
     p[5] = (uint8_t)region;
     put_u16(p + 6, 0);
-    put_u32(p + 8, (uint32_t)u->addr_len);
-    put_u32(p + 12, (uint32_t)rg->rkey_len);
-    put_u64(p + 16, (uint64_t)(uintptr_t)rg->base);
-    put_u64(p + 24, (uint64_t)rg->len);
+    kv_put_le32(p + 8, (uint32_t)u->addr_len);
+    kv_put_le32(p + 12, (uint32_t)rg->rkey_len);
+    kv_put_le64(p + 16, (uint64_t)(uintptr_t)rg->base);
+    kv_put_le64(p + 24, (uint64_t)rg->len);
     memcpy(p + UCXT_HDR, u->addr, u->addr_len);
     memcpy(p + UCXT_HDR + u->addr_len, rg->rkey_buf, rg->rkey_len);
-    put_u64(p + n - 8, fnv1a(p, n - 8));
+    kv_put_le64(p + n - 8, kv_fnv1a64(p, n - 8));
     kv_status s = kv_buf_append(desc, p, n);
     free(p);
     if (s != KV_OK) return kv_errf(s, err, errlen, "ucx transport: out of memory");
@@ -310,7 +289,7 @@ static kv_status ucxt_connect(kvx_transport_t *t, const void *desc, size_t len, 
         if (p[5] > 1)
             return kv_errf(KV_EINVAL, err, errlen, "ucx transport: descriptor region %u (0 or 1)",
                            p[5]);
-        uint32_t al = get_u32(p + 8), rl = get_u32(p + 12);
+        uint32_t al = kv_get_le32(p + 8), rl = kv_get_le32(p + 12);
         if (al == 0 || al > UCXT_MAX_ADDR || rl > UCXT_MAX_RKEY)
             return kv_errf(KV_EINVAL, err, errlen, "ucx transport: descriptor lengths out of "
                            "range (address %u, rkey %u bytes)", al, rl);
@@ -318,10 +297,10 @@ static kv_status ucxt_connect(kvx_transport_t *t, const void *desc, size_t len, 
         if (n > left)
             return kv_errf(KV_EINVAL, err, errlen, "ucx transport: descriptor truncated (record "
                            "of %zu bytes, %zu left)", n, left);
-        if (fnv1a(p, n - 8) != get_u64(p + n - 8))
+        if (kv_fnv1a64(p, n - 8) != kv_get_le64(p + n - 8))
             return kv_errf(KV_EINVAL, err, errlen, "ucx transport: descriptor checksum mismatch "
                            "(corrupted bytes)");
-        uint64_t rbase = get_u64(p + 16), rlen = get_u64(p + 24);
+        uint64_t rbase = kv_get_le64(p + 16), rlen = kv_get_le64(p + 24);
         if (rlen && (rl == 0 || rbase + rlen < rbase))
             return kv_errf(KV_EINVAL, err, errlen, "ucx transport: descriptor region %u: bad "
                            "range or missing rkey", p[5]);

@@ -442,6 +442,15 @@ static void cuda_free(backend_t *be) {
     free(be);
 }
 
+static kv_status cuda_device_pool(backend_t *be, void **base, size_t *len, int *device) {
+    struct cuda_ctx *c = (struct cuda_ctx *)be->ctx;
+    if (!c->pool || be->n_blocks < 1) return KV_EINVAL;
+    *base = c->pool;
+    *len = (size_t)be->n_blocks * c->block_bytes;
+    *device = c->dev;
+    return KV_OK;
+}
+
 static const struct backend_ops cuda_ops = {
     /* .name = */ "cuda",
     /* .kv_alloc = */ cuda_kv_alloc,
@@ -453,6 +462,7 @@ static const struct backend_ops cuda_ops = {
     /* .copy_from_host = */ cuda_copy_from_host,
     /* .forward_sample = */ cuda_forward_sample,
     /* .healthy = */ cuda_healthy,
+    /* .device_pool = */ cuda_device_pool,
 };
 
 static kv_status cuda_init(backend_t *be, struct cuda_ctx *c, const struct backend_cuda_options *opt, char *err,

@@ -484,6 +484,148 @@ static void test_cancel_remote(void **st) {
     side_stop(&r);
 }
 
+/* ---------------------------------------------------------------- a caller-made transport */
+
+/* A stand-in for the CUDA IPC transport (kvx_config.tp, KVX_TRANSPORT_CUDA_IPC) on host memory:
+ * named "cuda_ipc", its descriptor is the exposed pointer and length, a read is memcpy per
+ * fragment, the completion comes from the next progress(). The agent's plumbing of a transport
+ * it did not make (and its refusal of a peer on another transport) is then tested without a GPU;
+ * the real transport is tested by tests/unit/backend/test_cuda_ipc.c on the device. */
+struct fake_tp {
+    uint8_t *base;
+    size_t len;
+    uint64_t done[64];
+    int n_done;
+    int destroyed_flag;
+};
+static int g_fake_destroyed;
+
+static kv_status fake_expose(kvx_transport_t *t, void *base, size_t len, kv_buf *desc, char *err, size_t errlen) {
+    (void)err, (void)errlen;
+    struct fake_tp *f = t->ctx;
+    f->base = base, f->len = len;
+    uint64_t rec[2] = {(uint64_t)(uintptr_t)base, len};
+    return kv_buf_append(desc, rec, sizeof rec);
+}
+static kv_status fake_connect(kvx_transport_t *t, const void *desc, size_t len, kvx_peer_t **out, char *err,
+                              size_t errlen) {
+    (void)t;
+    if (len != 16) return kv_errf(KV_EINVAL, err, errlen, "fake transport: bad descriptor");
+    uint64_t *rec = malloc(16);
+    memcpy(rec, desc, 16);
+    *out = (kvx_peer_t *)rec;
+    return KV_OK;
+}
+static void fake_disconnect(kvx_transport_t *t, kvx_peer_t *p) { (void)t, free(p); }
+static kv_status fake_read(kvx_transport_t *t, kvx_peer_t *p, int region, const struct kvx_frag *fr, int n,
+                           uint64_t cookie, char *err, size_t errlen) {
+    struct fake_tp *f = t->ctx;
+    const uint64_t *rec = (const uint64_t *)p;
+    if (region || f->n_done == 64) return kv_errf(KV_EINVAL, err, errlen, "fake transport: bad read");
+    for (int i = 0; i < n; i++) {
+        assert_true(fr[i].remote_off + fr[i].len <= rec[1]);
+        memcpy(fr[i].local, (uint8_t *)(uintptr_t)rec[0] + fr[i].remote_off, fr[i].len);
+    }
+    f->done[f->n_done++] = cookie;
+    return KV_OK;
+}
+static int fake_progress(kvx_transport_t *t, struct kvx_completion *out, int cap, int timeout_ms) {
+    (void)timeout_ms;
+    struct fake_tp *f = t->ctx;
+    int k = 0;
+    for (; k < cap && k < f->n_done; k++) out[k] = (struct kvx_completion){.cookie = f->done[k], .status = KV_OK};
+    memmove(f->done, f->done + k, (size_t)(f->n_done - k) * sizeof f->done[0]);
+    f->n_done -= k;
+    return k;
+}
+static void fake_destroy(kvx_transport_t *t) {
+    g_fake_destroyed++;
+    free(t->ctx);
+    free(t);
+}
+static const struct kvx_transport_ops fake_ops = {"cuda_ipc", fake_expose, NULL, fake_connect, fake_disconnect,
+                                                  fake_read, fake_progress, NULL, fake_destroy};
+
+static void side_start_dev(struct side *s) {
+    char err[256];
+    assert_int_equal(kvx_page_table_dense_kv(&s->pt, 0, 3, 2, 8, T, KVX_DTYPE_BF16, err, sizeof err), KV_OK);
+    s->bb = s->pt.views[0].block_bytes;
+    s->pool = calloc(NB, s->bb);
+    kvx_transport_t *t = calloc(1, sizeof *t);
+    t->ops = &fake_ops;
+    t->ctx = calloc(1, sizeof(struct fake_tp));
+    struct kvx_config c = {.host = "127.0.0.1", .transport = KVX_TRANSPORT_CUDA_IPC, .timeout_s = 5,
+                           .pt = &s->pt, .pool_base = s->pool, .n_blocks = NB, .cb = on_result, .tp = t};
+    assert_int_equal(kvx_agent_start(&c, &s->a, err, sizeof err), KV_OK);
+}
+
+/* Both sides on the caller's "cuda_ipc" transport: bytes exact (one read, no TCP stream); a
+ * device-pool side paired with a host-pool (tcp) side is refused at the handshake either way,
+ * with the reason, and no byte moves; the agent destroys the transport it was given (also when
+ * its start fails). */
+static void test_device_transport(void **st) {
+    (void)st;
+    reset();
+    g_fake_destroyed = 0;
+    struct side s, r;
+    side_start_dev(&s);
+    side_start_dev(&r);
+    int32_t src[4] = {5, 6, 30, 2}, dst[4] = {1, 40, 41, 9};
+    for (int i = 0; i < 4; i++) fill(&s, src[i], (uint8_t)(i + 9));
+    struct kvx_aux ax = aux_of(4 * T - 1, 7);
+    assert_int_equal(kvx_send_offer(s.a, 80, src, 4, &ax), KV_OK);
+    assert_int_equal(kvx_recv_start(r.a, 80, kvx_agent_endpoint(s.a), true, dst, 4, 4 * T - 1), KV_OK);
+    struct kvx_result rr = wait_res(80, false, 10), rs = wait_res(80, true, 10);
+    assert_int_equal(rr.status, KV_OK);
+    assert_int_equal(rs.status, KV_OK);
+    assert_int_equal(rr.aux.first[0], 7);
+    for (int i = 0; i < 4; i++) assert_true(same(&s, src[i], &r, dst[i]));
+    struct kvx_stats sst;
+    kvx_get_stats(r.a, &sst);
+    assert_int_equal(sst.bounce_transfers, 0);
+    side_stop(&r);
+
+    /* device sender, host (tcp) receiver with the same page table */
+    enum kvx_transport_kind keep = g_tp;
+    g_tp = KVX_TRANSPORT_TCP;
+    struct side h;
+    char err[256];
+    assert_int_equal(kvx_page_table_dense_kv(&h.pt, 0, 3, 2, 8, T, KVX_DTYPE_BF16, err, sizeof err), KV_OK);
+    h.bb = h.pt.views[0].block_bytes;
+    h.pool = calloc(NB, h.bb);
+    struct kvx_config hc = {.host = "127.0.0.1", .transport = KVX_TRANSPORT_TCP, .timeout_s = 5, .pt = &h.pt,
+                            .pool_base = h.pool, .n_blocks = NB, .cb = on_result};
+    assert_int_equal(kvx_agent_start(&hc, &h.a, err, sizeof err), KV_OK);
+    assert_int_equal(kvx_send_offer(s.a, 81, src, 1, &(struct kvx_aux){.n_tokens = T, .n_first = 1}), KV_OK);
+    assert_int_equal(kvx_recv_start(h.a, 81, kvx_agent_endpoint(s.a), true, dst, 1, T), KV_OK);
+    rr = wait_res(81, false, 10);
+    assert_int_equal(rr.status, KV_EIO);
+    fprintf(stderr, "  device sender, tcp receiver: %s\n", rr.message);
+    assert_non_null(strstr(rr.message, "transports do not match"));
+    uint8_t zero[64] = {0};
+    assert_memory_equal(h.pool + (size_t)dst[0] * h.bb, zero, sizeof zero);
+    /* host (tcp) sender, device receiver */
+    side_start_dev(&r);
+    assert_int_equal(kvx_send_offer(h.a, 82, src, 1, &(struct kvx_aux){.n_tokens = T, .n_first = 1}), KV_OK);
+    assert_int_equal(kvx_recv_start(r.a, 82, kvx_agent_endpoint(h.a), true, dst, 1, T), KV_OK);
+    rr = wait_res(82, false, 10);
+    assert_int_equal(rr.status, KV_EIO);
+    assert_non_null(strstr(rr.message, "transports do not match"));
+    g_tp = keep;
+    side_stop(&s);
+    side_stop(&r);
+    side_stop(&h);
+    assert_int_equal(g_fake_destroyed, 3);
+    /* a start that fails still destroys the given transport */
+    kvx_transport_t *t = calloc(1, sizeof *t);
+    t->ops = &fake_ops;
+    t->ctx = calloc(1, sizeof(struct fake_tp));
+    struct kvx_config bad = {.transport = KVX_TRANSPORT_CUDA_IPC, .tp = t, .cb = on_result};
+    kvx_agent_t *a = NULL;
+    assert_int_equal(kvx_agent_start(&bad, &a, err, sizeof err), KV_EINVAL);
+    assert_int_equal(g_fake_destroyed, 4);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_full_transfer),
@@ -499,7 +641,9 @@ int main(void) {
         cmocka_unit_test(test_stop_and_bad_args),
         cmocka_unit_test(test_cancel_remote),
     };
+    const struct CMUnitTest dev_tests[] = {cmocka_unit_test(test_device_transport)};
     int failed = cmocka_run_group_tests_name("transport tcp", tests, NULL, NULL);
+    failed += cmocka_run_group_tests_name("caller-made cuda_ipc-style transport", dev_tests, NULL, NULL);
     if (!kvx_transport_ucx_available()) {
         fprintf(stderr, "SKIP: UCX transport not built: the agent tests ran over tcp only\n");
         return failed;
