@@ -425,7 +425,7 @@ static void cuda_free(backend_t *be) {
         }
         if (c->output && c->output != c->tok_embd) kvc_free(c->output);
         void *ps[] = {c->tok_embd, c->out_norm, c->inv_freq, c->pool, c->x, c->h, c->a, c->logits, c->part,
-                      c->part_ml, c->d_meta};
+                      c->part_ml, c->d_meta, c->dec_cnt};
         for (size_t i = 0; i < sizeof ps / sizeof ps[0]; i++)
             if (ps[i]) kvc_free(ps[i]);
         if (c->h_meta) kvc_free_host(c->h_meta);
@@ -477,6 +477,11 @@ static kv_status cuda_init(backend_t *be, struct cuda_ctx *c, const struct backe
     BLAS_TRY(cublasSetWorkspace(c->blas, c->blas_ws, ws), "set workspace");
     CU_TRY(inv_gemm_setup(), "invariant gemm setup");
     CU_TRY(flash_setup(), "flash attention setup");
+    CU_TRY(dec_setup(), "decode attention setup");
+    CU_TRY(kvc_malloc((void **)&c->dec_cnt, (size_t)DEC_ROWS_CAP * cfg->n_kv_heads * sizeof(unsigned)),
+           "cudaMalloc (decode attention counters)");
+    CU_TRY(kvc_memset_async(c->dec_cnt, 0, (size_t)DEC_ROWS_CAP * cfg->n_kv_heads * sizeof(unsigned), c->st),
+           "memset (decode attention counters)");
     CU_TRY(kvs_setup(), "sampling setup");
     CU_TRY(kvc_malloc(&c->probe, 16), "cudaMalloc (probe)");
     const char *gr = getenv("KVSERVE_CUDA_GRAPHS");
@@ -563,6 +568,14 @@ extern "C" kv_status backend_cuda_new(const model_t *m, const struct backend_cud
     }
     const char *fm = getenv("KVSERVE_CUDA_FLASH_MT");
     c->flash_mt = fm && *fm == '1' ? 1 : 2;
+    const char *dr = getenv("KVSERVE_CUDA_DEC_ROWS");
+    c->dec_rows = dr && *dr ? atoi(dr) : DEC_ROWS_DEFAULT;
+    if (c->dec_rows < 0) c->dec_rows = 0;
+    if (c->dec_rows > DEC_ROWS_CAP) c->dec_rows = DEC_ROWS_CAP;
+    const char *dc = getenv("KVSERVE_CUDA_DEC_CTAS");
+    c->dec_ctas = (dc && atoi(dc) > 0 ? atoi(dc) : 4) * c->n_sm;
+    const char *dh = getenv("KVSERVE_CUDA_DEC_HALF");
+    c->dec_half = !(dh && *dh == '0');
     const char *pd = getenv("KVSERVE_CUDA_PDL");
     c->pdl = !(pd && *pd == '0');
     if ((st = parse_fault(c, getenv("KVSERVE_CUDA_FAULT"), err, errlen)) || (st = cuda_init(be, c, opt, err, errlen))) {

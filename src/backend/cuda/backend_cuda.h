@@ -160,9 +160,11 @@ int kv_cuda_copy_splits(enum kv_cuda_copy_dir dir, size_t nbytes);
  *     and head; 10 * n_layers + 1 when L == 0); growing scratch adds allocs / frees;
  *   no graph: h2d_copies 1 (metadata), launches 10 * n_layers + 3, d2h_copies 1 if L > 0,
  *     stream_syncs 1.
- *   A step with prefill chunks makes 9 * n_layers + 3 launches when all its rows are in
- *   chunks (k_attn_flash, no combine) and 11 * n_layers + 3 when it mixes chunks with
- *   single-token rows (k_attn_flash, then the split kernels on the single rows).
+ *   A step whose attention runs without a combine launch makes 9 * n_layers + 3: all rows in
+ *   prefill chunks (k_attn_flash), or at most KVSERVE_CUDA_DEC_ROWS (default 8) split rows
+ *   (k_attn_dec, its combine inside the kernel: decode at small batch); 10 * n_layers + 3
+ *   when chunks are mixed with few single-token rows (k_attn_flash, then k_attn_dec) and
+ *   11 * n_layers + 3 when mixed with more (k_attn_flash, then the split kernels + combine).
  * forward_sample: the same, except that the download is the sampling results (one d2h copy)
  *   and the sampling adds 2 launches (3 when a row needs sorted candidates: the radix sort's
  *   own launches are not counted); its requests travel with the step's metadata (no extra
@@ -193,6 +195,18 @@ void kv_cuda_counters_get(struct kv_cuda_counters *out);
  * synchronous (own stream). KV_EINVAL for a bad argument, KV_EIO for a CUDA failure. */
 kv_status kv_cuda_gemm(int mode, int f32w, const void *X, int M, int K, const void *W, int N, float *Y, char *err,
                        size_t errlen);
+
+/* Decode attention of T rows over one layer's paged K/V as the backend computes it, for
+ * tests: mode 0 the split kernels (k_attn_part, split_len positions per part, + combine),
+ * mode 1 k_attn_dec (split_len positions per part; launched twice, so the second launch
+ * checks that its counters were left zeroed). All pointers are device memory:
+ * q (T, n_heads * hd) f32; pool (blocks of 2 * n_kv * tpb * hd elements: K heads then V
+ * heads, each tpb rows of hd; bf16 when kv_bf16, else f32); row r attends to positions
+ * 0..pos[r] through bt + bt_off[r]; out (T, n_heads * hd) f32. Synchronous (own stream).
+ * KV_EINVAL for a bad argument (k_attn_dec: hd % 8, T > 256), KV_EIO for a CUDA failure. */
+kv_status kv_cuda_attn_decode(int mode, int kv_bf16, int T, int n_heads, int n_kv, int hd, int tpb, const int32_t *pos,
+                              const int32_t *bt_off, const int32_t *bt, const float *q, const void *pool,
+                              int split_len, float *out, char *err, size_t errlen);
 
 /* Thin helpers for tests and benches (NULL / KV_EIO on failure; the error is logged). */
 void *kv_cuda_malloc(size_t n);           /* device memory */

@@ -49,6 +49,13 @@ struct cuda_ctx {
     bool pdl;     /* programmatic dependent launch for the forward's own kernels (KVSERVE_CUDA_PDL=0: off) */
     bool flash;   /* k_attn_flash may serve prefill steps (flash_tiles; KVSERVE_CUDA_FLASH=0: never) */
     int flash_mt; /* its m tiles per warp: 1 or 2 (KVSERVE_CUDA_FLASH_MT; default 2) */
+    int dec_rows;  /* single-token steps of <= dec_rows split rows run k_attn_dec (KVSERVE_CUDA_DEC_ROWS;
+                    * 0: never; at most DEC_ROWS_CAP) */
+    int dec_ctas;  /* k_attn_dec's split: parts doubled while the grid exceeds dec_ctas CTAs
+                    * (KVSERVE_CUDA_DEC_CTAS, default 4 per SM) */
+    int dec_half;  /* k_attn_dec may use half-tile (16-position) parts when 32-position ones leave SMs
+                    * idle (KVSERVE_CUDA_DEC_HALF=0: never) */
+    unsigned *dec_cnt; /* (DEC_ROWS_CAP, n_kv) k_attn_dec's last-part counters, zero between launches */
     unsigned skip; /* timing only (KVSERVE_CUDA_SKIP, backend_cuda.h): stages left out, SKIP_* bits */
     size_t wsz; /* bytes per weight element */
     cudaStream_t st;
@@ -125,7 +132,7 @@ static cudaError_t klaunch(const struct cuda_ctx *c, void (*k)(KArgs...), dim3 g
 #define GRAPH_MAX_ROWS 64
 #define GRAPH_CACHE 32
 struct graph_key {
-    int T, L, parts, split_len, tpb, attn2, n_tiles, n1;
+    int T, L, parts, split_len, tpb, attn2, n_tiles, n1, dec;
     size_t cap_meta, block_floats;
     int kv_dtype;
     const void *ptr[9];
@@ -170,5 +177,10 @@ bool cuda_healthy(backend_t *be, char *why, size_t whylen);
 /* Raise the dynamic shared memory limits of k_gemm_inv / k_attn_flash (once per device use). */
 cudaError_t inv_gemm_setup(void);
 cudaError_t flash_setup(void);
+/* Raises k_attn_dec's dynamic shared memory limit (once per device use). */
+cudaError_t dec_setup(void);
+#define DEC_ROWS_CAP 256
+#define DEC_ROWS_DEFAULT 8
+#define DEC_SMEM_MAX (160 * 1024)
 
 #endif

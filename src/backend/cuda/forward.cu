@@ -15,6 +15,7 @@
 #include "cuda_ctx.h"
 #include "kernels.cuh"
 #include "attn_flash.cuh"
+#include "attn_decode.cuh"
 
 static kv_status validate(backend_t *be, const struct batch *b, char *err, size_t errlen) {
     const struct cuda_ctx *c = (const struct cuda_ctx *)be->ctx;
@@ -128,6 +129,50 @@ cudaError_t flash_setup(void) {
     return e;
 }
 
+/* k_attn_dec instances: pool element TK x activation TA x NI items per thread (1, 2, 4). */
+#define DEC_FOR(X)                                                                                          \
+    X(float, float, 1) X(float, float, 2) X(float, float, 4) X(__nv_bfloat16, float, 1)                     \
+    X(__nv_bfloat16, float, 2) X(__nv_bfloat16, float, 4) X(float, __nv_bfloat16, 1)                        \
+    X(float, __nv_bfloat16, 2) X(float, __nv_bfloat16, 4) X(__nv_bfloat16, __nv_bfloat16, 1)                \
+    X(__nv_bfloat16, __nv_bfloat16, 2) X(__nv_bfloat16, __nv_bfloat16, 4)
+cudaError_t dec_setup(void) {
+    cudaError_t e = cudaSuccess;
+#define DEC_SET(TK, TA, NI)                                                                                   \
+    if (e == cudaSuccess)                                                                                    \
+        e = cudaFuncSetAttribute(k_attn_dec<TK, TA, NI>, cudaFuncAttributeMaxDynamicSharedMemorySize, DEC_SMEM_MAX);
+    DEC_FOR(DEC_SET)
+#undef DEC_SET
+    return e;
+}
+
+/* The part length of k_attn_dec for a step whose T1 single-token split rows reach max_pos1
+ * positions, or 0 where the split kernels (k_attn_part / k_attn_part2 + combine) run instead:
+ * deterministic mode (its own fixed split), more than c->dec_rows rows, head_dim % 8, or a
+ * GQA group too wide for one CTA (G * hd / 8 > 4 * DEC_THREADS). Parts of DEC_TILE positions,
+ * DEC_TILE / 2 when the grid would have fewer CTAs than SMs (c->dec_half), doubled while the
+ * grid has more than c->dec_ctas CTAs or the combine's weights would not fit in shared memory.
+ * The length depends on the step's rows and longest context only through powers of two, so
+ * a decode graph is reused until the context doubles. */
+static int dec_split_len(const struct cuda_ctx *c, int T1, int max_pos1, int tks) {
+    const struct model_config *cfg = &c->m->cfg;
+    int hd = cfg->head_dim, G = cfg->n_heads / cfg->n_kv_heads;
+    if (c->det || T1 < 1 || T1 > c->dec_rows || max_pos1 < 1 || hd % 8 ||
+        (G * hd / 8 + DEC_THREADS - 1) / DEC_THREADS > 4)
+        return 0;
+    long base = (long)T1 * cfg->n_kv_heads;
+    int sl = DEC_TILE;
+    if (c->dec_half && base * ((max_pos1 + DEC_TILE - 1) / DEC_TILE) < c->n_sm) sl = DEC_TILE / 2;
+    if (c->split_set) sl = c->split_set; /* KVSERVE_CUDA_ATTN_SPLIT (experiments) */
+    while (base * ((max_pos1 + sl - 1) / sl) > c->dec_ctas && sl < (1 << 24)) sl *= 2;
+    for (;;) {
+        int parts = (max_pos1 + sl - 1) / sl, p2 = 1;
+        while (p2 < parts) p2 *= 2; /* graph steps round the grid up */
+        if (dec_smem_bytes(G, hd, tks, p2) <= DEC_SMEM_MAX || sl >= (1 << 24)) break;
+        sl *= 2;
+    }
+    return dec_smem_bytes(G, hd, tks, 1) <= DEC_SMEM_MAX ? sl : 0;
+}
+
 /* Which rows of a step run k_attn_flash. When the backend allows it (bf16 weights, not
  * deterministic, not KVSERVE_CUDA_FLASH=0, head_dim % 8 == 0 and <= 128, GQA group <= 64 MT),
  * every sequence with more than one new token (a prefill chunk) runs k_attn_flash, in tiles
@@ -167,6 +212,7 @@ static int att_hc(const struct model_config *cfg) {
 struct enq_args {
     int T, L, max_parts, split_len;
     bool attn2; /* k_attn_part2 for this step */
+    bool dec;   /* k_attn_dec for the split rows (split_len from dec_split_len) */
     size_t meta_n; /* int32 entries of metadata to upload */
     int n_tiles;   /* > 0: k_attn_flash over these tiles (pairs at d_meta + tiles_off) */
     int n1;        /* with n_tiles: rows of the split kernels (list at d_meta + rows1_off) */
@@ -226,6 +272,8 @@ static kv_status forward_t(backend_t *be, const struct batch *b, float *logits, 
         split_len = attn2 ? (c->split_set + 31) / 32 * 32 : c->split_set;
     while ((long)T1 * ((max_pos1 + split_len - 1) / split_len) > 8192 && split_len < (1 << 24)) split_len *= 2;
     int max_parts = max_pos1 ? (max_pos1 + split_len - 1) / split_len : 1;
+    int dsl = dec_split_len(c, (int)T1, max_pos1, c->kv_dtype == KV_DTYPE_BF16 ? 2 : 4);
+    if (dsl) attn2 = false, split_len = dsl, max_parts = (max_pos1 + dsl - 1) / dsl;
     if (c->det) { /* batch-invariant: one kernel, each row's split from its own position (det_split_len) */
         attn2 = c->attn2;
         split_len = 0;
@@ -292,7 +340,7 @@ static kv_status forward_t(backend_t *be, const struct batch *b, float *logits, 
     }
     int n_sort = 0;
     if (sp && (st = kvs_meta_fill(sp, L, cfg->n_vocab, c->h_meta + samp_off, &n_sort, err, errlen))) return st;
-    struct enq_args ea = {T, L, max_parts, split_len, attn2, use_graph ? c->cap_meta : meta_n, n_tiles, n1, tiles_off,
+    struct enq_args ea = {T, L, max_parts, split_len, attn2, dsl != 0, use_graph ? c->cap_meta : meta_n, n_tiles, n1, tiles_off,
                           rows1_off, bt_off};
     if (!use_graph) {
         if ((st = enqueue_step<TA>(c, &ea, err, errlen))) return st;
@@ -300,7 +348,7 @@ static kv_status forward_t(backend_t *be, const struct batch *b, float *logits, 
         struct graph_key k;
         memset(&k, 0, sizeof k);
         k.T = T, k.L = L, k.parts = max_parts, k.split_len = split_len, k.tpb = c->tpb, k.attn2 = attn2;
-        k.n_tiles = n_tiles, k.n1 = n1;
+        k.dec = dsl != 0, k.n_tiles = n_tiles, k.n1 = n1;
         k.cap_meta = c->cap_meta, k.block_floats = c->block_floats, k.kv_dtype = c->kv_dtype;
         const void *ps[9] = {c->x, c->h, c->a, c->logits, c->part, c->part_ml, c->d_meta, c->h_meta, c->pool};
         memcpy(k.ptr, ps, sizeof ps);
@@ -415,6 +463,27 @@ template <typename TA> static kv_status enqueue_step(struct cuda_ctx *c, const s
 #undef FL_CASE
 #undef FL_ARGS
             if (!ea->n1) goto attn_done;
+        }
+        if (ea->dec) { /* few single-token rows: k_attn_dec, combined in the same kernel */
+            dim3 dg(T1, (unsigned)nkv, (unsigned)max_parts);
+            int ni = (group * hd / 8 + DEC_THREADS - 1) / DEC_THREADS;
+            ni = ni <= 1 ? 1 : ni <= 2 ? 2 : 4;
+            size_t dsm = dec_smem_bytes(group, hd, kvb ? 2 : 4, max_parts);
+#define DEC_ARGS(TK)                                                                                           \
+    (const float *)c->h, qkvw, (const TK *)c->pool, c->block_floats, l, nkv, hd, c->tpb, group, d_pos, d_bto, d_bt, \
+        d_rows1, split_len, max_parts, scale * 1.4426950408889634f, c->part, c->part_ml, c->dec_cnt, (TA *)c->a
+#define DEC_NI(TK)                                                                                            \
+    do {                                                                                                      \
+        if (ni == 1) KLAUNCH("decode attention", k_attn_dec<TK, TA, 1>, dg, dim3(DEC_THREADS), dsm, DEC_ARGS(TK)); \
+        else if (ni == 2)                                                                                     \
+            KLAUNCH("decode attention", k_attn_dec<TK, TA, 2>, dg, dim3(DEC_THREADS), dsm, DEC_ARGS(TK));     \
+        else KLAUNCH("decode attention", k_attn_dec<TK, TA, 4>, dg, dim3(DEC_THREADS), dsm, DEC_ARGS(TK));    \
+    } while (0)
+            if (kvb) DEC_NI(__nv_bfloat16);
+            else DEC_NI(float);
+#undef DEC_NI
+#undef DEC_ARGS
+            goto attn_done;
         }
         {
         dim3 ag(T1, (unsigned)(nh / hc), (unsigned)max_parts);
@@ -553,5 +622,74 @@ extern "C" kv_status kv_cuda_gemm(int mode, int f32w, const void *X, int M, int 
     cudaError_t e = kvc_stream_sync(st);
     if (!r && e != cudaSuccess) r = kv_errf(KV_EIO, err, errlen, "cuda: gemm: %s", cudaGetErrorString(e));
     cudaStreamDestroy(st);
+    return r;
+}
+
+extern "C" kv_status kv_cuda_attn_decode(int mode, int kv_bf16, int T, int n_heads, int n_kv, int hd, int tpb,
+                                         const int32_t *pos, const int32_t *bt_off, const int32_t *bt, const float *q,
+                                         const void *pool, int split_len, float *out, char *err, size_t errlen) {
+    if (!pos || !bt_off || !bt || !q || !pool || !out || T < 1 || n_kv < 1 || n_heads % n_kv || hd < 8 || hd > 256 ||
+        hd % 4 || tpb < 1 || split_len < 1 || (mode != 0 && mode != 1) ||
+        (mode == 1 && (hd % 8 || T > DEC_ROWS_CAP || (n_heads / n_kv * hd / 8 + DEC_THREADS - 1) / DEC_THREADS > 4)))
+        return kv_errf(KV_EINVAL, err, errlen, "kv_cuda_attn_decode: bad argument");
+    int G = n_heads / n_kv, hp[DEC_ROWS_CAP];
+    if (T > DEC_ROWS_CAP) return kv_errf(KV_EINVAL, err, errlen, "kv_cuda_attn_decode: T > %d", DEC_ROWS_CAP);
+    /* positions are device memory: the part count comes from the caller's bound */
+    CU_TRY(kvc_memcpy_sync(hp, pos, (size_t)T * sizeof(int32_t), cudaMemcpyDeviceToHost), "positions");
+    int max_pos = 0;
+    for (int i = 0; i < T; i++) max_pos = hp[i] + 1 > max_pos ? hp[i] + 1 : max_pos;
+    int max_parts = (max_pos + split_len - 1) / split_len;
+    struct cuda_ctx c;
+    memset(&c, 0, sizeof c);
+    size_t slots = (size_t)T * n_heads * max_parts, block_floats = (size_t)2 * n_kv * tpb * hd;
+    kv_status r = KV_OK;
+    CU_TRY(cudaStreamCreateWithFlags(&c.st, cudaStreamNonBlocking), "stream create");
+    float *part = NULL, *ml = NULL;
+    unsigned *cnt = NULL;
+    cudaError_t e = kvc_malloc((void **)&part, slots * hd * sizeof(float));
+    if (e == cudaSuccess) e = kvc_malloc((void **)&ml, slots * 2 * sizeof(float));
+    if (e == cudaSuccess) e = kvc_malloc((void **)&cnt, (size_t)T * n_kv * sizeof(unsigned));
+    if (e == cudaSuccess) e = kvc_memset_async(cnt, 0, (size_t)T * n_kv * sizeof(unsigned), c.st);
+    if (e == cudaSuccess) e = dec_setup();
+    float scale = 1.0f / sqrtf((float)hd);
+    if (e == cudaSuccess && mode == 1) {
+        int ni = (G * hd / 8 + DEC_THREADS - 1) / DEC_THREADS;
+        ni = ni <= 1 ? 1 : ni <= 2 ? 2 : 4;
+        size_t dsm = dec_smem_bytes(G, hd, kv_bf16 ? 2 : 4, max_parts);
+        if (dsm > DEC_SMEM_MAX) e = cudaErrorInvalidValue;
+        dim3 dg((unsigned)T, (unsigned)n_kv, (unsigned)max_parts);
+#define DEC_T(TK, NI)                                                                                         \
+    klaunch(&c, k_attn_dec<TK, float, NI>, dg, dim3(DEC_THREADS), dsm, q, n_heads * hd, (const TK *)pool, block_floats, 0, \
+            n_kv, hd, tpb, G, pos, bt_off, bt, (const int32_t *)NULL, split_len, max_parts,                    \
+            scale * 1.4426950408889634f, part, ml, cnt, out)
+        for (int rep = 0; rep < 2 && e == cudaSuccess; rep++) {
+            if (kv_bf16) e = ni == 1 ? DEC_T(__nv_bfloat16, 1) : ni == 2 ? DEC_T(__nv_bfloat16, 2) : DEC_T(__nv_bfloat16, 4);
+            else e = ni == 1 ? DEC_T(float, 1) : ni == 2 ? DEC_T(float, 2) : DEC_T(float, 4);
+        }
+#undef DEC_T
+    } else if (e == cudaSuccess) {
+        int hc = G < ATT_HC ? G : ATT_HC;
+        while (G % hc) hc--;
+        size_t att_smem = (size_t)ATT_WARPS * hc * (hd + 2) * sizeof(float);
+        dim3 ag((unsigned)T, (unsigned)(n_heads / hc), (unsigned)max_parts);
+#define ATT_T(D, TK)                                                                                          \
+    klaunch(&c, k_attn_part<D, TK>, ag, dim3(32 * ATT_WARPS), att_smem, q, n_heads * hd, (const TK *)pool,     \
+            block_floats, 0, n_kv, hd, tpb, G, hc, pos, bt_off, bt, (const int32_t *)NULL, split_len, max_parts, scale, \
+            part, ml)
+        if (kv_bf16) e = hd <= 32 ? ATT_T(1, __nv_bfloat16) : hd <= 64 ? ATT_T(2, __nv_bfloat16)
+                       : hd <= 128 ? ATT_T(4, __nv_bfloat16) : ATT_T(8, __nv_bfloat16);
+        else e = hd <= 32 ? ATT_T(1, float) : hd <= 64 ? ATT_T(2, float) : hd <= 128 ? ATT_T(4, float) : ATT_T(8, float);
+#undef ATT_T
+        if (e == cudaSuccess)
+            e = klaunch(&c, k_attn_combine<float>, dim3((unsigned)T, (unsigned)n_heads), dim3((unsigned)((hd + 31) / 32 * 32)),
+                        (size_t)max_parts * sizeof(float), (const float *)part, (const float *)ml, pos,
+                        (const int32_t *)NULL, split_len, max_parts, n_heads, hd, out);
+    }
+    if (e == cudaSuccess) e = kvc_stream_sync(c.st);
+    if (e != cudaSuccess) r = kv_errf(KV_EIO, err, errlen, "cuda: attention: %s", cudaGetErrorString(e));
+    if (part) kvc_free(part);
+    if (ml) kvc_free(ml);
+    if (cnt) kvc_free(cnt);
+    cudaStreamDestroy(c.st);
     return r;
 }

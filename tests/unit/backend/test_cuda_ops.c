@@ -10,6 +10,11 @@
  *    head_dim 64 / GQA group 4, head_dim 40 (padded to 48) and head_dim 32 with group 6
  *    (FL_BM / 6 = 10 rows per tile: 4 of the 64 M rows unused), f32 and bf16 KV; the
  *    same schedule with KVSERVE_CUDA_FLASH=0 (split kernels only) is scored too.
+ *  - decode attention: k_attn_dec (kv_cuda_attn_decode mode 1) and the split kernels (mode 0)
+ *    against a double-precision reference on random q / K / V behind scattered block tables:
+ *    batch 1..8 rows with contexts that are and are not multiples of the block size, GQA
+ *    groups 1 / 2 / 4 / 8 / 16 / 32, head_dim 32..128, f32 and bf16 K/V, parts of 16 .. 4096 positions
+ *    (one part: no combine), each k_attn_dec case launched twice (its counters reset).
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -133,6 +138,120 @@ static void test_cuda_flash_prefill(void **st) {
     int bad = flash_shape("llama", MODEL_ARCH_LLAMA, 8, 2, 64);
     bad += flash_shape("qwen3", MODEL_ARCH_QWEN3, 8, 2, 40);
     bad += flash_shape("llama", MODEL_ARCH_LLAMA, 12, 2, 32);
+    assert_int_equal(bad, 0);
+}
+
+/* ---- decode attention (k_attn_dec) against a reference and the split kernels ---- */
+
+static float bf16_round(float f) { /* round-to-nearest-even, as __float2bfloat16_rn */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* One case; returns the number of output values over the limit (printed). */
+static int dec_case(int T, int nh, int nkv, int hd, int bf16, int split_len, const int *ctx, uint64_t seed) {
+    int tpb = 16, G = nh / nkv, per[8], nb = 0;
+    for (int r = 0; r < T; r++) per[r] = (ctx[r] + tpb - 1) / tpb, nb += per[r];
+    size_t bf = (size_t)2 * nkv * tpb * hd, esz = bf16 ? 2 : 4;
+    float *pool = malloc((size_t)nb * bf * sizeof(float)), *q = malloc((size_t)T * nh * hd * sizeof(float));
+    float *ref = malloc((size_t)T * nh * hd * sizeof(float)), *got = malloc((size_t)T * nh * hd * sizeof(float));
+    uint16_t *p16 = malloc((size_t)nb * bf * 2);
+    int32_t bt[8 * 320], bto[8], pos[8];
+    assert_true(pool && q && ref && got && p16 && nb <= 8 * 320);
+    kv_rng rng;
+    kv_rng_seed(&rng, seed);
+    for (size_t i = 0; i < (size_t)nb * bf; i++) {
+        float v = (float)((double)(kv_rng_next(&rng) >> 11) / 9007199254740992.0 * 2.0 - 1.0);
+        pool[i] = bf16 ? bf16_round(v) : v;
+        uint32_t u;
+        memcpy(&u, &pool[i], 4);
+        p16[i] = (uint16_t)(u >> 16);
+    }
+    for (int i = 0; i < T * nh * hd; i++) /* scores of a few units: a peaked softmax */
+        q[i] = (float)((double)(kv_rng_next(&rng) >> 11) / 9007199254740992.0 * 6.0 - 3.0);
+    /* scattered block tables: a random permutation of the blocks */
+    for (int i = 0; i < nb; i++) bt[i] = i;
+    for (int i = nb - 1; i > 0; i--) {
+        int j = (int)(kv_rng_next(&rng) % (uint64_t)(i + 1)), t = bt[i];
+        bt[i] = bt[j], bt[j] = t;
+    }
+    for (int r = 0, o = 0; r < T; r++) bto[r] = o, pos[r] = ctx[r] - 1, o += per[r];
+    /* reference (double) */
+    double *sc = malloc(8192 * sizeof(double));
+    assert_non_null(sc);
+    for (int r = 0; r < T; r++)
+        for (int h = 0; h < nh; h++) {
+            int kvh = h / G;
+            const float *qh = q + ((size_t)r * nh + h) * hd;
+            double M = -INFINITY, L = 0;
+            for (int p = 0; p < ctx[r]; p++) {
+                const float *k = pool + (size_t)bt[bto[r] + p / tpb] * bf + ((size_t)kvh * tpb + p % tpb) * hd;
+                double d = 0;
+                for (int e = 0; e < hd; e++) d += (double)qh[e] * k[e];
+                sc[p] = d / sqrt((double)hd);
+                if (sc[p] > M) M = sc[p];
+            }
+            for (int p = 0; p < ctx[r]; p++) L += (sc[p] = exp(sc[p] - M));
+            for (int e = 0; e < hd; e++) {
+                double a = 0;
+                for (int p = 0; p < ctx[r]; p++)
+                    a += sc[p] * pool[(size_t)bt[bto[r] + p / tpb] * bf + (((size_t)nkv + kvh) * tpb + p % tpb) * hd + e];
+                ref[((size_t)r * nh + h) * hd + e] = (float)(a / L);
+            }
+        }
+    free(sc);
+    void *d_pool = kv_cuda_malloc((size_t)nb * bf * esz), *d_q = kv_cuda_malloc((size_t)T * nh * hd * 4);
+    void *d_out = kv_cuda_malloc((size_t)T * nh * hd * 4), *d_i = kv_cuda_malloc((size_t)(nb + 16) * 4);
+    assert_true(d_pool && d_q && d_out && d_i);
+    int32_t *d_pos = (int32_t *)d_i, *d_bto = d_pos + 8, *d_bt = d_bto + 8;
+    assert_int_equal(kv_cuda_memcpy(d_pool, bf16 ? (void *)p16 : (void *)pool, (size_t)nb * bf * esz), KV_OK);
+    assert_int_equal(kv_cuda_memcpy(d_q, q, (size_t)T * nh * hd * 4), KV_OK);
+    assert_int_equal(kv_cuda_memcpy(d_pos, pos, (size_t)T * 4), KV_OK);
+    assert_int_equal(kv_cuda_memcpy(d_bto, bto, (size_t)T * 4), KV_OK);
+    assert_int_equal(kv_cuda_memcpy(d_bt, bt, (size_t)nb * 4), KV_OK);
+    int bad = 0;
+    char err[512];
+    for (int mode = 1; mode >= 0; mode--) {
+        if (kv_cuda_attn_decode(mode, bf16, T, nh, nkv, hd, tpb, d_pos, d_bto, d_bt, d_q, d_pool, split_len, d_out,
+                                err, sizeof err))
+            fail_msg("kv_cuda_attn_decode: %s", err);
+        assert_int_equal(kv_cuda_memcpy(got, d_out, (size_t)T * nh * hd * 4), KV_OK);
+        double worst = 0;
+        for (int i = 0; i < T * nh * hd; i++) {
+            /* |ref| <= 1 (a convex combination of values in [-1, 1]) */
+            double d = fabs((double)got[i] - ref[i]);
+            if (!(d <= 2e-5)) bad++;
+            if (!(d <= worst)) worst = d;
+        }
+        printf("decode attention %s: rows %d heads %d/%d hd %d %s KV split %d ctx %d..%d: max |d| %.2e\n",
+               mode ? "k_attn_dec" : "split kernels", T, nh, nkv, hd, bf16 ? "bf16" : "f32", split_len, ctx[0],
+               ctx[T - 1], worst);
+    }
+    kv_cuda_free(d_pool), kv_cuda_free(d_q), kv_cuda_free(d_out), kv_cuda_free(d_i);
+    free(pool), free(q), free(ref), free(got), free(p16);
+    return bad;
+}
+
+static void test_cuda_decode_attn(void **st) {
+    (void)st;
+    if (!gpu_ok()) { skip(); return; }
+    /* (rows, heads, kv heads, head_dim): GQA 1, 4, 8 and 2 (Qwen3-like), Llama-3-8B's 32/8 x 128 */
+    static const int shapes[][4] = {{1, 32, 8, 128}, {3, 8, 8, 64}, {8, 8, 2, 128}, {5, 16, 2, 64},
+                                    {2, 16, 8, 128}, {4, 12, 3, 32}, {6, 8, 1, 128}, {7, 4, 4, 40},
+                                    {2, 32, 2, 128}, {1, 64, 2, 128}};
+    static const int ctxs[] = {1, 15, 16, 17, 100, 255, 513, 1000, 2049, 4100};
+    static const int splits[] = {16, 32, 64, 128, 4096};
+    int bad = 0, k = 0;
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+        for (int bf16 = 0; bf16 < 2; bf16++, k++) {
+            int T = shapes[s][0], ctx[8];
+            for (int r = 0; r < T; r++) ctx[r] = ctxs[(k * 3 + r * 7) % 10];
+            int sl = splits[(k + bf16) % 5];
+            bad += dec_case(T, shapes[s][1], shapes[s][2], shapes[s][3], bf16, sl, ctx, 900 + (uint64_t)k);
+        }
     assert_int_equal(bad, 0);
 }
 
@@ -319,6 +438,7 @@ static void test_cuda_sticky_fault(void **st) {
 #else /* !KVSERVE_HAVE_CUDA */
 static void test_cuda_flash_prefill(void **st) { (void)st; gpu_ok(); skip(); }
 static void test_cuda_sample(void **st) { (void)st; gpu_ok(); skip(); }
+static void test_cuda_decode_attn(void **st) { (void)st; gpu_ok(); skip(); }
 static void test_cuda_sticky_fault(void **st) { (void)st; gpu_ok(); skip(); }
 #endif
 
@@ -327,9 +447,12 @@ int main(void) {
     unsetenv("KVSERVE_CUDA_WEIGHTS"), unsetenv("KVSERVE_CUDA_GRAPHS"), unsetenv("KVSERVE_CUDA_ATTN");
     unsetenv("KVSERVE_CUDA_GEMV_MAX"), unsetenv("KVSERVE_CUDA_CAPTURE"), unsetenv("KVSERVE_CUDA_FLASH");
     unsetenv("KVSERVE_CUDA_FAULT"), unsetenv("KVSERVE_CUDA_FLASH_MT");
+    unsetenv("KVSERVE_CUDA_DEC_ROWS"), unsetenv("KVSERVE_CUDA_DEC_CTAS"), unsetenv("KVSERVE_CUDA_DEC_HALF");
+    unsetenv("KVSERVE_CUDA_ATTN_SPLIT");
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_cuda_flash_prefill),
         cmocka_unit_test(test_cuda_sample),
+        cmocka_unit_test(test_cuda_decode_attn),
         cmocka_unit_test(test_cuda_sticky_fault), /* last: it leaves the process's CUDA context unusable */
     };
     const char *only = getenv("KVSERVE_CUDA_TESTS");

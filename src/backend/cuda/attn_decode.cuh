@@ -1,0 +1,266 @@
+/*
+ * Decode attention for few single-token rows (k_attn_dec): bandwidth-oriented split-K
+ * ("flash-decoding", Dao et al. 2023) over the paged KV pool. Included by forward.cu only.
+ *
+ * One CTA = (row, KV head, part of DEC_TILE-aligned positions). It serves every query head
+ * of the KV head's GQA group, so each K/V byte is read once per row. Each tile of DEC_TILE
+ * positions arrives by cp.async, 16 bytes per copy, straight from the block table (all
+ * copies of a tile in flight at once, the next tile's issued before this one is used: no
+ * per-position dependency chain), then from shared memory: scores (one (head, position) pair
+ * per thread, q pre-scaled by log2(e)/sqrt(hd)), an online softmax per head (one warp per
+ * head, exp2), and P.V (each thread 8 consecutive dims of one head). A part writes its
+ * unnormalised output, max and sum in the split kernels' part format; the last CTA of a
+ * (row, KV head) to finish (a counter, reset by that CTA for the next launch) combines the
+ * parts and writes the attention output. A row with one part writes its output directly.
+ *
+ * Shared memory (dec_smem_bytes): q (G * hd f32) | S (G * DEC_TILE f32) | ml (G * 2 + G f32) |
+ * 2 stages x {K, V} x DEC_TILE rows of hd * sizeof(TK) + 16 bytes (the 16-byte pad keeps the
+ * row-per-thread K reads of a quarter warp on distinct banks), reused by the combine for the
+ * parts' weights (max_parts * G f32).
+ */
+#ifndef KV_CUDA_ATTN_DECODE_CUH
+#define KV_CUDA_ATTN_DECODE_CUH
+
+#include "kernels.cuh"
+
+#define DEC_THREADS 128
+#define DEC_TILE 32 /* positions per tile (= warp size: the softmax keeps one per lane) */
+
+__host__ __device__ constexpr size_t dec_row_bytes(int hd, int tk_size) { return (size_t)hd * tk_size + 16; }
+/* Dynamic shared memory of k_attn_dec for GQA group G, head_dim hd, pool element size tk_size
+ * and max_parts parts per row. */
+__host__ __device__ inline size_t dec_smem_bytes(int G, int hd, int tk_size, int max_parts) {
+    size_t head = ((size_t)G * hd + (size_t)G * DEC_TILE + 3 * (size_t)G) * sizeof(float);
+    head = (head + 15) / 16 * 16;
+    size_t bufs = 2 * 2 * DEC_TILE * dec_row_bytes(hd, tk_size), comb = (size_t)max_parts * G * sizeof(float);
+    return head + (bufs > comb ? bufs : comb);
+}
+
+__device__ __forceinline__ float dec_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+__device__ __forceinline__ void dec_cp16(void *smem, const void *g) {
+    unsigned sa = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(g));
+}
+/* 8 consecutive pool elements from shared memory (16-byte aligned) as f32 */
+__device__ __forceinline__ void dec_ld8(const __nv_bfloat16 *p, float o[8]) {
+    uint4 u = *(const uint4 *)p;
+    const __nv_bfloat162 *b = (const __nv_bfloat162 *)&u;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        float2 f = __bfloat1622float2(b[i]);
+        o[2 * i] = f.x, o[2 * i + 1] = f.y;
+    }
+}
+__device__ __forceinline__ void dec_ld8(const float *p, float o[8]) {
+    float4 a = *(const float4 *)p, b = *(const float4 *)(p + 4);
+    o[0] = a.x, o[1] = a.y, o[2] = a.z, o[3] = a.w, o[4] = b.x, o[5] = b.y, o[6] = b.z, o[7] = b.w;
+}
+
+/* grid (rows, n_kv, max_parts), block DEC_THREADS, dynamic shared memory dec_smem_bytes.
+ * Positions of part z: [z * split_len, min(pos + 1, (z + 1) * split_len)); split_len a
+ * multiple of DEC_TILE or DEC_TILE / 2 (any value > 0 works). Requires hd % 8 == 0 and
+ * G * hd / 8 <= NI * DEC_THREADS. cnt: (gridDim.x * n_kv) zeroed counters (left zeroed).
+ * sl2 = log2(e) / sqrt(hd). out: (rows of the step, n_heads * hd) in TA. Other arguments as
+ * k_attn_part (the part slots use the same layout; m and l are in log2 units here). */
+template <typename TK, typename TA, int NI>
+__global__ void __launch_bounds__(DEC_THREADS)
+    k_attn_dec(const float *qkv, int stride, const TK *pool, size_t block_floats, int layer, int n_kv, int hd, int tpb,
+               int G, const int32_t *row_pos, const int32_t *row_bt, const int32_t *bt, const int32_t *rows,
+               int split_len, int max_parts, float sl2, float *part, float *part_ml, unsigned *cnt, TA *out) {
+    extern __shared__ __align__(16) unsigned char dsm[];
+    pdl_trigger();
+    pdl_wait();
+    const int r = rows ? rows[blockIdx.x] : (int)blockIdx.x, kvh = blockIdx.y, z = blockIdx.z, t = threadIdx.x;
+    const int pos = row_pos[r];
+    const int p_begin = z * split_len;
+    if (p_begin > pos) return;
+    const int p_end = min(pos + 1, p_begin + split_len), nparts = pos / split_len + 1;
+    const int nh = n_kv * G, h0 = kvh * G;
+    float *qs = (float *)dsm, *S = qs + G * hd, *ml = S + G * DEC_TILE, *cr = ml + 2 * G;
+    size_t head = ((size_t)G * hd + (size_t)G * DEC_TILE + 3 * (size_t)G) * sizeof(float);
+    unsigned char *buf = dsm + (head + 15) / 16 * 16;
+    const int rb = (int)dec_row_bytes(hd, sizeof(TK)), cr16 = hd * (int)sizeof(TK) / 16;
+    const size_t stage_bytes = 2 * DEC_TILE * (size_t)rb;
+
+    const int32_t *rbt = bt + row_bt[r];
+    const size_t koff = (((size_t)layer * 2 + 0) * n_kv + kvh) * tpb * hd;
+    const size_t voff = (((size_t)layer * 2 + 1) * n_kv + kvh) * tpb * hd;
+    /* issues the copies of the tile starting at position p0 into stage s (one commit group) */
+    auto issue = [&](int p0, int s) {
+        int n = min(DEC_TILE, p_end - p0), per = n * cr16;
+        unsigned char *kb = buf + s * stage_bytes, *vb = kb + DEC_TILE * (size_t)rb;
+        for (int i = t; i < 2 * per; i += DEC_THREADS) {
+            int isv = i >= per, j = isv ? i - per : i, p = j / cr16, c = j % cr16;
+            int ap = p0 + p;
+            const TK *g = pool + (size_t)rbt[ap / tpb] * block_floats + (isv ? voff : koff) + (size_t)(ap % tpb) * hd;
+            dec_cp16((isv ? vb : kb) + (size_t)p * rb + c * 16, (const unsigned char *)g + c * 16);
+        }
+        asm volatile("cp.async.commit_group;\n" ::);
+    };
+    issue(p_begin, 0);
+    /* q of the group's heads, pre-scaled */
+    const float *qr = qkv + (size_t)r * stride + (size_t)h0 * hd;
+    for (int i = t; i < G * hd; i += DEC_THREADS) qs[i] = qr[i] * sl2;
+    for (int g = t; g < G; g += DEC_THREADS) ml[2 * g] = -INFINITY, ml[2 * g + 1] = 0.f;
+    const int items = G * hd / 8, hd8 = hd / 8;
+    float acc[NI][8];
+#pragma unroll
+    for (int k = 0; k < NI; k++)
+#pragma unroll
+        for (int e = 0; e < 8; e++) acc[k][e] = 0.f;
+    const int w = t / 32, lane = t % 32;
+
+    int s = 0;
+    for (int p0 = p_begin; p0 < p_end; p0 += DEC_TILE, s ^= 1) {
+        int n = min(DEC_TILE, p_end - p0);
+        if (p0 + DEC_TILE < p_end) {
+            issue(p0 + DEC_TILE, s ^ 1);
+            asm volatile("cp.async.wait_group 1;\n" ::);
+        } else {
+            asm volatile("cp.async.wait_group 0;\n" ::);
+        }
+        __syncthreads();
+        const unsigned char *kb = buf + s * stage_bytes, *vb = kb + DEC_TILE * (size_t)rb;
+        /* scores: pair i = (head g, position p) */
+        for (int i = t; i < G * DEC_TILE; i += DEC_THREADS) {
+            int g = i / DEC_TILE, p = i % DEC_TILE;
+            float d = -INFINITY;
+            if (p < n) {
+                const TK *kr = (const TK *)(kb + (size_t)p * rb);
+                const float *q = qs + g * hd;
+                float a0 = 0.f, a1 = 0.f;
+                for (int c = 0; c < hd8; c++) {
+                    float kf[8];
+                    dec_ld8(kr + c * 8, kf);
+                    float4 qa = *(const float4 *)(q + c * 8), qb = *(const float4 *)(q + c * 8 + 4);
+                    a0 += qa.x * kf[0] + qa.y * kf[1] + qa.z * kf[2] + qa.w * kf[3];
+                    a1 += qb.x * kf[4] + qb.y * kf[5] + qb.z * kf[6] + qb.w * kf[7];
+                }
+                d = a0 + a1;
+            }
+            S[i] = d;
+        }
+        __syncthreads();
+        /* online softmax, one warp per head */
+        for (int g = w; g < G; g += DEC_THREADS / 32) {
+            float sc = S[g * DEC_TILE + lane], mx = sc;
+            for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+            float mo = ml[2 * g], mn = fmaxf(mo, mx);
+            float pw = lane < n ? dec_exp2(sc - mn) : 0.f, sum = pw;
+            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            float corr = mo == -INFINITY ? 0.f : dec_exp2(mo - mn);
+            S[g * DEC_TILE + lane] = pw;
+            __syncwarp();
+            if (lane == 0) ml[2 * g] = mn, ml[2 * g + 1] = ml[2 * g + 1] * corr + sum, cr[g] = corr;
+        }
+        __syncthreads();
+        /* P.V: item = (head g, 8 dims) */
+#pragma unroll
+        for (int k = 0; k < NI; k++) {
+            int it = t + k * DEC_THREADS;
+            if (it < items) {
+                int g = it / hd8, d0 = (it % hd8) * 8;
+                float c = cr[g];
+#pragma unroll
+                for (int e = 0; e < 8; e++) acc[k][e] *= c;
+                const float *pw = S + g * DEC_TILE;
+                for (int p = 0; p < n; p++) {
+                    float vf[8], wp = pw[p];
+                    dec_ld8((const TK *)(vb + (size_t)p * rb) + d0, vf);
+#pragma unroll
+                    for (int e = 0; e < 8; e++) acc[k][e] += wp * vf[e];
+                }
+            }
+        }
+        __syncthreads(); /* the stage is refilled by the next iteration's issue */
+    }
+
+    if (nparts == 1) { /* the whole row in this CTA */
+#pragma unroll
+        for (int k = 0; k < NI; k++) {
+            int it = t + k * DEC_THREADS;
+            if (it < items) {
+                int g = it / hd8, d0 = (it % hd8) * 8;
+                float inv = 1.f / ml[2 * g + 1];
+                TA *o = out + ((size_t)r * nh + h0 + g) * hd + d0;
+#pragma unroll
+                for (int e = 0; e < 8; e++) o[e] = from_f32<TA>(acc[k][e] * inv);
+            }
+        }
+        return;
+    }
+    /* this part into its slots */
+#pragma unroll
+    for (int k = 0; k < NI; k++) {
+        int it = t + k * DEC_THREADS;
+        if (it < items) {
+            int g = it / hd8, d0 = (it % hd8) * 8;
+            float *pp = part + (((size_t)r * nh + h0 + g) * max_parts + z) * hd + d0;
+            *(float4 *)pp = make_float4(acc[k][0], acc[k][1], acc[k][2], acc[k][3]);
+            *(float4 *)(pp + 4) = make_float4(acc[k][4], acc[k][5], acc[k][6], acc[k][7]);
+        }
+    }
+    for (int g = t; g < G; g += DEC_THREADS) {
+        float *pm = part_ml + (((size_t)r * nh + h0 + g) * max_parts + z) * 2;
+        pm[0] = ml[2 * g], pm[1] = ml[2 * g + 1];
+    }
+    __threadfence();
+    __syncthreads();
+    __shared__ int last;
+    if (t == 0) {
+        unsigned *c = cnt + (size_t)blockIdx.x * n_kv + kvh;
+        last = atomicAdd(c, 1u) == (unsigned)nparts - 1;
+        if (last) *c = 0; /* every part has counted: reset for the next launch */
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    /* combine: weights 2^(m_z - M_g) into buf (z-major), 1 / sum_z l_z w_z into cr */
+    float *wz = (float *)buf;
+    for (int i = t; i < nparts * G; i += DEC_THREADS) {
+        int zz = i / G, g = i % G;
+        wz[i] = __ldcg(part_ml + (((size_t)r * nh + h0 + g) * max_parts + zz) * 2);
+    }
+    __syncthreads();
+    for (int g = w; g < G; g += DEC_THREADS / 32) {
+        float M = -INFINITY;
+        for (int zz = lane; zz < nparts; zz += 32) M = fmaxf(M, wz[zz * G + g]);
+        for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+        float L = 0.f;
+        for (int zz = lane; zz < nparts; zz += 32) {
+            float f = dec_exp2(wz[zz * G + g] - M);
+            wz[zz * G + g] = f;
+            L += f * __ldcg(part_ml + (((size_t)r * nh + h0 + g) * max_parts + zz) * 2 + 1);
+        }
+        for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
+        if (lane == 0) cr[g] = 1.f / L;
+    }
+    __syncthreads();
+    const int hd4 = hd / 4;
+    for (int it = t; it < G * hd4; it += DEC_THREADS) {
+        int g = it / hd4, d0 = (it % hd4) * 4;
+        const float *pp = part + ((size_t)r * nh + h0 + g) * max_parts * hd + d0;
+        float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int zz = 0; zz < nparts; zz += 8) { /* 8 loads in flight */
+            float4 u[8];
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                u[j] = zz + j < nparts ? __ldcg((const float4 *)(pp + (size_t)(zz + j) * hd)) : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                float f = zz + j < nparts ? wz[(zz + j) * G + g] : 0.f;
+                a.x += f * u[j].x, a.y += f * u[j].y, a.z += f * u[j].z, a.w += f * u[j].w;
+            }
+        }
+        float inv = cr[g];
+        TA *o = out + ((size_t)r * nh + h0 + g) * hd + d0;
+        o[0] = from_f32<TA>(a.x * inv), o[1] = from_f32<TA>(a.y * inv);
+        o[2] = from_f32<TA>(a.z * inv), o[3] = from_f32<TA>(a.w * inv);
+    }
+}
+
+#endif
