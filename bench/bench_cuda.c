@@ -38,6 +38,7 @@ static bool g_det;                 /* --deterministic */
 static int g_sample;      /* 0 none, 1 greedy, 2 topp */
 static bool g_host_sample;
 static int g_prefill[8], g_nprefill; /* --prefill N,... */
+static int g_tpb = 16;                 /* --tpb N: tokens per KV block of the decode table */
 
 static int parse_list(const char *s, int *out, int cap) {
     int n = 0;
@@ -172,7 +173,7 @@ static void bench_decode(int layers, const int *batches, int nb, const int *ctxs
                      : g_host_sample ? (g_sample == 1 ? "host, greedy" : "host, temperature 0.8 top_p 0.95")
                                      : (g_sample == 1 ? "device, greedy" : "device, temperature 0.8 top_p 0.95"));
     printf("\n| batch | context | step ms (median) | HBM floor ms | step / floor | tokens/s |\n|---|---|---|---|---|---|\n");
-    int tpb = 16;
+    int tpb = g_tpb;
     for (int ci = 0; ci < nc; ci++)
         for (int bi = 0; bi < nb; bi++) {
             int B = batches[bi], ctx = ctxs[ci];
@@ -516,11 +517,12 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--sample") && i + 1 < argc && (!strcmp(argv[i + 1], "greedy") || !strcmp(argv[i + 1], "topp")))
             g_sample = !strcmp(argv[++i], "greedy") ? 1 : 2;
         else if (!strcmp(argv[i], "--host-sample")) g_host_sample = true;
+        else if (!strcmp(argv[i], "--tpb") && i + 1 < argc && atoi(argv[i + 1]) > 0) g_tpb = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--prefill") && i + 1 < argc) g_nprefill = parse_list(argv[++i], g_prefill, 8);
         else if (!strcmp(argv[i], "--torch-dump") && i + 1 < argc) dump = argv[++i];
         else {
             fprintf(stderr, "usage: bench_cuda [--layers N] [--batches 1,8,32] [--ctxs 512,4096] [--steps N] "
-                            "[--kv-dtype bf16|f32] [--no-copy] [--no-decode] [--deterministic] [--prefill N,...] "
+                            "[--kv-dtype bf16|f32] [--no-copy] [--no-decode] [--deterministic] [--prefill N,...] [--tpb N] "
                             "[--sample greedy|topp [--host-sample]] "
                             "[--torch-dump DIR]\n");
             return 2;

@@ -22,6 +22,7 @@
 #define KV_CUDA_ATTN_DECODE_CUH
 
 #include "kernels.cuh"
+#include "attn_flash.cuh" /* fl_mma, fl_pack */
 
 #define DEC_THREADS 128
 #define DEC_TILE 32 /* positions per tile (= warp size: the softmax keeps one per lane) */
@@ -60,19 +61,85 @@ __device__ __forceinline__ void dec_ld8(const float *p, float o[8]) {
     o[0] = a.x, o[1] = a.y, o[2] = a.z, o[3] = a.w, o[4] = b.x, o[5] = b.y, o[6] = b.z, o[7] = b.w;
 }
 
+/* After every thread of the CTA wrote its part (slots of row r, heads kvh * G ..): counts the
+ * part in *cnt; the last of the row's nparts parts resets *cnt and writes the combined output
+ * out[r, h, :] = sum_z part_z * 2^(m_z - M) / sum_z l_z 2^(m_z - M) (m in log2 units).
+ * wz: shared scratch of nparts * G floats; cr: shared, >= G floats. Block-wide (barriers). */
+template <typename TA>
+__device__ __forceinline__ void dec_last_combine(int r, int kvh, int G, int hd, int nh, int nparts, int max_parts,
+                                                 const float *part, const float *part_ml, unsigned *cnt, float *wz,
+                                                 float *cr, TA *out) {
+    __threadfence();
+    __syncthreads();
+    __shared__ int last;
+    const int t = threadIdx.x, w = t / 32, lane = t % 32, h0 = kvh * G;
+    if (t == 0) {
+        unsigned *c = cnt;
+        last = atomicAdd(c, 1u) == (unsigned)nparts - 1;
+        if (last) *c = 0; /* every part has counted: reset for the next launch */
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    /* combine: weights 2^(m_z - M_g) into buf (z-major), 1 / sum_z l_z w_z into cr */
+    for (int i = t; i < nparts * G; i += DEC_THREADS) {
+        int zz = i / G, g = i % G;
+        wz[i] = __ldcg(part_ml + (((size_t)r * nh + h0 + g) * max_parts + zz) * 2);
+    }
+    __syncthreads();
+    for (int g = w; g < G; g += DEC_THREADS / 32) {
+        float M = -INFINITY;
+        for (int zz = lane; zz < nparts; zz += 32) M = fmaxf(M, wz[zz * G + g]);
+        for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+        float L = 0.f;
+        for (int zz = lane; zz < nparts; zz += 32) {
+            float f = dec_exp2(wz[zz * G + g] - M);
+            wz[zz * G + g] = f;
+            L += f * __ldcg(part_ml + (((size_t)r * nh + h0 + g) * max_parts + zz) * 2 + 1);
+        }
+        for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
+        if (lane == 0) cr[g] = 1.f / L;
+    }
+    __syncthreads();
+    const int hd4 = hd / 4;
+    for (int it = t; it < G * hd4; it += DEC_THREADS) {
+        int g = it / hd4, d0 = (it % hd4) * 4;
+        const float *pp = part + ((size_t)r * nh + h0 + g) * max_parts * hd + d0;
+        float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int zz = 0; zz < nparts; zz += 8) { /* 8 loads in flight */
+            float4 u[8];
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                u[j] = zz + j < nparts ? __ldcg((const float4 *)(pp + (size_t)(zz + j) * hd)) : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                float f = zz + j < nparts ? wz[(zz + j) * G + g] : 0.f;
+                a.x += f * u[j].x, a.y += f * u[j].y, a.z += f * u[j].z, a.w += f * u[j].w;
+            }
+        }
+        float inv = cr[g];
+        TA *o = out + ((size_t)r * nh + h0 + g) * hd + d0;
+        o[0] = from_f32<TA>(a.x * inv), o[1] = from_f32<TA>(a.y * inv);
+        o[2] = from_f32<TA>(a.z * inv), o[3] = from_f32<TA>(a.w * inv);
+    }
+}
+
 /* grid (rows, n_kv, max_parts), block DEC_THREADS, dynamic shared memory dec_smem_bytes.
  * Positions of part z: [z * split_len, min(pos + 1, (z + 1) * split_len)); split_len a
  * multiple of DEC_TILE or DEC_TILE / 2 (any value > 0 works). Requires hd % 8 == 0 and
  * G * hd / 8 <= NI * DEC_THREADS. cnt: (gridDim.x * n_kv) zeroed counters (left zeroed).
- * sl2 = log2(e) / sqrt(hd). out: (rows of the step, n_heads * hd) in TA. Other arguments as
+ * sl2 = log2(e) / sqrt(hd). out: (rows of the step, n_heads * hd) in TA. late_trigger: the
+ * programmatic-launch trigger after the tile loop instead of at the start (the dependent
+ * kernel's CTAs, launched early, would share the SMs with the parts still loading). Other arguments as
  * k_attn_part (the part slots use the same layout; m and l are in log2 units here). */
 template <typename TK, typename TA, int NI>
 __global__ void __launch_bounds__(DEC_THREADS)
     k_attn_dec(const float *qkv, int stride, const TK *pool, size_t block_floats, int layer, int n_kv, int hd, int tpb,
                int G, const int32_t *row_pos, const int32_t *row_bt, const int32_t *bt, const int32_t *rows,
-               int split_len, int max_parts, float sl2, float *part, float *part_ml, unsigned *cnt, TA *out) {
+               int split_len, int max_parts, float sl2, float *part, float *part_ml, unsigned *cnt, TA *out,
+               int late_trigger) {
     extern __shared__ __align__(16) unsigned char dsm[];
-    pdl_trigger();
+    if (!late_trigger) pdl_trigger();
     pdl_wait();
     const int r = rows ? rows[blockIdx.x] : (int)blockIdx.x, kvh = blockIdx.y, z = blockIdx.z, t = threadIdx.x;
     const int pos = row_pos[r];
@@ -99,7 +166,7 @@ __global__ void __launch_bounds__(DEC_THREADS)
             const TK *g = pool + (size_t)rbt[ap / tpb] * block_floats + (isv ? voff : koff) + (size_t)(ap % tpb) * hd;
             dec_cp16((isv ? vb : kb) + (size_t)p * rb + c * 16, (const unsigned char *)g + c * 16);
         }
-        asm volatile("cp.async.commit_group;\n" ::);
+        asm volatile("cp.async.commit_group;\n" ::: "memory");
     };
     issue(p_begin, 0);
     /* q of the group's heads, pre-scaled */
@@ -119,9 +186,9 @@ __global__ void __launch_bounds__(DEC_THREADS)
         int n = min(DEC_TILE, p_end - p0);
         if (p0 + DEC_TILE < p_end) {
             issue(p0 + DEC_TILE, s ^ 1);
-            asm volatile("cp.async.wait_group 1;\n" ::);
+            asm volatile("cp.async.wait_group 1;\n" ::: "memory");
         } else {
-            asm volatile("cp.async.wait_group 0;\n" ::);
+            asm volatile("cp.async.wait_group 0;\n" ::: "memory");
         }
         __syncthreads();
         const unsigned char *kb = buf + s * stage_bytes, *vb = kb + DEC_TILE * (size_t)rb;
@@ -178,6 +245,7 @@ __global__ void __launch_bounds__(DEC_THREADS)
         }
         __syncthreads(); /* the stage is refilled by the next iteration's issue */
     }
+    if (late_trigger) pdl_trigger(); /* the next kernel's CTAs launch once every part is done loading */
 
     if (nparts == 1) { /* the whole row in this CTA */
 #pragma unroll
@@ -208,59 +276,195 @@ __global__ void __launch_bounds__(DEC_THREADS)
         float *pm = part_ml + (((size_t)r * nh + h0 + g) * max_parts + z) * 2;
         pm[0] = ml[2 * g], pm[1] = ml[2 * g + 1];
     }
-    __threadfence();
-    __syncthreads();
-    __shared__ int last;
-    if (t == 0) {
-        unsigned *c = cnt + (size_t)blockIdx.x * n_kv + kvh;
-        last = atomicAdd(c, 1u) == (unsigned)nparts - 1;
-        if (last) *c = 0; /* every part has counted: reset for the next launch */
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    /* combine: weights 2^(m_z - M_g) into buf (z-major), 1 / sum_z l_z w_z into cr */
-    float *wz = (float *)buf;
-    for (int i = t; i < nparts * G; i += DEC_THREADS) {
-        int zz = i / G, g = i % G;
-        wz[i] = __ldcg(part_ml + (((size_t)r * nh + h0 + g) * max_parts + zz) * 2);
-    }
-    __syncthreads();
-    for (int g = w; g < G; g += DEC_THREADS / 32) {
-        float M = -INFINITY;
-        for (int zz = lane; zz < nparts; zz += 32) M = fmaxf(M, wz[zz * G + g]);
-        for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-        float L = 0.f;
-        for (int zz = lane; zz < nparts; zz += 32) {
-            float f = dec_exp2(wz[zz * G + g] - M);
-            wz[zz * G + g] = f;
-            L += f * __ldcg(part_ml + (((size_t)r * nh + h0 + g) * max_parts + zz) * 2 + 1);
+    dec_last_combine<TA>(r, kvh, G, hd, nh, nparts, max_parts, part, part_ml, cnt + (size_t)blockIdx.x * n_kv + kvh,
+                         (float *)buf, cr, out);
+}
+
+/* ---- tensor-core variant (bf16 pool, GQA group G <= 8, head_dim HD in {64, 128}) ----
+ * Same grid, parts, combine and part format as k_attn_dec. Per tile the four warps compute
+ * S = Q K^T (mma.sync m16n8k16: M = 16 query rows, one n tile of 8 positions per warp) and
+ * O += P V (each warp HD / 32 n tiles of dims, K = the tile's 32 positions). Q and P enter the
+ * bf16 products split in two: rows 0..7 hold bf16(x) and rows 8..15 bf16(x - bf16(x)) of head
+ * g = row % 8 (rows of heads >= G are zero), and row g + row g + 8 of the f32 result is the
+ * product with ~16 mantissa bits (K and V are bf16 already: exact), so the scores and the
+ * output keep f32-like accuracy. The instruction count per K/V byte is a small fraction of
+ * k_attn_dec's, which was issue-bound (ncu, H200: 0.45 warp instructions issued per cycle
+ * per scheduler and 15% of DRAM bandwidth at batch 8, context 4096). */
+#define DTC_ROWB(HD) ((HD) * 2 + 16) /* bytes per K/V row in shared memory */
+#define DTC_PST 40                   /* bf16 per P row in shared memory (32 + 8 pad) */
+__host__ __device__ inline size_t dec_tc_smem_bytes(int hd, int G, int max_parts) {
+    size_t head = (size_t)(8 * DEC_TILE + 2 * 8 + 8) * sizeof(float) + 16 * DTC_PST * 2;
+    head = (head + 15) / 16 * 16;
+    size_t bufs = (size_t)2 * 2 * DEC_TILE * DTC_ROWB(hd), comb = (size_t)max_parts * G * sizeof(float);
+    return head + (bufs > comb ? bufs : comb);
+}
+
+template <int HD, typename TA>
+__global__ void __launch_bounds__(DEC_THREADS)
+    k_attn_dec_tc(const float *qkv, int stride, const __nv_bfloat16 *pool, size_t block_floats, int layer, int n_kv,
+                  int tpb, int G, const int32_t *row_pos, const int32_t *row_bt, const int32_t *bt,
+                  const int32_t *rows, int split_len, int max_parts, float sl2, float *part, float *part_ml,
+                  unsigned *cnt, TA *out, int late_trigger) {
+    constexpr int RB = DTC_ROWB(HD), KS = HD / 16, NTW = HD / 32; /* k steps of S; dim n tiles per warp */
+    extern __shared__ __align__(16) unsigned char dsm[];
+    if (!late_trigger) pdl_trigger();
+    pdl_wait();
+    const int r = rows ? rows[blockIdx.x] : (int)blockIdx.x, kvh = blockIdx.y, z = blockIdx.z, t = threadIdx.x;
+    const int pos = row_pos[r];
+    const int p_begin = z * split_len;
+    if (p_begin > pos) return;
+    const int p_end = min(pos + 1, p_begin + split_len), nparts = pos / split_len + 1;
+    const int nh = n_kv * G, h0 = kvh * G, w = t / 32, lane = t % 32, gi = lane / 4, ti = lane % 4;
+    float *S = (float *)dsm, *ml = S + 8 * DEC_TILE, *cr = ml + 16;
+    __nv_bfloat16 *Ps = (__nv_bfloat16 *)(cr + 8);
+    size_t head = (size_t)(8 * DEC_TILE + 2 * 8 + 8) * sizeof(float) + 16 * DTC_PST * 2;
+    unsigned char *buf = dsm + (head + 15) / 16 * 16;
+    constexpr size_t stage_bytes = 2 * DEC_TILE * (size_t)RB;
+
+    const int32_t *rbt = bt + row_bt[r];
+    const size_t koff = (((size_t)layer * 2 + 0) * n_kv + kvh) * tpb * HD;
+    const size_t voff = (((size_t)layer * 2 + 1) * n_kv + kvh) * tpb * HD;
+    constexpr int CR = HD * 2 / 16; /* 16-byte chunks per row */
+    /* the tile at p0 into stage s: K rows < n, V rows all DEC_TILE (zero-filled past n: P is
+     * 0 there, and 0 * a stale NaN would not be) */
+    auto issue = [&](int p0, int s) {
+        int n = min(DEC_TILE, p_end - p0), perk = n * CR, tot = perk + DEC_TILE * CR;
+        unsigned char *kb = buf + s * stage_bytes, *vb = kb + DEC_TILE * (size_t)RB;
+        for (int i = t; i < tot; i += DEC_THREADS) {
+            int isv = i >= perk, j = isv ? i - perk : i, p = j / CR, c = j % CR;
+            int ap = p0 + p;
+            bool real = !isv || p < n;
+            const __nv_bfloat16 *g =
+                real ? pool + (size_t)rbt[ap / tpb] * block_floats + (isv ? voff : koff) + (size_t)(ap % tpb) * HD
+                     : pool;
+            unsigned sa = (unsigned)__cvta_generic_to_shared((isv ? vb : kb) + (size_t)p * RB + c * 16);
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sa),
+                         "l"((const unsigned char *)g + (real ? c * 16 : 0)), "r"(real ? 16 : 0));
         }
-        for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
-        if (lane == 0) cr[g] = 1.f / L;
+        asm volatile("cp.async.commit_group;\n" ::: "memory");
+    };
+    issue(p_begin, 0);
+    /* A fragments of Q (rows gi: hi, gi + 8: lo, of head gi; zero for gi >= G), pre-scaled */
+    uint32_t qa[KS][4];
+    {
+        const float *qr = qkv + (size_t)r * stride + (size_t)(h0 + gi) * HD;
+#pragma unroll
+        for (int ks = 0; ks < KS; ks++) {
+            float v[4] = {0.f, 0.f, 0.f, 0.f};
+            if (gi < G) {
+                float2 x0 = *(const float2 *)(qr + ks * 16 + ti * 2), x1 = *(const float2 *)(qr + ks * 16 + ti * 2 + 8);
+                v[0] = x0.x * sl2, v[1] = x0.y * sl2, v[2] = x1.x * sl2, v[3] = x1.y * sl2;
+            }
+            float hi[4], lo[4];
+#pragma unroll
+            for (int e = 0; e < 4; e++) hi[e] = __bfloat162float(__float2bfloat16_rn(v[e])), lo[e] = v[e] - hi[e];
+            qa[ks][0] = fl_pack(hi[0], hi[1], __nv_bfloat16());
+            qa[ks][1] = fl_pack(lo[0], lo[1], __nv_bfloat16());
+            qa[ks][2] = fl_pack(hi[2], hi[3], __nv_bfloat16());
+            qa[ks][3] = fl_pack(lo[2], lo[3], __nv_bfloat16());
+        }
     }
-    __syncthreads();
-    const int hd4 = hd / 4;
-    for (int it = t; it < G * hd4; it += DEC_THREADS) {
-        int g = it / hd4, d0 = (it % hd4) * 4;
-        const float *pp = part + ((size_t)r * nh + h0 + g) * max_parts * hd + d0;
-        float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int zz = 0; zz < nparts; zz += 8) { /* 8 loads in flight */
-            float4 u[8];
+    for (int i = t; i < 16 * DTC_PST; i += DEC_THREADS) Ps[i] = __float2bfloat16_rn(0.f);
+    if (t < 8) ml[2 * t] = -INFINITY, ml[2 * t + 1] = 0.f, cr[t] = 0.f;
+    float o[NTW][4];
 #pragma unroll
-            for (int j = 0; j < 8; j++)
-                u[j] = zz + j < nparts ? __ldcg((const float4 *)(pp + (size_t)(zz + j) * hd)) : make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int i = 0; i < NTW; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+
+    int s = 0;
+    for (int p0 = p_begin; p0 < p_end; p0 += DEC_TILE, s ^= 1) {
+        int n = min(DEC_TILE, p_end - p0);
+        if (p0 + DEC_TILE < p_end) {
+            issue(p0 + DEC_TILE, s ^ 1);
+            asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+        } else {
+            asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+        }
+        __syncthreads();
+        const unsigned char *kb = buf + s * stage_bytes, *vb = kb + DEC_TILE * (size_t)RB;
+        { /* S for positions 8w .. 8w + 7 */
+            float c[4] = {0.f, 0.f, 0.f, 0.f};
+            const unsigned char *krow = kb + (size_t)(8 * w + gi) * RB + ti * 4;
 #pragma unroll
-            for (int j = 0; j < 8; j++) {
-                float f = zz + j < nparts ? wz[(zz + j) * G + g] : 0.f;
-                a.x += f * u[j].x, a.y += f * u[j].y, a.z += f * u[j].z, a.w += f * u[j].w;
+            for (int ks = 0; ks < KS; ks++) {
+                uint32_t b0 = *(const uint32_t *)(krow + ks * 32), b1 = *(const uint32_t *)(krow + ks * 32 + 16);
+                fl_mma(c, qa[ks], b0, b1, __nv_bfloat16());
+            }
+            if (gi < G) {
+                int p = 8 * w + ti * 2;
+                S[gi * DEC_TILE + p] = p < n ? c[0] + c[2] : -INFINITY;
+                S[gi * DEC_TILE + p + 1] = p + 1 < n ? c[1] + c[3] : -INFINITY;
             }
         }
-        float inv = cr[g];
-        TA *o = out + ((size_t)r * nh + h0 + g) * hd + d0;
-        o[0] = from_f32<TA>(a.x * inv), o[1] = from_f32<TA>(a.y * inv);
-        o[2] = from_f32<TA>(a.z * inv), o[3] = from_f32<TA>(a.w * inv);
+        __syncthreads();
+        for (int g = w; g < G; g += DEC_THREADS / 32) { /* online softmax, one warp per head */
+            float sc = S[g * DEC_TILE + lane], mx = sc;
+            for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+            float mo = ml[2 * g], mn = fmaxf(mo, mx);
+            float pw = lane < n ? dec_exp2(sc - mn) : 0.f, sum = pw;
+            for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+            float corr = mo == -INFINITY ? 0.f : dec_exp2(mo - mn);
+            __nv_bfloat16 hi = __float2bfloat16_rn(pw);
+            Ps[g * DTC_PST + lane] = hi;
+            Ps[(g + 8) * DTC_PST + lane] = __float2bfloat16_rn(pw - __bfloat162float(hi));
+            if (lane == 0) ml[2 * g] = mn, ml[2 * g + 1] = ml[2 * g + 1] * corr + sum, cr[g] = corr;
+        }
+        __syncthreads();
+        { /* O += P V: this warp's dims n tiles j = w + 4 i */
+            float c = cr[gi]; /* rows gi and gi + 8 are both head gi */
+            uint32_t pa[2][4];
+#pragma unroll
+            for (int kk = 0; kk < 2; kk++) {
+                const __nv_bfloat16 *pr = Ps + gi * DTC_PST + kk * 16 + ti * 2;
+                pa[kk][0] = *(const uint32_t *)pr;
+                pa[kk][1] = *(const uint32_t *)(pr + 8 * DTC_PST);
+                pa[kk][2] = *(const uint32_t *)(pr + 8);
+                pa[kk][3] = *(const uint32_t *)(pr + 8 * DTC_PST + 8);
+            }
+#pragma unroll
+            for (int i = 0; i < NTW; i++) {
+                o[i][0] *= c, o[i][1] *= c, o[i][2] *= c, o[i][3] *= c;
+                const unsigned char *vcol = vb + (size_t)(8 * (w + 4 * i) + gi) * 2;
+#pragma unroll
+                for (int kk = 0; kk < 2; kk++) {
+                    int k0 = kk * 16 + ti * 2;
+                    unsigned short v0 = *(const unsigned short *)(vcol + (size_t)k0 * RB);
+                    unsigned short v1 = *(const unsigned short *)(vcol + (size_t)(k0 + 1) * RB);
+                    unsigned short v2 = *(const unsigned short *)(vcol + (size_t)(k0 + 8) * RB);
+                    unsigned short v3 = *(const unsigned short *)(vcol + (size_t)(k0 + 9) * RB);
+                    fl_mma(o[i], pa[kk], (uint32_t)v0 | ((uint32_t)v1 << 16), (uint32_t)v2 | ((uint32_t)v3 << 16),
+                           __nv_bfloat16());
+                }
+            }
+        }
+        __syncthreads(); /* the stage and P are rewritten by the next iteration */
     }
+    if (late_trigger) pdl_trigger();
+
+    /* row gi (hi) + row gi + 8 (lo) = head gi; dims 8 (w + 4 i) + 2 ti + {0, 1} */
+    if (nparts == 1) {
+        if (gi < G) {
+            float inv = 1.f / ml[2 * gi + 1];
+            TA *op = out + ((size_t)r * nh + h0 + gi) * HD + 2 * ti;
+#pragma unroll
+            for (int i = 0; i < NTW; i++) {
+                op[8 * (w + 4 * i)] = from_f32<TA>((o[i][0] + o[i][2]) * inv);
+                op[8 * (w + 4 * i) + 1] = from_f32<TA>((o[i][1] + o[i][3]) * inv);
+            }
+        }
+        return;
+    }
+    if (gi < G) {
+        float *pp = part + (((size_t)r * nh + h0 + gi) * max_parts + z) * HD + 2 * ti;
+#pragma unroll
+        for (int i = 0; i < NTW; i++)
+            *(float2 *)(pp + 8 * (w + 4 * i)) = make_float2(o[i][0] + o[i][2], o[i][1] + o[i][3]);
+    }
+    for (int g = t; g < G; g += DEC_THREADS) {
+        float *pm = part_ml + (((size_t)r * nh + h0 + g) * max_parts + z) * 2;
+        pm[0] = ml[2 * g], pm[1] = ml[2 * g + 1];
+    }
+    dec_last_combine<TA>(r, kvh, G, HD, nh, nparts, max_parts, part, part_ml, cnt + (size_t)blockIdx.x * n_kv + kvh,
+                         (float *)buf, cr, out);
 }
 
 #endif

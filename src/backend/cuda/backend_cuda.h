@@ -198,8 +198,9 @@ kv_status kv_cuda_gemm(int mode, int f32w, const void *X, int M, int K, const vo
 
 /* Decode attention of T rows over one layer's paged K/V as the backend computes it, for
  * tests: mode 0 the split kernels (k_attn_part, split_len positions per part, + combine),
- * mode 1 k_attn_dec (split_len positions per part; launched twice, so the second launch
- * checks that its counters were left zeroed). All pointers are device memory:
+ * mode 1 the backend's k_attn_dec choice (k_attn_dec_tc for a bf16 pool, GQA group <= 8 and
+ * hd 64 or 128, else k_attn_dec), mode 2 k_attn_dec (split_len positions per part; modes 1
+ * and 2 launch twice, so the second launch checks that the counters were left zeroed). All pointers are device memory:
  * q (T, n_heads * hd) f32; pool (blocks of 2 * n_kv * tpb * hd elements: K heads then V
  * heads, each tpb rows of hd; bf16 when kv_bf16, else f32); row r attends to positions
  * 0..pos[r] through bt + bt_off[r]; out (T, n_heads * hd) f32. Synchronous (own stream).

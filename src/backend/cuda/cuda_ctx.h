@@ -55,6 +55,9 @@ struct cuda_ctx {
                     * (KVSERVE_CUDA_DEC_CTAS, default 4 per SM) */
     int dec_half;  /* k_attn_dec may use half-tile (16-position) parts when 32-position ones leave SMs
                     * idle (KVSERVE_CUDA_DEC_HALF=0: never) */
+    bool dec_tc;  /* k_attn_dec_tc where it applies (KVSERVE_CUDA_DEC_TC=0: k_attn_dec only) */
+    bool dec_pdl; /* k_attn_dec* launched with PDL (KVSERVE_CUDA_DEC_PDL=0: plain stream order) */
+    int dec_late; /* k_attn_dec triggers the next kernel's launch after its loads (KVSERVE_CUDA_DEC_LATE) */
     unsigned *dec_cnt; /* (DEC_ROWS_CAP, n_kv) k_attn_dec's last-part counters, zero between launches */
     unsigned skip; /* timing only (KVSERVE_CUDA_SKIP, backend_cuda.h): stages left out, SKIP_* bits */
     size_t wsz; /* bytes per weight element */
@@ -109,15 +112,24 @@ struct cuda_ctx {
     struct kvs_state samp;
 };
 
+/* klaunch with programmatic dependent launch chosen by pdl (and c->pdl) */
+template <typename... KArgs, typename... Args>
+static cudaError_t klaunch_pdl(const struct cuda_ctx *c, bool pdl, void (*k)(KArgs...), dim3 g, dim3 b, size_t smem,
+                               Args... args);
 template <typename... KArgs, typename... Args>
 static cudaError_t klaunch(const struct cuda_ctx *c, void (*k)(KArgs...), dim3 g, dim3 b, size_t smem,
                            Args... args) {
+    return klaunch_pdl(c, true, k, g, b, smem, args...);
+}
+template <typename... KArgs, typename... Args>
+static cudaError_t klaunch_pdl(const struct cuda_ctx *c, bool pdl, void (*k)(KArgs...), dim3 g, dim3 b, size_t smem,
+                               Args... args) {
     cudaLaunchConfig_t cf = {};
     cf.gridDim = g, cf.blockDim = b, cf.dynamicSmemBytes = smem, cf.stream = c->st;
     cudaLaunchAttribute at[1] = {};
     at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     at[0].val.programmaticStreamSerializationAllowed = 1;
-    cf.attrs = at, cf.numAttrs = c->pdl ? 1 : 0;
+    cf.attrs = at, cf.numAttrs = c->pdl && pdl ? 1 : 0;
     kvc_launched();
     return cudaLaunchKernelEx(&cf, k, ((KArgs)args)...);
 }

@@ -142,6 +142,16 @@ cudaError_t dec_setup(void) {
         e = cudaFuncSetAttribute(k_attn_dec<TK, TA, NI>, cudaFuncAttributeMaxDynamicSharedMemorySize, DEC_SMEM_MAX);
     DEC_FOR(DEC_SET)
 #undef DEC_SET
+    if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(k_attn_dec_tc<64, float>, cudaFuncAttributeMaxDynamicSharedMemorySize, DEC_SMEM_MAX);
+    if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(k_attn_dec_tc<128, float>, cudaFuncAttributeMaxDynamicSharedMemorySize, DEC_SMEM_MAX);
+    if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(k_attn_dec_tc<64, __nv_bfloat16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 DEC_SMEM_MAX);
+    if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(k_attn_dec_tc<128, __nv_bfloat16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 DEC_SMEM_MAX);
     return e;
 }
 
@@ -464,20 +474,35 @@ template <typename TA> static kv_status enqueue_step(struct cuda_ctx *c, const s
 #undef FL_ARGS
             if (!ea->n1) goto attn_done;
         }
-        if (ea->dec) { /* few single-token rows: k_attn_dec, combined in the same kernel */
+        if (ea->dec) { /* few single-token rows: k_attn_dec(_tc), combined in the same kernel */
             dim3 dg(T1, (unsigned)nkv, (unsigned)max_parts);
+            float sl2 = scale * 1.4426950408889634f;
+            if (kvb && c->dec_tc && group <= 8 && (hd == 64 || hd == 128)) {
+#define DTC_ARGS                                                                                              \
+    (const float *)c->h, qkvw, (const __nv_bfloat16 *)c->pool, c->block_floats, l, nkv, c->tpb, group, d_pos, d_bto, \
+        d_bt, d_rows1, split_len, max_parts, sl2, c->part, c->part_ml, c->dec_cnt, (TA *)c->a, c->dec_late
+                size_t dsm = dec_tc_smem_bytes(hd, group, max_parts);
+                if (hd == 64)
+                    CU_TRY(klaunch_pdl(c, c->dec_pdl, k_attn_dec_tc<64, TA>, dg, dim3(DEC_THREADS), dsm, DTC_ARGS),
+                           "decode attention");
+                else
+                    CU_TRY(klaunch_pdl(c, c->dec_pdl, k_attn_dec_tc<128, TA>, dg, dim3(DEC_THREADS), dsm, DTC_ARGS),
+                           "decode attention");
+#undef DTC_ARGS
+                goto attn_done;
+            }
             int ni = (group * hd / 8 + DEC_THREADS - 1) / DEC_THREADS;
             ni = ni <= 1 ? 1 : ni <= 2 ? 2 : 4;
             size_t dsm = dec_smem_bytes(group, hd, kvb ? 2 : 4, max_parts);
 #define DEC_ARGS(TK)                                                                                           \
     (const float *)c->h, qkvw, (const TK *)c->pool, c->block_floats, l, nkv, hd, c->tpb, group, d_pos, d_bto, d_bt, \
-        d_rows1, split_len, max_parts, scale * 1.4426950408889634f, c->part, c->part_ml, c->dec_cnt, (TA *)c->a
+        d_rows1, split_len, max_parts, sl2, c->part, c->part_ml, c->dec_cnt, (TA *)c->a, c->dec_late
 #define DEC_NI(TK)                                                                                            \
     do {                                                                                                      \
-        if (ni == 1) KLAUNCH("decode attention", k_attn_dec<TK, TA, 1>, dg, dim3(DEC_THREADS), dsm, DEC_ARGS(TK)); \
-        else if (ni == 2)                                                                                     \
-            KLAUNCH("decode attention", k_attn_dec<TK, TA, 2>, dg, dim3(DEC_THREADS), dsm, DEC_ARGS(TK));     \
-        else KLAUNCH("decode attention", k_attn_dec<TK, TA, 4>, dg, dim3(DEC_THREADS), dsm, DEC_ARGS(TK));    \
+        cudaError_t de_ = ni == 1   ? klaunch_pdl(c, c->dec_pdl, k_attn_dec<TK, TA, 1>, dg, dim3(DEC_THREADS), dsm, DEC_ARGS(TK)) \
+                         : ni == 2 ? klaunch_pdl(c, c->dec_pdl, k_attn_dec<TK, TA, 2>, dg, dim3(DEC_THREADS), dsm, DEC_ARGS(TK)) \
+                                   : klaunch_pdl(c, c->dec_pdl, k_attn_dec<TK, TA, 4>, dg, dim3(DEC_THREADS), dsm, DEC_ARGS(TK)); \
+        CU_TRY(de_, "decode attention");                                                                      \
     } while (0)
             if (kvb) DEC_NI(__nv_bfloat16);
             else DEC_NI(float);
@@ -629,8 +654,8 @@ extern "C" kv_status kv_cuda_attn_decode(int mode, int kv_bf16, int T, int n_hea
                                          const int32_t *pos, const int32_t *bt_off, const int32_t *bt, const float *q,
                                          const void *pool, int split_len, float *out, char *err, size_t errlen) {
     if (!pos || !bt_off || !bt || !q || !pool || !out || T < 1 || n_kv < 1 || n_heads % n_kv || hd < 8 || hd > 256 ||
-        hd % 4 || tpb < 1 || split_len < 1 || (mode != 0 && mode != 1) ||
-        (mode == 1 && (hd % 8 || T > DEC_ROWS_CAP || (n_heads / n_kv * hd / 8 + DEC_THREADS - 1) / DEC_THREADS > 4)))
+        hd % 4 || tpb < 1 || split_len < 1 || mode < 0 || mode > 2 ||
+        (mode >= 1 && (hd % 8 || T > DEC_ROWS_CAP || (n_heads / n_kv * hd / 8 + DEC_THREADS - 1) / DEC_THREADS > 4)))
         return kv_errf(KV_EINVAL, err, errlen, "kv_cuda_attn_decode: bad argument");
     int G = n_heads / n_kv, hp[DEC_ROWS_CAP];
     if (T > DEC_ROWS_CAP) return kv_errf(KV_EINVAL, err, errlen, "kv_cuda_attn_decode: T > %d", DEC_ROWS_CAP);
@@ -652,7 +677,18 @@ extern "C" kv_status kv_cuda_attn_decode(int mode, int kv_bf16, int T, int n_hea
     if (e == cudaSuccess) e = kvc_memset_async(cnt, 0, (size_t)T * n_kv * sizeof(unsigned), c.st);
     if (e == cudaSuccess) e = dec_setup();
     float scale = 1.0f / sqrtf((float)hd);
-    if (e == cudaSuccess && mode == 1) {
+    bool tc = mode == 1 && kv_bf16 && G <= 8 && (hd == 64 || hd == 128);
+    if (e == cudaSuccess && tc) {
+        size_t dsm = dec_tc_smem_bytes(hd, G, max_parts);
+        if (dsm > DEC_SMEM_MAX) e = cudaErrorInvalidValue;
+        dim3 dg((unsigned)T, (unsigned)n_kv, (unsigned)max_parts);
+#define DTC_T(HD)                                                                                             \
+    klaunch(&c, k_attn_dec_tc<HD, float>, dg, dim3(DEC_THREADS), dsm, q, n_heads * hd, (const __nv_bfloat16 *)pool, \
+            block_floats, 0, n_kv, tpb, G, pos, bt_off, bt, (const int32_t *)NULL, split_len, max_parts,         \
+            scale * 1.4426950408889634f, part, ml, cnt, out, 0)
+        for (int rep = 0; rep < 2 && e == cudaSuccess; rep++) e = hd == 64 ? DTC_T(64) : DTC_T(128);
+#undef DTC_T
+    } else if (e == cudaSuccess && mode >= 1) {
         int ni = (G * hd / 8 + DEC_THREADS - 1) / DEC_THREADS;
         ni = ni <= 1 ? 1 : ni <= 2 ? 2 : 4;
         size_t dsm = dec_smem_bytes(G, hd, kv_bf16 ? 2 : 4, max_parts);
@@ -661,7 +697,7 @@ extern "C" kv_status kv_cuda_attn_decode(int mode, int kv_bf16, int T, int n_hea
 #define DEC_T(TK, NI)                                                                                         \
     klaunch(&c, k_attn_dec<TK, float, NI>, dg, dim3(DEC_THREADS), dsm, q, n_heads * hd, (const TK *)pool, block_floats, 0, \
             n_kv, hd, tpb, G, pos, bt_off, bt, (const int32_t *)NULL, split_len, max_parts,                    \
-            scale * 1.4426950408889634f, part, ml, cnt, out)
+            scale * 1.4426950408889634f, part, ml, cnt, out, 0)
         for (int rep = 0; rep < 2 && e == cudaSuccess; rep++) {
             if (kv_bf16) e = ni == 1 ? DEC_T(__nv_bfloat16, 1) : ni == 2 ? DEC_T(__nv_bfloat16, 2) : DEC_T(__nv_bfloat16, 4);
             else e = ni == 1 ? DEC_T(float, 1) : ni == 2 ? DEC_T(float, 2) : DEC_T(float, 4);
