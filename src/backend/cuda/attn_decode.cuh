@@ -106,13 +106,13 @@ __device__ __forceinline__ void dec_last_combine(int r, int kvh, int G, int hd, 
         int g = it / hd4, d0 = (it % hd4) * 4;
         const float *pp = part + ((size_t)r * nh + h0 + g) * max_parts * hd + d0;
         float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int zz = 0; zz < nparts; zz += 8) { /* 8 loads in flight */
-            float4 u[8];
+        for (int zz = 0; zz < nparts; zz += 16) { /* 16 loads in flight */
+            float4 u[16];
 #pragma unroll
-            for (int j = 0; j < 8; j++)
+            for (int j = 0; j < 16; j++)
                 u[j] = zz + j < nparts ? __ldcg((const float4 *)(pp + (size_t)(zz + j) * hd)) : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-            for (int j = 0; j < 8; j++) {
+            for (int j = 0; j < 16; j++) {
                 float f = zz + j < nparts ? wz[(zz + j) * G + g] : 0.f;
                 a.x += f * u[j].x, a.y += f * u[j].y, a.z += f * u[j].z, a.w += f * u[j].w;
             }
@@ -292,11 +292,15 @@ __global__ void __launch_bounds__(DEC_THREADS)
  * per scheduler and 15% of DRAM bandwidth at batch 8, context 4096). */
 #define DTC_ROWB(HD) ((HD) * 2 + 16) /* bytes per K/V row in shared memory */
 #define DTC_PST 40                   /* bf16 per P row in shared memory (32 + 8 pad) */
+#define DTC_NS 3      /* K/V stages: DTC_NS - 1 tiles in flight while one is used */
+#define DTC_MAXB 256  /* block ids of a part kept in shared memory (more: read from the table) */
+__host__ __device__ inline size_t dec_tc_head_bytes() {
+    size_t h = (size_t)(8 * DEC_TILE + 2 * 8 + 8) * sizeof(float) + 16 * DTC_PST * 2 + DTC_MAXB * sizeof(int32_t);
+    return (h + 15) / 16 * 16;
+}
 __host__ __device__ inline size_t dec_tc_smem_bytes(int hd, int G, int max_parts) {
-    size_t head = (size_t)(8 * DEC_TILE + 2 * 8 + 8) * sizeof(float) + 16 * DTC_PST * 2;
-    head = (head + 15) / 16 * 16;
-    size_t bufs = (size_t)2 * 2 * DEC_TILE * DTC_ROWB(hd), comb = (size_t)max_parts * G * sizeof(float);
-    return head + (bufs > comb ? bufs : comb);
+    size_t bufs = (size_t)DTC_NS * 2 * DEC_TILE * DTC_ROWB(hd), comb = (size_t)max_parts * G * sizeof(float);
+    return dec_tc_head_bytes() + (bufs > comb ? bufs : comb);
 }
 
 template <int HD, typename TA>
@@ -317,33 +321,42 @@ __global__ void __launch_bounds__(DEC_THREADS)
     const int nh = n_kv * G, h0 = kvh * G, w = t / 32, lane = t % 32, gi = lane / 4, ti = lane % 4;
     float *S = (float *)dsm, *ml = S + 8 * DEC_TILE, *cr = ml + 16;
     __nv_bfloat16 *Ps = (__nv_bfloat16 *)(cr + 8);
-    size_t head = (size_t)(8 * DEC_TILE + 2 * 8 + 8) * sizeof(float) + 16 * DTC_PST * 2;
-    unsigned char *buf = dsm + (head + 15) / 16 * 16;
+    int32_t *sbt = (int32_t *)(Ps + 16 * DTC_PST);
+    unsigned char *buf = dsm + dec_tc_head_bytes();
     constexpr size_t stage_bytes = 2 * DEC_TILE * (size_t)RB;
 
     const int32_t *rbt = bt + row_bt[r];
+    /* the part's block ids into shared memory (one round trip instead of one per tile) */
+    const int b_first = p_begin / tpb, nblk = (p_end - 1) / tpb - b_first + 1;
+    const bool sb = nblk <= DTC_MAXB;
+    if (sb)
+        for (int i = t; i < nblk; i += DEC_THREADS) sbt[i] = rbt[b_first + i];
+    __syncthreads();
     const size_t koff = (((size_t)layer * 2 + 0) * n_kv + kvh) * tpb * HD;
     const size_t voff = (((size_t)layer * 2 + 1) * n_kv + kvh) * tpb * HD;
     constexpr int CR = HD * 2 / 16; /* 16-byte chunks per row */
     /* the tile at p0 into stage s: K rows < n, V rows all DEC_TILE (zero-filled past n: P is
-     * 0 there, and 0 * a stale NaN would not be) */
+     * 0 there, and 0 * a stale NaN would not be); one commit group (empty past the part) */
     auto issue = [&](int p0, int s) {
-        int n = min(DEC_TILE, p_end - p0), perk = n * CR, tot = perk + DEC_TILE * CR;
-        unsigned char *kb = buf + s * stage_bytes, *vb = kb + DEC_TILE * (size_t)RB;
-        for (int i = t; i < tot; i += DEC_THREADS) {
-            int isv = i >= perk, j = isv ? i - perk : i, p = j / CR, c = j % CR;
-            int ap = p0 + p;
-            bool real = !isv || p < n;
-            const __nv_bfloat16 *g =
-                real ? pool + (size_t)rbt[ap / tpb] * block_floats + (isv ? voff : koff) + (size_t)(ap % tpb) * HD
-                     : pool;
-            unsigned sa = (unsigned)__cvta_generic_to_shared((isv ? vb : kb) + (size_t)p * RB + c * 16);
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sa),
-                         "l"((const unsigned char *)g + (real ? c * 16 : 0)), "r"(real ? 16 : 0));
+        if (p0 < p_end) {
+            int n = min(DEC_TILE, p_end - p0), perk = n * CR, tot = perk + DEC_TILE * CR;
+            unsigned char *kb = buf + s * stage_bytes, *vb = kb + DEC_TILE * (size_t)RB;
+            for (int i = t; i < tot; i += DEC_THREADS) {
+                int isv = i >= perk, j = isv ? i - perk : i, p = j / CR, c = j % CR;
+                int ap = p0 + p;
+                bool real = !isv || p < n;
+                int blk = real ? (sb ? sbt[ap / tpb - b_first] : rbt[ap / tpb]) : 0;
+                const __nv_bfloat16 *g =
+                    real ? pool + (size_t)blk * block_floats + (isv ? voff : koff) + (size_t)(ap % tpb) * HD : pool;
+                unsigned sa = (unsigned)__cvta_generic_to_shared((isv ? vb : kb) + (size_t)p * RB + c * 16);
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sa),
+                             "l"((const unsigned char *)g + (real ? c * 16 : 0)), "r"(real ? 16 : 0));
+            }
         }
         asm volatile("cp.async.commit_group;\n" ::: "memory");
     };
-    issue(p_begin, 0);
+#pragma unroll
+    for (int j = 0; j < DTC_NS - 1; j++) issue(p_begin + j * DEC_TILE, j);
     /* A fragments of Q (rows gi: hi, gi + 8: lo, of head gi; zero for gi >= G), pre-scaled */
     uint32_t qa[KS][4];
     {
@@ -371,14 +384,10 @@ __global__ void __launch_bounds__(DEC_THREADS)
     for (int i = 0; i < NTW; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
 
     int s = 0;
-    for (int p0 = p_begin; p0 < p_end; p0 += DEC_TILE, s ^= 1) {
+    for (int p0 = p_begin; p0 < p_end; p0 += DEC_TILE, s = s + 1 == DTC_NS ? 0 : s + 1) {
         int n = min(DEC_TILE, p_end - p0);
-        if (p0 + DEC_TILE < p_end) {
-            issue(p0 + DEC_TILE, s ^ 1);
-            asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-        } else {
-            asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-        }
+        issue(p0 + (DTC_NS - 1) * DEC_TILE, s == 0 ? DTC_NS - 1 : s - 1);
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(DTC_NS - 1) : "memory");
         __syncthreads();
         const unsigned char *kb = buf + s * stage_bytes, *vb = kb + DEC_TILE * (size_t)RB;
         { /* S for positions 8w .. 8w + 7 */

@@ -161,10 +161,10 @@ int kv_cuda_copy_splits(enum kv_cuda_copy_dir dir, size_t nbytes);
  *   no graph: h2d_copies 1 (metadata), launches 10 * n_layers + 3, d2h_copies 1 if L > 0,
  *     stream_syncs 1.
  *   A step whose attention runs without a combine launch makes 9 * n_layers + 3: all rows in
- *   prefill chunks (k_attn_flash), or at most KVSERVE_CUDA_DEC_ROWS (default 8) split rows
- *   (k_attn_dec, its combine inside the kernel: decode at small batch); 10 * n_layers + 3
- *   when chunks are mixed with few single-token rows (k_attn_flash, then k_attn_dec) and
- *   11 * n_layers + 3 when mixed with more (k_attn_flash, then the split kernels + combine).
+ *   prefill chunks (k_attn_flash), or single-token rows that k_attn_dec_tc serves (bf16 KV
+ *   pool, GQA group <= 8, head_dim 64 or 128, at most 256 such rows, not deterministic: its
+ *   combine is inside the kernel); 10 * n_layers + 3 when chunks are mixed with such rows and
+ *   11 * n_layers + 3 when mixed with rows of the split kernels + combine.
  * forward_sample: the same, except that the download is the sampling results (one d2h copy)
  *   and the sampling adds 2 launches (3 when a row needs sorted candidates: the radix sort's
  *   own launches are not counted); its requests travel with the step's metadata (no extra

@@ -192,7 +192,7 @@ cudaError_t flash_setup(void);
 /* Raises k_attn_dec's dynamic shared memory limit (once per device use). */
 cudaError_t dec_setup(void);
 #define DEC_ROWS_CAP 256
-#define DEC_ROWS_DEFAULT 8
+#define DEC_ROWS_DEFAULT DEC_ROWS_CAP
 #define DEC_SMEM_MAX (160 * 1024)
 
 #endif

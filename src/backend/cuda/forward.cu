@@ -155,10 +155,10 @@ cudaError_t dec_setup(void) {
     return e;
 }
 
-/* The part length of k_attn_dec for a step whose T1 single-token split rows reach max_pos1
+/* The part length of k_attn_dec_tc (k_attn_dec) for a step whose T1 split rows reach max_pos1
  * positions, or 0 where the split kernels (k_attn_part / k_attn_part2 + combine) run instead:
- * deterministic mode (its own fixed split), more than c->dec_rows rows, head_dim % 8, or a
- * GQA group too wide for one CTA (G * hd / 8 > 4 * DEC_THREADS). Parts of DEC_TILE positions,
+ * deterministic mode (its own fixed split), more than c->dec_rows rows, shapes outside
+ * k_attn_dec_tc's. Parts of DEC_TILE positions,
  * DEC_TILE / 2 when the grid would have fewer CTAs than SMs (c->dec_half), doubled while the
  * grid has more than c->dec_ctas CTAs or the combine's weights would not fit in shared memory.
  * The length depends on the step's rows and longest context only through powers of two, so
@@ -169,6 +169,10 @@ static int dec_split_len(const struct cuda_ctx *c, int T1, int max_pos1, int tks
     if (c->det || T1 < 1 || T1 > c->dec_rows || max_pos1 < 1 || hd % 8 ||
         (G * hd / 8 + DEC_THREADS - 1) / DEC_THREADS > 4)
         return 0;
+    /* k_attn_dec_tc's shapes (bf16 pool, group <= 8, head_dim 64 / 128); the SIMT k_attn_dec
+     * only with KVSERVE_CUDA_DEC_TC=0 (it beat the split kernels at batch 8 and at 4096 but
+     * not at batch 1 / 512 on the H200: 5.00 vs 4.75 ms) */
+    if (c->dec_tc && !(tks == 2 && G <= 8 && (hd == 64 || hd == 128))) return 0;
     long base = (long)T1 * cfg->n_kv_heads;
     int sl = DEC_TILE;
     if (c->dec_half && base * ((max_pos1 + DEC_TILE - 1) / DEC_TILE) < c->n_sm) sl = DEC_TILE / 2;

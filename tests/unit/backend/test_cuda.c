@@ -523,13 +523,12 @@ static void sync_decode(backend_t *be, const model_t *m, bool graphs, int n4, in
         want.stream_syncs = 1, want.d2h_copies = 1; /* the logits rows, then the one sync */
         /* graphs: the first step of each batch shape (step 1: 4 rows, step 1 + n4: 1 row) captures */
         bool eager = !graphs || step == 0, capture = graphs && (step == 1 || step == 1 + n4);
-        /* step 0 (160 prefill rows, bf16 weights, head_dim 64) runs k_attn_flash and the
-         * decode steps (<= 4 rows) k_attn_dec: one attention launch per layer instead of
-         * attention + combine */
-        if (eager) want.h2d_copies = 1, want.launches = per_step - (uint64_t)nl;
+        /* step 0 (160 prefill rows, bf16 weights, head_dim 64) runs k_attn_flash: one
+         * attention launch per layer instead of attention + combine */
+        if (eager) want.h2d_copies = 1, want.launches = step == 0 ? per_step - (uint64_t)nl : per_step;
         else {
             want.graph_launches = 1;
-            if (capture) want.graph_instantiations = 1, want.captured_copies = 1, want.captured_launches = per_step - (uint64_t)nl;
+            if (capture) want.graph_instantiations = 1, want.captured_copies = 1, want.captured_launches = per_step;
         }
         cnt_expect(what, step, &d, &want, eager || capture);
     }
