@@ -1,22 +1,27 @@
 /*
- * Decode attention for few single-token rows (k_attn_dec): bandwidth-oriented split-K
- * ("flash-decoding", Dao et al. 2023) over the paged KV pool. Included by forward.cu only.
+ * Decode attention for single-token rows over the paged KV pool: split-K ("flash-decoding",
+ * Dao et al. 2023), many positions in flight. Included by forward.cu only. Two kernels with the
+ * same grid, parts and combine:
+ *  - k_attn_dec_tc (the backend's choice: bf16 pool, GQA group <= 8, head_dim 64 / 128): the
+ *    products on the tensor cores (mma.sync), see its comment below;
+ *  - k_attn_dec (SIMT; any head_dim % 8 == 0, f32 or bf16 pool): KVSERVE_CUDA_DEC_TC=0 and
+ *    tests only, since it is issue-bound (docs/benchmarks.md).
  *
- * One CTA = (row, KV head, part of DEC_TILE-aligned positions). It serves every query head
- * of the KV head's GQA group, so each K/V byte is read once per row. Each tile of DEC_TILE
- * positions arrives by cp.async, 16 bytes per copy, straight from the block table (all
- * copies of a tile in flight at once, the next tile's issued before this one is used: no
- * per-position dependency chain), then from shared memory: scores (one (head, position) pair
- * per thread, q pre-scaled by log2(e)/sqrt(hd)), an online softmax per head (one warp per
- * head, exp2), and P.V (each thread 8 consecutive dims of one head). A part writes its
- * unnormalised output, max and sum in the split kernels' part format; the last CTA of a
- * (row, KV head) to finish (a counter, reset by that CTA for the next launch) combines the
- * parts and writes the attention output. A row with one part writes its output directly.
+ * One CTA = (row, KV head, part of the row's positions). It serves every query head of the KV
+ * head's GQA group, so each K/V byte is read once per row. Each tile of DEC_TILE positions
+ * arrives by cp.async, 16 bytes per copy, straight from the block table (all copies of a tile
+ * in flight at once, the next tiles issued before this one is used: no per-position
+ * dependency chain), then from shared memory: scores, an online softmax per head (one warp per
+ * head, exp2, q pre-scaled by log2(e)/sqrt(hd)) and P.V. A part writes its unnormalised
+ * output, max and sum in the split kernels' part format (m and l in log2 units); the last CTA
+ * of a (row, KV head) to finish (a counter, reset by that CTA for the next launch) combines
+ * the parts (dec_last_combine) and writes the attention output. A row with one part writes
+ * its output directly.
  *
- * Shared memory (dec_smem_bytes): q (G * hd f32) | S (G * DEC_TILE f32) | ml (G * 2 + G f32) |
- * 2 stages x {K, V} x DEC_TILE rows of hd * sizeof(TK) + 16 bytes (the 16-byte pad keeps the
- * row-per-thread K reads of a quarter warp on distinct banks), reused by the combine for the
- * parts' weights (max_parts * G f32).
+ * k_attn_dec's shared memory (dec_smem_bytes): q (G * hd f32) | S (G * DEC_TILE f32) | ml
+ * (3 G f32) | 2 stages x {K, V} x DEC_TILE rows of hd * sizeof(TK) + 16 bytes (the 16-byte pad
+ * keeps the row-per-thread K reads of a quarter warp on distinct banks), reused by the combine
+ * for the parts' weights (max_parts * G f32).
  */
 #ifndef KV_CUDA_ATTN_DECODE_CUH
 #define KV_CUDA_ATTN_DECODE_CUH

@@ -85,7 +85,14 @@ extern "C" {
  * CTA) instead of 2; KVSERVE_CUDA_SKIP=attn,norm,qkv,swiglu,gemm (timing only: results are
  * wrong) leaves those stages of every layer out; KVSERVE_CUDA_ATTN=2 takes k_attn_part2 for
  * every split step and KVSERVE_CUDA_ATTN_SPLIT=N (a multiple of 8; 32 for k_attn_part2) sets
- * the first split length tried (both for experiments: docs/benchmarks.md). */
+ * the first split length tried (both for experiments: docs/benchmarks.md). Decode attention
+ * (k_attn_dec_tc, attn_decode.cuh; bf16 KV pool, GQA group <= 8, head_dim 64 or 128, not
+ * deterministic): KVSERVE_CUDA_DEC_ROWS=N serves steps of <= N split rows with it (default and
+ * most 256; 0: the split kernels always), KVSERVE_CUDA_DEC_CTAS=N targets N CTAs per SM when
+ * choosing its part length (default 8), KVSERVE_CUDA_DEC_HALF=0 never uses 16-position parts,
+ * KVSERVE_CUDA_DEC_PDL=1 launches it with programmatic dependent launch (default off),
+ * KVSERVE_CUDA_DEC_LATE=1 moves its launch trigger after the loads, KVSERVE_CUDA_DEC_TC=0 runs
+ * the SIMT k_attn_dec instead (any head_dim % 8 == 0, f32 pools; experiments). */
 struct backend_cuda_options {
     int device;       /* CUDA device ordinal */
     bool f32_weights; /* keep weights f32 (exact-ish reference mode); default bf16 */

@@ -1,7 +1,8 @@
 /*
  * CUDA backend: the forward driver (backend_cuda.h): batch validation, the GEMM choice (GEMV,
  * cuBLAS, the batch-invariant GEMM), which attention kernel each row runs (k_attn_flash for
- * prefill chunks, the split kernels + combine for single-token rows), CUDA graphs per step
+ * prefill chunks; k_attn_dec_tc for up to 256 single-token rows where its shape applies, the
+ * split kernels + combine otherwise), CUDA graphs per step
  * shape, sampling on the device (sample.cu) and the health probe after a failed step.
  */
 #include <cublas_v2.h>
