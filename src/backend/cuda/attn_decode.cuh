@@ -66,6 +66,40 @@ __device__ __forceinline__ void dec_ld8(const float *p, float o[8]) {
     o[0] = a.x, o[1] = a.y, o[2] = a.z, o[3] = a.w, o[4] = b.x, o[5] = b.y, o[6] = b.z, o[7] = b.w;
 }
 
+/* One head's online-softmax step over a tile (called by a whole warp; lane = position):
+ * score sc (log2 units, -inf past the tile's n valid positions), state m = ml[0], l = ml[1]
+ * updated by lane 0 (after every lane read ml[0]), the old-state factor into *cr; returns
+ * this lane's probability 2^(sc - m_new) (0 past n). */
+__device__ __forceinline__ float dec_softmax_step(float sc, int lane, int n, float *ml, float *cr) {
+    float mx = sc;
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    float mo = ml[0], mn = fmaxf(mo, mx);
+    float pw = lane < n ? dec_exp2(sc - mn) : 0.f, sum = pw;
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    float corr = mo == -INFINITY ? 0.f : dec_exp2(mo - mn);
+    __syncwarp();
+    if (lane == 0) ml[0] = mn, ml[1] = ml[1] * corr + sum, *cr = corr;
+    return pw;
+}
+
+/* A part CTA's start: the programmatic-launch trigger (unless late_trigger) and wait, then the
+ * positions it covers: [p_begin, p_end) of row r (at position pos) and its row's part count
+ * nparts; false when the part is past the row's end (the CTA exits). */
+struct dec_span {
+    int r, pos, p_begin, p_end, nparts;
+};
+__device__ __forceinline__ bool dec_begin(int late_trigger, const int32_t *rows, const int32_t *row_pos,
+                                          int split_len, dec_span *sp) {
+    if (!late_trigger) pdl_trigger();
+    pdl_wait();
+    sp->r = rows ? rows[blockIdx.x] : (int)blockIdx.x;
+    sp->pos = row_pos[sp->r];
+    sp->p_begin = blockIdx.z * split_len;
+    if (sp->p_begin > sp->pos) return false;
+    sp->p_end = min(sp->pos + 1, sp->p_begin + split_len), sp->nparts = sp->pos / split_len + 1;
+    return true;
+}
+
 /* After every thread of the CTA wrote its part (slots of row r, heads kvh * G ..): counts the
  * part in *cnt; the last of the row's nparts parts resets *cnt and writes the combined output
  * out[r, h, :] = sum_z part_z * 2^(m_z - M) / sum_z l_z 2^(m_z - M) (m in log2 units).
@@ -144,13 +178,10 @@ __global__ void __launch_bounds__(DEC_THREADS)
                int split_len, int max_parts, float sl2, float *part, float *part_ml, unsigned *cnt, TA *out,
                int late_trigger) {
     extern __shared__ __align__(16) unsigned char dsm[];
-    if (!late_trigger) pdl_trigger();
-    pdl_wait();
-    const int r = rows ? rows[blockIdx.x] : (int)blockIdx.x, kvh = blockIdx.y, z = blockIdx.z, t = threadIdx.x;
-    const int pos = row_pos[r];
-    const int p_begin = z * split_len;
-    if (p_begin > pos) return;
-    const int p_end = min(pos + 1, p_begin + split_len), nparts = pos / split_len + 1;
+    dec_span sp;
+    if (!dec_begin(late_trigger, rows, row_pos, split_len, &sp)) return;
+    const int r = sp.r, p_begin = sp.p_begin, p_end = sp.p_end, nparts = sp.nparts;
+    const int kvh = blockIdx.y, z = blockIdx.z, t = threadIdx.x;
     const int nh = n_kv * G, h0 = kvh * G;
     float *qs = (float *)dsm, *S = qs + G * hd, *ml = S + G * DEC_TILE, *cr = ml + 2 * G;
     size_t head = ((size_t)G * hd + (size_t)G * DEC_TILE + 3 * (size_t)G) * sizeof(float);
@@ -218,17 +249,8 @@ __global__ void __launch_bounds__(DEC_THREADS)
         }
         __syncthreads();
         /* online softmax, one warp per head */
-        for (int g = w; g < G; g += DEC_THREADS / 32) {
-            float sc = S[g * DEC_TILE + lane], mx = sc;
-            for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-            float mo = ml[2 * g], mn = fmaxf(mo, mx);
-            float pw = lane < n ? dec_exp2(sc - mn) : 0.f, sum = pw;
-            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-            float corr = mo == -INFINITY ? 0.f : dec_exp2(mo - mn);
-            S[g * DEC_TILE + lane] = pw;
-            __syncwarp();
-            if (lane == 0) ml[2 * g] = mn, ml[2 * g + 1] = ml[2 * g + 1] * corr + sum, cr[g] = corr;
-        }
+        for (int g = w; g < G; g += DEC_THREADS / 32)
+            S[g * DEC_TILE + lane] = dec_softmax_step(S[g * DEC_TILE + lane], lane, n, ml + 2 * g, cr + g);
         __syncthreads();
         /* P.V: item = (head g, 8 dims) */
 #pragma unroll
@@ -316,13 +338,10 @@ __global__ void __launch_bounds__(DEC_THREADS)
                   unsigned *cnt, TA *out, int late_trigger) {
     constexpr int RB = DTC_ROWB(HD), KS = HD / 16, NTW = HD / 32; /* k steps of S; dim n tiles per warp */
     extern __shared__ __align__(16) unsigned char dsm[];
-    if (!late_trigger) pdl_trigger();
-    pdl_wait();
-    const int r = rows ? rows[blockIdx.x] : (int)blockIdx.x, kvh = blockIdx.y, z = blockIdx.z, t = threadIdx.x;
-    const int pos = row_pos[r];
-    const int p_begin = z * split_len;
-    if (p_begin > pos) return;
-    const int p_end = min(pos + 1, p_begin + split_len), nparts = pos / split_len + 1;
+    dec_span sp;
+    if (!dec_begin(late_trigger, rows, row_pos, split_len, &sp)) return;
+    const int r = sp.r, p_begin = sp.p_begin, p_end = sp.p_end, nparts = sp.nparts;
+    const int kvh = blockIdx.y, z = blockIdx.z, t = threadIdx.x;
     const int nh = n_kv * G, h0 = kvh * G, w = t / 32, lane = t % 32, gi = lane / 4, ti = lane % 4;
     float *S = (float *)dsm, *ml = S + 8 * DEC_TILE, *cr = ml + 16;
     __nv_bfloat16 *Ps = (__nv_bfloat16 *)(cr + 8);
@@ -411,16 +430,10 @@ __global__ void __launch_bounds__(DEC_THREADS)
         }
         __syncthreads();
         for (int g = w; g < G; g += DEC_THREADS / 32) { /* online softmax, one warp per head */
-            float sc = S[g * DEC_TILE + lane], mx = sc;
-            for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-            float mo = ml[2 * g], mn = fmaxf(mo, mx);
-            float pw = lane < n ? dec_exp2(sc - mn) : 0.f, sum = pw;
-            for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-            float corr = mo == -INFINITY ? 0.f : dec_exp2(mo - mn);
+            float pw = dec_softmax_step(S[g * DEC_TILE + lane], lane, n, ml + 2 * g, cr + g);
             __nv_bfloat16 hi = __float2bfloat16_rn(pw);
             Ps[g * DTC_PST + lane] = hi;
             Ps[(g + 8) * DTC_PST + lane] = __float2bfloat16_rn(pw - __bfloat162float(hi));
-            if (lane == 0) ml[2 * g] = mn, ml[2 * g + 1] = ml[2 * g + 1] * corr + sum, cr[g] = corr;
         }
         __syncthreads();
         { /* O += P V: this warp's dims n tiles j = w + 4 i */
