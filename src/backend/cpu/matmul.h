@@ -36,10 +36,12 @@
  * scalar fmaf. K is cut into blocks of at most 768 floats so the X tile stays in L1 while the
  * task's W rows stream past it; between K blocks the 16 lanes are saved in a per-thread buffer
  * and reloaded (each lane still adds in increasing k), and after the last block a shuffle
- * network runs the fixed tree on 16 (AVX2: 8) outputs at once. Work split: W is cut into
- * blocks of rows (about 192 KiB of f32, so a block stays in L2 while all rows use it; smaller
- * for >= 4 tasks per thread) and every block is one thread-pool task computing all M rows of
- * its columns, so each output element is computed entirely by one thread. INT8 mode, quantized
+ * network runs the fixed tree on 16 (AVX2: 8) outputs at once. The SIMD families read X packed
+ * once per product (tile by tile, so each tile is one sequential stream; matmul.c says why).
+ * Work split: W is cut into blocks of rows (about half a core's L2 of f32, at most 1 MiB, so a
+ * block stays in L2 while all rows use it; smaller for >= 4 tasks per thread) and every block
+ * is one thread-pool task computing all M rows of its columns, so each output element is
+ * computed entirely by one thread. INT8 mode, quantized
  * weights: the batch's activation rows are quantized once per distinct X (kv_q8_quantize), then
  * a task runs kv_q8_dot_rows on its rows (M <= 4, or no AMX/VNNI) or repacks them into a
  * per-thread panel (kv_q8_pack) and runs kv_q8_dot_packed (prefill); a matrix the CPU backend
