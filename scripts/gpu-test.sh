@@ -22,7 +22,8 @@
 #   scripts/gpu-test.sh --prebuilt DIR [--bench] ...          run binaries from DIR (no build)
 #   scripts/gpu-test.sh --bundle DIR [--build BUILD]          (on the build machine) put test_cuda,
 #        bench_cuda, their non-system shared libraries and the test data they read into DIR,
-#        for a GPU machine that lacks kvserve's -dev packages (then carry DIR and use --prebuilt),
+#        for a GPU machine that lacks kvserve's -dev packages (then carry DIR, or DIR.tar.gz, also
+#        written, when DIR passes the 64 MiB a device call carries, and use --prebuilt),
 #        and under DIR/overlay the scripts this checkout runs there (this file, http_api.py,
 #        tests/gpu/*.py, bench/hf_decode.py: `cp -r DIR/overlay/. .` when the GPU machine gets
 #        another checkout)
@@ -77,6 +78,10 @@ if [ -n "$bundle" ]; then
     printf '#!/bin/sh\n# kvserve with --backend cuda added to serve (for the e2e suites)\nd=$(dirname "$0")\nif [ "$1" = serve ]; then shift; exec "$d/kvserve" serve --backend cuda "$@"; fi\nexec "$d/kvserve" "$@"\n' > "$bundle/kvserve-cuda"
     chmod +x "$bundle/kvserve-cuda"
     du -sh "$bundle"
+    # the device call carries 64 MiB at most: the stripped binaries with their CUDA fatbinaries
+    # passed that (75 MB), so a compressed copy travels instead (carry DIR.tar.gz, then on the
+    # GPU machine: tar xzf DIR.tar.gz && scripts/gpu-test.sh --prebuilt DIR)
+    tar czf "$bundle.tar.gz" -C "$(dirname "$bundle")" "$(basename "$bundle")" && du -sh "$bundle.tar.gz"
     exit 0
 fi
 
@@ -114,7 +119,7 @@ if [ "${SERVE_SMOKE:-0}" = 1 ]; then # kvserve serve --backend cuda answers a co
 fi
 if [ "${E2E:-0}" = 1 ]; then # the HTTP API e2e suite against serve --backend cuda
     echo "== e2e http_api against --backend cuda (weights ${KVSERVE_CUDA_WEIGHTS:-bf16})"
-    if [ -n "$prebuilt" ]; then cuda_bin="$PWD/$prebuilt/kvserve-cuda"; else
+    if [ -n "$prebuilt" ]; then cuda_bin="$(cd "$prebuilt" && pwd)/kvserve-cuda"; else
         cuda_bin="$PWD/build-gpu/kvserve-cuda"
         printf '#!/bin/sh\nd=$(dirname "$0")\nif [ "$1" = serve ]; then shift; exec "$d/kvserve" serve --backend cuda "$@"; fi\nexec "$d/kvserve" "$@"\n' > "$cuda_bin"
         chmod +x "$cuda_bin"
