@@ -91,6 +91,7 @@ static bool take_head(struct gate *g, struct evbuffer *dst) {
         return false;
     }
     bool http10 = ver[7] == '0';
+    g->http10 = http10;
     {   /* the target must parse as evhttp parses it (else libevent answers an HTML 400) */
         size_t tl = (size_t)(sp2 - sp1 - 1);
         char *tgt = malloc(tl + 1);

@@ -219,18 +219,10 @@ static void meta_of(const struct gen *g, struct resp_meta *m) {
     m->index = 0;
 }
 
-/* Is the peer of a non-stream request gone? (EOF or a reset seen by a non-consuming peek; an
- * EOF that was already there when the request was complete is a half-close: that client
- * still reads the answer, conn_gate.h.) */
+/* Is the client of a non-stream request gone? (conn_gate.h: a reset, or an end of input that
+ * is not a half-close; a half-closed client still reads the answer.) */
 static bool peer_closed(struct gen *g) {
-    if (!g->conn) return false;
-    struct bufferevent *bev = evhttp_connection_get_bufferevent(g->conn);
-    evutil_socket_t fd = bev ? bufferevent_getfd(bev) : -1;
-    if (fd < 0) return false;
-    char c;
-    ssize_t n = recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
-    if (n == 0) return !http_gate_half_closed(g->conn);
-    return n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR;
+    return g->conn && http_gate_client_gone(g->conn);
 }
 
 static int engine_err_status(kv_status st) {

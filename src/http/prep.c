@@ -14,10 +14,15 @@
  * in bytes) cannot fit and is refused before it is tokenized (normalizers may shrink text a
  * little, hence the slack); the exact check follows tokenization.
  *
+ * Test hook: with KVSERVE_TEST_PREP_GATE naming a FIFO, each job waits before its work until
+ * the FIFO is opened for writing and a byte is written to it (tests/e2e/http_limits.py holds a
+ * request in preparation this way, deterministically). Unset in production.
+ *
  * Threads: the workers read srv.t (immutable), srv.lim, srv.cfg (fixed while serving) and the
  * prefix cache (thread-safe); nothing of libevent. The request object is only touched on the
  * loop thread.
  */
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -28,6 +33,7 @@
 
 #include <event2/buffer.h>
 
+#include "conn_gate.h"
 #include "server_internal.h"
 #include "tokenizer/prefix_cache.h"
 
@@ -61,6 +67,7 @@ static struct {
     struct event *wake;
     size_t max_prompt_bytes;          /* early length check */
     int pending;                      /* submitted, not yet answered (loop thread) */
+    const char *test_gate;            /* KVSERVE_TEST_PREP_GATE (a FIFO) or NULL */
 } P = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
 
 static void job_free(struct prep_job *j) {
@@ -199,6 +206,12 @@ static void *worker(void *arg) {
         P.qhead = j->next;
         if (!P.qhead) P.qtail = NULL;
         pthread_mutex_unlock(&P.mu);
+        if (P.test_gate) { /* the test hook (see above): open blocks until the test's writer */
+            int fd = open(P.test_gate, O_RDONLY);
+            char c;
+            if (fd >= 0 && read(fd, &c, 1) < 0) { /* released either way */ }
+            if (fd >= 0) close(fd);
+        }
         prepare(j);
         pthread_mutex_lock(&P.mu);
         j->next = P.done;
@@ -218,8 +231,15 @@ static void free_reply(const void *data, size_t len, void *arg) {
 /* The loop's part: answer, or hand the prepared request to the engine. */
 static void finish(struct prep_job *j) {
     struct evhttp_request *req = j->req;
-    if (evhttp_request_get_connection(req) == NULL) { /* the client left: libevent gave it to us */
+    struct evhttp_connection *conn = evhttp_request_get_connection(req);
+    if (conn == NULL) { /* the client left: libevent gave it to us */
         evhttp_request_free(req);
+        return;
+    }
+    if (http_gate_client_gone(conn)) { /* it left while its request was prepared: not started
+                                          (freeing the connection frees the request) */
+        srv.ctr.client_disconnects++;
+        evhttp_connection_free(conn);
         return;
     }
     if (j->failed) {
@@ -307,6 +327,8 @@ kv_status prep_init(int n_threads) {
     P.stop = false;
     P.pending = 0;
     P.qhead = P.qtail = P.done = NULL;
+    P.test_gate = getenv("KVSERVE_TEST_PREP_GATE");
+    if (P.test_gate && !*P.test_gate) P.test_gate = NULL;
     /* the longest token in bytes bounds how many bytes max_model_len tokens can cover */
     size_t longest = 1;
     char buf[1024];
