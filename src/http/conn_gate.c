@@ -59,6 +59,25 @@ void gate_arm(struct gate *g, int ms) {
     evtimer_add(g->timer, &tv);
 }
 
+void gate_idle(struct gate *g, bool on) {
+    struct http_gates *gs = g->gs;
+    if (on == g->idle) return;
+    if (on) {
+        g->idle_prev = gs->idle_new;
+        g->idle_next = NULL;
+        if (gs->idle_new) gs->idle_new->idle_next = g;
+        else gs->idle_old = g;
+        gs->idle_new = g;
+    } else {
+        if (g->idle_prev) g->idle_prev->idle_next = g->idle_next;
+        else gs->idle_old = g->idle_next;
+        if (g->idle_next) g->idle_next->idle_prev = g->idle_prev;
+        else gs->idle_new = g->idle_prev;
+        g->idle_prev = g->idle_next = NULL;
+    }
+    g->idle = on;
+}
+
 /* ------------------------------------------------------------------ refusals */
 
 static const char *reason_of(int status) {
@@ -79,6 +98,7 @@ static const char *reason_of(int status) {
 /* Hands the end of input to evhttp, which frees the connection (and so this gate), from
  * the loop: never inside a call that evhttp or the filter is still running. */
 void gate_finish(struct gate *g) {
+    gate_idle(g, false);
     if (g->finished || g->want_finish) return;
     g->want_finish = true;
     evtimer_del(g->timer);
@@ -93,6 +113,7 @@ void gate_finish(struct gate *g) {
 void gate_refuse(struct gate *g, int status, const char *code, const char *fmt, ...) {
     if (g->rs == R_CLOSING || g->finished) return;
     struct http_gates *gs = g->gs;
+    gate_idle(g, false);
     char msg[512];
     va_list ap;
     va_start(ap, fmt);
@@ -305,8 +326,10 @@ static void on_timer(evutil_socket_t fd, short what, void *arg) {
 static void gate_free_ctx(void *ctx) {
     struct gate *g = ctx;
     struct http_gates *gs = g->gs;
+    gate_idle(g, false);
     gate_release_all(g);
     gs->st.connections--;
+    if (g->shed) gs->shedding--;
     if (g->timer) event_free(g->timer);
     if (g->defer) event_free(g->defer);
     if (g->wev) event_free(g->wev);
@@ -342,10 +365,31 @@ static struct bufferevent *gate_bevcb(struct event_base *base, void *arg) {
     bufferevent_setcb(under, on_under_read, on_under_write, on_under_event, g);
     bufferevent_setwatermark(under, EV_READ, 0, GATE_SOCKET_READ_MAX);
     evbuffer_add_cb(bufferevent_get_output(g->filt), gate_on_reply_queued, g);
-    if (gs->st.connections > gs->lim.max_connections) {
+    /* At the cap: the connection that has waited longest for a request's first byte (a fresh
+     * one or an idle keep-alive one) is closed to make room, as nginx reuses its "reusable"
+     * connections; without one, a few more connections may still send a probe
+     * (GATE_PROBE_RESERVE), and past those a new connection gets 503. */
+    int over = gs->st.connections - gs->shedding - gs->lim.max_connections;
+    struct gate *old = over > 0 ? gs->idle_old : NULL;
+    while (old && evbuffer_get_length(bufferevent_get_input(old->under))) /* a request waits there */
+        old = old->idle_next;
+    if (old) {
+        old->shed = true;
+        gs->shedding++;
+        gs->st.idle_shed++;
+        KV_DEBUG("%s: at the connection cap (%d): closing the longest idle connection", gs->name,
+                 gs->lim.max_connections);
+        gate_finish(old);
+        over = 0;
+    }
+    if (over > GATE_PROBE_RESERVE) {
         g->refuse_conn = true;
         gate_arm(g, 1); /* the socket is set after we return */
+    } else if (over > 0) {
+        g->probe_only = true;
+        gate_arm(g, gs->lim.header_timeout_ms < GATE_PROBE_HEAD_MS ? gs->lim.header_timeout_ms : GATE_PROBE_HEAD_MS);
     } else {
+        gate_idle(g, true);
         gate_arm(g, gs->lim.header_timeout_ms);
     }
     return g->filt;

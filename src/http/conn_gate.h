@@ -24,7 +24,11 @@
  *   - buffered request bytes: each request reserves its head and declared body from the
  *     listener-wide budget max_buffered_bytes until its response is complete; a request that
  *     does not fit is answered 503 (Retry-After: 1) at once;
- *   - connections: past max_connections a new connection is answered 503 and closed;
+ *   - connections: at max_connections a new connection closes the one that has waited longest
+ *     for a request's first byte (fresh or idle keep-alive; nginx's reusable connections);
+ *     without such a one, up to GATE_PROBE_RESERVE (16) more connections may send one
+ *     GET /health or GET /ready (answered, then closed; other requests 503), and past those a
+ *     new connection is answered 503 and closed;
  *   - keep-alive: a connection idle between requests for keepalive_timeout_ms is closed.
  * One request at a time per connection: the next pipelined request is held (at most 64 KiB of
  * it is read from the socket) until the previous response is complete.
@@ -72,6 +76,8 @@ struct http_gate_stats {
     uint64_t refused_too_large;   /* bodies over max_body_bytes (413) */
     uint64_t timeouts;            /* 408 answers */
     uint64_t idle_closed;         /* keep-alive connections closed after the idle timeout */
+    uint64_t idle_shed;           /* idle connections closed to make room at max_connections */
+    uint64_t probes_over_cap;     /* /health, /ready answered past max_connections */
 };
 
 struct http_gates;

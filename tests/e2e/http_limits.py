@@ -405,25 +405,62 @@ def test_timeouts():
 
 
 def test_connection_cap():
+    """--max-connections 4. Idle connections (never sent a byte, or idle keep-alive) are closed
+    to make room, the longest waiting first; busy ones are not: then a few more connections
+    may still send GET /health or /ready (answered, then closed), other requests get 503, and
+    past that reserve (16) a new connection gets 503 at once."""
     srv = server("--max-connections", "4")
     try:
+        health = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
         held = [connect(srv.port) for _ in range(4)]
-        for c in held:  # each is accepted (answers /health) and stays open
-            c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        for c in held[1:]:  # held[0] never sends a byte; the others are idle keep-alive ones
+            c.sendall(health)
             check(read_response(c)[0] == 200, "connection within the cap is served")
-        st, h, b, _ = exchange(srv.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        a = connect(srv.port)
+        a.sendall(health)
+        st, h, b, _ = read_response(a)
+        check(st == 200, "at the cap with idle connections: /health served (%s %r)" % (st, b[:100]))
+        check(read_all(held[0]) == b"", "the longest idle connection (never sent a byte) was closed for it")
+        st, h, b, _ = exchange(srv.port, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        check(st == 200, "and again: /v1/models served (%s)" % st)
+        check(read_all(held[1]) == b"", "the oldest idle keep-alive connection was closed for it")
+        for c in held + [a]:
+            c.close()
+
+        def busy_conn():  # in the middle of a request (its head read: evhttp sent 100 Continue)
+            c = connect(srv.port)
+            c.sendall(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 15\r\n\r\n")
+            got = b""
+            while b"\r\n\r\n" not in got:
+                d = c.recv(4096)
+                if not d:
+                    break
+                got += d
+            check(got.startswith(b"HTTP/1.1 100"), "a busy connection within the cap (%r)" % got[:60])
+            return c
+        busy = [busy_conn() for _ in range(4)]  # nothing idle to close now
+        for path, want in [(b"/health", 200), (b"/ready", 200), (b"/health?x=1", 200), (b"/v1/models", 503)]:
+            s = connect(srv.port)
+            s.sendall(b"GET %s HTTP/1.1\r\nHost: x\r\n\r\n" % path)
+            st, h, b, rest = read_response(s)
+            tail = read_all(s)
+            s.close()
+            ok = st == want and rest + tail == b"" and (
+                want == 200 or (is_error_json(st, h, b, 503, "too_many_connections") and h.get("retry-after") == "1"))
+            check(ok, "over the cap, busy connections: GET %s -> %d, then closed (%s %r %r)" % (path.decode(), want, st, b[:80], tail[:40]))
+        silent = [connect(srv.port) for _ in range(16)]  # the probe reserve, taken by silent ones
+        st, h, b, _ = exchange(srv.port, health)
         check(is_error_json(st, h, b, 503, "too_many_connections") and h.get("retry-after") == "1",
-              "connection over the cap: 503 JSON with Retry-After (%s %r)" % (st, b[:100]))
-        held.pop().close()
+              "past the probe reserve: 503 JSON with Retry-After (%s %r)" % (st, b[:100]))
+        for c in silent + busy:
+            c.close()
 
         def served():
             try:
-                return exchange(srv.port, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")[0] == 200
+                return exchange(srv.port, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")[0] == 200
             except OSError:
                 return False
-        check(wait_for(served, 20, "a freed connection slot"), "a slot freed by a leaving client is reused")
-        for c in held:
-            c.close()
+        check(wait_for(served, 20, "freed connection slots"), "slots freed by leaving clients are reused")
     finally:
         srv.stop()
 
