@@ -6,7 +6,7 @@
  * tokens and every other request keep flowing meanwhile.
  *
  *   loop: prep_submit(req) -- body moved (no copy) --> queue --> worker: parse, checks,
- *         render, early length check, tokenize, length checks --> done queue + event_active
+ *         render, early length check, tokenize, length checks --> done queue + wake (wake.h)
  *   loop: on_done --> client gone? free the request : error JSON | gen_start | /tokenize reply
  *
  * Early length check (completions, chat, kv_probe; not /tokenize, which counts any text): a
@@ -24,6 +24,7 @@
  */
 #include <fcntl.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -60,11 +61,12 @@ static struct {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     struct prep_job *qhead, *qtail;   /* waiting for a worker */
-    struct prep_job *done;            /* finished, for the loop */
+    _Atomic(struct prep_job *) done;  /* finished, for the loop: a lock-free stack (a worker
+                                         preempted under a lock the loop takes would stall it) */
     bool stop;
     pthread_t th[PREP_MAX_THREADS];
     int n_threads;
-    struct event *wake;
+    struct loop_wake *wake;           /* signalled by the workers (wake.h) */
     size_t max_prompt_bytes;          /* early length check */
     int pending;                      /* submitted, not yet answered (loop thread) */
     const char *test_gate;            /* KVSERVE_TEST_PREP_GATE (a FIFO) or NULL */
@@ -213,10 +215,11 @@ static void *worker(void *arg) {
             if (fd >= 0) close(fd);
         }
         prepare(j);
+        struct prep_job *old = atomic_load(&P.done);
+        do j->next = old;
+        while (!atomic_compare_exchange_weak(&P.done, &old, j));
+        if (old == NULL) loop_wake_signal(P.wake); /* else a wakeup is pending: the loop takes all */
         pthread_mutex_lock(&P.mu);
-        j->next = P.done;
-        P.done = j;
-        event_active(P.wake, EV_READ, 0);
     }
     pthread_mutex_unlock(&P.mu);
     return NULL;
@@ -270,14 +273,9 @@ static void finish(struct prep_job *j) {
     gen_start(req, &j->r, j->ids, j->n);
 }
 
-static void on_done(evutil_socket_t fd, short what, void *arg) {
-    (void)fd;
-    (void)what;
+static void on_done(void *arg) {
     (void)arg;
-    pthread_mutex_lock(&P.mu);
-    struct prep_job *list = P.done;
-    P.done = NULL;
-    pthread_mutex_unlock(&P.mu);
+    struct prep_job *list = atomic_exchange(&P.done, NULL);
     /* oldest first (the list is newest first) */
     struct prep_job *rev = NULL;
     while (list) {
@@ -326,7 +324,8 @@ kv_status prep_init(int n_threads) {
     if (n_threads > PREP_MAX_THREADS) n_threads = PREP_MAX_THREADS;
     P.stop = false;
     P.pending = 0;
-    P.qhead = P.qtail = P.done = NULL;
+    P.qhead = P.qtail = NULL;
+    atomic_store(&P.done, NULL);
     P.test_gate = getenv("KVSERVE_TEST_PREP_GATE");
     if (P.test_gate && !*P.test_gate) P.test_gate = NULL;
     /* the longest token in bytes bounds how many bytes max_model_len tokens can cover */
@@ -339,12 +338,12 @@ kv_status prep_init(int n_threads) {
     P.max_prompt_bytes = srv.lim.max_model_len > 0
                              ? (size_t)PREP_SLACK * (size_t)srv.lim.max_model_len * longest
                              : 0;
-    P.wake = event_new(srv.base, -1, 0, on_done, NULL);
+    P.wake = loop_wake_new(srv.base, on_done, NULL);
     if (!P.wake) return KV_ENOMEM;
     for (P.n_threads = 0; P.n_threads < n_threads; P.n_threads++)
         if (pthread_create(&P.th[P.n_threads], NULL, worker, NULL) != 0) break;
     if (P.n_threads == 0) {
-        event_free(P.wake);
+        loop_wake_free(P.wake);
         P.wake = NULL;
         return KV_ENOMEM;
     }
@@ -360,15 +359,15 @@ void prep_shutdown(void) {
     P.n_threads = 0;
     /* jobs never started or never answered: their requests die with the connections
      * (evhttp_free), except those libevent already handed to us */
-    struct prep_job *lists[2] = {P.qhead, P.done};
+    struct prep_job *lists[2] = {P.qhead, atomic_exchange(&P.done, NULL)};
     for (int k = 0; k < 2; k++)
         for (struct prep_job *j = lists[k], *n; j; j = n) {
             n = j->next;
             if (evhttp_request_get_connection(j->req) == NULL) evhttp_request_free(j->req);
             job_free(j);
         }
-    P.qhead = P.qtail = P.done = NULL;
+    P.qhead = P.qtail = NULL;
     P.pending = 0;
-    if (P.wake) event_free(P.wake);
+    loop_wake_free(P.wake);
     P.wake = NULL;
 }
