@@ -414,10 +414,10 @@ static struct gate *gate_of(struct evhttp_connection *conn) {
 }
 
 bool http_gate_client_gone(struct evhttp_connection *conn) {
-    struct bufferevent *bev = conn ? evhttp_connection_get_bufferevent(conn) : NULL;
-    evutil_socket_t fd = bev ? bufferevent_getfd(bev) : -1;
-    if (fd < 0) return false;
     struct gate *g = gate_of(conn);
+    struct bufferevent *bev = g ? g->under : conn ? evhttp_connection_get_bufferevent(conn) : NULL;
+    evutil_socket_t fd = bev ? bufferevent_getfd(bev) : -1; /* the socket's, not the filter's */
+    if (fd < 0) return false;
     if (g && g->half_closed) return peer_reset(fd);
     char c;
     ssize_t n = recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
