@@ -239,8 +239,10 @@ static void finish(struct prep_job *j) {
         evhttp_request_free(req);
         return;
     }
-    if (http_gate_client_gone(conn)) { /* it left while its request was prepared: not started
-                                          (freeing the connection frees the request) */
+    if (http_gate_client_gone(conn)) { /* known gone (a reset, or an HTTP/1.0 end of input) while
+                                          its request was prepared: not started (freeing the
+                                          connection frees the request); a closed socket still
+                                          unknown is cancelled once its reset is seen */
         srv.ctr.client_disconnects++;
         evhttp_connection_free(conn);
         return;
