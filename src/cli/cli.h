@@ -19,7 +19,9 @@ int cmd_chat_template(int argc, char **argv);
 struct http_conn_limits;
 int cli_conn_limit_opt(const char *cmd, const char *a, const char *v, struct http_conn_limits *l);
 #define CLI_CONN_LIMITS_HELP \
-    "  --max-connections N      open client connections; more get 503 (default 4096)\n" \
+    "  --max-connections N      open client connections (default 4096); at the cap the\n" \
+    "                           longest idle one is closed, else 16 more may send\n" \
+    "                           GET /health or /ready, else 503\n" \
     "  --max-buffered-bytes SIZE  request bytes being read or answered, all connections\n" \
     "                           together; a request over it gets 503 (default 256MiB)\n" \
     "  --header-timeout SEC     request head within, body reads at most this far apart;\n" \

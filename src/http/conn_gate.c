@@ -21,6 +21,8 @@
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 
 #include <event2/buffer.h>
 #include <event2/bufferevent.h>
@@ -57,6 +59,25 @@ void gate_arm(struct gate *g, int ms) {
     evtimer_add(g->timer, &tv);
 }
 
+void gate_idle(struct gate *g, bool on) {
+    struct http_gates *gs = g->gs;
+    if (on == g->idle) return;
+    if (on) {
+        g->idle_prev = gs->idle_new;
+        g->idle_next = NULL;
+        if (gs->idle_new) gs->idle_new->idle_next = g;
+        else gs->idle_old = g;
+        gs->idle_new = g;
+    } else {
+        if (g->idle_prev) g->idle_prev->idle_next = g->idle_next;
+        else gs->idle_old = g->idle_next;
+        if (g->idle_next) g->idle_next->idle_prev = g->idle_prev;
+        else gs->idle_new = g->idle_prev;
+        g->idle_prev = g->idle_next = NULL;
+    }
+    g->idle = on;
+}
+
 /* ------------------------------------------------------------------ refusals */
 
 static const char *reason_of(int status) {
@@ -77,6 +98,7 @@ static const char *reason_of(int status) {
 /* Hands the end of input to evhttp, which frees the connection (and so this gate), from
  * the loop: never inside a call that evhttp or the filter is still running. */
 void gate_finish(struct gate *g) {
+    gate_idle(g, false);
     if (g->finished || g->want_finish) return;
     g->want_finish = true;
     evtimer_del(g->timer);
@@ -91,6 +113,7 @@ void gate_finish(struct gate *g) {
 void gate_refuse(struct gate *g, int status, const char *code, const char *fmt, ...) {
     if (g->rs == R_CLOSING || g->finished) return;
     struct http_gates *gs = g->gs;
+    gate_idle(g, false);
     char msg[512];
     va_list ap;
     va_start(ap, fmt);
@@ -139,10 +162,58 @@ bool gate_alive(struct gate *g) {
     return false;
 }
 
+/* Has the client reset the connection? A client that closed its socket completely answers
+ * our first bytes after its end of input with a reset; one that only shut down its sending
+ * side takes them. Read from the TCP state (TCP_INFO): a peek would consume the pending error. */
+static bool peer_reset(evutil_socket_t fd) {
+#ifdef TCP_INFO
+    struct tcp_info ti;
+    socklen_t len = sizeof ti;
+    if (getsockopt(fd, IPPROTO_TCP, TCP_INFO, &ti, &len) == 0) return ti.tcpi_state == TCP_CLOSE;
+#endif
+    int err = 0;
+    socklen_t el = sizeof err;
+    return getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &el) != 0 || err != 0;
+}
+
+/* Nothing of the current request's answer has been queued or written (an interim 1xx from
+ * evhttp aside). */
+static bool answer_not_begun(struct gate *g) {
+    return g->os == O_HEAD && g->ohead.len == 0 &&
+           evbuffer_get_length(bufferevent_get_output(g->filt)) == 0 &&
+           evbuffer_get_length(bufferevent_get_output(g->under)) == 0;
+}
+
+/* The client's input ended while its request is being answered. TCP cannot tell a client that
+ * shut down its sending side (it reads the answer: docs/api.md) from one that closed its socket
+ * (gone: its request must be cancelled) until we send it something: the closed one answers
+ * with a reset. So the end is held and taken for a half-close, and bytes go out at once: the
+ * answer's own, or, when it has not begun (a request still being prepared or computed), an
+ * interim "100 Continue" (RFC 9110 15.2: an HTTP/1.1 client must parse unexpected 1xx
+ * answers). The gate's timer then watches for the reset (GATE_WATCH_MS), as do the writes
+ * of the answer and http_gate_client_gone; a reset hands an error to evhttp, which closes
+ * the connection (its close callback cancels the request). HTTP/1.0 allows no 1xx: an end of
+ * input before its answer began is a disconnect, as it was. */
+bool gate_input_ended(struct gate *g) {
+    if (g->rs != R_WAIT || g->finished) return false;
+    if (g->half_closed) return true;
+    evutil_socket_t fd = bufferevent_getfd(g->under);
+    if (fd < 0 || peer_reset(fd)) return false;
+    if (answer_not_begun(g)) {
+        if (g->http10) return false;
+        static const char probe[] = "HTTP/1.1 100 Continue\r\n\r\n";
+        if (send(fd, probe, sizeof probe - 1, MSG_NOSIGNAL | MSG_DONTWAIT) != (ssize_t)(sizeof probe - 1))
+            return false; /* a short write cannot happen on an idle socket: the client is gone */
+    }
+    g->half_closed = true;
+    gate_arm(g, GATE_WATCH_MS);
+    return true;
+}
+
 /* The request is complete (its last byte is passed to evhttp). A client that shut down its
- * sending side right after it (the end of input is already queued behind the request) wants
- * the answer: remember it, so that end of input is not taken for a disconnect. An end that
- * arrives later, while the request is answered, is one. */
+ * sending side right after it (the end of input is already queued behind the request) is
+ * handled by gate_input_ended at once; one whose end arrives later, when it is seen (on the
+ * socket once evhttp reads again, or by http_gate_client_gone). */
 void gate_request_complete(struct gate *g) {
     g->rs = R_WAIT;
     evtimer_del(g->timer);
@@ -150,7 +221,8 @@ void gate_request_complete(struct gate *g) {
     evutil_socket_t fd = bufferevent_getfd(g->under);
     if (fd >= 0 && evbuffer_get_length(bufferevent_get_input(g->under)) == 0) {
         char c;
-        g->half_closed = recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT) == 0;
+        if (recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT) == 0 && !gate_input_ended(g) && g->http10)
+            g->half_closed = true; /* HTTP/1.0 with its end of input: read the answer (no probe) */
     }
 }
 
@@ -181,15 +253,10 @@ static void on_under_event(struct bufferevent *bev, short what, void *arg) {
         gate_finish(g);
         return;
     }
-    /* The client ended its input after a complete request that is still being answered:
-     * hold the end back so the answer is still sent, when the client half-closed right after
-     * its request, or when a (non-streamed) reply is already being written: evhttp starts
-     * reading when it starts a reply, and would otherwise drop the reply's bytes we have not
-     * written yet (a client that is really gone makes the write fail instead). */
-    bool reply_underway = g->os == O_HEADBYTES || g->os == O_BODY ||
-                          (g->os == O_HEAD && evbuffer_get_length(bufferevent_get_output(g->filt)));
-    if ((what & BEV_EVENT_EOF) && !(what & BEV_EVENT_ERROR) && g->rs == R_WAIT &&
-        (g->half_closed || reply_underway)) {
+    /* The client ended its input after a complete request that is still being answered
+     * (evhttp reads again once it starts a reply): a half-close until a reset says otherwise
+     * (gate_input_ended); the end is handed to evhttp when the answer is out. */
+    if ((what & BEV_EVENT_EOF) && !(what & BEV_EVENT_ERROR) && g->rs == R_WAIT && gate_input_ended(g)) {
         g->eof_held = true;
         return;
     }
@@ -228,7 +295,17 @@ static void on_timer(evutil_socket_t fd, short what, void *arg) {
     }
     switch (g->rs) {
     case R_CLOSING: gate_finish(g); return;
-    case R_WAIT: return;
+    case R_WAIT: /* a held end of input: watch for the client's reset */
+        if (!g->half_closed) return;
+        if (peer_reset(bufferevent_getfd(g->under))) {
+            KV_DEBUG("%s: a half-closed client reset the connection", gs->name);
+            g->half_closed = false;
+            g->want_error = true;
+            event_active(g->defer, EV_READ, 0);
+        } else {
+            gate_arm(g, GATE_WATCH_MS);
+        }
+        return;
     case R_HEAD:
         if (!g->begun) { /* idle between requests */
             gs->st.idle_closed++;
@@ -249,8 +326,10 @@ static void on_timer(evutil_socket_t fd, short what, void *arg) {
 static void gate_free_ctx(void *ctx) {
     struct gate *g = ctx;
     struct http_gates *gs = g->gs;
+    gate_idle(g, false);
     gate_release_all(g);
     gs->st.connections--;
+    if (g->shed) gs->shedding--;
     if (g->timer) event_free(g->timer);
     if (g->defer) event_free(g->defer);
     if (g->wev) event_free(g->wev);
@@ -286,10 +365,31 @@ static struct bufferevent *gate_bevcb(struct event_base *base, void *arg) {
     bufferevent_setcb(under, on_under_read, on_under_write, on_under_event, g);
     bufferevent_setwatermark(under, EV_READ, 0, GATE_SOCKET_READ_MAX);
     evbuffer_add_cb(bufferevent_get_output(g->filt), gate_on_reply_queued, g);
-    if (gs->st.connections > gs->lim.max_connections) {
+    /* At the cap: the connection that has waited longest for a request's first byte (a fresh
+     * one or an idle keep-alive one) is closed to make room, as nginx reuses its "reusable"
+     * connections; without one, a few more connections may still send a probe
+     * (GATE_PROBE_RESERVE), and past those a new connection gets 503. */
+    int over = gs->st.connections - gs->shedding - gs->lim.max_connections;
+    struct gate *old = over > 0 ? gs->idle_old : NULL;
+    while (old && evbuffer_get_length(bufferevent_get_input(old->under))) /* a request waits there */
+        old = old->idle_next;
+    if (old) {
+        old->shed = true;
+        gs->shedding++;
+        gs->st.idle_shed++;
+        KV_DEBUG("%s: at the connection cap (%d): closing the longest idle connection", gs->name,
+                 gs->lim.max_connections);
+        gate_finish(old);
+        over = 0;
+    }
+    if (over > GATE_PROBE_RESERVE) {
         g->refuse_conn = true;
         gate_arm(g, 1); /* the socket is set after we return */
+    } else if (over > 0) {
+        g->probe_only = true;
+        gate_arm(g, gs->lim.header_timeout_ms < GATE_PROBE_HEAD_MS ? gs->lim.header_timeout_ms : GATE_PROBE_HEAD_MS);
     } else {
+        gate_idle(g, true);
         gate_arm(g, gs->lim.header_timeout_ms);
     }
     return g->filt;
@@ -302,14 +402,28 @@ fail:
     return NULL; /* evhttp then makes a plain socket bufferevent itself */
 }
 
-bool http_gate_half_closed(struct evhttp_connection *conn) {
+/* The gate of an evhttp connection, or NULL (a plain connection, or one being freed). */
+static struct gate *gate_of(struct evhttp_connection *conn) {
     struct bufferevent *filt = conn ? evhttp_connection_get_bufferevent(conn) : NULL;
     struct bufferevent *under = filt ? bufferevent_get_underlying(filt) : NULL;
-    if (!under) return false;
+    if (!under) return NULL;
     bufferevent_data_cb r = NULL;
     void *arg = NULL;
     bufferevent_getcb(under, &r, NULL, NULL, &arg);
-    return r == on_under_read && ((struct gate *)arg)->half_closed;
+    return r == on_under_read ? arg : NULL;
+}
+
+bool http_gate_client_gone(struct evhttp_connection *conn) {
+    struct gate *g = gate_of(conn);
+    struct bufferevent *bev = g ? g->under : conn ? evhttp_connection_get_bufferevent(conn) : NULL;
+    evutil_socket_t fd = bev ? bufferevent_getfd(bev) : -1; /* the socket's, not the filter's */
+    if (fd < 0) return false;
+    if (g && g->half_closed) return peer_reset(fd);
+    char c;
+    ssize_t n = recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+    if (n > 0) return false;
+    if (n < 0) return errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR;
+    return !(g && gate_input_ended(g));
 }
 
 struct http_gates *http_gates_new(struct event_base *base, struct evhttp *http,

@@ -24,16 +24,23 @@
  *   - buffered request bytes: each request reserves its head and declared body from the
  *     listener-wide budget max_buffered_bytes until its response is complete; a request that
  *     does not fit is answered 503 (Retry-After: 1) at once;
- *   - connections: past max_connections a new connection is answered 503 and closed;
+ *   - connections: at max_connections a new connection closes the one that has waited longest
+ *     for a request's first byte (fresh or idle keep-alive; nginx's reusable connections);
+ *     without such a one, up to GATE_PROBE_RESERVE (16) more connections may send one
+ *     GET /health or GET /ready (answered, then closed; other requests 503), and past those a
+ *     new connection is answered 503 and closed;
  *   - keep-alive: a connection idle between requests for keepalive_timeout_ms is closed.
  * One request at a time per connection: the next pipelined request is held (at most 64 KiB of
  * it is read from the socket) until the previous response is complete.
  *
- * Half-closed clients: a client that shuts down its sending side right after its request (the
- * end of input is already there when the request is complete) still gets the answer: the end
- * of input is held back from evhttp until the response is complete, then the connection is
- * closed. An end of input that arrives later, while the request is being answered, means the
- * client left (the request is cancelled, as before).
+ * Half-closed clients: a client that shuts down its sending side after its request, at any
+ * time before the answer is complete, still gets the answer: the end of input is held back
+ * from evhttp until the response is complete, then the connection is closed. A client that
+ * closed its socket completely looks the same until we send it a byte, which it answers with
+ * a reset: so bytes go out at once (the answer's, or an interim "HTTP/1.1 100 Continue" when
+ * the answer has not begun), and a reset (watched every GATE_WATCH_MS, and seen by writes and
+ * http_gate_client_gone) closes the connection, which cancels the request. HTTP/1.0 clients
+ * get no 1xx: an end of input before their answer began means they left (it is cancelled).
  *
  * Thread-safety: the loop thread of the listener's event_base only.
  */
@@ -69,6 +76,8 @@ struct http_gate_stats {
     uint64_t refused_too_large;   /* bodies over max_body_bytes (413) */
     uint64_t timeouts;            /* 408 answers */
     uint64_t idle_closed;         /* keep-alive connections closed after the idle timeout */
+    uint64_t idle_shed;           /* idle connections closed to make room at max_connections */
+    uint64_t probes_over_cap;     /* /health, /ready answered past max_connections */
 };
 
 struct http_gates;
@@ -82,11 +91,13 @@ struct http_gates *http_gates_new(struct event_base *base, struct evhttp *http,
 /* The effective limits (defaults resolved). */
 const struct http_gate_limits *http_gates_limits(const struct http_gates *gs);
 void http_gates_stats(const struct http_gates *gs, struct http_gate_stats *out);
-/* True when conn (an evhttp connection behind a gate) belongs to a client that shut down its
- * sending side right after its current request and still reads the answer: an end of input
- * seen on its socket is then not a disconnect. False for other connections. Loop thread. */
+/* Is the client of conn gone while its request is answered? For requests computed without
+ * writing (libevent does not read the connection meanwhile): peeks at the socket. True on a
+ * reset or error, and on an end of input that is not a half-close (gate_input_ended in
+ * conn_gate.c: an HTTP/1.1 client whose input ended is sent an interim "100 Continue" and is
+ * gone only once it resets the connection). False while it may still read. Loop thread. */
 #include <stdbool.h>
-bool http_gate_half_closed(struct evhttp_connection *conn);
+bool http_gate_client_gone(struct evhttp_connection *conn);
 
 /* Drops the owner's reference. Call after evhttp_free: connections libevent frees later
  * (deferred finalizers) still find their gate set; the last one frees it. NULL is a no-op. */

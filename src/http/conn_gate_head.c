@@ -91,6 +91,7 @@ static bool take_head(struct gate *g, struct evbuffer *dst) {
         return false;
     }
     bool http10 = ver[7] == '0';
+    g->http10 = http10;
     {   /* the target must parse as evhttp parses it (else libevent answers an HTML 400) */
         size_t tl = (size_t)(sp2 - sp1 - 1);
         char *tgt = malloc(tl + 1);
@@ -122,8 +123,24 @@ static bool take_head(struct gate *g, struct evbuffer *dst) {
         gate_refuse(g, 405, "method_not_allowed", "method HEAD is not supported (use GET)");
         return false;
     }
+    if (g->probe_only) { /* past the connection cap: liveness / readiness probes only */
+        size_t tl = (size_t)(sp2 - sp1 - 1);
+        const char *q = memchr(sp1 + 1, '?', tl);
+        size_t pl = q ? (size_t)(q - sp1 - 1) : tl;
+        bool get = sp1 - h == 3 && strncmp(h, "GET", 3) == 0;
+        bool probe = (pl == 7 && memcmp(sp1 + 1, "/health", 7) == 0) ||
+                     (pl == 6 && memcmp(sp1 + 1, "/ready", 6) == 0);
+        if (!get || !probe) {
+            g->refuse_conn = true;
+            gate_refuse(g, 503, "too_many_connections", "too many open connections (limit %d); retry shortly",
+                        gs->lim.max_connections);
+            return false;
+        }
+        gs->st.probes_over_cap++;
+    }
     evbuffer_add(dst, h, (size_t)(rl_end - h));
     evbuffer_add(dst, "\r\n", 2);
+    if (g->probe_only) evbuffer_add(dst, "Connection: close\r\n", 19); /* the first one counts */
     /* header lines */
     int64_t cl = -1;
     bool chunked = false, te = false, cl_written = false;
@@ -219,6 +236,7 @@ static bool read_head(struct gate *g, struct evbuffer *src, struct evbuffer *dst
     while (evbuffer_get_length(src) > 0) {
         if (!g->begun) { /* the first byte of a request: the head timeout runs */
             g->begun = true;
+            gate_idle(g, false);
             gate_arm(g, gs->lim.header_timeout_ms);
         }
         if (g->head.len == 0) { /* empty lines before a request line are ignored */

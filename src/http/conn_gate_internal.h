@@ -29,13 +29,24 @@
  * a reset. */
 #define GATE_LINGER_MS 5000
 #define GATE_LINGER_TOTAL_NS 30000000000ull
+/* While the end of a client's input is held (a half-close), the socket is checked this often
+ * for a reset (the client had closed it completely: our first bytes drew the RST) */
+#define GATE_WATCH_MS 100
+
+/* Connections past max_connections that may still send a liveness or readiness probe
+ * (GET /health, GET /ready): they are answered, then closed; other requests get 503. */
+#define GATE_PROBE_RESERVE 16
+#define GATE_PROBE_HEAD_MS 5000 /* such a connection's head must arrive within this */
 
 struct http_gates {
     struct event_base *base;
+    struct gate *idle_old, *idle_new; /* connections waiting for a request's first byte, the
+                                         longest waiting first (shed at the cap) */
     struct http_gate_limits lim;
     const struct http_reply_ctx *reply;
     char name[32];
     int refs; /* the owner's + one per live gate */
+    int shedding; /* connections closed to make room that libevent has not freed yet */
     struct http_gate_stats st;
 };
 
@@ -68,9 +79,15 @@ struct gate {
     kv_buf line;        /* a chunk-size or trailer line */
     size_t reserved;    /* bytes of the budget held by the current request */
     bool head_method;   /* the request being answered is a HEAD */
-    bool half_closed;   /* the client's input had ended when its request was complete */
+    bool http10;        /* ... is HTTP/1.0 (no interim 1xx answers may be sent) */
+    bool half_closed;   /* the client's input ended while its request was answered, and the
+                           client still reads (no reset seen): the answer is still sent */
     bool eof_held;      /* ... and that end is kept from evhttp until the answer is out */
     bool refuse_conn;   /* over max_connections: answer 503 once the socket is set */
+    bool probe_only;    /* over max_connections, within GATE_PROBE_RESERVE: probes only */
+    bool idle;          /* on the gates' idle list (idle_prev / idle_next) */
+    bool shed;          /* closed to make room at the connection cap (counted in shedding) */
+    struct gate *idle_prev, *idle_next;
     bool finished;      /* EOF handed to evhttp: the connection is being freed */
     uint64_t linger_start_ns;
     uint64_t linger_left; /* bytes still dropped after a refusal before closing */
@@ -95,6 +112,11 @@ void gate_refuse(struct gate *g, int status, const char *code, const char *fmt, 
     __attribute__((format(printf, 4, 5)));
 bool gate_alive(struct gate *g);                  /* evhttp still owns the connection */
 void gate_request_complete(struct gate *g);       /* the request's last byte went to evhttp */
+void gate_idle(struct gate *g, bool on);          /* joins (as the newest) or leaves the idle list */
+/* The client's input ended while its request is answered (rs == R_WAIT): true when that is
+ * taken as a half-close (the answer is still sent; a reset seen later ends it), false when the
+ * client is gone. */
+bool gate_input_ended(struct gate *g);
 
 /* ---- conn_gate_head.c ---- */
 enum bufferevent_filter_result gate_in(struct evbuffer *src, struct evbuffer *dst,

@@ -32,6 +32,7 @@ void gate_response_done(struct gate *g) {
     g->begun = false;
     g->declared = -1;
     gate_arm(g, gs->lim.keepalive_timeout_ms);
+    if (!g->probe_only && !g->eof_held) gate_idle(g, true);
     if (g->eof_held) {
         g->eof_held = false;
         gate_finish(g);

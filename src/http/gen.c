@@ -4,7 +4,8 @@
  *
  *   gen_start: engine_submit --ok--> LIVE (closecb set on the connection;
  *            stream: headers + first chunk sent at once)
- *   engine thread: engine_cb copies each event into srv.q (mutex) and event_active(srv.wake)
+ *   engine thread: engine_cb copies each event onto srv.qstack (lock-free) and signals
+ *         srv.wake when it was empty (wake.h: an eventfd, no lock shared with the loop)
  *   loop: gen_on_wake drains -> DELTA: stream chunk / accumulate;  FINISH|ERROR (terminal,
  *         one per choice): the last one writes the final answer (an ERROR of any choice
  *         answers at once with the error and cancels the other choices: `ended`).
@@ -25,6 +26,7 @@
  * g->pending and goes out when the previous chunk was written.
  */
 #include <errno.h>
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -42,7 +44,8 @@ struct qev {
     struct gen *g;
     struct engine_event ev;
     bool embedded; /* the gen's terminal slot: not freed separately */
-    void *payload; /* owned (text, ids, logprobs, top, message) */
+    void *payload; /* a terminal slot's owned payload (text, ids, logprobs, top, message); NULL for
+                      a delta, whose payload follows it in its own block */
 };
 
 /* Per-choice state (gen.ch[index]). */
@@ -219,18 +222,10 @@ static void meta_of(const struct gen *g, struct resp_meta *m) {
     m->index = 0;
 }
 
-/* Is the peer of a non-stream request gone? (EOF or a reset seen by a non-consuming peek; an
- * EOF that was already there when the request was complete is a half-close: that client
- * still reads the answer, conn_gate.h.) */
+/* Is the client of a non-stream request gone? (conn_gate.h: a reset, or an end of input that
+ * is not a half-close; a half-closed client still reads the answer.) */
 static bool peer_closed(struct gen *g) {
-    if (!g->conn) return false;
-    struct bufferevent *bev = evhttp_connection_get_bufferevent(g->conn);
-    evutil_socket_t fd = bev ? bufferevent_getfd(bev) : -1;
-    if (fd < 0) return false;
-    char c;
-    ssize_t n = recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
-    if (n == 0) return !http_gate_half_closed(g->conn);
-    return n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR;
+    return g->conn && http_gate_client_gone(g->conn);
 }
 
 static int engine_err_status(kv_status st) {
@@ -521,14 +516,16 @@ static void engine_cb(const struct engine_event *ev, void *user) {
                 (ev->logprobs ? (size_t)ev->n_ids : 0) * sizeof(struct token_logprob) +
                 n_top_all * sizeof(struct token_logprob) + msg_len;
     int index = ev->index >= 0 && ev->index < g->n ? ev->index : 0;
-    struct qev *q = terminal ? &g->ch[index].term : kv_malloc(sizeof *q);
+    /* a delta and its payload are one block: the loop frees what this thread allocated (a
+     * glibc arena this thread also locks), so once per event, not twice */
+    struct qev *q = terminal ? &g->ch[index].term : kv_malloc(sizeof *q + sz);
     if (!q) return; /* a lost delta: the text is lost, the terminal event still comes */
     memset(q, 0, sizeof *q);
     q->embedded = terminal;
     q->g = g;
     q->ev = *ev;
-    char *p = kv_malloc(sz);
-    q->payload = p;
+    char *p = terminal ? kv_malloc(sz) : (char *)(q + 1);
+    q->payload = terminal ? p : NULL; /* owned separately only by a terminal slot */
     q->ev.text = "";
     q->ev.text_len = 0;
     q->ev.ids = NULL;
@@ -563,28 +560,29 @@ static void engine_cb(const struct engine_event *ev, void *user) {
         free(q);
         return;
     }
-    pthread_mutex_lock(&srv.mu);
-    if (srv.closed) { /* loop is gone: nobody will read this (shutdown after timeout) */
-        pthread_mutex_unlock(&srv.mu);
+    atomic_fetch_add(&srv.pushing, 1); /* gen_shutdown waits for us before freeing srv.wake */
+    if (atomic_load(&srv.closed)) { /* loop is gone: nobody will read this (shutdown after timeout) */
+        atomic_fetch_sub(&srv.pushing, 1);
         free(q->payload);
         if (!q->embedded) free(q);
         return;
     }
-    if (srv.qtail) srv.qtail->next = q;
-    else srv.qhead = q;
-    srv.qtail = q;
-    event_active(srv.wake, EV_READ, 0);
-    pthread_mutex_unlock(&srv.mu);
+    struct qev *old = atomic_load(&srv.qstack);
+    do q->next = old;
+    while (!atomic_compare_exchange_weak(&srv.qstack, &old, q));
+    if (old == NULL) loop_wake_signal(srv.wake); /* else a wakeup is pending: the loop takes all */
+    atomic_fetch_sub(&srv.pushing, 1);
 }
 
-void gen_on_wake(evutil_socket_t fd, short what, void *arg) {
-    (void)fd;
-    (void)what;
+void gen_on_wake(void *arg) {
     (void)arg;
-    pthread_mutex_lock(&srv.mu);
-    struct qev *q = srv.qhead;
-    srv.qhead = srv.qtail = NULL;
-    pthread_mutex_unlock(&srv.mu);
+    struct qev *q = NULL, *s = atomic_exchange(&srv.qstack, NULL);
+    while (s) { /* newest first -> the order the events were pushed in */
+        struct qev *n = s->next;
+        s->next = q;
+        q = s;
+        s = n;
+    }
     while (q) {
         struct qev *next = q->next;
         void *payload = q->payload;
@@ -716,11 +714,9 @@ void gen_cancel_all(void) {
 void gen_shutdown(void) {
     /* From here on engine events are dropped (gens still live after the grace period are
      * leaked on purpose: the engine may still hold their pointers). */
-    pthread_mutex_lock(&srv.mu);
-    srv.closed = true;
-    struct qev *q = srv.qhead;
-    srv.qhead = srv.qtail = NULL;
-    pthread_mutex_unlock(&srv.mu);
+    atomic_store(&srv.closed, true);
+    while (atomic_load(&srv.pushing) > 0) sched_yield(); /* a push under way ends at once */
+    struct qev *q = atomic_exchange(&srv.qstack, NULL);
     while (q) {
         struct qev *next = q->next;
         free(q->payload);

@@ -1,11 +1,11 @@
 /*
  * kv_stream: GET /kv_events as a Server-Sent-Events stream (wire format in kv_endpoints.h).
  *
- * The engine pushes: engine_set_kv_notify activates g_wake (at most once until the next read)
+ * The engine pushes: engine_set_kv_notify signals g_wake (at most once until the next read)
  * when it adds events to its ring. On the loop, fan_out reads the ring once from the shared
  * cursor, formats each event once, and appends it to every subscriber's queue; nothing runs
  * per subscriber on a timer and nothing is read while no event arrives. The engine's cost is
- * one event_active per batch, whatever the number of subscribers.
+ * one wakeup (an eventfd write) per batch, whatever the number of subscribers.
  *
  *   subscriber: START (hello written; catch-up from `after` (or the oldest retained event)
  *               up to the cursor queued) --events--> queue --chunk written--> next chunk
@@ -46,7 +46,7 @@ struct kvsub {
     uint64_t last_write_ns;
 };
 
-static struct event *g_wake;      /* activated by the engine (any thread) */
+static struct loop_wake *g_wake;  /* signalled by the engine (any thread; wake.h) */
 static struct event *g_keepalive; /* persistent, while streams exist */
 static uint64_t g_cursor;         /* last seq fanned out to the live subscribers */
 static bool g_cursor_set;
@@ -210,17 +210,17 @@ static void fan_out(void) {
     }
 }
 
-static void on_wake(evutil_socket_t fd, short what, void *arg) {
-    (void)fd;
-    (void)what;
+static void on_wake(void *arg) {
     (void)arg;
-    fan_out();
+    /* nobody to send to: the ring is not read (the engine's lock stays with the engine, and it
+     * signals no more until a read); a new subscriber's fan_out catches the cursor up */
+    if (srv.subs) fan_out();
 }
 
 /* The engine thread: new events (called under the ring's lock; only signals). */
 static void notify(void *arg) {
     (void)arg;
-    event_active(g_wake, EV_READ, 0);
+    loop_wake_signal(g_wake);
 }
 
 static void on_keepalive(evutil_socket_t fd, short what, void *arg) {
@@ -241,7 +241,7 @@ kv_status kvstream_init(void) {
     int T = engine_config(srv.e)->tokens_per_block;
     g_ev = kv_malloc(KVS_BATCH * sizeof *g_ev);
     g_tok = kv_malloc((size_t)KVS_BATCH * (size_t)T * sizeof *g_tok);
-    g_wake = event_new(srv.base, -1, 0, on_wake, NULL);
+    g_wake = loop_wake_new(srv.base, on_wake, NULL);
     g_keepalive = event_new(srv.base, -1, EV_PERSIST, on_keepalive, NULL);
     if (!g_ev || !g_tok || !g_wake || !g_keepalive) {
         kvstream_close_all();
@@ -351,9 +351,10 @@ void kvstream_close_all(void) {
     if (srv.e && g_cursor_set) engine_set_kv_notify(srv.e, NULL, NULL);
     g_cursor_set = false;
     while (srv.subs) sub_end(srv.subs);
-    if (g_wake) event_free(g_wake);
+    loop_wake_free(g_wake);
     if (g_keepalive) event_free(g_keepalive);
-    g_wake = g_keepalive = NULL;
+    g_wake = NULL;
+    g_keepalive = NULL;
     free(g_ev);
     free(g_tok);
     g_ev = NULL;

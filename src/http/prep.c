@@ -6,7 +6,7 @@
  * tokens and every other request keep flowing meanwhile.
  *
  *   loop: prep_submit(req) -- body moved (no copy) --> queue --> worker: parse, checks,
- *         render, early length check, tokenize, length checks --> done queue + event_active
+ *         render, early length check, tokenize, length checks --> done queue + wake (wake.h)
  *   loop: on_done --> client gone? free the request : error JSON | gen_start | /tokenize reply
  *
  * Early length check (completions, chat, kv_probe; not /tokenize, which counts any text): a
@@ -14,11 +14,17 @@
  * in bytes) cannot fit and is refused before it is tokenized (normalizers may shrink text a
  * little, hence the slack); the exact check follows tokenization.
  *
+ * Test hook: with KVSERVE_TEST_PREP_GATE naming a FIFO, each job waits before its work until
+ * the FIFO is opened for writing and a byte is written to it (tests/e2e/http_limits.py holds a
+ * request in preparation this way, deterministically). Unset in production.
+ *
  * Threads: the workers read srv.t (immutable), srv.lim, srv.cfg (fixed while serving) and the
  * prefix cache (thread-safe); nothing of libevent. The request object is only touched on the
  * loop thread.
  */
+#include <fcntl.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,6 +34,7 @@
 
 #include <event2/buffer.h>
 
+#include "conn_gate.h"
 #include "server_internal.h"
 #include "tokenizer/prefix_cache.h"
 
@@ -54,13 +61,15 @@ static struct {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     struct prep_job *qhead, *qtail;   /* waiting for a worker */
-    struct prep_job *done;            /* finished, for the loop */
+    _Atomic(struct prep_job *) done;  /* finished, for the loop: a lock-free stack (a worker
+                                         preempted under a lock the loop takes would stall it) */
     bool stop;
     pthread_t th[PREP_MAX_THREADS];
     int n_threads;
-    struct event *wake;
+    struct loop_wake *wake;           /* signalled by the workers (wake.h) */
     size_t max_prompt_bytes;          /* early length check */
     int pending;                      /* submitted, not yet answered (loop thread) */
+    const char *test_gate;            /* KVSERVE_TEST_PREP_GATE (a FIFO) or NULL */
 } P = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
 
 static void job_free(struct prep_job *j) {
@@ -199,11 +208,18 @@ static void *worker(void *arg) {
         P.qhead = j->next;
         if (!P.qhead) P.qtail = NULL;
         pthread_mutex_unlock(&P.mu);
+        if (P.test_gate) { /* the test hook (see above): open blocks until the test's writer */
+            int fd = open(P.test_gate, O_RDONLY);
+            char c;
+            if (fd >= 0 && read(fd, &c, 1) < 0) { /* released either way */ }
+            if (fd >= 0) close(fd);
+        }
         prepare(j);
+        struct prep_job *old = atomic_load(&P.done);
+        do j->next = old;
+        while (!atomic_compare_exchange_weak(&P.done, &old, j));
+        if (old == NULL) loop_wake_signal(P.wake); /* else a wakeup is pending: the loop takes all */
         pthread_mutex_lock(&P.mu);
-        j->next = P.done;
-        P.done = j;
-        event_active(P.wake, EV_READ, 0);
     }
     pthread_mutex_unlock(&P.mu);
     return NULL;
@@ -218,8 +234,17 @@ static void free_reply(const void *data, size_t len, void *arg) {
 /* The loop's part: answer, or hand the prepared request to the engine. */
 static void finish(struct prep_job *j) {
     struct evhttp_request *req = j->req;
-    if (evhttp_request_get_connection(req) == NULL) { /* the client left: libevent gave it to us */
+    struct evhttp_connection *conn = evhttp_request_get_connection(req);
+    if (conn == NULL) { /* the client left: libevent gave it to us */
         evhttp_request_free(req);
+        return;
+    }
+    if (http_gate_client_gone(conn)) { /* known gone (a reset, or an HTTP/1.0 end of input) while
+                                          its request was prepared: not started (freeing the
+                                          connection frees the request); a closed socket still
+                                          unknown is cancelled once its reset is seen */
+        srv.ctr.client_disconnects++;
+        evhttp_connection_free(conn);
         return;
     }
     if (j->failed) {
@@ -250,14 +275,9 @@ static void finish(struct prep_job *j) {
     gen_start(req, &j->r, j->ids, j->n);
 }
 
-static void on_done(evutil_socket_t fd, short what, void *arg) {
-    (void)fd;
-    (void)what;
+static void on_done(void *arg) {
     (void)arg;
-    pthread_mutex_lock(&P.mu);
-    struct prep_job *list = P.done;
-    P.done = NULL;
-    pthread_mutex_unlock(&P.mu);
+    struct prep_job *list = atomic_exchange(&P.done, NULL);
     /* oldest first (the list is newest first) */
     struct prep_job *rev = NULL;
     while (list) {
@@ -306,7 +326,10 @@ kv_status prep_init(int n_threads) {
     if (n_threads > PREP_MAX_THREADS) n_threads = PREP_MAX_THREADS;
     P.stop = false;
     P.pending = 0;
-    P.qhead = P.qtail = P.done = NULL;
+    P.qhead = P.qtail = NULL;
+    atomic_store(&P.done, NULL);
+    P.test_gate = getenv("KVSERVE_TEST_PREP_GATE");
+    if (P.test_gate && !*P.test_gate) P.test_gate = NULL;
     /* the longest token in bytes bounds how many bytes max_model_len tokens can cover */
     size_t longest = 1;
     char buf[1024];
@@ -317,12 +340,12 @@ kv_status prep_init(int n_threads) {
     P.max_prompt_bytes = srv.lim.max_model_len > 0
                              ? (size_t)PREP_SLACK * (size_t)srv.lim.max_model_len * longest
                              : 0;
-    P.wake = event_new(srv.base, -1, 0, on_done, NULL);
+    P.wake = loop_wake_new(srv.base, on_done, NULL);
     if (!P.wake) return KV_ENOMEM;
     for (P.n_threads = 0; P.n_threads < n_threads; P.n_threads++)
         if (pthread_create(&P.th[P.n_threads], NULL, worker, NULL) != 0) break;
     if (P.n_threads == 0) {
-        event_free(P.wake);
+        loop_wake_free(P.wake);
         P.wake = NULL;
         return KV_ENOMEM;
     }
@@ -338,15 +361,15 @@ void prep_shutdown(void) {
     P.n_threads = 0;
     /* jobs never started or never answered: their requests die with the connections
      * (evhttp_free), except those libevent already handed to us */
-    struct prep_job *lists[2] = {P.qhead, P.done};
+    struct prep_job *lists[2] = {P.qhead, atomic_exchange(&P.done, NULL)};
     for (int k = 0; k < 2; k++)
         for (struct prep_job *j = lists[k], *n; j; j = n) {
             n = j->next;
             if (evhttp_request_get_connection(j->req) == NULL) evhttp_request_free(j->req);
             job_free(j);
         }
-    P.qhead = P.qtail = P.done = NULL;
+    P.qhead = P.qtail = NULL;
     P.pending = 0;
-    if (P.wake) event_free(P.wake);
+    loop_wake_free(P.wake);
     P.wake = NULL;
 }

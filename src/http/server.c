@@ -27,8 +27,7 @@
 
 #include "server_internal.h"
 
-struct server http_srv = {.mu = PTHREAD_MUTEX_INITIALIZER,
-                          .reply = {.ctr = &http_srv.ctr, .id_header = "X-Kvserve-Worker",
+struct server http_srv = {.reply = {.ctr = &http_srv.ctr, .id_header = "X-Kvserve-Worker",
                                     .id_value = http_srv.worker_id}};
 
 enum route_id { R_COMPLETIONS, R_CHAT, R_MODELS, R_HEALTH, R_READY, R_TOKENIZE, R_DETOKENIZE,
@@ -233,10 +232,8 @@ kv_status http_serve(const struct http_config *cfg, engine_t *e, const model_t *
     kv_status st = KV_OK;
     signal(SIGPIPE, SIG_IGN);
     if (evthread_use_pthreads() != 0) return kv_errf(KV_EINTERNAL, err, errlen, "evthread_use_pthreads failed");
-    pthread_mutex_lock(&srv.mu);
-    srv.qhead = srv.qtail = NULL;
-    srv.closed = false;
-    pthread_mutex_unlock(&srv.mu);
+    atomic_store(&srv.qstack, NULL);
+    atomic_store(&srv.closed, false);
     srv.cfg = cfg;
     srv.e = e;
     srv.m = m;
@@ -262,7 +259,7 @@ kv_status http_serve(const struct http_config *cfg, engine_t *e, const model_t *
     const char *host = cfg->host && *cfg->host ? cfg->host : "127.0.0.1";
 
     srv.base = event_base_new();
-    srv.wake = srv.base ? event_new(srv.base, -1, 0, gen_on_wake, NULL) : NULL;
+    srv.wake = srv.base ? loop_wake_new(srv.base, gen_on_wake, NULL) : NULL;
     if (!srv.base || !srv.wake) {
         st = kv_errf(KV_ENOMEM, err, errlen, "cannot create the event loop");
         goto done;
@@ -311,7 +308,7 @@ done:
     g_grace_timer = NULL;
     if (g_drain_timer) event_free(g_drain_timer);
     g_drain_timer = NULL;
-    if (srv.wake) event_free(srv.wake);
+    loop_wake_free(srv.wake);
     srv.wake = NULL;
     if (srv.base) event_base_free(srv.base);
     srv.base = NULL;

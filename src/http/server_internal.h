@@ -11,13 +11,14 @@
  *               tokenize, detokenize, models, metrics, server_info, /kv_events (poll form)
  *   kv_stream.c GET /kv_events as a Server-Sent-Events stream (see kv_endpoints.h)
  *
- * Everything here is touched only by the loop thread, except srv.mu / srv.qhead / srv.qtail
- * / srv.closed (engine thread, under srv.mu).
+ * Everything here is touched only by the loop thread, except srv.qstack / srv.closed /
+ * srv.pushing (atomics, engine threads too) and srv.wake (signalled from engine threads).
  */
 #ifndef KV_HTTP_SERVER_INTERNAL_H
 #define KV_HTTP_SERVER_INTERNAL_H
 
 #include <pthread.h>
+#include <stdatomic.h>
 
 #include <event2/event.h>
 #include <event2/http.h>
@@ -25,16 +26,19 @@
 #include "http.h"
 #include "http_internal.h"
 #include "listener.h"
+#include "wake.h"
 
 struct gen;
 struct qev;
 struct kvsub;
 
 struct server {
-    pthread_mutex_t mu;
-    struct qev *qhead, *qtail;    /* engine events waiting for the loop (under mu) */
-    struct event *wake;           /* event_active'd by the engine thread (under mu) */
-    bool closed;                  /* engine events are dropped after the loop ended */
+    /* engine events for the loop: a lock-free stack (the engine pushes, the loop takes all
+     * and reverses), so the loop never waits for a lock an engine thread holds (gen.c) */
+    _Atomic(struct qev *) qstack;
+    struct loop_wake *wake;       /* signalled by a push onto an empty stack (wake.h) */
+    atomic_bool closed;           /* engine events are dropped after the loop ended */
+    atomic_int pushing;           /* engine threads inside engine_cb (shutdown waits for 0) */
     /* loop-thread state */
     struct event_base *base;
     struct evhttp *http;
@@ -84,7 +88,7 @@ void gen_fail_all(const struct oai_error *e);
 /* Shutdown after the loop: drops queued events and unhooks the connections of live gens. */
 void gen_shutdown(void);
 /* The wake event's callback (engine events -> handlers). */
-void gen_on_wake(evutil_socket_t fd, short what, void *arg);
+void gen_on_wake(void *arg);
 
 /* ---- server.c ---- */
 /* The drain ended (no live generation left while stopping): closes the /kv_events streams and

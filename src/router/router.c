@@ -286,18 +286,10 @@ void rtq_on_complete_foreign(struct evhttp_request *req, void *arg) {
     rtq_client_gone(q);
 }
 
-/* EOF or a reset on a connection we are not writing to (libevent does not read it
- * meanwhile); an EOF already there when the request was complete is a half-close whose client
- * still reads the answer (conn_gate.h). */
+/* Is the client gone while we are not writing to it (libevent does not read it meanwhile)?
+ * A reset, or an end of input that is not a half-close (conn_gate.h). */
 static bool peer_closed(struct rreq *q) {
-    if (!q->conn) return false;
-    struct bufferevent *bev = evhttp_connection_get_bufferevent(q->conn);
-    evutil_socket_t fd = bev ? bufferevent_getfd(bev) : -1;
-    if (fd < 0) return false;
-    char c;
-    ssize_t n = recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
-    if (n == 0) return !http_gate_half_closed(q->conn);
-    return n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR;
+    return q->conn && http_gate_client_gone(q->conn);
 }
 
 void rtq_on_tick(evutil_socket_t fd, short what, void *arg) {

@@ -36,10 +36,10 @@ failures = check.failures
 
 
 class Proc:
-    def __init__(self, args):
+    def __init__(self, args, env=None):
         self.args = args
         self.log = open(os.path.join(tempfile.mkdtemp(prefix="kvserve-limits-"), "log"), "w+")
-        self.proc, self.port = start_kvserve(BIN, args, log=self.log)
+        self.proc, self.port = start_kvserve(BIN, args, log=self.log, env=env)
 
     def rss_kb(self):
         with open("/proc/%d/status" % self.proc.pid) as f:
@@ -60,8 +60,8 @@ class Proc:
             check(False, "%s exited %s:\n%s" % (self.args[0], rc, self.log.read()[-3000:]))
 
 
-def server(*extra):
-    return Proc(["serve", "--model", GGUF, "--max-model-len", "256", "--threads", "1", *extra])
+def server(*extra, env=None):
+    return Proc(["serve", "--model", GGUF, "--max-model-len", "256", "--threads", "1", *extra], env=env)
 
 
 def connect(port, timeout=20):
@@ -282,6 +282,100 @@ def test_half_close_and_pipelining(port):
     check(completion_ok(st, b), "a normal request after a dropped stream")
 
 
+TCP_FIN_WAIT2 = 5  # linux/tcp_states.h
+
+
+def tcp_state(s):
+    return s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0]
+
+
+def metric(port, name):
+    st, h, b, _ = exchange(port, b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    for line in b.decode().splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.split()[1])
+    raise AssertionError("metric %s missing" % name)
+
+
+def _try_open(fifo):
+    """The FIFO's write end once a prep job waits on it (opening fails with ENXIO before)."""
+    try:
+        return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+
+
+def test_end_of_input_in_prep():
+    """The end of a client's input arrives while its request is being prepared: the request is
+    held on a prep thread by the test gate (KVSERVE_TEST_PREP_GATE, a FIFO: the job waits until
+    it is opened and written) until the server's kernel has acknowledged the client's FIN, then
+    released. A half-closed client gets its whole answer (non-streamed and streamed: an interim
+    100 Continue may come first); a client that closed its socket is noticed (the interim
+    answer draws its reset) and cancelled, and nothing is held. No sleeps: the waits are bounded polls on the FIFO and
+    on the client socket's TCP state."""
+    fifo = os.path.join(tempfile.mkdtemp(prefix="kvserve-prepgate-"), "gate")
+    os.mkfifo(fifo)
+    srv = server("--max-model-len", "512", env=dict(os.environ, KVSERVE_TEST_PREP_GATE=fifo))
+
+    def in_prep(body, how):
+        """Sends body to /v1/completions, ends the input (how: "half" or "close") while the
+        request waits in preparation, then lets preparation go on. Returns the socket (half)."""
+        s = connect(srv.port)
+        s.sendall(post_head("/v1/completions", len(body)) + body)
+        w = wait_for(lambda: _try_open(fifo), 30, "the request to wait in preparation")
+        s.shutdown(socket.SHUT_WR)
+        wait_for(lambda: tcp_state(s) == TCP_FIN_WAIT2, 10, "the server to acknowledge the FIN")
+        if how == "close":
+            s.close()
+        os.write(w, b"x")
+        os.close(w)
+        return s
+
+    try:
+        for rnd in range(3):
+            s = in_prep(BODY, "half")
+            st, h, b, _ = read_response(s)
+            rest = read_all(s)
+            s.close()
+            check(completion_ok(st, b) and rest == b"",
+                  "end of input during prep (%d): the half-closed client gets its completion, then the close (%s %r %r)"
+                  % (rnd, st, b[:200], rest[:40]))
+            body = b'{"prompt":"Once upon a time","max_tokens":4,"temperature":0,"stream":true}'
+            s = in_prep(body, "half")
+            st, h, b, _ = read_response(s)
+            s.close()
+            check(st == 200 and b.rstrip().endswith(b"data: [DONE]") and b.count(b"data: ") == 6,
+                  "end of input during prep (%d): the half-closed client gets its whole stream (%s %r)" % (rnd, st, b[-80:]))
+        # a client that closed its socket: noticed and cancelled (max_tokens 480 with ignore_eos
+        # leaves it running long after its first token, where it is seen at the latest)
+        for stream in (False, True):
+            gone0 = metric(srv.port, "kvserve_client_disconnects_total")
+            body = json.dumps({"prompt": "Once upon a time", "max_tokens": 480, "ignore_eos": True,
+                               "stream": stream}).encode()
+            in_prep(body, "close")
+            wait_for(lambda: metric(srv.port, "kvserve_client_disconnects_total") == gone0 + 1, 30,
+                     "the closed client to be noticed")
+            wait_for(lambda: metric(srv.port, "kvserve_kv_blocks_used") == 0 and
+                     metric(srv.port, "kvserve_num_requests_running") == 0, 30, "its blocks to be freed")
+            check(True, "a client that closed its socket during prep (stream %s): noticed, blocks freed" % stream)
+        # the end of a half-closed client's input arrives while its stream is under way
+        body = json.dumps({"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True,
+                           "temperature": 0, "stream": True}).encode()
+        s = connect(srv.port)
+        s.sendall(post_head("/v1/completions", len(body)) + body)
+        w = wait_for(lambda: _try_open(fifo), 30, "the request to wait in preparation")
+        os.write(w, b"x")
+        os.close(w)
+        first = s.recv(65536)  # the head and the first chunks
+        s.shutdown(socket.SHUT_WR)
+        st, h, b, _ = read_response(s, first)
+        s.close()
+        check(st == 200 and b.rstrip().endswith(b"data: [DONE]") and b'"finish_reason":"length"' in b,
+              "half-close during a stream: read to the end (%s %r)" % (st, b[-200:]))
+    finally:
+        srv.stop()
+
+
 def test_timeouts():
     srv = server("--header-timeout", "0.3", "--keepalive-timeout", "0.3")
     try:
@@ -312,25 +406,62 @@ def test_timeouts():
 
 
 def test_connection_cap():
+    """--max-connections 4. Idle connections (never sent a byte, or idle keep-alive) are closed
+    to make room, the longest waiting first; busy ones are not: then a few more connections
+    may still send GET /health or /ready (answered, then closed), other requests get 503, and
+    past that reserve (16) a new connection gets 503 at once."""
     srv = server("--max-connections", "4")
     try:
+        health = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
         held = [connect(srv.port) for _ in range(4)]
-        for c in held:  # each is accepted (answers /health) and stays open
-            c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        for c in held[1:]:  # held[0] never sends a byte; the others are idle keep-alive ones
+            c.sendall(health)
             check(read_response(c)[0] == 200, "connection within the cap is served")
-        st, h, b, _ = exchange(srv.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        a = connect(srv.port)
+        a.sendall(health)
+        st, h, b, _ = read_response(a)
+        check(st == 200, "at the cap with idle connections: /health served (%s %r)" % (st, b[:100]))
+        check(read_all(held[0]) == b"", "the longest idle connection (never sent a byte) was closed for it")
+        st, h, b, _ = exchange(srv.port, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        check(st == 200, "and again: /v1/models served (%s)" % st)
+        check(read_all(held[1]) == b"", "the oldest idle keep-alive connection was closed for it")
+        for c in held + [a]:
+            c.close()
+
+        def busy_conn():  # in the middle of a request (its head read: evhttp sent 100 Continue)
+            c = connect(srv.port)
+            c.sendall(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 15\r\n\r\n")
+            got = b""
+            while b"\r\n\r\n" not in got:
+                d = c.recv(4096)
+                if not d:
+                    break
+                got += d
+            check(got.startswith(b"HTTP/1.1 100"), "a busy connection within the cap (%r)" % got[:60])
+            return c
+        busy = [busy_conn() for _ in range(4)]  # nothing idle to close now
+        for path, want in [(b"/health", 200), (b"/ready", 200), (b"/health?x=1", 200), (b"/v1/models", 503)]:
+            s = connect(srv.port)
+            s.sendall(b"GET %s HTTP/1.1\r\nHost: x\r\n\r\n" % path)
+            st, h, b, rest = read_response(s)
+            tail = read_all(s)
+            s.close()
+            ok = st == want and rest + tail == b"" and (
+                want == 200 or (is_error_json(st, h, b, 503, "too_many_connections") and h.get("retry-after") == "1"))
+            check(ok, "over the cap, busy connections: GET %s -> %d, then closed (%s %r %r)" % (path.decode(), want, st, b[:80], tail[:40]))
+        silent = [connect(srv.port) for _ in range(16)]  # the probe reserve, taken by silent ones
+        st, h, b, _ = exchange(srv.port, health)
         check(is_error_json(st, h, b, 503, "too_many_connections") and h.get("retry-after") == "1",
-              "connection over the cap: 503 JSON with Retry-After (%s %r)" % (st, b[:100]))
-        held.pop().close()
+              "past the probe reserve: 503 JSON with Retry-After (%s %r)" % (st, b[:100]))
+        for c in silent + busy:
+            c.close()
 
         def served():
             try:
-                return exchange(srv.port, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")[0] == 200
+                return exchange(srv.port, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")[0] == 200
             except OSError:
                 return False
-        check(wait_for(served, 20, "a freed connection slot"), "a slot freed by a leaving client is reused")
-        for c in held:
-            c.close()
+        check(wait_for(served, 20, "freed connection slots"), "slots freed by leaving clients are reused")
     finally:
         srv.stop()
 
@@ -440,7 +571,7 @@ def main():
         check(srv.proc.poll() is None, "server alive after the bad inputs")
     finally:
         srv.stop()
-    for name, fn in [("prep", test_prep_off_loop), ("timeouts", test_timeouts), ("connection_cap", test_connection_cap),
+    for name, fn in [("end_of_input_in_prep", test_end_of_input_in_prep), ("prep", test_prep_off_loop), ("timeouts", test_timeouts), ("connection_cap", test_connection_cap),
                      ("buffered_budget", test_buffered_budget), ("router", test_router)]:
         before = len(failures)
         try:

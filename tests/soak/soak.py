@@ -79,6 +79,8 @@ def client(port, end, rng, stats, lock):
                         break
                     got += b
                 s.close()
+                while got.startswith(b"HTTP/1.1 1") and b"\r\n\r\n" in got:  # interim 100 Continue
+                    got = got.split(b"\r\n\r\n", 1)[1]                      # (half-closed: docs/api.md)
                 st = int(got.split(b" ", 2)[1]) if got.startswith(b"HTTP/1.1 ") else 0
                 key = "chat_%d" % st
             elif kind < 0.7:
