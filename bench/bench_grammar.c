@@ -30,7 +30,7 @@ static gram_t *fresh(const char *schema_txt, bool strict, int nonce) {
 
 /* Minimum over reps of one trie walk (a mask cache miss) after prefix. */
 static double walk_ms(const char *schema_txt, bool strict, const gram_vocab_t *v, const char *prefix, int reps,
-                      int *n_allowed) {
+                      int *n_allowed, uint64_t *work) {
     static int nonce;
     double best = 1e30;
     for (int r = 0; r < reps; r++) {
@@ -46,6 +46,7 @@ static double walk_ms(const char *schema_txt, bool strict, const gram_vocab_t *v
         gram_get_stats(&b);
         double ms = (double)(b.walk_ns - a.walk_ns) / 1e6;
         if (b.mask_misses > a.mask_misses && ms < best) best = ms;
+        *work = b.work_units - a.work_units;
         gram_matcher_free(m);
         gram_unref(g);
     }
@@ -96,8 +97,10 @@ int main(int argc, char **argv) {
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         int na = 0;
-        double ms = walk_ms(cases[i].txt, cases[i].strict, v, cases[i].prefix, reps, &na);
-        printf("%-40s walk %8.3f ms  allowed %6d\n", cases[i].what, ms, na);
+        uint64_t work = 0;
+        double ms = walk_ms(cases[i].txt, cases[i].strict, v, cases[i].prefix, reps, &na, &work);
+        printf("%-40s walk %8.3f ms  allowed %6d  work %9llu units\n", cases[i].what, ms, na,
+               (unsigned long long)work);
     }
     gram_t *gs = fresh(schema_txt, true, 0);
     /* hits: the same state again and again */

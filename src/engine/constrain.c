@@ -48,9 +48,9 @@ int constrain_mask_logits(struct engine *e, struct request *r, float *logits) {
     uint64_t t0 = kv_now_ns();
     int n = 0;
     const uint64_t *mask = gram_matcher_mask(r->gm, &n);
-    if (!mask) return -1;
-    sampler_apply_mask(logits, e->n_vocab, mask);
     e->grammar_ns += kv_now_ns() - t0;
+    if (!mask) return gram_matcher_status(r->gm) == KV_ETOOLONG ? -2 : -1;
+    sampler_apply_mask(logits, e->n_vocab, mask);
     e->grammar_steps++;
     return n;
 }

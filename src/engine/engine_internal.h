@@ -275,7 +275,8 @@ bool logits_is_stop_id(const struct request *r, int32_t id);
  * without a tokenizer, KV_ENOMEM. */
 kv_status constrain_request_init(struct engine *e, struct request *r, gram_t *g, char *err, size_t errlen);
 /* Before sampling: disallowed tokens of logits (n_vocab) become -inf. Returns the number of
- * allowed tokens (0: nothing may follow, the caller fails the request), -1 on ENOMEM. */
+ * allowed tokens (0: nothing may follow, the caller fails the request), -1 on ENOMEM, -2 when
+ * the mask needed more than GRAM_MASK_BUDGET work units (the caller fails the request). */
 int constrain_mask_logits(struct engine *e, struct request *r, float *logits);
 /* After sampling: id if the grammar allows it, else the allowed token with the largest logit
  * (only reachable through NaN logits). */

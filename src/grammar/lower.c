@@ -374,9 +374,48 @@ static bool lower_seq(struct lower *L, struct gn *n) {
     return false;
 }
 
+/* Adds the alternatives of n to out (nested ALTs and one-item groups flattened). */
+static void flatten_alt(struct gb *b, struct gn *out, struct gn *n, int depth) {
+    while ((n->type == GN_SEQ || n->type == GN_ALT) && n->n_kids == 1) n = n->kids[0];
+    if (n->type == GN_ALT && depth < 64) {
+        for (int i = 0; i < n->n_kids; i++) flatten_alt(b, out, n->kids[i], depth + 1);
+        return;
+    }
+    gn_add(b, out, n);
+}
+
+#define TRIE_MIN_LITERALS 4
+
+/* A rule body with its literal alternatives merged into a trie (gn_literal_trie): a list of
+ * thousands of strings then opens one parse per distinct prefix, not one per string. */
+static struct gn *alt_with_trie(struct gb *b, struct gn *body) {
+    if (body->type != GN_ALT) return body;
+    struct gn *flat = gn_alt(b);
+    for (int i = 0; i < body->n_kids && flat; i++) flatten_alt(b, flat, body->kids[i], 0);
+    if (!flat) return body;
+    int n_lit = 0;
+    for (int i = 0; i < flat->n_kids; i++) n_lit += flat->kids[i]->type == GN_BYTES || flat->kids[i]->type == GN_EMPTY;
+    if (n_lit < TRIE_MIN_LITERALS) return flat;
+    struct gn **lits = gb_alloc(b, (size_t)n_lit * sizeof *lits);
+    struct gn *out = gn_alt(b);
+    if (!lits || !out) return NULL;
+    int k = 0;
+    for (int i = 0; i < flat->n_kids; i++) {
+        struct gn *x = flat->kids[i];
+        if (x->type == GN_BYTES || x->type == GN_EMPTY) lits[k++] = x;
+        else gn_add(b, out, x);
+    }
+    struct gn *t = gn_literal_trie(b, lits, n_lit);
+    if (!t) return NULL;
+    for (int i = 0; i < t->n_kids; i++) gn_add(b, out, t->kids[i]);
+    return out;
+}
+
 /* Lowers every alternative of rule r (alternatives are appended after the current ones). */
 static bool lower_rule(struct lower *L, int r) {
-    struct gn *body = L->b->rules[r].body;
+    struct gn *body = alt_with_trie(L->b, L->b->rules[r].body);
+    if (!body) return false;
+    L->b->rules[r].body = body;
     struct gn *one[1] = {body};
     struct gn **alts = one;
     int n_alts = 1;
@@ -482,9 +521,9 @@ kv_status gb_compile(struct gb *b, int root, gram_t **out, char *err, size_t err
         st = kv_errf(KV_ENOMEM, err, errlen, "out of memory");
         goto done;
     }
-    if (s0.overflow) {
+    if (s0.overflow && !s0.wide) { /* too many stacks: gram_probe below says so */
         gstate_free(&s0);
-        st = kv_errf(KV_ETOOLONG, err, errlen, "the grammar is too deeply nested or too ambiguous at its start");
+        st = kv_errf(KV_ETOOLONG, err, errlen, "the grammar nests too deeply at its start (more than 512 levels)");
         goto done;
     }
     if (s0.n_stacks == 0) {
@@ -494,6 +533,7 @@ kv_status gb_compile(struct gb *b, int root, gram_t **out, char *err, size_t err
     }
     g->start = s0.v;
     g->n_start = s0.len;
+    st = gram_probe(g, err, errlen, NULL);
 done:
     if (st && g) {
         gram_destroy(g);

@@ -6,24 +6,59 @@
 #include "gram_internal.h"
 
 /* Where expanded stacks go: a flat buffer, deduplicated. Growable when gs != NULL, else
- * bounded (full is set when it runs out of room). */
+ * bounded (full is set when it runs out of room). Duplicates are found by a linear scan while
+ * there are few stacks, then by a hash table of offsets (a state of many stacks would
+ * otherwise cost its square per byte). */
+#define SINK_SCAN 16
+#define SINK_HCAP (4 * GRAM_MAX_STACKS) /* power of two */
 struct sink {
     int32_t *v;
     int len, cap;
     int n;
-    bool acc, ovf, full, oom;
+    bool acc, ovf, wide, full, oom;
     struct gstate *gs;
+    uint64_t work;         /* work units spent (gram_internal.h) */
+    bool hashed;           /* hoff holds every stack */
+    int32_t *hoff;         /* (SINK_HCAP) offset + 1 of a stack, 0 empty; the thread's table */
 };
 
+/* One sink is filled at a time per thread: its table lives here (no 4 KiB to clear or zero
+ * per advance while the state is small). */
+static _Thread_local int32_t tl_hoff[SINK_HCAP];
+
+static uint32_t stack_hash(const int32_t *s, int d) {
+    uint32_t h = 2166136261u ^ (uint32_t)d;
+    for (int i = 0; i < d; i++) h = (h ^ (uint32_t)s[i]) * 16777619u;
+    return h ^ (h >> 15);
+}
+
+/* The hash slot of stack s: where it is, or the empty slot where it would go. */
+static int32_t *sink_slot(struct sink *k, const int32_t *s, int d) {
+    for (uint32_t i = stack_hash(s, d) & (SINK_HCAP - 1);; i = (i + 1) & (SINK_HCAP - 1)) {
+        k->work++;
+        int32_t o = k->hoff[i];
+        if (!o) return &k->hoff[i];
+        if (k->v[o - 1] == d && !memcmp(k->v + o, s, (size_t)d * sizeof *s)) return &k->hoff[i];
+    }
+}
+
 static void sink_add(struct sink *k, const int32_t *s, int d) {
-    int off = 0;
-    for (int i = 0; i < k->n; i++) {
-        int l = k->v[off];
-        if (l == d && !memcmp(k->v + off + 1, s, (size_t)d * sizeof *s)) return;
-        off += l + 1;
+    int32_t *slot = NULL;
+    if (k->hashed) {
+        slot = sink_slot(k, s, d);
+        if (*slot) return;
+    } else {
+        int off = 0;
+        k->work += (uint64_t)k->n + 1; /* the duplicate scan */
+        for (int i = 0; i < k->n; i++) {
+            int l = k->v[off];
+            if (l == d && !memcmp(k->v + off + 1, s, (size_t)d * sizeof *s)) return;
+            off += l + 1;
+        }
     }
     if (k->n >= GRAM_MAX_STACKS) {
         k->ovf = true;
+        k->wide = true;
         return;
     }
     if (k->len + d + 1 > k->cap) {
@@ -43,9 +78,17 @@ static void sink_add(struct sink *k, const int32_t *s, int d) {
     }
     k->v[k->len] = d;
     memcpy(k->v + k->len + 1, s, (size_t)d * sizeof *s);
+    if (slot) *slot = k->len + 1;
     k->len += d + 1;
     k->n++;
     if (d == 0) k->acc = true;
+    if (!k->hashed && k->n == SINK_SCAN) { /* switch to the table */
+        k->hoff = tl_hoff;
+        memset(k->hoff, 0, sizeof tl_hoff);
+        k->work += SINK_HCAP / 64;
+        for (int off = 0; off < k->len; off += k->v[off] + 1) *sink_slot(k, k->v + off + 1, k->v[off]) = off + 1;
+        k->hashed = true;
+    }
 }
 
 #define MAX_BRANCH_NEST 64
@@ -59,6 +102,7 @@ static void closure(const gram_t *g, int32_t *s, int d, struct sink *k, int nest
             k->ovf = true;
             return;
         }
+        k->work++;
         if (d == 0) {
             sink_add(k, s, 0);
             return;
@@ -106,6 +150,7 @@ static void advance_into(const gram_t *g, const int32_t *v, int len, uint8_t byt
         int d = v[off];
         const int32_t *s = v + off + 1;
         off += d + 1;
+        k->work++;
         if (d == 0) continue;
         uint32_t e = g->elems[s[d - 1]];
         if (!gset_has(g->sets[GE_ARG(e)], byte)) continue;
@@ -117,9 +162,10 @@ static void advance_into(const gram_t *g, const int32_t *v, int len, uint8_t byt
 }
 
 int gstate_advance_raw(const gram_t *g, const int32_t *in_v, int in_len, uint8_t byte,
-                       int32_t *out_v, int out_cap, int *n_out, bool *acc, bool *ovf) {
+                       int32_t *out_v, int out_cap, int *n_out, bool *acc, bool *ovf, uint64_t *work) {
     struct sink k = {.v = out_v, .cap = out_cap};
     advance_into(g, in_v, in_len, byte, &k);
+    *work += k.work;
     if (k.full) return -1;
     *n_out = k.n;
     *acc = k.acc;
@@ -134,13 +180,19 @@ static bool finish(struct sink *k, struct gstate *out) {
     out->n_stacks = k->n;
     out->accept = k->acc;
     out->overflow = k->ovf;
+    out->wide = k->wide;
     return !k->oom;
 }
 
-bool gstate_advance(const gram_t *g, const struct gstate *in, uint8_t byte, struct gstate *out) {
+bool gstate_advance_w(const gram_t *g, const struct gstate *in, uint8_t byte, struct gstate *out, uint64_t *work) {
     struct sink k = {.v = out->v, .cap = out->cap, .gs = out};
     advance_into(g, in->v, in->len, byte, &k);
+    if (work) *work += k.work;
     return finish(&k, out);
+}
+
+bool gstate_advance(const gram_t *g, const struct gstate *in, uint8_t byte, struct gstate *out) {
+    return gstate_advance_w(g, in, byte, out, NULL);
 }
 
 bool gstate_start(const gram_t *g, struct gstate *out) {
@@ -172,6 +224,7 @@ bool gstate_copy(struct gstate *dst, const struct gstate *src) {
     dst->n_stacks = src->n_stacks;
     dst->accept = src->accept;
     dst->overflow = src->overflow;
+    dst->wide = src->wide;
     return true;
 }
 

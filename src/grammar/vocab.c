@@ -36,13 +36,15 @@ struct gram_vocab {
 };
 
 static _Atomic uint64_t g_vocab_uid = 1;
-static _Atomic uint64_t g_hits, g_misses, g_walk_ns, g_nodes;
+static _Atomic uint64_t g_hits, g_misses, g_walk_ns, g_nodes, g_work, g_over_budget;
 
 void gram_get_stats(struct gram_stats *out) {
     out->mask_hits = atomic_load(&g_hits);
     out->mask_misses = atomic_load(&g_misses);
     out->walk_ns = atomic_load(&g_walk_ns);
     out->trie_nodes_visited = atomic_load(&g_nodes);
+    out->work_units = atomic_load(&g_work);
+    out->over_budget = atomic_load(&g_over_budget);
 }
 
 void gram_vocab_free(gram_vocab_t *v) {
@@ -324,6 +326,8 @@ struct gram_matcher {
     int32_t *arena;
     int arena_cap;
     int32_t *doff, *dlen, *dn;  /* (max_depth + 1) */
+    uint64_t work;             /* work units of the last trie walk */
+    kv_status fail;            /* why the last gram_matcher_mask returned NULL */
 };
 
 gram_matcher_t *gram_matcher_new(gram_t *g, const gram_vocab_t *v) {
@@ -505,7 +509,10 @@ static void set_tokens(const gram_vocab_t *v, int node, uint64_t *mask, int *n_a
     }
 }
 
-/* 1 done, 0 too many states (use walk_plain), -1 ENOMEM. */
+static uint64_t g_mask_budget = GRAM_MASK_BUDGET;
+void gram_set_mask_budget(uint64_t units) { g_mask_budget = units ? units : GRAM_MASK_BUDGET; }
+
+/* 1 done, 0 too many states (use walk_plain), -1 ENOMEM, -2 over the work budget. */
 static int walk_memo(gram_matcher_t *m, int *n_allowed, uint64_t *visited) {
     const gram_vocab_t *v = m->v;
     const gram_t *g = m->g;
@@ -536,13 +543,14 @@ static int walk_memo(gram_matcher_t *m, int *n_allowed, uint64_t *visited) {
         int32_t *tp = &w->trans[(size_t)p * 256 + v->nbyte[i]];
         int t = *tp;
         (*visited)++;
+        if (++m->work > g_mask_budget) return -2;
         if (t == T_UNKNOWN) {
             int n_out = 0, len;
             bool acc = false, ovf = false;
             for (;;) {
                 int room = w->arena_cap - w->arena_len;
                 len = gstate_advance_raw(g, w->arena + w->soff[p], w->slen[p], v->nbyte[i], w->arena + w->arena_len,
-                                         room, &n_out, &acc, &ovf);
+                                         room, &n_out, &acc, &ovf, &m->work);
                 if (len >= 0) break;
                 if (!ws_reserve_arena(w, w->arena_cap)) return -1;
             }
@@ -565,20 +573,21 @@ static int walk_memo(gram_matcher_t *m, int *n_allowed, uint64_t *visited) {
     return 1;
 }
 
-/* The walk without memoization: states by depth in a stack-like arena. */
-static bool walk_plain(gram_matcher_t *m, int *n_allowed, uint64_t *visited) {
+/* The walk without memoization: states by depth in a stack-like arena. 1 done, -1 ENOMEM,
+ * -2 over the work budget. */
+static int walk_plain(gram_matcher_t *m, int *n_allowed, uint64_t *visited) {
     const gram_vocab_t *v = m->v;
     const gram_t *g = m->g;
     if (!m->doff) {
         m->doff = kv_malloc((size_t)(v->max_depth + 2) * sizeof *m->doff);
         m->dlen = kv_malloc((size_t)(v->max_depth + 2) * sizeof *m->dlen);
         m->dn = kv_malloc((size_t)(v->max_depth + 2) * sizeof *m->dn);
-        if (!m->doff || !m->dlen || !m->dn) return false;
+        if (!m->doff || !m->dlen || !m->dn) return -1;
     }
     if (m->arena_cap < m->st.len + 4096) {
         int nc = m->st.len + 65536;
         int32_t *na = kv_realloc(m->arena, (size_t)nc * sizeof *na);
-        if (!na) return false;
+        if (!na) return -1;
         m->arena = na;
         m->arena_cap = nc;
     }
@@ -594,11 +603,12 @@ static bool walk_plain(gram_matcher_t *m, int *n_allowed, uint64_t *visited) {
         bool acc = false, ovf = false;
         int w;
         (*visited)++;
+        if (++m->work > g_mask_budget) return -2;
         while ((w = gstate_advance_raw(g, m->arena + po, pl, v->nbyte[i], m->arena + o,
-                                       m->arena_cap - o, &n_out, &acc, &ovf)) < 0) {
+                                       m->arena_cap - o, &n_out, &acc, &ovf, &m->work)) < 0) {
             int nc = m->arena_cap * 2;
             int32_t *na = kv_realloc(m->arena, (size_t)nc * sizeof *na);
-            if (!na) return false;
+            if (!na) return -1;
             m->arena = na;
             m->arena_cap = nc;
         }
@@ -612,22 +622,30 @@ static bool walk_plain(gram_matcher_t *m, int *n_allowed, uint64_t *visited) {
         set_tokens(v, i, m->mask, n_allowed);
         i++;
     }
-    return true;
+    return 1;
 }
 
-/* Fills m->mask for m->st. false on ENOMEM. */
-static bool walk(gram_matcher_t *m) {
+/* Fills m->mask for m->st. KV_ENOMEM, or KV_ETOOLONG when the walk needs more than the
+ * work budget (both walks together: the budget bounds the whole mask). */
+static kv_status walk(gram_matcher_t *m) {
     const gram_vocab_t *v = m->v;
     int n_allowed = 0;
     uint64_t visited = 0;
+    m->work = 0;
     memset(m->mask, 0, (size_t)v->words * sizeof *m->mask);
     int r = walk_memo(m, &n_allowed, &visited);
-    if (r < 0) return false;
     if (r == 0) {
         memset(m->mask, 0, (size_t)v->words * sizeof *m->mask);
         n_allowed = 0;
-        if (!walk_plain(m, &n_allowed, &visited)) return false;
+        r = walk_plain(m, &n_allowed, &visited);
     }
+    atomic_fetch_add(&g_nodes, visited);
+    atomic_fetch_add(&g_work, m->work);
+    if (r == -2) {
+        atomic_fetch_add(&g_over_budget, 1);
+        return KV_ETOOLONG;
+    }
+    if (r < 0) return KV_ENOMEM;
     if (m->st.accept)
         for (int k = 0; k < v->n_eog; k++) {
             int32_t id = v->eog[k];
@@ -635,8 +653,7 @@ static bool walk(gram_matcher_t *m) {
             m->mask[id >> 6] |= 1ull << (id & 63);
         }
     m->n_allowed = n_allowed;
-    atomic_fetch_add(&g_nodes, visited);
-    return true;
+    return KV_OK;
 }
 
 const uint64_t *gram_matcher_mask(gram_matcher_t *m, int *n_allowed) {
@@ -665,7 +682,11 @@ const uint64_t *gram_matcher_mask(gram_matcher_t *m, int *n_allowed) {
     } else {
         pthread_mutex_unlock(&g->mu);
         uint64_t t0 = kv_now_ns();
-        if (!walk(m)) return NULL;
+        kv_status st = walk(m);
+        if (st) {
+            m->fail = st;
+            return NULL;
+        }
         atomic_fetch_add(&g_walk_ns, kv_now_ns() - t0);
         atomic_fetch_add(&g_misses, 1);
         pthread_mutex_lock(&g->mu);
@@ -677,6 +698,9 @@ const uint64_t *gram_matcher_mask(gram_matcher_t *m, int *n_allowed) {
     if (n_allowed) *n_allowed = m->n_allowed;
     return m->mask;
 }
+
+kv_status gram_matcher_status(const gram_matcher_t *m) { return m->fail; }
+uint64_t gram_matcher_last_work(const gram_matcher_t *m) { return m->work; }
 
 bool gram_matcher_accept_bytes(gram_matcher_t *m, const char *s, size_t n) {
     if (m->final) return n == 0;
