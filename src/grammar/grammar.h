@@ -105,14 +105,14 @@ void gram_matcher_free(gram_matcher_t *m);
  * needed more than GRAM_MASK_BUDGET work units (a pathological grammar: the caller fails the
  * request; a mask never takes more than the budget, so it cannot stall other sequences).
  * Masks are cached per (grammar, parser state): a state seen before costs a lookup. */
-#define GRAM_MASK_BUDGET 20000000ull /* work units per mask (one sequence, one decode step) */
+#define GRAM_MASK_BUDGET 10000000ull /* work units per mask (one sequence, one decode step) */
 const uint64_t *gram_matcher_mask(gram_matcher_t *m, int *n_allowed);
 /* Why the last gram_matcher_mask returned NULL (KV_OK if it did not). */
 kv_status gram_matcher_status(const gram_matcher_t *m);
 /* Work units (counted, not timed: gram_internal.h) of m's last mask computed by a trie walk
  * (0 if none yet; a cached mask costs none and leaves it unchanged). Tests and benchmarks. */
 uint64_t gram_matcher_last_work(const gram_matcher_t *m);
-/* The per-mask work budget in units (0 = the default GRAM_MASK_BUDGET, 2e7: tens of ms).
+/* The per-mask work budget in units (0 = the default GRAM_MASK_BUDGET, 1e7: tens of ms).
  * Process-wide; for tests. */
 void gram_set_mask_budget(uint64_t units);
 /* Advances by token id. false (state unchanged) if the token is not allowed; an

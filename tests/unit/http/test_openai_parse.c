@@ -123,6 +123,7 @@ static const struct bad_case bad[] = {
     {C, "{\"prompt\":\"a\",\"stop_token_ids\":[\"2\"]}", 400, "stop_token_ids", NULL},
     {C, "{\"prompt\":\"a\",\"min_tokens\":17}", 400, "min_tokens", NULL},
     {C, "{\"prompt\":\"a\",\"min_tokens\":-1}", 400, "min_tokens", NULL},
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"max_completion_tokens\":8,\"min_tokens\":9}", 400, "min_tokens", NULL},
     {C, "{\"prompt\":\"a\",\"priority\":\"high\"}", 400, "priority", NULL},
     {C, "{\"prompt\":\"a\",\"priority\":1.5}", 400, "priority", NULL},
     {C, "{\"prompt\":\"a\",\"echo\":true}", 400, "echo", NULL},
@@ -364,6 +365,16 @@ static void test_sampling_fields(void **state) {
     parse_ok(H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"min_tokens\":400}", &r);
     assert_int_equal(r.min_tokens, 400);
     oai_request_free(&r);
+    /* ... and its message names the field the client sent (F6) */
+    {
+        const char *mb = "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"max_completion_tokens\":8,\"min_tokens\":9}";
+        struct oai_error e;
+        assert_int_equal(oai_parse(H, mb, strlen(mb), &LIM, &r, &e), KV_EINVAL);
+        assert_string_equal(e.message, "'min_tokens' must be between 0 and 'max_completion_tokens' (8)");
+        mb = "{\"prompt\":\"a\",\"max_tokens\":8,\"min_tokens\":9}";
+        assert_int_equal(oai_parse(C, mb, strlen(mb), &LIM, &r, &e), KV_EINVAL);
+        assert_string_equal(e.message, "'min_tokens' must be between 0 and 'max_tokens' (8)");
+    }
     /* continue_final_message: add_generation_prompt defaults to false then */
     parse_ok(H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"},{\"role\":\"assistant\",\"content\":\"Once\"}],"
                 "\"continue_final_message\":true}", &r);
@@ -544,11 +555,19 @@ static void test_structured(void **state) {
         oai_request_free(&r);
     }
     struct { int kind; const char *body, *param, *want; } bad[] = {
+        /* the param and the message name the exact value the user sent (F6) */
         {H, "%s\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"schema\":{\"type\":\"object\",\"patternProperties\":{}}}}}",
-         "response_format", "patternProperties"},
+         "response_format.json_schema.schema", "response_format.json_schema.schema: unsupported JSON schema keyword 'patternProperties'"},
+        {C, "{\"prompt\":\"a\",\"structured_outputs\":{\"regex\":\"a(?=b)\"}}", "structured_outputs.regex",
+         "structured_outputs.regex: lookahead"},
+        {C, "{\"prompt\":\"a\",\"structured_outputs\":{\"json\":{\"type\":\"string\",\"format\":\"hostname\"}}}",
+         "structured_outputs.json", "structured_outputs.json: "},
+        /* pathological constraints are refused when compiled, naming the field and the limit (F2) */
+        {C, "{\"prompt\":\"a\",\"guided_regex\":\"(.*a){1000}\"}", "guided_regex", "guided_regex: the constraint is too ambiguous"},
+        {C, "{\"prompt\":\"a\",\"guided_grammar\":\"root ::= ([^x]* \\\"a\\\"){1,500}\"}", "guided_grammar", "more than 255 parses"},
         {C, "{\"prompt\":\"a\",\"guided_json\":{\"type\":\"string\",\"format\":\"hostname\"}}", "guided_json", "hostname"},
         {C, "{\"prompt\":\"a\",\"guided_regex\":\"(a)\\\\1\"}", "guided_regex", "backreference"},
-        {H, "%s\"response_format\":{\"type\":\"json_object\",\"schema\":{\"type\":\"hiccup\"}}}", "response_format", "hiccup"},
+        {H, "%s\"response_format\":{\"type\":\"json_object\",\"schema\":{\"type\":\"hiccup\"}}}", "response_format.schema", "hiccup"},
         {C, "{\"prompt\":\"a\",\"guided_grammar\":\"start ::= \\\"x\\\"\"}", "guided_grammar", "root"},
         {H, "%s\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\",\"parameters\":{\"type\":\"object\",\"not\":{}}}}],\"tool_choice\":\"required\"}",
          "tools", "'not'"},
