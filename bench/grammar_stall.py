@@ -1,0 +1,146 @@
+#!/usr/bin/env python3
+"""A pathological constraint next to an unconstrained stream (issue 13, tester finding F2):
+how much does one hostile structured-output request (n = 8) slow a concurrent stream?
+
+One unconstrained stream runs back to back the whole time; its inter-token gaps are taken
+(1) alone, (2) while unconstrained n = 8 requests run one after another (the control: the
+batch grows the same way), then (3) while hostile requests are sent one after another (each:
+n = 8, max_tokens 32, one guided_regex / guided_grammar from HOSTILE below), a third of
+--seconds each. Prints the stream's gap
+p50 / p99 / max in both phases and what the hostile requests got (status, seconds).
+
+  bench/grammar_stall.py KVSERVE_BIN MODEL [--seconds S] [extra serve args...]
+
+docs/benchmarks.md has the figures (base vs branch, same run)."""
+import json
+import os
+import socket
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "../tests/e2e"))
+from e2e_util import start_kvserve  # noqa: E402
+
+HOSTILE = [
+    {"guided_regex": "(.*){10000}"},
+    {"guided_regex": "((((.*)*)*)*)*x"},
+    {"guided_regex": "(.*a){1000}"},
+    {"guided_regex": "(.*.*.*)*x"},
+    {"guided_grammar": "root ::= ((\"a\" | [^a]*)*)* \"x\""},
+]
+
+
+def post(port, body, timeout=120):
+    """POST /v1/completions; returns (status, seconds, body bytes)."""
+    t0 = time.perf_counter()
+    s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    data = json.dumps(body).encode()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+              b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
+    out = b""
+    while True:
+        b = s.recv(1 << 16)
+        if not b:
+            break
+        out += b
+    s.close()
+    status = int(out.split(b" ", 2)[1]) if out.startswith(b"HTTP/") else 0
+    return status, time.perf_counter() - t0, out
+
+
+def stream(port, gaps, stop):
+    """Unconstrained streams back to back until stop; (time, gap) between token events."""
+    body = json.dumps({"prompt": "Once upon a time", "max_tokens": 200, "stream": True,
+                       "ignore_eos": True}).encode()
+    while not stop.is_set():
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        last = None
+        buf = b""
+        while not stop.is_set():
+            b = s.recv(1 << 16)
+            if not b:
+                break
+            now = time.perf_counter()
+            buf += b
+            n_ev = buf.count(b"data: ")
+            buf = buf[buf.rfind(b"data: ") + 6:] if n_ev else buf
+            if n_ev and last is not None:
+                gaps.append((now, now - last))
+            if n_ev:
+                last = now
+        s.close()
+
+
+def pct(v, q):
+    return v[min(len(v) - 1, int(q * len(v)))] * 1e3 if v else -1
+
+
+def main():
+    bin_, model = sys.argv[1], sys.argv[2]
+    extra = sys.argv[3:]
+    secs = 20.0
+    if extra[:1] == ["--seconds"]:
+        secs = float(extra[1])
+        extra = extra[2:]
+    p, port = start_kvserve(bin_, ["serve", "--model", model, "--max-model-len", "512", *extra])
+    try:
+        post(port, {"prompt": "warm", "max_tokens": 2, "guided_regex": "[a-z]+"})  # builds the vocab trie
+        stop = threading.Event()
+        gaps = []
+        th = threading.Thread(target=stream, args=(port, gaps, stop))
+        th.start()
+        time.sleep(1.0)  # the stream is running (not measured)
+        t_alone = time.perf_counter()
+        time.sleep(secs / 3)
+        # control: the same requests without a constraint (the batch grows the same way)
+        t_control = time.perf_counter()
+        i = 0
+        while time.perf_counter() - t_control < secs / 3:
+            post(port, {"prompt": "Once upon a time", "max_tokens": 32, "n": 8, "temperature": 1.0, "seed": i})
+            i += 1
+        t_hostile = time.perf_counter()
+        results = []
+        i = 0
+        while time.perf_counter() - t_hostile < secs / 3:
+            h = dict(HOSTILE[i % len(HOSTILE)], prompt="Once upon a time", max_tokens=32, n=8,
+                     temperature=1.0, seed=i)
+            st, dt, out = post(port, h)
+            msg = ""
+            if st != 200:
+                try:
+                    msg = json.loads(out.split(b"\r\n\r\n", 1)[1])["error"]["message"][:70]
+                except Exception:  # noqa: BLE001
+                    msg = out[-70:].decode(errors="replace")
+            results.append((list(h.values())[0], st, dt, msg))
+            i += 1
+        t_end = time.perf_counter()
+        stop.set()
+        th.join(timeout=30)
+    finally:
+        p.terminate()
+        p.wait()
+    alone = sorted(g for (t, g) in gaps if t_alone <= t < t_control)
+    control = sorted(g for (t, g) in gaps if t_control <= t < t_hostile)
+    during = sorted(g for (t, g) in gaps if t_hostile <= t <= t_end)
+    print("%s" % (bin_ + " " + " ".join(extra)))
+    print("  stream alone:           gap p50 %.1f p99 %.1f max %.1f ms (n=%d)" % (
+        pct(alone, .5), pct(alone, .99), pct(alone, 1), len(alone)))
+    print("  with unconstrained n=8: gap p50 %.1f p99 %.1f max %.1f ms (n=%d)" % (
+        pct(control, .5), pct(control, .99), pct(control, 1), len(control)))
+    print("  with hostile requests:  gap p50 %.1f p99 %.1f max %.1f ms (n=%d)" % (
+        pct(during, .5), pct(during, .99), pct(during, 1), len(during)))
+    seen = {}
+    for src, st, dt, msg in results:
+        k = (src, st)
+        c, tot, mx, m = seen.get(k, (0, 0.0, 0.0, msg))
+        seen[k] = (c + 1, tot + dt, max(mx, dt), m)
+    for (src, st), (c, tot, mx, m) in seen.items():
+        print("  hostile %-34s -> %d x%d, %.2f s mean, %.2f s max %s" % (src, st, c, tot / c, mx,
+                                                                        ("(" + m + ")") if m else ""))
+
+
+if __name__ == "__main__":
+    main()
