@@ -44,10 +44,34 @@ kv_status constrain_request_init(struct engine *e, struct request *r, gram_t *g,
     return r->gm ? KV_OK : kv_errf(KV_ENOMEM, err, errlen, "out of memory");
 }
 
+void constrain_step_begin(struct engine *e) { e->n_gwork = 0; }
+
+/* The work r's request has spent on masks in this step (an entry per request with a grammar
+ * in the step: a few). NULL on ENOMEM (the mask then gets a whole budget). */
+static uint64_t *group_work(struct engine *e, uint64_t group) {
+    for (int i = 0; i < e->n_gwork; i++)
+        if (e->gwork[i].group == group) return &e->gwork[i].work;
+    if (e->n_gwork == e->cap_gwork) {
+        int nc = e->cap_gwork ? 2 * e->cap_gwork : 16;
+        struct constrain_work *nw = kv_realloc(e->gwork, (size_t)nc * sizeof *nw);
+        if (!nw) return NULL;
+        e->gwork = nw;
+        e->cap_gwork = nc;
+    }
+    e->gwork[e->n_gwork] = (struct constrain_work){group, 0};
+    return &e->gwork[e->n_gwork++].work;
+}
+
 int constrain_mask_logits(struct engine *e, struct request *r, float *logits) {
     uint64_t t0 = kv_now_ns();
     int n = 0;
-    const uint64_t *mask = gram_matcher_mask(r->gm, &n);
+    /* one budget per request and step, shared by its n > 1 sequences (a cached mask costs
+     * nothing) */
+    uint64_t budget = gram_mask_budget();
+    uint64_t *used = group_work(e, r->group);
+    uint64_t left = !used ? budget : *used < budget ? budget - *used : 0;
+    const uint64_t *mask = gram_matcher_mask_within(r->gm, left, &n);
+    if (used) *used += gram_matcher_last_work(r->gm);
     e->grammar_ns += kv_now_ns() - t0;
     if (!mask) return gram_matcher_status(r->gm) == KV_ETOOLONG ? -2 : -1;
     sampler_apply_mask(logits, e->n_vocab, mask);
@@ -75,6 +99,9 @@ bool constrain_accept(struct engine *e, struct request *r, int32_t id, bool *fin
 }
 
 void constrain_destroy(struct engine *e) {
+    free(e->gwork);
+    e->gwork = NULL;
+    e->n_gwork = e->cap_gwork = 0;
     gram_vocab_free(e->gvocab);
     e->gvocab = NULL;
 }

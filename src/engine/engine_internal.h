@@ -154,6 +154,11 @@ struct engine {
     pthread_mutex_t gv_mu;
     gram_vocab_t *gvocab;
     uint64_t grammar_ns, grammar_steps; /* engine thread; published with the stats */
+    /* mask work spent in the current step per request (group: its n > 1 sequences share one
+     * budget), so that one request cannot hold a step longer than GRAM_MASK_BUDGET units;
+     * engine thread, emptied at the start of every step */
+    struct constrain_work { uint64_t group, work; } *gwork;
+    int n_gwork, cap_gwork;
     struct token_logprob *top;  /* (20) */
     struct backend_sampling *bsamp;   /* (max_batch_size) device sampling requests of a step */
     struct backend_sample_out *bout;  /* (max_batch_size) and their results */
@@ -284,6 +289,8 @@ int32_t constrain_check(struct engine *e, struct request *r, const float *logits
 /* Advances r's matcher by id. false if id is outside the grammar; *final: the output is now
  * complete and nothing may extend it. */
 bool constrain_accept(struct engine *e, struct request *r, int32_t id, bool *final);
+/* A new step: every request's mask budget is whole again. */
+void constrain_step_begin(struct engine *e);
 void constrain_destroy(struct engine *e);
 
 /* ---- engine.c ---- */

@@ -107,10 +107,16 @@ void gram_matcher_free(gram_matcher_t *m);
  * Masks are cached per (grammar, parser state): a state seen before costs a lookup. */
 #define GRAM_MASK_BUDGET 10000000ull /* work units per mask (one sequence, one decode step) */
 const uint64_t *gram_matcher_mask(gram_matcher_t *m, int *n_allowed);
+/* gram_matcher_mask within budget work units (at most the default budget): the caller's
+ * share of a budget it splits (the engine: one budget per request per step, shared by its
+ * n > 1 sequences). Same results; KV_ETOOLONG when the walk needs more. */
+const uint64_t *gram_matcher_mask_within(gram_matcher_t *m, uint64_t budget, int *n_allowed);
+/* The default per-mask budget (GRAM_MASK_BUDGET unless a test set another). */
+uint64_t gram_mask_budget(void);
 /* Why the last gram_matcher_mask returned NULL (KV_OK if it did not). */
 kv_status gram_matcher_status(const gram_matcher_t *m);
-/* Work units (counted, not timed: gram_internal.h) of m's last mask computed by a trie walk
- * (0 if none yet; a cached mask costs none and leaves it unchanged). Tests and benchmarks. */
+/* Work units (counted, not timed: gram_internal.h) of m's last gram_matcher_mask call: its
+ * trie walk, or 0 when the mask came from a cache. */
 uint64_t gram_matcher_last_work(const gram_matcher_t *m);
 /* The per-mask work budget in units (0 = the default GRAM_MASK_BUDGET, 1e7: tens of ms).
  * Process-wide; for tests. */

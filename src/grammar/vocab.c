@@ -509,11 +509,12 @@ static void set_tokens(const gram_vocab_t *v, int node, uint64_t *mask, int *n_a
     }
 }
 
-static uint64_t g_mask_budget = GRAM_MASK_BUDGET;
-void gram_set_mask_budget(uint64_t units) { g_mask_budget = units ? units : GRAM_MASK_BUDGET; }
+static _Atomic uint64_t g_mask_budget = GRAM_MASK_BUDGET;
+void gram_set_mask_budget(uint64_t units) { atomic_store(&g_mask_budget, units ? units : GRAM_MASK_BUDGET); }
+uint64_t gram_mask_budget(void) { return atomic_load(&g_mask_budget); }
 
 /* 1 done, 0 too many states (use walk_plain), -1 ENOMEM, -2 over the work budget. */
-static int walk_memo(gram_matcher_t *m, int *n_allowed, uint64_t *visited) {
+static int walk_memo(gram_matcher_t *m, int *n_allowed, uint64_t *visited, uint64_t budget) {
     const gram_vocab_t *v = m->v;
     const gram_t *g = m->g;
     struct walk_scratch *w = ws_get();
@@ -543,7 +544,7 @@ static int walk_memo(gram_matcher_t *m, int *n_allowed, uint64_t *visited) {
         int32_t *tp = &w->trans[(size_t)p * 256 + v->nbyte[i]];
         int t = *tp;
         (*visited)++;
-        if (++m->work > g_mask_budget) return -2;
+        if (++m->work > budget) return -2;
         if (t == T_UNKNOWN) {
             int n_out = 0, len;
             bool acc = false, ovf = false;
@@ -575,7 +576,7 @@ static int walk_memo(gram_matcher_t *m, int *n_allowed, uint64_t *visited) {
 
 /* The walk without memoization: states by depth in a stack-like arena. 1 done, -1 ENOMEM,
  * -2 over the work budget. */
-static int walk_plain(gram_matcher_t *m, int *n_allowed, uint64_t *visited) {
+static int walk_plain(gram_matcher_t *m, int *n_allowed, uint64_t *visited, uint64_t budget) {
     const gram_vocab_t *v = m->v;
     const gram_t *g = m->g;
     if (!m->doff) {
@@ -603,7 +604,7 @@ static int walk_plain(gram_matcher_t *m, int *n_allowed, uint64_t *visited) {
         bool acc = false, ovf = false;
         int w;
         (*visited)++;
-        if (++m->work > g_mask_budget) return -2;
+        if (++m->work > budget) return -2;
         while ((w = gstate_advance_raw(g, m->arena + po, pl, v->nbyte[i], m->arena + o,
                                        m->arena_cap - o, &n_out, &acc, &ovf, &m->work)) < 0) {
             int nc = m->arena_cap * 2;
@@ -627,17 +628,17 @@ static int walk_plain(gram_matcher_t *m, int *n_allowed, uint64_t *visited) {
 
 /* Fills m->mask for m->st. KV_ENOMEM, or KV_ETOOLONG when the walk needs more than the
  * work budget (both walks together: the budget bounds the whole mask). */
-static kv_status walk(gram_matcher_t *m) {
+static kv_status walk(gram_matcher_t *m, uint64_t budget) {
     const gram_vocab_t *v = m->v;
     int n_allowed = 0;
     uint64_t visited = 0;
     m->work = 0;
     memset(m->mask, 0, (size_t)v->words * sizeof *m->mask);
-    int r = walk_memo(m, &n_allowed, &visited);
+    int r = walk_memo(m, &n_allowed, &visited, budget);
     if (r == 0) {
         memset(m->mask, 0, (size_t)v->words * sizeof *m->mask);
         n_allowed = 0;
-        r = walk_plain(m, &n_allowed, &visited);
+        r = walk_plain(m, &n_allowed, &visited, budget);
     }
     atomic_fetch_add(&g_nodes, visited);
     atomic_fetch_add(&g_work, m->work);
@@ -657,7 +658,15 @@ static kv_status walk(gram_matcher_t *m) {
 }
 
 const uint64_t *gram_matcher_mask(gram_matcher_t *m, int *n_allowed) {
+    return gram_matcher_mask_within(m, gram_mask_budget(), n_allowed);
+}
+
+const uint64_t *gram_matcher_mask_within(gram_matcher_t *m, uint64_t budget, int *n_allowed) {
+    uint64_t def = gram_mask_budget();
+    if (budget > def) budget = def;
+    m->fail = KV_OK;
     if (m->mask_valid) {
+        m->work = 0;
         if (n_allowed) *n_allowed = m->n_allowed;
         return m->mask;
     }
@@ -666,6 +675,7 @@ const uint64_t *gram_matcher_mask(gram_matcher_t *m, int *n_allowed) {
         memset(m->mask, 0, (size_t)v->words * sizeof *m->mask);
         m->n_allowed = 0;
         m->mask_valid = true;
+        m->work = 0;
         if (n_allowed) *n_allowed = 0;
         return m->mask;
     }
@@ -679,10 +689,11 @@ const uint64_t *gram_matcher_mask(gram_matcher_t *m, int *n_allowed) {
         m->n_allowed = e->n_allowed;
         pthread_mutex_unlock(&g->mu);
         atomic_fetch_add(&g_hits, 1);
+        m->work = 0;
     } else {
         pthread_mutex_unlock(&g->mu);
         uint64_t t0 = kv_now_ns();
-        kv_status st = walk(m);
+        kv_status st = walk(m, budget);
         if (st) {
             m->fail = st;
             return NULL;
