@@ -9,7 +9,9 @@ n = 8, max_tokens 32, one guided_regex / guided_grammar from HOSTILE below), a t
 --seconds each. Prints the stream's gap
 p50 / p99 / max in both phases and what the hostile requests got (status, seconds).
 
-  bench/grammar_stall.py KVSERVE_BIN MODEL [--seconds S] [extra serve args...]
+  bench/grammar_stall.py KVSERVE_BIN MODEL [--seconds S] [--regex RE]... [extra serve args...]
+
+(--regex replaces the built-in list.)
 
 docs/benchmarks.md has the figures (base vs branch, same run)."""
 import json
@@ -82,8 +84,12 @@ def main():
     bin_, model = sys.argv[1], sys.argv[2]
     extra = sys.argv[3:]
     secs = 20.0
-    if extra[:1] == ["--seconds"]:
-        secs = float(extra[1])
+    hostile = HOSTILE
+    while extra[:1] in (["--seconds"], ["--regex"]):
+        if extra[0] == "--seconds":
+            secs = float(extra[1])
+        else:
+            hostile = (hostile if hostile is not HOSTILE else []) + [{"guided_regex": extra[1]}]
         extra = extra[2:]
     p, port = start_kvserve(bin_, ["serve", "--model", model, "--max-model-len", "512", *extra])
     try:
@@ -105,7 +111,7 @@ def main():
         results = []
         i = 0
         while time.perf_counter() - t_hostile < secs / 3:
-            h = dict(HOSTILE[i % len(HOSTILE)], prompt="Once upon a time", max_tokens=32, n=8,
+            h = dict(hostile[i % len(hostile)], prompt="Once upon a time", max_tokens=32, n=8,
                      temperature=1.0, seed=i)
             st, dt, out = post(port, h)
             msg = ""

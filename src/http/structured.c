@@ -93,10 +93,13 @@ static kv_status response_format(json_t *rf, struct oai_structured *so, struct o
     if (strcmp(ts, "json_schema"))
         return BAD(P, "response_format type '%s' is not supported (text, json_object or json_schema)", ts);
     json_t *js = json_object_get(rf, "json_schema");
-    if (!json_is_object(js)) return BAD(P, "response_format json_schema needs a 'json_schema' object");
+    if (!json_is_object(js))
+        return BAD("response_format.json_schema", "response_format type json_schema needs a 'json_schema' object");
     json_t *name = present(js, "name"), *strict = present(js, "strict"), *schema = present(js, "schema");
-    if (name && !json_is_string(name)) return BAD(P, "'response_format.json_schema.name' must be a string");
-    if (strict && !json_is_boolean(strict)) return BAD(P, "'response_format.json_schema.strict' must be a boolean");
+    if (name && !json_is_string(name))
+        return BAD("response_format.json_schema.name", "'response_format.json_schema.name' must be a string");
+    if (strict && !json_is_boolean(strict))
+        return BAD("response_format.json_schema.strict", "'response_format.json_schema.strict' must be a boolean");
     if (!schema) return set_kind(so, OAI_SO_JSON_OBJECT, NULL, false, P, P, err);
     return schema_field(so, schema, P, "response_format.json_schema.schema", strict && json_is_true(strict), err);
 }
@@ -139,16 +142,18 @@ kv_status oai_parse_structured(json_t *o, struct oai_request *r, struct oai_erro
             if (!strcmp(k, "json")) {
                 if (schema_field(so, x, P, "structured_outputs.json", false, err)) return KV_EINVAL;
             } else if (!strcmp(k, "regex")) {
-                if (!json_is_string(x)) return BAD(P, "'structured_outputs.regex' must be a string");
+                if (!json_is_string(x)) return BAD("structured_outputs.regex", "'structured_outputs.regex' must be a string");
                 if (set_kind(so, OAI_SO_REGEX, x, false, P, "structured_outputs.regex", err)) return KV_EINVAL;
             } else if (!strcmp(k, "choice")) {
                 if (choice_value(x, "structured_outputs.choice", err) || set_kind(so, OAI_SO_CHOICE, x, false, P, "structured_outputs.choice", err))
                     return KV_EINVAL;
             } else if (!strcmp(k, "grammar")) {
-                if (!json_is_string(x)) return BAD(P, "'structured_outputs.grammar' must be a string (GBNF)");
+                if (!json_is_string(x))
+                    return BAD("structured_outputs.grammar", "'structured_outputs.grammar' must be a string (GBNF)");
                 if (set_kind(so, OAI_SO_GRAMMAR, x, false, P, "structured_outputs.grammar", err)) return KV_EINVAL;
             } else if (!strcmp(k, "json_object")) {
-                if (!json_is_boolean(x)) return BAD(P, "'structured_outputs.json_object' must be a boolean");
+                if (!json_is_boolean(x))
+                    return BAD("structured_outputs.json_object", "'structured_outputs.json_object' must be a boolean");
                 if (json_is_true(x) && set_kind(so, OAI_SO_JSON_OBJECT, NULL, false, P, "structured_outputs.json_object", err)) return KV_EINVAL;
             } else {
                 return BAD(P, "'structured_outputs.%s' is not supported (json, regex, choice, grammar, json_object)", k);
