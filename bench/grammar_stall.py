@@ -2,7 +2,8 @@
 """A pathological constraint next to an unconstrained stream (issue 13, tester finding F2):
 how much does one hostile structured-output request (n = 8) slow a concurrent stream?
 
-One unconstrained stream runs back to back the whole time; its inter-token gaps are taken
+One unconstrained stream runs back to back the whole time (http_stall.stream: one SSE event,
+one token, per read); the gaps between its reads are taken
 (1) alone, (2) while unconstrained n = 8 requests run one after another (the control: the
 batch grows the same way), then (3) while hostile requests are sent one after another (each:
 n = 8, max_tokens 32, one guided_regex / guided_grammar from HOSTILE below), a third of
@@ -23,6 +24,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "../tests/e2e"))
 from e2e_util import start_kvserve  # noqa: E402
+from http_stall import stream  # noqa: E402  (unconstrained streams back to back; gaps between reads)
 
 HOSTILE = [
     {"guided_regex": "(.*){10000}"},
@@ -49,31 +51,6 @@ def post(port, body, timeout=120):
     s.close()
     status = int(out.split(b" ", 2)[1]) if out.startswith(b"HTTP/") else 0
     return status, time.perf_counter() - t0, out
-
-
-def stream(port, gaps, stop):
-    """Unconstrained streams back to back until stop; (time, gap) between token events."""
-    body = json.dumps({"prompt": "Once upon a time", "max_tokens": 200, "stream": True,
-                       "ignore_eos": True}).encode()
-    while not stop.is_set():
-        s = socket.create_connection(("127.0.0.1", port))
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
-                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
-        last = None
-        buf = b""
-        while not stop.is_set():
-            b = s.recv(1 << 16)
-            if not b:
-                break
-            now = time.perf_counter()
-            buf += b
-            n_ev = buf.count(b"data: ")
-            buf = buf[buf.rfind(b"data: ") + 6:] if n_ev else buf
-            if n_ev and last is not None:
-                gaps.append((now, now - last))
-            if n_ev:
-                last = now
-        s.close()
 
 
 def pct(v, q):

@@ -44,7 +44,26 @@ kv_status constrain_request_init(struct engine *e, struct request *r, gram_t *g,
     return r->gm ? KV_OK : kv_errf(KV_ENOMEM, err, errlen, "out of memory");
 }
 
-void constrain_step_begin(struct engine *e) { e->n_gwork = 0; }
+void constrain_step_begin(struct engine *e) {
+    e->n_gwork = 0;
+    e->n_gstates = 0;
+}
+
+/* Whether (group, key) was charged in this step; records it when not. A failed allocation
+ * answers false (the state is charged again: a stricter count, never a looser one). */
+static bool state_charged(struct engine *e, uint64_t group, uint64_t key) {
+    for (int i = 0; i < e->n_gstates; i++)
+        if (e->gstates[i].group == group && e->gstates[i].key == key) return true;
+    if (e->n_gstates == e->cap_gstates) {
+        int nc = e->cap_gstates ? 2 * e->cap_gstates : 16;
+        struct constrain_state *ns = kv_realloc(e->gstates, (size_t)nc * sizeof *ns);
+        if (!ns) return false;
+        e->gstates = ns;
+        e->cap_gstates = nc;
+    }
+    e->gstates[e->n_gstates++] = (struct constrain_state){group, key};
+    return false;
+}
 
 /* The work r's request has spent on masks in this step (an entry per request with a grammar
  * in the step: a few). NULL on ENOMEM (the mask then gets a whole budget). */
@@ -65,13 +84,20 @@ static uint64_t *group_work(struct engine *e, uint64_t group) {
 int constrain_mask_logits(struct engine *e, struct request *r, float *logits) {
     uint64_t t0 = kv_now_ns();
     int n = 0;
-    /* one budget per request and step, shared by its n > 1 sequences (a cached mask costs
-     * nothing) */
+    /* one budget per request and step, shared by its n > 1 sequences: each distinct parser
+     * state is charged once, what its mask's walk costs (also when the mask is cached), so
+     * the outcome depends only on the request's own sequences, never on other requests or on
+     * what the cache holds; and the real work of a step is at most what is charged */
     uint64_t budget = gram_mask_budget();
-    uint64_t *used = group_work(e, r->group);
-    uint64_t left = !used ? budget : *used < budget ? budget - *used : 0;
-    const uint64_t *mask = gram_matcher_mask_within(r->gm, left, &n);
-    if (used) *used += gram_matcher_last_work(r->gm);
+    const uint64_t *mask;
+    if (state_charged(e, r->group, gram_matcher_state_key(r->gm))) {
+        mask = gram_matcher_mask_within(r->gm, budget, &n); /* a sibling's mask, in budget */
+    } else {
+        uint64_t *used = group_work(e, r->group);
+        uint64_t left = !used ? budget : *used < budget ? budget - *used : 0;
+        mask = gram_matcher_mask_within(r->gm, left, &n);
+        if (used) *used += gram_matcher_last_work(r->gm);
+    }
     e->grammar_ns += kv_now_ns() - t0;
     if (!mask) return gram_matcher_status(r->gm) == KV_ETOOLONG ? -2 : -1;
     sampler_apply_mask(logits, e->n_vocab, mask);
@@ -102,6 +128,9 @@ void constrain_destroy(struct engine *e) {
     free(e->gwork);
     e->gwork = NULL;
     e->n_gwork = e->cap_gwork = 0;
+    free(e->gstates);
+    e->gstates = NULL;
+    e->n_gstates = e->cap_gstates = 0;
     gram_vocab_free(e->gvocab);
     e->gvocab = NULL;
 }

@@ -109,14 +109,19 @@ void gram_matcher_free(gram_matcher_t *m);
 const uint64_t *gram_matcher_mask(gram_matcher_t *m, int *n_allowed);
 /* gram_matcher_mask within budget work units (at most the default budget): the caller's
  * share of a budget it splits (the engine: one budget per request per step, shared by its
- * n > 1 sequences). Same results; KV_ETOOLONG when the walk needs more. */
+ * n > 1 sequences). Same results; KV_ETOOLONG when the mask costs more (a cached one too). */
 const uint64_t *gram_matcher_mask_within(gram_matcher_t *m, uint64_t budget, int *n_allowed);
+/* A 64-bit key of m's parser state (equal states, equal keys): lets a caller charge a state
+ * once when several sequences are in it. */
+uint64_t gram_matcher_state_key(const gram_matcher_t *m);
 /* The default per-mask budget (GRAM_MASK_BUDGET unless a test set another). */
 uint64_t gram_mask_budget(void);
 /* Why the last gram_matcher_mask returned NULL (KV_OK if it did not). */
 kv_status gram_matcher_status(const gram_matcher_t *m);
-/* Work units (counted, not timed: gram_internal.h) of m's last gram_matcher_mask call: its
- * trie walk, or 0 when the mask came from a cache. */
+/* Work units (counted, not timed: gram_internal.h) of the mask of m's current state: what its
+ * trie walk took, also when the mask came from the cache (a hit is charged what the walk
+ * cost, so whether a mask is over a budget depends only on the grammar, the vocabulary and
+ * the state, never on which request computed it first). */
 uint64_t gram_matcher_last_work(const gram_matcher_t *m);
 /* The per-mask work budget in units (0 = the default GRAM_MASK_BUDGET, 1e7: tens of ms).
  * Process-wide; for tests. */

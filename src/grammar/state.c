@@ -165,8 +165,9 @@ int gstate_advance_raw(const gram_t *g, const int32_t *in_v, int in_len, uint8_t
                        int32_t *out_v, int out_cap, int *n_out, bool *acc, bool *ovf, uint64_t *work) {
     struct sink k = {.v = out_v, .cap = out_cap};
     advance_into(g, in_v, in_len, byte, &k);
+    if (k.full) return -1; /* not counted: the caller retries with room (counts stay
+                              independent of buffer sizes) */
     *work += k.work;
-    if (k.full) return -1;
     *n_out = k.n;
     *acc = k.acc;
     *ovf = k.ovf;

@@ -203,6 +203,7 @@ struct mc_entry {
     int key_len;
     uint64_t *bits;            /* owned (words) */
     int n_allowed;
+    uint64_t work;             /* work units the trie walk took (charged again on a hit) */
 };
 
 struct gram_mask_cache {
@@ -278,7 +279,7 @@ static struct mc_entry *mc_find(struct gram_mask_cache *c, const int32_t *k, int
     }
 }
 
-static void mc_insert(struct gram_mask_cache *c, const int32_t *k, int n, uint64_t h,
+static void mc_insert(struct gram_mask_cache *c, const int32_t *k, int n, uint64_t h, uint64_t work,
                       const uint64_t *bits, int n_allowed) {
     size_t sz = (size_t)n * sizeof *k + (size_t)c->words * sizeof *bits;
     if (c->bytes + sz > MC_MAX_BYTES) mc_clear(c); /* simple and rare: start over */
@@ -306,7 +307,7 @@ static void mc_insert(struct gram_mask_cache *c, const int32_t *k, int n, uint64
     }
     memcpy(kc, k, (size_t)n * sizeof *k);
     memcpy(bc, bits, (size_t)c->words * sizeof *bits);
-    *e = (struct mc_entry){h, kc, n, bc, n_allowed};
+    *e = (struct mc_entry){h, kc, n, bc, n_allowed, work};
     c->n++;
     c->bytes += sz;
     atomic_fetch_add(&g_mc_bytes, sz);
@@ -665,8 +666,7 @@ const uint64_t *gram_matcher_mask_within(gram_matcher_t *m, uint64_t budget, int
     uint64_t def = gram_mask_budget();
     if (budget > def) budget = def;
     m->fail = KV_OK;
-    if (m->mask_valid) {
-        m->work = 0;
+    if (m->mask_valid) { /* the same state as the last call: m->work is its cost */
         if (n_allowed) *n_allowed = m->n_allowed;
         return m->mask;
     }
@@ -685,11 +685,19 @@ const uint64_t *gram_matcher_mask_within(gram_matcher_t *m, uint64_t budget, int
     struct gram_mask_cache *c = mc_for(g, v);
     struct mc_entry *e = c ? mc_find(c, m->st.v, m->st.len, h) : NULL;
     if (e && e->key) {
+        /* a hit is charged what the walk cost, so whether a mask is over the budget never
+         * depends on which request computed it first */
+        m->work = e->work;
+        if (e->work > budget) {
+            pthread_mutex_unlock(&g->mu);
+            atomic_fetch_add(&g_over_budget, 1);
+            m->fail = KV_ETOOLONG;
+            return NULL;
+        }
         memcpy(m->mask, e->bits, (size_t)v->words * sizeof *m->mask);
         m->n_allowed = e->n_allowed;
         pthread_mutex_unlock(&g->mu);
         atomic_fetch_add(&g_hits, 1);
-        m->work = 0;
     } else {
         pthread_mutex_unlock(&g->mu);
         uint64_t t0 = kv_now_ns();
@@ -702,7 +710,7 @@ const uint64_t *gram_matcher_mask_within(gram_matcher_t *m, uint64_t budget, int
         atomic_fetch_add(&g_misses, 1);
         pthread_mutex_lock(&g->mu);
         c = mc_for(g, v);
-        if (c) mc_insert(c, m->st.v, m->st.len, h, m->mask, m->n_allowed);
+        if (c) mc_insert(c, m->st.v, m->st.len, h, m->work, m->mask, m->n_allowed);
         pthread_mutex_unlock(&g->mu);
     }
     m->mask_valid = true;
@@ -712,6 +720,7 @@ const uint64_t *gram_matcher_mask_within(gram_matcher_t *m, uint64_t budget, int
 
 kv_status gram_matcher_status(const gram_matcher_t *m) { return m->fail; }
 uint64_t gram_matcher_last_work(const gram_matcher_t *m) { return m->work; }
+uint64_t gram_matcher_state_key(const gram_matcher_t *m) { return key_hash(m->st.v, m->st.len) ^ (uint64_t)m->final; }
 
 bool gram_matcher_accept_bytes(gram_matcher_t *m, const char *s, size_t n) {
     if (m->final) return n == 0;

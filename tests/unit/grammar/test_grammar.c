@@ -348,6 +348,23 @@ static void test_pathological(void **st) {
     m = gram_matcher_new(g, v);
     assert_non_null(gram_matcher_mask(m, NULL));
     assert_int_equal(gram_matcher_status(m), KV_OK);
+    uint64_t w = gram_matcher_last_work(m);
+    assert_true(w > need / 2);
+    /* a cached mask is charged what its walk cost: over a smaller budget it fails as a fresh
+     * walk would (the outcome never depends on who filled the cache); the same state has the
+     * same key in another matcher */
+    gram_matcher_t *m2 = gram_matcher_new(g, v);
+    assert_true(gram_matcher_state_key(m2) == gram_matcher_state_key(m));
+    gram_get_stats(&a);
+    assert_null(gram_matcher_mask_within(m2, w - 1, NULL));
+    assert_int_equal(gram_matcher_status(m2), KV_ETOOLONG);
+    assert_non_null(gram_matcher_mask_within(m2, w, NULL));
+    assert_int_equal(gram_matcher_last_work(m2), w);
+    gram_get_stats(&b);
+    assert_int_equal(b.mask_misses, a.mask_misses); /* both from the cache */
+    assert_true(gram_matcher_accept_bytes(m2, "ab", 2));
+    assert_true(gram_matcher_state_key(m2) != gram_matcher_state_key(m));
+    gram_matcher_free(m2);
     gram_matcher_free(m);
     gram_unref(g);
     gram_vocab_free(v);
