@@ -590,6 +590,35 @@ static void test_structured(void **state) {
     }
 }
 
+/* Thousands of alternatives compile (a trie: tester finding F5); past the limit the 400 names
+ * the field and the limit. */
+static void test_many_choices(void **state) {
+    (void)state;
+    for (int over = 0; over < 2; over++) {
+        int n = over ? 65537 : 4000;
+        kv_buf b;
+        kv_buf_init(&b);
+        kv_buf_puts(&b, over ? "{\"prompt\":\"a\",\"guided_choice\":[" : "{\"prompt\":\"a\",\"guided_json\":{\"enum\":[");
+        for (int i = 0; i < n; i++) kv_buf_printf(&b, "%s\"choice number %d\"", i ? "," : "", i);
+        kv_buf_puts(&b, over ? "]}" : "]}}");
+        struct oai_request r;
+        parse_ok(C, kv_buf_cstr(&b), &r);
+        struct oai_error e;
+        kv_status st = oai_structured_compile(&r, GRAM_TOOLS_HERMES, &e);
+        if (!over) {
+            if (st) fail_msg("%s", e.message);
+            assert_non_null(r.so.grammar);
+        } else {
+            assert_int_equal(st, KV_EINVAL);
+            assert_int_equal(e.status, 400);
+            assert_string_equal(e.param, "guided_choice");
+            assert_string_equal(e.message, "guided_choice: 65537 choices: the limit is 65536");
+        }
+        oai_request_free(&r);
+        kv_buf_free(&b);
+    }
+}
+
 /* Tool-call markers that a vocabulary makes special tokens (absent from the output text) are
  * recognized for re-insertion; ordinary tokens and markers of other formats are not. */
 static void test_tool_markers(void **state) {
@@ -735,6 +764,7 @@ int main(void) {
         cmocka_unit_test(test_chat),
         cmocka_unit_test(test_chat_tools),
         cmocka_unit_test(test_structured),
+        cmocka_unit_test(test_many_choices),
         cmocka_unit_test(test_tool_markers),
         cmocka_unit_test(test_disaggregated_params),
         cmocka_unit_test(test_tokenize_detokenize),
