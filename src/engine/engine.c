@@ -480,7 +480,7 @@ bool engine_sample(struct engine *e, struct request *r, float *lg) {
         if (n_ok <= 0) {
             /* a mask over the work budget: the constraint is pathological (its cost per step
              * is bounded, so other sequences are not held up); a 400 for the request */
-            char msg[300];
+            char msg[512];
             snprintf(msg, sizeof msg,
                      "the output constraint is too complex: the token masks after %d generated tokens needed "
                      "more than the limit of %llu work units per step (an ambiguous regex or grammar, e.g. "

@@ -77,7 +77,7 @@ kv_status gram_probe(const gram_t *g, char *err, size_t errlen, uint64_t *work_o
     gstate_canon(&cur);
     for (int depth = 0;; depth++) {
         if (cur.wide || cur.n_stacks >= GRAM_MAX_STACKS) {
-            char pre[160] = "at its start";
+            char pre[200] = "at its start";
             if (depth) {
                 char p[128];
                 show_prefix(path, depth, p, sizeof p);
