@@ -400,6 +400,34 @@ static void test_many_choices(void **st) {
     assert_int_equal(na, 11); /* 0-9 and the end */
     gram_matcher_free(m);
     gram_unref(g);
+    /* choices that are prefixes of one another: a chain as deep as the list; past 4096
+     * levels a clear refusal (never a deep recursion) */
+    for (int deep = 0; deep < 2; deep++) {
+        int nc = deep ? 5000 : 3000;
+        char *as = malloc((size_t)nc + 1);
+        memset(as, 'a', (size_t)nc);
+        const char **cs = calloc((size_t)nc, sizeof *cs);
+        size_t *cl = calloc((size_t)nc, sizeof *cl);
+        for (int i = 0; i < nc; i++) cs[i] = as, cl[i] = (size_t)i + 1;
+        kv_status cst = gram_compile_choice(cs, cl, nc, &g, err, sizeof err);
+        if (!deep) {
+            assert_int_equal(cst, KV_OK);
+            assert_true(full_match(g, v, as, 2999));
+            assert_true(full_match(g, v, as, 3000));
+            assert_false(full_match(g, v, "ab", 2));
+            gram_matcher_t *cm = gram_matcher_new(g, v);
+            assert_true(gram_matcher_accept_bytes(cm, as, 3000));
+            assert_true(gram_matcher_is_final(cm)); /* the longest: nothing may follow */
+            gram_matcher_free(cm);
+            gram_unref(g);
+        } else {
+            assert_int_equal(cst, KV_ETOOLONG);
+            assert_non_null(strstr(err, "4096"));
+        }
+        free(as);
+        free(cs);
+        free(cl);
+    }
     /* the limit, named */
     size_t n_over = GRAM_MAX_CHOICES + 1;
     const char **many = calloc(n_over, sizeof *many);
