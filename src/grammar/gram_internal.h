@@ -172,6 +172,12 @@ struct gram {
     int n_sets;
     int root;
     char **rule_names;     /* (n_rules) owned, for messages */
+    /* byte-dispatched rules: lazy[r] = the index in sets of the bytes r can start with, or
+     * -1. A rule of several alternatives that each start with a byte set (or with another
+     * such rule) stays one stack whose top is the rule reference until the next byte picks
+     * the alternatives it fits (a UTF-8 class is one parse position, not eight; a trie node
+     * one, not one per child). (n_rules) owned. */
+    int32_t *lazy;
     /* the start state (stacks after expanding root), computed at compile time */
     int32_t *start;
     int n_start;
@@ -182,8 +188,9 @@ struct gram {
 
 /* ---------------------------------------------------------------- parser states
  * A state is a set of stacks stored flat: for each stack [len, p_0, ..., p_{len-1}] (p_{len-1}
- * the top, always a GE_CHARS element; the others are return positions). A stack of length 0
- * means the grammar is complete (accepting). */
+ * the top: a GE_CHARS element, or a GE_RULE element of a byte-dispatched rule (gram.lazy);
+ * the others are return positions). A stack of length 0 means the grammar is complete
+ * (accepting). */
 struct gstate {
     int32_t *v;            /* owned (cap) */
     int len, cap;          /* ints used */

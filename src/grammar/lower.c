@@ -451,6 +451,64 @@ static kv_status prune_unproductive(gram_t *g, char *err, size_t errlen);
 
 static void gram_destroy(gram_t *g);
 
+#define LAZY_MAX_NEST 4 /* a byte-dispatched rule starts with at most this many nested ones */
+
+/* gram.lazy: a rule is byte-dispatched when it has several alternatives and each starts with
+ * a byte set or with a byte-dispatched rule (at most LAZY_MAX_NEST deep: advancing one costs
+ * a recursion per level); its set is the union of those first sets. A fixpoint over the
+ * rules (no left recursion: a rule never starts with itself). */
+static kv_status find_lazy_rules(gram_t *g, char *err, size_t errlen) {
+    int n = g->n_rules;
+    g->lazy = kv_malloc((size_t)(n ? n : 1) * sizeof *g->lazy);
+    int8_t *nest = kv_calloc((size_t)(n ? n : 1), 1);
+    if (!g->lazy || !nest) {
+        free(nest);
+        return kv_errf(KV_ENOMEM, err, errlen, "out of memory");
+    }
+    for (int r = 0; r < n; r++) g->lazy[r] = -1;
+    for (bool changed = true; changed;) {
+        changed = false;
+        for (int r = 0; r < n; r++) {
+            int a0 = g->rule_off[r], a1 = g->rule_off[r + 1];
+            if (g->lazy[r] >= 0 || a1 - a0 < 2) continue;
+            uint8_t set[32] = {0};
+            int depth = 1;
+            bool ok = true;
+            for (int a = a0; a < a1 && ok; a++) {
+                uint32_t e = g->elems[g->alt_start[a]];
+                const uint8_t *fs = NULL;
+                if (GE_TYPE(e) == GE_CHARS) fs = g->sets[GE_ARG(e)];
+                else if (GE_TYPE(e) == GE_RULE && g->lazy[GE_ARG(e)] >= 0 && nest[GE_ARG(e)] < LAZY_MAX_NEST) {
+                    fs = g->sets[g->lazy[GE_ARG(e)]];
+                    if (nest[GE_ARG(e)] + 1 > depth) depth = nest[GE_ARG(e)] + 1;
+                }
+                if (!fs) ok = false;
+                else
+                    for (int i = 0; i < 32; i++) set[i] |= fs[i];
+            }
+            if (!ok) continue;
+            int si = -1;
+            for (int i = 0; i < g->n_sets && si < 0; i++)
+                if (!memcmp(g->sets[i], set, 32)) si = i;
+            if (si < 0) {
+                void *ns = kv_realloc(g->sets, (size_t)(g->n_sets + 1) * 32);
+                if (!ns) {
+                    free(nest);
+                    return kv_errf(KV_ENOMEM, err, errlen, "out of memory");
+                }
+                g->sets = ns;
+                memcpy(g->sets[g->n_sets], set, 32);
+                si = g->n_sets++;
+            }
+            g->lazy[r] = si;
+            nest[r] = (int8_t)depth;
+            changed = true;
+        }
+    }
+    free(nest);
+    return KV_OK;
+}
+
 kv_status gb_compile(struct gb *b, int root, gram_t **out, char *err, size_t errlen) {
     if (b->st) return kv_errf(b->st, err, errlen, "%s", b->err);
     for (int i = 0; i < b->n_rules; i++)
@@ -515,6 +573,7 @@ kv_status gb_compile(struct gb *b, int root, gram_t **out, char *err, size_t err
     }
     st = prune_unproductive(g, err, errlen);
     if (!st) st = check_left_recursion(g, err, errlen);
+    if (!st) st = find_lazy_rules(g, err, errlen);
     if (st) goto done;
     struct gstate s0 = {0};
     if (!gstate_start(g, &s0)) {
@@ -705,6 +764,7 @@ static void gram_destroy(gram_t *g) {
         for (int r = 0; r < g->n_rules; r++) free(g->rule_names[r]);
     free(g->rule_names);
     free(g->start);
+    free(g->lazy);
     gram_mask_cache_free(g->cache);
     pthread_mutex_destroy(&g->mu);
     free(g);

@@ -118,6 +118,10 @@ static void closure(const gram_t *g, int32_t *s, int d, struct sink *k, int nest
             continue;
         }
         int r = (int)GE_ARG(e);
+        if (g->lazy[r] >= 0) { /* byte-dispatched: the next byte expands it (advance_stack) */
+            sink_add(k, s, d);
+            return;
+        }
         if (GE_TYPE(g->elems[p + 1]) == GE_END) d--; /* tail call: no return frame */
         else s[d - 1] = p + 1;
         int a0 = g->rule_off[r], a1 = g->rule_off[r + 1];
@@ -143,6 +147,41 @@ static void closure(const gram_t *g, int32_t *s, int d, struct sink *k, int nest
     }
 }
 
+/* The bytes the top of stack s[0..d) (d > 0) accepts. */
+static const uint8_t *top_set(const gram_t *g, const int32_t *s, int d) {
+    uint32_t e = g->elems[s[d - 1]];
+    return g->sets[GE_TYPE(e) == GE_CHARS ? GE_ARG(e) : (uint32_t)g->lazy[GE_ARG(e)]];
+}
+
+/* Advances stack s[0..d) (its top accepts byte; s is scratch, modified) by byte into k. A
+ * byte-dispatched rule at the top is entered the way closure enters a rule (tail call or
+ * return frame), then each alternative whose first set holds byte is advanced in turn. */
+static void advance_stack(const gram_t *g, int32_t *s, int d, uint8_t byte, struct sink *k) {
+    int32_t p = s[d - 1];
+    uint32_t e = g->elems[p];
+    if (GE_TYPE(e) == GE_CHARS) {
+        s[d - 1]++;
+        int steps = 0;
+        closure(g, s, d, k, 0, &steps);
+        return;
+    }
+    int r = (int)GE_ARG(e);
+    if (GE_TYPE(g->elems[p + 1]) == GE_END) d--; /* tail call: no return frame */
+    else s[d - 1] = p + 1;
+    if (d + 1 > GRAM_MAX_DEPTH) {
+        k->ovf = true;
+        return;
+    }
+    int32_t copy[GRAM_MAX_DEPTH];
+    for (int a = g->rule_off[r]; a < g->rule_off[r + 1]; a++) {
+        k->work++;
+        memcpy(copy, s, (size_t)d * sizeof *s);
+        copy[d] = g->alt_start[a];
+        if (!gset_has(top_set(g, copy, d + 1), byte)) continue;
+        advance_stack(g, copy, d + 1, byte, k);
+    }
+}
+
 /* Advances every stack of (v, len) whose top accepts byte into k. */
 static void advance_into(const gram_t *g, const int32_t *v, int len, uint8_t byte, struct sink *k) {
     int32_t tmp[GRAM_MAX_DEPTH];
@@ -151,13 +190,9 @@ static void advance_into(const gram_t *g, const int32_t *v, int len, uint8_t byt
         const int32_t *s = v + off + 1;
         off += d + 1;
         k->work++;
-        if (d == 0) continue;
-        uint32_t e = g->elems[s[d - 1]];
-        if (!gset_has(g->sets[GE_ARG(e)], byte)) continue;
+        if (d == 0 || !gset_has(top_set(g, s, d), byte)) continue;
         memcpy(tmp, s, (size_t)d * sizeof *s);
-        tmp[d - 1]++;
-        int steps = 0;
-        closure(g, tmp, d, k, 0, &steps);
+        advance_stack(g, tmp, d, byte, k);
     }
 }
 
@@ -275,7 +310,7 @@ void gstate_next_bytes(const gram_t *g, const struct gstate *s, uint8_t out[32])
     for (int off = 0; off < s->len;) {
         int d = s->v[off];
         if (d > 0) {
-            const uint8_t *set = g->sets[GE_ARG(g->elems[s->v[off + d]])];
+            const uint8_t *set = top_set(g, s->v + off + 1, d);
             for (int i = 0; i < 32; i++) out[i] |= set[i];
         }
         off += d + 1;
