@@ -318,6 +318,16 @@ static struct gn *trie_node(struct gb *b, const struct lit *l, int lo, int hi, i
     if (l[i].n == d) { /* a string ends here: sorted first */
         gn_add(b, alt, gn_empty(b));
         i++;
+        if (hi - i >= 2 && l[i].s[d] != l[hi - 1].s[d]) {
+            /* "" | R, R the children (two or more): R stays one parse (byte-dispatched) */
+            char name[32];
+            snprintf(name, sizeof name, "trie-%d", b->n_rules);
+            int r = gb_rule_new(b, name);
+            if (r < 0) return NULL;
+            gb_rule_set(b, r, trie_node(b, l, i, hi, d, depth + 1));
+            gn_add(b, alt, gn_ref(b, r));
+            return b->st ? NULL : alt;
+        }
     }
     while (i < hi && !b->st) {
         unsigned char c = (unsigned char)l[i].s[d];
