@@ -17,14 +17,13 @@ p50 / p99 / max in both phases and what the hostile requests got (status, second
 docs/benchmarks.md has the figures (base vs branch, same run)."""
 import json
 import os
-import socket
 import sys
 import threading
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "../tests/e2e"))
 from e2e_util import start_kvserve  # noqa: E402
-from http_stall import stream  # noqa: E402  (unconstrained streams back to back; gaps between reads)
+from http_stall import request, stream  # noqa: E402  (stream: unconstrained, back to back; gaps between reads)
 
 HOSTILE = [
     {"guided_regex": "(.*){10000}"},
@@ -35,20 +34,10 @@ HOSTILE = [
 ]
 
 
-def post(port, body, timeout=120):
-    """POST /v1/completions; returns (status, seconds, body bytes)."""
+def post(port, body):
+    """POST /v1/completions; returns (status, seconds, response bytes)."""
     t0 = time.perf_counter()
-    s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
-    data = json.dumps(body).encode()
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
-              b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
-    out = b""
-    while True:
-        b = s.recv(1 << 16)
-        if not b:
-            break
-        out += b
-    s.close()
+    out = request(port, "POST", "/v1/completions", json.dumps(body).encode())
     status = int(out.split(b" ", 2)[1]) if out.startswith(b"HTTP/") else 0
     return status, time.perf_counter() - t0, out
 

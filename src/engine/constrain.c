@@ -44,32 +44,17 @@ kv_status constrain_request_init(struct engine *e, struct request *r, gram_t *g,
     return r->gm ? KV_OK : kv_errf(KV_ENOMEM, err, errlen, "out of memory");
 }
 
-void constrain_step_begin(struct engine *e) {
-    e->n_gwork = 0;
-    e->n_gstates = 0;
-}
+void constrain_step_begin(struct engine *e) { e->n_gwork = 0; }
 
-/* Whether (group, key) was charged in this step; records it when not. A failed allocation
- * answers false (the state is charged again: a stricter count, never a looser one). */
-static bool state_charged(struct engine *e, uint64_t group, uint64_t key) {
-    for (int i = 0; i < e->n_gstates; i++)
-        if (e->gstates[i].group == group && e->gstates[i].key == key) return true;
-    if (e->n_gstates == e->cap_gstates) {
-        int nc = e->cap_gstates ? 2 * e->cap_gstates : 16;
-        struct constrain_state *ns = kv_realloc(e->gstates, (size_t)nc * sizeof *ns);
-        if (!ns) return false;
-        e->gstates = ns;
-        e->cap_gstates = nc;
-    }
-    e->gstates[e->n_gstates++] = (struct constrain_state){group, key};
-    return false;
-}
-
-/* The work r's request has spent on masks in this step (an entry per request with a grammar
- * in the step: a few). NULL on ENOMEM (the mask then gets a whole budget). */
-static uint64_t *group_work(struct engine *e, uint64_t group) {
+/* The step's entry for a request (is_state false, key 0) or for a (request, state) pair;
+ * added with work 0 (*fresh set) when absent. A few entries per constrained request in the
+ * step. NULL on ENOMEM. */
+static struct constrain_work *step_entry(struct engine *e, uint64_t group, uint64_t key, bool is_state,
+                                         bool *fresh) {
+    *fresh = false;
     for (int i = 0; i < e->n_gwork; i++)
-        if (e->gwork[i].group == group) return &e->gwork[i].work;
+        if (e->gwork[i].group == group && e->gwork[i].key == key && e->gwork[i].is_state == is_state)
+            return &e->gwork[i];
     if (e->n_gwork == e->cap_gwork) {
         int nc = e->cap_gwork ? 2 * e->cap_gwork : 16;
         struct constrain_work *nw = kv_realloc(e->gwork, (size_t)nc * sizeof *nw);
@@ -77,8 +62,9 @@ static uint64_t *group_work(struct engine *e, uint64_t group) {
         e->gwork = nw;
         e->cap_gwork = nc;
     }
-    e->gwork[e->n_gwork] = (struct constrain_work){group, 0};
-    return &e->gwork[e->n_gwork++].work;
+    *fresh = true;
+    e->gwork[e->n_gwork] = (struct constrain_work){group, key, 0, is_state};
+    return &e->gwork[e->n_gwork++];
 }
 
 int constrain_mask_logits(struct engine *e, struct request *r, float *logits) {
@@ -88,15 +74,18 @@ int constrain_mask_logits(struct engine *e, struct request *r, float *logits) {
      * state is charged once, what its mask's walk costs (also when the mask is cached), so
      * the outcome depends only on the request's own sequences, never on other requests or on
      * what the cache holds; and the real work of a step is at most what is charged */
+    /* (a failed allocation charges the state again, or gives a whole budget: never more
+     * than one request's budget is spent per entry) */
     uint64_t budget = gram_mask_budget();
     const uint64_t *mask;
-    if (state_charged(e, r->group, gram_matcher_state_key(r->gm))) {
+    bool fresh;
+    if (step_entry(e, r->group, gram_matcher_state_key(r->gm), true, &fresh) && !fresh) {
         mask = gram_matcher_mask_within(r->gm, budget, &n); /* a sibling's mask, in budget */
     } else {
-        uint64_t *used = group_work(e, r->group);
-        uint64_t left = !used ? budget : *used < budget ? budget - *used : 0;
+        struct constrain_work *req = step_entry(e, r->group, 0, false, &fresh);
+        uint64_t left = !req ? budget : req->work < budget ? budget - req->work : 0;
         mask = gram_matcher_mask_within(r->gm, left, &n);
-        if (used) *used += gram_matcher_last_work(r->gm);
+        if (req) req->work += gram_matcher_last_work(r->gm);
     }
     e->grammar_ns += kv_now_ns() - t0;
     if (!mask) return gram_matcher_status(r->gm) == KV_ETOOLONG ? -2 : -1;
@@ -128,9 +117,7 @@ void constrain_destroy(struct engine *e) {
     free(e->gwork);
     e->gwork = NULL;
     e->n_gwork = e->cap_gwork = 0;
-    free(e->gstates);
-    e->gstates = NULL;
-    e->n_gstates = e->cap_gstates = 0;
+
     gram_vocab_free(e->gvocab);
     e->gvocab = NULL;
 }

@@ -157,11 +157,10 @@ struct engine {
     /* the mask work charged in the current step per request (group: its n > 1 sequences
      * share one budget; a parser state is charged once per request and step), so that one
      * request cannot hold a step longer than GRAM_MASK_BUDGET units; engine thread, emptied
-     * at the start of every step. gstates: the (group, state key) pairs charged. */
-    struct constrain_work { uint64_t group, work; } *gwork;
+     * at the start of every step. An entry per request (is_state false: work = what it was
+     * charged) and per (request, state key) charged (is_state true). */
+    struct constrain_work { uint64_t group, key, work; bool is_state; } *gwork;
     int n_gwork, cap_gwork;
-    struct constrain_state { uint64_t group, key; } *gstates;
-    int n_gstates, cap_gstates;
     struct token_logprob *top;  /* (20) */
     struct backend_sampling *bsamp;   /* (max_batch_size) device sampling requests of a step */
     struct backend_sample_out *bout;  /* (max_batch_size) and their results */
