@@ -26,6 +26,11 @@
  * so sampling from the mask can never leave the grammar; limits (stack depth
  * GRAM_MAX_DEPTH, stacks per state GRAM_MAX_STACKS) can only remove tokens from a mask.
  *
+ * Cost bounds (a pathological constraint must not slow other requests): nested quantifiers
+ * are merged where exact ((x*)* == x*), literal alternatives become a trie, a grammar that
+ * reaches GRAM_MAX_STACKS parses on the most ambiguous path the compiler explores is refused
+ * (KV_ETOOLONG), and a mask that needs more than its work budget fails (gram_matcher_mask).
+ *
  * Thread safety: gram_t and gram_vocab_t are immutable after creation and may be shared by
  * any number of threads (the mask cache inside a gram_t has its own lock). A matcher belongs
  * to one sequence and one thread at a time.
