@@ -44,13 +44,52 @@ kv_status constrain_request_init(struct engine *e, struct request *r, gram_t *g,
     return r->gm ? KV_OK : kv_errf(KV_ENOMEM, err, errlen, "out of memory");
 }
 
+void constrain_step_begin(struct engine *e) { e->n_gwork = 0; }
+
+/* The step's entry for a request (is_state false, key 0) or for a (request, state) pair;
+ * added with work 0 (*fresh set) when absent. A few entries per constrained request in the
+ * step. NULL on ENOMEM. */
+static struct constrain_work *step_entry(struct engine *e, uint64_t group, uint64_t key, bool is_state,
+                                         bool *fresh) {
+    *fresh = false;
+    for (int i = 0; i < e->n_gwork; i++)
+        if (e->gwork[i].group == group && e->gwork[i].key == key && e->gwork[i].is_state == is_state)
+            return &e->gwork[i];
+    if (e->n_gwork == e->cap_gwork) {
+        int nc = e->cap_gwork ? 2 * e->cap_gwork : 16;
+        struct constrain_work *nw = kv_realloc(e->gwork, (size_t)nc * sizeof *nw);
+        if (!nw) return NULL;
+        e->gwork = nw;
+        e->cap_gwork = nc;
+    }
+    *fresh = true;
+    e->gwork[e->n_gwork] = (struct constrain_work){group, key, 0, is_state};
+    return &e->gwork[e->n_gwork++];
+}
+
 int constrain_mask_logits(struct engine *e, struct request *r, float *logits) {
     uint64_t t0 = kv_now_ns();
     int n = 0;
-    const uint64_t *mask = gram_matcher_mask(r->gm, &n);
-    if (!mask) return -1;
-    sampler_apply_mask(logits, e->n_vocab, mask);
+    /* one budget per request and step, shared by its n > 1 sequences: each distinct parser
+     * state is charged once, what its mask's walk costs (also when the mask is cached), so
+     * the outcome depends only on the request's own sequences, never on other requests or on
+     * what the cache holds; and the real work of a step is at most what is charged */
+    /* (a failed allocation charges the state again, or gives a whole budget: never more
+     * than one request's budget is spent per entry) */
+    uint64_t budget = gram_mask_budget();
+    const uint64_t *mask;
+    bool fresh;
+    if (step_entry(e, r->group, gram_matcher_state_key(r->gm), true, &fresh) && !fresh) {
+        mask = gram_matcher_mask_within(r->gm, budget, &n); /* a sibling's mask, in budget */
+    } else {
+        struct constrain_work *req = step_entry(e, r->group, 0, false, &fresh);
+        uint64_t left = !req ? budget : req->work < budget ? budget - req->work : 0;
+        mask = gram_matcher_mask_within(r->gm, left, &n);
+        if (req) req->work += gram_matcher_last_work(r->gm);
+    }
     e->grammar_ns += kv_now_ns() - t0;
+    if (!mask) return gram_matcher_status(r->gm) == KV_ETOOLONG ? -2 : -1;
+    sampler_apply_mask(logits, e->n_vocab, mask);
     e->grammar_steps++;
     return n;
 }
@@ -75,6 +114,10 @@ bool constrain_accept(struct engine *e, struct request *r, int32_t id, bool *fin
 }
 
 void constrain_destroy(struct engine *e) {
+    free(e->gwork);
+    e->gwork = NULL;
+    e->n_gwork = e->cap_gwork = 0;
+
     gram_vocab_free(e->gvocab);
     e->gvocab = NULL;
 }

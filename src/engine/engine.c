@@ -478,10 +478,20 @@ bool engine_sample(struct engine *e, struct request *r, float *lg) {
     if (r->gm) {
         int n_ok = constrain_mask_logits(e, r, lg);
         if (n_ok <= 0) {
+            /* a mask over the work budget: the constraint is pathological (its cost per step
+             * is bounded, so other sequences are not held up); a 400 for the request */
+            char msg[512];
+            snprintf(msg, sizeof msg,
+                     "the output constraint is too complex: the token masks after %d generated tokens needed "
+                     "more than the limit of %llu work units per step (an ambiguous regex or grammar, e.g. "
+                     "repeated unbounded quantifiers such as (.*a){1000}); simplify it "
+                     "(docs/structured-output.md)",
+                     req_n_gen(r), (unsigned long long)gram_mask_budget());
             sched_remove(e, r);
-            engine_fail_request(e, r, n_ok < 0 ? KV_ENOMEM : KV_EINTERNAL,
-                                n_ok < 0 ? "out of memory (grammar mask)"
-                                         : "the grammar allows no token of this vocabulary here");
+            engine_fail_request(e, r, n_ok == -2 ? KV_EINVAL : n_ok < 0 ? KV_ENOMEM : KV_EINTERNAL,
+                                n_ok == -2 ? msg
+                                : n_ok < 0 ? "out of memory (grammar mask)"
+                                           : "the grammar allows no token of this vocabulary here");
             return false;
         }
     }
@@ -525,6 +535,7 @@ static void note_progress(struct engine *e, int n_planned) {
 }
 
 static int run_step(struct engine *e) {
+    constrain_step_begin(e);
     int n = sched_step(e);
     kv_status cst = reuse_flush_copies(e);
     note_progress(e, n);

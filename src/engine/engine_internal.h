@@ -154,6 +154,13 @@ struct engine {
     pthread_mutex_t gv_mu;
     gram_vocab_t *gvocab;
     uint64_t grammar_ns, grammar_steps; /* engine thread; published with the stats */
+    /* the mask work charged in the current step per request (group: its n > 1 sequences
+     * share one budget; a parser state is charged once per request and step), so that one
+     * request cannot hold a step longer than GRAM_MASK_BUDGET units; engine thread, emptied
+     * at the start of every step. An entry per request (is_state false: work = what it was
+     * charged) and per (request, state key) charged (is_state true). */
+    struct constrain_work { uint64_t group, key, work; bool is_state; } *gwork;
+    int n_gwork, cap_gwork;
     struct token_logprob *top;  /* (20) */
     struct backend_sampling *bsamp;   /* (max_batch_size) device sampling requests of a step */
     struct backend_sample_out *bout;  /* (max_batch_size) and their results */
@@ -275,7 +282,8 @@ bool logits_is_stop_id(const struct request *r, int32_t id);
  * without a tokenizer, KV_ENOMEM. */
 kv_status constrain_request_init(struct engine *e, struct request *r, gram_t *g, char *err, size_t errlen);
 /* Before sampling: disallowed tokens of logits (n_vocab) become -inf. Returns the number of
- * allowed tokens (0: nothing may follow, the caller fails the request), -1 on ENOMEM. */
+ * allowed tokens (0: nothing may follow, the caller fails the request), -1 on ENOMEM, -2 when
+ * the mask needed more than GRAM_MASK_BUDGET work units (the caller fails the request). */
 int constrain_mask_logits(struct engine *e, struct request *r, float *logits);
 /* After sampling: id if the grammar allows it, else the allowed token with the largest logit
  * (only reachable through NaN logits). */
@@ -283,6 +291,8 @@ int32_t constrain_check(struct engine *e, struct request *r, const float *logits
 /* Advances r's matcher by id. false if id is outside the grammar; *final: the output is now
  * complete and nothing may extend it. */
 bool constrain_accept(struct engine *e, struct request *r, int32_t id, bool *final);
+/* A new step: every request's mask budget is whole again. */
+void constrain_step_begin(struct engine *e);
 void constrain_destroy(struct engine *e);
 
 /* ---- engine.c ---- */

@@ -128,11 +128,42 @@ struct gn *gn_add(struct gb *b, struct gn *parent, struct gn *kid) {
     return parent;
 }
 
+/* Nested repetitions (x{a,b}){m,M} denote x^k for k in the union of [ka, kb] over k in
+ * [m, M]. When that union is one interval, the nest is the single repetition of x over it:
+ * (x*)* == x*, (x+){3,} == x{3,}, (x{2}){3} == x{6}, (x?){0,5} == x{0,5}. This is exact (a
+ * concatenation of copies of x only depends on how many there are) and removes the ambiguity
+ * that makes nested quantifiers expensive to match: ((.*)*)* reads a byte in one way, not in
+ * one way per split into iterations. Returns false (no rewrite) when the union has gaps
+ * ((x{3}){0,2} = x{0} | x{3} | x{6}) or the merged counts would pass GRAM_MAX_REPEAT. */
+static bool rep_merge(int a, int b, int m, int M, int *lo, int *hi) {
+    if (b == 0 || M == 0) return false; /* x{0} or ""{..}: left as is (matches "") */
+    bool contiguous;
+    if (M == m) contiguous = true;                    /* one k: [ma, mb] */
+    else if (b < 0) contiguous = m >= 1 || a <= 1;   /* [ka, inf) overlap from k >= 1 */
+    else contiguous = (long)a - 1 <= (long)m * (b - a); /* (k+1)a <= kb + 1 for k = m (worst) */
+    if (!contiguous) return false;
+    long l = (long)m * a;
+    long h = (b < 0 || M < 0) ? -1 : (long)M * b;
+    if (l > GRAM_MAX_REPEAT || h > GRAM_MAX_REPEAT) return false;
+    *lo = (int)l;
+    *hi = (int)h;
+    return true;
+}
+
 struct gn *gn_rep(struct gb *b, struct gn *kid, int min, int max) {
     if (!kid) return NULL;
     if (min > GRAM_MAX_REPEAT || max > GRAM_MAX_REPEAT) {
         gb_fail(b, KV_ETOOLONG, "a repetition count is above the limit of 10000");
         return NULL;
+    }
+    /* a group of one item is that item: ((x*)) */
+    while ((kid->type == GN_SEQ || kid->type == GN_ALT) && kid->n_kids == 1) kid = kid->kids[0];
+    int lo, hi;
+    if (kid->type == GN_REP && rep_merge(kid->min, kid->max, min, max, &lo, &hi)) {
+        kid = kid->kids[0];
+        min = lo;
+        max = hi;
+        b->n_merged_reps++;
     }
     struct gn *n = node(b, GN_REP);
     if (!n || !gn_add(b, n, kid)) return NULL;
@@ -250,3 +281,92 @@ oom:
     return KV_ENOMEM;
 }
 
+
+/* ---------------------------------------------------------------- literal tries
+ * Alternatives that are all literal strings (guided_choice, enum, anyOf of consts, "a" | "b"
+ * in GBNF, foo|bar in a regex) become a trie: one alternative per distinct next byte, common
+ * runs as one byte string, each branching node its own rule reached by a tail call:
+ *
+ *   "cat" | "car" | "dog"  ->  T0 ::= "ca" T1 | "dog";  T1 ::= "t" | "r"
+ *
+ * A matcher then holds one parse per distinct prefix instead of one per alternative, so
+ * thousands of choices cost what their branching costs (at most 256 + 1 parses at a node). */
+
+struct lit {
+    const char *s;
+    int n;
+};
+
+static int lit_cmp(const void *a, const void *b) {
+    const struct lit *x = a, *y = b;
+    int n = x->n < y->n ? x->n : y->n;
+    int c = n ? memcmp(x->s, y->s, (size_t)n) : 0;
+    return c ? c : (x->n > y->n) - (x->n < y->n);
+}
+
+#define TRIE_MAX_DEPTH 4096
+
+/* The trie of l[lo, hi) (sorted, distinct, sharing their first d bytes). */
+static struct gn *trie_node(struct gb *b, const struct lit *l, int lo, int hi, int d, int depth) {
+    if (depth > TRIE_MAX_DEPTH) {
+        gb_fail(b, KV_ETOOLONG, "the alternatives nest too deeply (a chain of more than 4096 strings that are "
+                                "prefixes of one another)");
+        return NULL;
+    }
+    struct gn *alt = gn_alt(b);
+    int i = lo;
+    if (l[i].n == d) { /* a string ends here: sorted first */
+        gn_add(b, alt, gn_empty(b));
+        i++;
+        if (hi - i >= 2 && l[i].s[d] != l[hi - 1].s[d]) {
+            /* "" | R, R the children (two or more): R stays one parse (byte-dispatched) */
+            char name[32];
+            snprintf(name, sizeof name, "trie-%d", b->n_rules);
+            int r = gb_rule_new(b, name);
+            if (r < 0) return NULL;
+            gb_rule_set(b, r, trie_node(b, l, i, hi, d, depth + 1));
+            gn_add(b, alt, gn_ref(b, r));
+            return b->st ? NULL : alt;
+        }
+    }
+    while (i < hi && !b->st) {
+        unsigned char c = (unsigned char)l[i].s[d];
+        int j = i + 1;
+        while (j < hi && (unsigned char)l[j].s[d] == c) j++;
+        /* common prefix of the group: that of its first and last strings */
+        int e = d + 1;
+        while (e < l[i].n && e < l[j - 1].n && l[i].s[e] == l[j - 1].s[e]) e++;
+        struct gn *run = gn_bytes(b, l[i].s + d, (size_t)(e - d));
+        if (j - i == 1 && e == l[i].n) {
+            gn_add(b, alt, run);
+        } else {
+            char name[32];
+            snprintf(name, sizeof name, "trie-%d", b->n_rules);
+            int r = gb_rule_new(b, name);
+            if (r < 0) return NULL;
+            gb_rule_set(b, r, trie_node(b, l, i, j, e, depth + 1));
+            gn_add(b, alt, gn_seq2(b, run, gn_ref(b, r)));
+        }
+        i = j;
+    }
+    return b->st ? NULL : alt;
+}
+
+struct gn *gn_literal_trie(struct gb *b, struct gn *const *lits, int n) {
+    struct lit *l = kv_malloc((size_t)(n ? n : 1) * sizeof *l);
+    if (!l) {
+        gb_fail(b, KV_ENOMEM, "out of memory");
+        return NULL;
+    }
+    for (int i = 0; i < n; i++) {
+        l[i].s = lits[i]->type == GN_BYTES ? lits[i]->bytes : "";
+        l[i].n = lits[i]->type == GN_BYTES ? lits[i]->n_bytes : 0;
+    }
+    qsort(l, (size_t)n, sizeof *l, lit_cmp);
+    int w = 0;
+    for (int i = 0; i < n; i++)
+        if (!w || lit_cmp(&l[w - 1], &l[i])) l[w++] = l[i];
+    struct gn *t = w ? trie_node(b, l, 0, w, 0, 0) : gn_alt(b);
+    free(l);
+    return t;
+}

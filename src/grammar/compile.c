@@ -188,6 +188,8 @@ static kv_status build_choice(struct gb *b, void *arg, int *root, char *err, siz
 kv_status gram_compile_choice(const char *const *s, const size_t *len, int n, gram_t **out,
                               char *err, size_t errlen) {
     if (n < 1) return kv_errf(KV_EINVAL, err, errlen, "the choice list is empty");
+    if (n > GRAM_MAX_CHOICES)
+        return kv_errf(KV_ETOOLONG, err, errlen, "%d choices: the limit is %d", n, GRAM_MAX_CHOICES);
     kv_buf key;
     kv_buf_init(&key);
     kv_status st = kv_buf_puts(&key, "choice:");

@@ -69,6 +69,7 @@ struct gb {
     struct gb_rule *rules;
     int n_rules, cap_rules;
     size_t n_nodes;        /* node count (size limit) */
+    int n_merged_reps;     /* nested repetitions merged into one (gn_rep; tests) */
     kv_status st;          /* sticky: KV_ENOMEM or KV_ETOOLONG */
     char err[256];
 };
@@ -96,6 +97,10 @@ struct gn *gn_ref(struct gb *b, int rule);
 struct gn *gn_seq2(struct gb *b, struct gn *a, struct gn *c);
 struct gn *gn_seq3(struct gb *b, struct gn *a, struct gn *c, struct gn *d);
 struct gn *gn_opt(struct gb *b, struct gn *kid);
+/* An ALT matching exactly the given GN_BYTES / GN_EMPTY nodes, as a trie whose branching
+ * nodes are rules (ast.c); duplicates are merged. NULL (sticky error) on ENOMEM or a chain
+ * of prefixes deeper than 4096. */
+struct gn *gn_literal_trie(struct gb *b, struct gn *const *lits, int n);
 
 /* Rules: gb_rule_new adds an undefined rule (name copied); gb_rule_set defines it. */
 int gb_rule_new(struct gb *b, const char *name);
@@ -167,6 +172,12 @@ struct gram {
     int n_sets;
     int root;
     char **rule_names;     /* (n_rules) owned, for messages */
+    /* byte-dispatched rules: lazy[r] = the index in sets of the bytes r can start with, or
+     * -1. A rule of several alternatives that each start with a byte set (or with another
+     * such rule) stays one stack whose top is the rule reference until the next byte picks
+     * the alternatives it fits (a UTF-8 class is one parse position, not eight; a trie node
+     * one, not one per child). (n_rules) owned. */
+    int32_t *lazy;
     /* the start state (stacks after expanding root), computed at compile time */
     int32_t *start;
     int n_start;
@@ -177,14 +188,16 @@ struct gram {
 
 /* ---------------------------------------------------------------- parser states
  * A state is a set of stacks stored flat: for each stack [len, p_0, ..., p_{len-1}] (p_{len-1}
- * the top, always a GE_CHARS element; the others are return positions). A stack of length 0
- * means the grammar is complete (accepting). */
+ * the top: a GE_CHARS element, or a GE_RULE element of a byte-dispatched rule (gram.lazy);
+ * the others are return positions). A stack of length 0 means the grammar is complete
+ * (accepting). */
 struct gstate {
     int32_t *v;            /* owned (cap) */
     int len, cap;          /* ints used */
     int n_stacks;
     bool accept;           /* holds the empty stack */
     bool overflow;         /* a path was dropped at the depth / stack-count limits */
+    bool wide;             /* ... at the stack-count limit (GRAM_MAX_STACKS) */
 };
 #define GRAM_MAX_DEPTH 512
 #define GRAM_MAX_STACKS 256
@@ -192,6 +205,19 @@ struct gstate {
 /* Computes the states reachable from `in` by one byte into out (cleared first). False on
  * ENOMEM. */
 bool gstate_advance(const gram_t *g, const struct gstate *in, uint8_t byte, struct gstate *out);
+/* The same, adding the work units spent to *work. */
+bool gstate_advance_w(const gram_t *g, const struct gstate *in, uint8_t byte, struct gstate *out, uint64_t *work);
+
+/* Compile-time bound on the state-set size (probe.c): follows the output that opens the most
+ * parses at once (at every byte, the byte class whose next state has the most stacks; at
+ * most GRAM_PROBE_DEPTH bytes or GRAM_PROBE_BUDGET work units, stopping when the path comes
+ * back to a state it saw). KV_ETOOLONG with a message naming the limit and the output prefix
+ * when a state reaches GRAM_MAX_STACKS stacks (a matcher would have to drop parses there,
+ * and masks in such states cost up to the mask budget), KV_ENOMEM. A heuristic: grammars it
+ * passes are still bounded at run time by GRAM_MASK_BUDGET per mask. *work_out (optional):
+ * the units spent (tests). */
+#define GRAM_PROBE_DEPTH 4096
+kv_status gram_probe(const gram_t *g, char *err, size_t errlen, uint64_t *work_out);
 /* Initial state of g into out. */
 bool gstate_start(const gram_t *g, struct gstate *out);
 void gstate_free(struct gstate *s);
@@ -205,7 +231,14 @@ void gstate_next_bytes(const gram_t *g, const struct gstate *s, uint8_t out[32])
  * in_len ints, in_n stacks); writes stacks to out_v (capacity out_cap ints). Returns the
  * number of ints written, or -1 when out_cap is too small; *n_out stacks, *acc accepting. */
 int gstate_advance_raw(const gram_t *g, const int32_t *in_v, int in_len, uint8_t byte,
-                       int32_t *out_v, int out_cap, int *n_out, bool *acc, bool *ovf);
+                       int32_t *out_v, int out_cap, int *n_out, bool *acc, bool *ovf, uint64_t *work);
+
+/* Work units: the cost measure of matching, counted instead of timed so that limits are
+ * deterministic (the same request fails or passes alone and batched). One unit is one stack
+ * advanced, one expansion step of the closure, one stack compared when deduplicating, or one
+ * trie node visited by a mask walk; a unit is a few nanoseconds. *work += the units spent
+ * (also when the result is -1). */
+#define GRAM_PROBE_BUDGET 4000000ull   /* compile-time exploration (gram_probe) */
 
 /* Tests: caps the memoized trie walk at n distinct states (default and maximum 4096), so the
  * plain walk that takes over beyond the cap can be exercised. */

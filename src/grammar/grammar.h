@@ -26,6 +26,11 @@
  * so sampling from the mask can never leave the grammar; limits (stack depth
  * GRAM_MAX_DEPTH, stacks per state GRAM_MAX_STACKS) can only remove tokens from a mask.
  *
+ * Cost bounds (a pathological constraint must not slow other requests): nested quantifiers
+ * are merged where exact ((x*)* == x*), literal alternatives become a trie, a grammar that
+ * reaches GRAM_MAX_STACKS parses on the most ambiguous path the compiler explores is refused
+ * (KV_ETOOLONG), and a mask that needs more than its work budget fails (gram_matcher_mask).
+ *
  * Thread safety: gram_t and gram_vocab_t are immutable after creation and may be shared by
  * any number of threads (the mask cache inside a gram_t has its own lock). A matcher belongs
  * to one sequence and one thread at a time.
@@ -60,7 +65,10 @@ kv_status gram_compile_json_schema(const json_t *schema, bool strict, gram_t **o
 kv_status gram_compile_json_object(gram_t **out, char *err, size_t errlen);
 /* A regular expression (Python/ECMAScript syntax subset) matched against the whole output. */
 kv_status gram_compile_regex(const char *re, size_t len, gram_t **out, char *err, size_t errlen);
-/* Exactly one of n strings (n >= 1). */
+/* Exactly one of n strings (1 <= n <= GRAM_MAX_CHOICES; their total length at most about
+ * 1 MiB, the element limit). The strings form a trie, so thousands of choices cost what their
+ * shared prefixes cost; the same limit applies to a JSON schema's enum and anyOf. */
+#define GRAM_MAX_CHOICES 65536
 kv_status gram_compile_choice(const char *const *s, const size_t *len, int n, gram_t **out,
                               char *err, size_t errlen);
 /* A GBNF grammar (llama.cpp's format) with a rule named "root". */
@@ -98,8 +106,31 @@ void gram_matcher_free(gram_matcher_t *m);
 /* The tokens allowed next: a bitset of ceil(n_vocab / 64) words, bit i of word i/64 set when
  * token i is allowed (end-of-generation ids exactly when the grammar is complete). Borrowed:
  * valid until the next call on m. *n_allowed (optional): the number of bits set. NULL on
- * ENOMEM. */
+ * failure, with gram_matcher_status(m): KV_ENOMEM, or KV_ETOOLONG when computing the mask
+ * needed more than GRAM_MASK_BUDGET work units (a pathological grammar: the caller fails the
+ * request; a mask never takes more than the budget, so it cannot stall other sequences).
+ * Masks are cached per (grammar, parser state): a state seen before costs a lookup. */
+#define GRAM_MASK_BUDGET 10000000ull /* work units per mask (one sequence, one decode step) */
 const uint64_t *gram_matcher_mask(gram_matcher_t *m, int *n_allowed);
+/* gram_matcher_mask within budget work units (at most the default budget): the caller's
+ * share of a budget it splits (the engine: one budget per request per step, shared by its
+ * n > 1 sequences). Same results; KV_ETOOLONG when the mask costs more (a cached one too). */
+const uint64_t *gram_matcher_mask_within(gram_matcher_t *m, uint64_t budget, int *n_allowed);
+/* A 64-bit key of m's parser state (equal states, equal keys): lets a caller charge a state
+ * once when several sequences are in it. */
+uint64_t gram_matcher_state_key(const gram_matcher_t *m);
+/* The default per-mask budget (GRAM_MASK_BUDGET unless a test set another). */
+uint64_t gram_mask_budget(void);
+/* Why the last gram_matcher_mask returned NULL (KV_OK if it did not). */
+kv_status gram_matcher_status(const gram_matcher_t *m);
+/* Work units (counted, not timed: gram_internal.h) of the mask of m's current state: what its
+ * trie walk took, also when the mask came from the cache (a hit is charged what the walk
+ * cost, so whether a mask is over a budget depends only on the grammar, the vocabulary and
+ * the state, never on which request computed it first). */
+uint64_t gram_matcher_last_work(const gram_matcher_t *m);
+/* The per-mask work budget in units (0 = the default GRAM_MASK_BUDGET, 1e7: tens of ms).
+ * Process-wide; for tests. */
+void gram_set_mask_budget(uint64_t units);
 /* Advances by token id. false (state unchanged) if the token is not allowed; an
  * end-of-generation id is allowed only when complete and makes the matcher final. */
 bool gram_matcher_accept(gram_matcher_t *m, int32_t id);
@@ -116,6 +147,8 @@ bool gram_matcher_is_final(const gram_matcher_t *m);
  * computed by a trie walk, and the walk time. */
 struct gram_stats {
     uint64_t mask_hits, mask_misses, walk_ns, trie_nodes_visited;
+    uint64_t work_units;   /* work of all trie walks */
+    uint64_t over_budget;  /* masks refused for exceeding the work budget */
 };
 void gram_get_stats(struct gram_stats *out);
 

@@ -374,9 +374,48 @@ static bool lower_seq(struct lower *L, struct gn *n) {
     return false;
 }
 
+/* Adds the alternatives of n to out (nested ALTs and one-item groups flattened). */
+static void flatten_alt(struct gb *b, struct gn *out, struct gn *n, int depth) {
+    while ((n->type == GN_SEQ || n->type == GN_ALT) && n->n_kids == 1) n = n->kids[0];
+    if (n->type == GN_ALT && depth < 64) {
+        for (int i = 0; i < n->n_kids; i++) flatten_alt(b, out, n->kids[i], depth + 1);
+        return;
+    }
+    gn_add(b, out, n);
+}
+
+#define TRIE_MIN_LITERALS 4
+
+/* A rule body with its literal alternatives merged into a trie (gn_literal_trie): a list of
+ * thousands of strings then opens one parse per distinct prefix, not one per string. */
+static struct gn *alt_with_trie(struct gb *b, struct gn *body) {
+    if (body->type != GN_ALT) return body;
+    struct gn *flat = gn_alt(b);
+    for (int i = 0; i < body->n_kids && flat; i++) flatten_alt(b, flat, body->kids[i], 0);
+    if (!flat) return body;
+    int n_lit = 0;
+    for (int i = 0; i < flat->n_kids; i++) n_lit += flat->kids[i]->type == GN_BYTES || flat->kids[i]->type == GN_EMPTY;
+    if (n_lit < TRIE_MIN_LITERALS) return flat;
+    struct gn **lits = gb_alloc(b, (size_t)n_lit * sizeof *lits);
+    struct gn *out = gn_alt(b);
+    if (!lits || !out) return NULL;
+    int k = 0;
+    for (int i = 0; i < flat->n_kids; i++) {
+        struct gn *x = flat->kids[i];
+        if (x->type == GN_BYTES || x->type == GN_EMPTY) lits[k++] = x;
+        else gn_add(b, out, x);
+    }
+    struct gn *t = gn_literal_trie(b, lits, n_lit);
+    if (!t) return NULL;
+    for (int i = 0; i < t->n_kids; i++) gn_add(b, out, t->kids[i]);
+    return out;
+}
+
 /* Lowers every alternative of rule r (alternatives are appended after the current ones). */
 static bool lower_rule(struct lower *L, int r) {
-    struct gn *body = L->b->rules[r].body;
+    struct gn *body = alt_with_trie(L->b, L->b->rules[r].body);
+    if (!body) return false;
+    L->b->rules[r].body = body;
     struct gn *one[1] = {body};
     struct gn **alts = one;
     int n_alts = 1;
@@ -411,6 +450,64 @@ static kv_status check_left_recursion(const gram_t *g, char *err, size_t errlen)
 static kv_status prune_unproductive(gram_t *g, char *err, size_t errlen);
 
 static void gram_destroy(gram_t *g);
+
+#define LAZY_MAX_NEST 4 /* a byte-dispatched rule starts with at most this many nested ones */
+
+/* gram.lazy: a rule is byte-dispatched when it has several alternatives and each starts with
+ * a byte set or with a byte-dispatched rule (at most LAZY_MAX_NEST deep: advancing one costs
+ * a recursion per level); its set is the union of those first sets. A fixpoint over the
+ * rules (no left recursion: a rule never starts with itself). */
+static kv_status find_lazy_rules(gram_t *g, char *err, size_t errlen) {
+    int n = g->n_rules;
+    g->lazy = kv_malloc((size_t)(n ? n : 1) * sizeof *g->lazy);
+    int8_t *nest = kv_calloc((size_t)(n ? n : 1), 1);
+    if (!g->lazy || !nest) {
+        free(nest);
+        return kv_errf(KV_ENOMEM, err, errlen, "out of memory");
+    }
+    for (int r = 0; r < n; r++) g->lazy[r] = -1;
+    for (bool changed = true; changed;) {
+        changed = false;
+        for (int r = 0; r < n; r++) {
+            int a0 = g->rule_off[r], a1 = g->rule_off[r + 1];
+            if (g->lazy[r] >= 0 || a1 - a0 < 2) continue;
+            uint8_t set[32] = {0};
+            int depth = 1;
+            bool ok = true;
+            for (int a = a0; a < a1 && ok; a++) {
+                uint32_t e = g->elems[g->alt_start[a]];
+                const uint8_t *fs = NULL;
+                if (GE_TYPE(e) == GE_CHARS) fs = g->sets[GE_ARG(e)];
+                else if (GE_TYPE(e) == GE_RULE && g->lazy[GE_ARG(e)] >= 0 && nest[GE_ARG(e)] < LAZY_MAX_NEST) {
+                    fs = g->sets[g->lazy[GE_ARG(e)]];
+                    if (nest[GE_ARG(e)] + 1 > depth) depth = nest[GE_ARG(e)] + 1;
+                }
+                if (!fs) ok = false;
+                else
+                    for (int i = 0; i < 32; i++) set[i] |= fs[i];
+            }
+            if (!ok) continue;
+            int si = -1;
+            for (int i = 0; i < g->n_sets && si < 0; i++)
+                if (!memcmp(g->sets[i], set, 32)) si = i;
+            if (si < 0) {
+                void *ns = kv_realloc(g->sets, (size_t)(g->n_sets + 1) * 32);
+                if (!ns) {
+                    free(nest);
+                    return kv_errf(KV_ENOMEM, err, errlen, "out of memory");
+                }
+                g->sets = ns;
+                memcpy(g->sets[g->n_sets], set, 32);
+                si = g->n_sets++;
+            }
+            g->lazy[r] = si;
+            nest[r] = (int8_t)depth;
+            changed = true;
+        }
+    }
+    free(nest);
+    return KV_OK;
+}
 
 kv_status gb_compile(struct gb *b, int root, gram_t **out, char *err, size_t errlen) {
     if (b->st) return kv_errf(b->st, err, errlen, "%s", b->err);
@@ -476,15 +573,16 @@ kv_status gb_compile(struct gb *b, int root, gram_t **out, char *err, size_t err
     }
     st = prune_unproductive(g, err, errlen);
     if (!st) st = check_left_recursion(g, err, errlen);
+    if (!st) st = find_lazy_rules(g, err, errlen);
     if (st) goto done;
     struct gstate s0 = {0};
     if (!gstate_start(g, &s0)) {
         st = kv_errf(KV_ENOMEM, err, errlen, "out of memory");
         goto done;
     }
-    if (s0.overflow) {
+    if (s0.overflow && !s0.wide) { /* too many stacks: gram_probe below says so */
         gstate_free(&s0);
-        st = kv_errf(KV_ETOOLONG, err, errlen, "the grammar is too deeply nested or too ambiguous at its start");
+        st = kv_errf(KV_ETOOLONG, err, errlen, "the grammar nests too deeply at its start (more than 512 levels)");
         goto done;
     }
     if (s0.n_stacks == 0) {
@@ -494,6 +592,7 @@ kv_status gb_compile(struct gb *b, int root, gram_t **out, char *err, size_t err
     }
     g->start = s0.v;
     g->n_start = s0.len;
+    st = gram_probe(g, err, errlen, NULL);
 done:
     if (st && g) {
         gram_destroy(g);
@@ -665,6 +764,7 @@ static void gram_destroy(gram_t *g) {
         for (int r = 0; r < g->n_rules; r++) free(g->rule_names[r]);
     free(g->rule_names);
     free(g->start);
+    free(g->lazy);
     gram_mask_cache_free(g->cache);
     pthread_mutex_destroy(&g->mu);
     free(g);

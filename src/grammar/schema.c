@@ -645,6 +645,11 @@ static struct gn *node(struct gsc *c, const json_t *s, const char *path) {
             res = sc_fail(c, KV_EINVAL, path, "unsupported: 'allOf' with more than one schema");
             goto out;
         }
+        if (json_array_size(comb) > GRAM_MAX_CHOICES) {
+            res = sc_fail(c, KV_ETOOLONG, path, "'%s' has %zu schemas: the limit is %d", comb_name,
+                          json_array_size(comb), GRAM_MAX_CHOICES);
+            goto out;
+        }
         struct gn *alt = gn_alt(b);
         size_t i;
         json_t *e;
@@ -665,6 +670,11 @@ static struct gn *node(struct gsc *c, const json_t *s, const char *path) {
         }
         if (en && (!json_is_array(en) || json_array_size(en) == 0)) {
             res = sc_fail(c, KV_EINVAL, path, "'enum' must be a non-empty array");
+            goto out;
+        }
+        if (en && json_array_size(en) > GRAM_MAX_CHOICES) {
+            res = sc_fail(c, KV_ETOOLONG, path, "'enum' has %zu values: the limit is %d", json_array_size(en),
+                          GRAM_MAX_CHOICES);
             goto out;
         }
         json_t *types = json_object_get(s, "type");

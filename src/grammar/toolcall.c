@@ -332,6 +332,27 @@ static int parse_call_list(const char *s, size_t n, struct gram_tool_call **out)
     return k;
 }
 
+/* The "</tool_call>" that ends a hermes call body: the first one outside a JSON string, so
+ * an argument whose text contains the tag ({"q": "</tool_call>"}) does not cut the call.
+ * NULL while there is none yet (a body whose quotes never balance ends at the end of the
+ * output, where gram_tool_stream_finish parses or releases it). */
+static const char *close_tag(const char *s, size_t n) {
+    static const char tag[] = "</tool_call>";
+    bool in_str = false;
+    for (size_t i = 0; i < n; i++) {
+        char c = s[i];
+        if (in_str) {
+            if (c == '\\') i++;
+            else if (c == '"') in_str = false;
+        } else if (c == '"') {
+            in_str = true;
+        } else if (c == '<' && n - i >= sizeof tag - 1 && !memcmp(s + i, tag, sizeof tag - 1)) {
+            return s + i;
+        }
+    }
+    return NULL;
+}
+
 static const char *start_marker(enum gram_tool_fmt f) { return f == GRAM_TOOLS_MISTRAL ? "[TOOL_CALLS]" : "<tool_call>"; }
 
 kv_status gram_tool_stream_push(gram_tool_stream_t *s, const char *text, size_t len, kv_buf *content,
@@ -377,7 +398,7 @@ kv_status gram_tool_stream_push(gram_tool_stream_t *s, const char *text, size_t 
         }
         /* TS_IN_CALL: hermes closes each call; the others run to the end of the output */
         if (s->fmt != GRAM_TOOLS_HERMES) return KV_OK;
-        const char *end = memfind(h->data, h->len, "</tool_call>");
+        const char *end = close_tag(h->data, h->len);
         if (!end) return KV_OK;
         size_t body = (size_t)(end - h->data);
         struct gram_tool_call *c = NULL;

@@ -36,13 +36,15 @@ struct gram_vocab {
 };
 
 static _Atomic uint64_t g_vocab_uid = 1;
-static _Atomic uint64_t g_hits, g_misses, g_walk_ns, g_nodes;
+static _Atomic uint64_t g_hits, g_misses, g_walk_ns, g_nodes, g_work, g_over_budget;
 
 void gram_get_stats(struct gram_stats *out) {
     out->mask_hits = atomic_load(&g_hits);
     out->mask_misses = atomic_load(&g_misses);
     out->walk_ns = atomic_load(&g_walk_ns);
     out->trie_nodes_visited = atomic_load(&g_nodes);
+    out->work_units = atomic_load(&g_work);
+    out->over_budget = atomic_load(&g_over_budget);
 }
 
 void gram_vocab_free(gram_vocab_t *v) {
@@ -201,6 +203,7 @@ struct mc_entry {
     int key_len;
     uint64_t *bits;            /* owned (words) */
     int n_allowed;
+    uint64_t work;             /* work units the trie walk took (charged again on a hit) */
 };
 
 struct gram_mask_cache {
@@ -276,7 +279,7 @@ static struct mc_entry *mc_find(struct gram_mask_cache *c, const int32_t *k, int
     }
 }
 
-static void mc_insert(struct gram_mask_cache *c, const int32_t *k, int n, uint64_t h,
+static void mc_insert(struct gram_mask_cache *c, const int32_t *k, int n, uint64_t h, uint64_t work,
                       const uint64_t *bits, int n_allowed) {
     size_t sz = (size_t)n * sizeof *k + (size_t)c->words * sizeof *bits;
     if (c->bytes + sz > MC_MAX_BYTES) mc_clear(c); /* simple and rare: start over */
@@ -304,7 +307,7 @@ static void mc_insert(struct gram_mask_cache *c, const int32_t *k, int n, uint64
     }
     memcpy(kc, k, (size_t)n * sizeof *k);
     memcpy(bc, bits, (size_t)c->words * sizeof *bits);
-    *e = (struct mc_entry){h, kc, n, bc, n_allowed};
+    *e = (struct mc_entry){h, kc, n, bc, n_allowed, work};
     c->n++;
     c->bytes += sz;
     atomic_fetch_add(&g_mc_bytes, sz);
@@ -324,6 +327,8 @@ struct gram_matcher {
     int32_t *arena;
     int arena_cap;
     int32_t *doff, *dlen, *dn;  /* (max_depth + 1) */
+    uint64_t work;             /* work units of the last trie walk */
+    kv_status fail;            /* why the last gram_matcher_mask returned NULL */
 };
 
 gram_matcher_t *gram_matcher_new(gram_t *g, const gram_vocab_t *v) {
@@ -505,8 +510,12 @@ static void set_tokens(const gram_vocab_t *v, int node, uint64_t *mask, int *n_a
     }
 }
 
-/* 1 done, 0 too many states (use walk_plain), -1 ENOMEM. */
-static int walk_memo(gram_matcher_t *m, int *n_allowed, uint64_t *visited) {
+static _Atomic uint64_t g_mask_budget = GRAM_MASK_BUDGET;
+void gram_set_mask_budget(uint64_t units) { atomic_store(&g_mask_budget, units ? units : GRAM_MASK_BUDGET); }
+uint64_t gram_mask_budget(void) { return atomic_load(&g_mask_budget); }
+
+/* 1 done, 0 too many states (use walk_plain), -1 ENOMEM, -2 over the work budget. */
+static int walk_memo(gram_matcher_t *m, int *n_allowed, uint64_t *visited, uint64_t budget) {
     const gram_vocab_t *v = m->v;
     const gram_t *g = m->g;
     struct walk_scratch *w = ws_get();
@@ -536,13 +545,14 @@ static int walk_memo(gram_matcher_t *m, int *n_allowed, uint64_t *visited) {
         int32_t *tp = &w->trans[(size_t)p * 256 + v->nbyte[i]];
         int t = *tp;
         (*visited)++;
+        if (++m->work > budget) return -2;
         if (t == T_UNKNOWN) {
             int n_out = 0, len;
             bool acc = false, ovf = false;
             for (;;) {
                 int room = w->arena_cap - w->arena_len;
                 len = gstate_advance_raw(g, w->arena + w->soff[p], w->slen[p], v->nbyte[i], w->arena + w->arena_len,
-                                         room, &n_out, &acc, &ovf);
+                                         room, &n_out, &acc, &ovf, &m->work);
                 if (len >= 0) break;
                 if (!ws_reserve_arena(w, w->arena_cap)) return -1;
             }
@@ -565,20 +575,21 @@ static int walk_memo(gram_matcher_t *m, int *n_allowed, uint64_t *visited) {
     return 1;
 }
 
-/* The walk without memoization: states by depth in a stack-like arena. */
-static bool walk_plain(gram_matcher_t *m, int *n_allowed, uint64_t *visited) {
+/* The walk without memoization: states by depth in a stack-like arena. 1 done, -1 ENOMEM,
+ * -2 over the work budget. */
+static int walk_plain(gram_matcher_t *m, int *n_allowed, uint64_t *visited, uint64_t budget) {
     const gram_vocab_t *v = m->v;
     const gram_t *g = m->g;
     if (!m->doff) {
         m->doff = kv_malloc((size_t)(v->max_depth + 2) * sizeof *m->doff);
         m->dlen = kv_malloc((size_t)(v->max_depth + 2) * sizeof *m->dlen);
         m->dn = kv_malloc((size_t)(v->max_depth + 2) * sizeof *m->dn);
-        if (!m->doff || !m->dlen || !m->dn) return false;
+        if (!m->doff || !m->dlen || !m->dn) return -1;
     }
     if (m->arena_cap < m->st.len + 4096) {
         int nc = m->st.len + 65536;
         int32_t *na = kv_realloc(m->arena, (size_t)nc * sizeof *na);
-        if (!na) return false;
+        if (!na) return -1;
         m->arena = na;
         m->arena_cap = nc;
     }
@@ -594,11 +605,12 @@ static bool walk_plain(gram_matcher_t *m, int *n_allowed, uint64_t *visited) {
         bool acc = false, ovf = false;
         int w;
         (*visited)++;
+        if (++m->work > budget) return -2;
         while ((w = gstate_advance_raw(g, m->arena + po, pl, v->nbyte[i], m->arena + o,
-                                       m->arena_cap - o, &n_out, &acc, &ovf)) < 0) {
+                                       m->arena_cap - o, &n_out, &acc, &ovf, &m->work)) < 0) {
             int nc = m->arena_cap * 2;
             int32_t *na = kv_realloc(m->arena, (size_t)nc * sizeof *na);
-            if (!na) return false;
+            if (!na) return -1;
             m->arena = na;
             m->arena_cap = nc;
         }
@@ -612,22 +624,30 @@ static bool walk_plain(gram_matcher_t *m, int *n_allowed, uint64_t *visited) {
         set_tokens(v, i, m->mask, n_allowed);
         i++;
     }
-    return true;
+    return 1;
 }
 
-/* Fills m->mask for m->st. false on ENOMEM. */
-static bool walk(gram_matcher_t *m) {
+/* Fills m->mask for m->st. KV_ENOMEM, or KV_ETOOLONG when the walk needs more than the
+ * work budget (both walks together: the budget bounds the whole mask). */
+static kv_status walk(gram_matcher_t *m, uint64_t budget) {
     const gram_vocab_t *v = m->v;
     int n_allowed = 0;
     uint64_t visited = 0;
+    m->work = 0;
     memset(m->mask, 0, (size_t)v->words * sizeof *m->mask);
-    int r = walk_memo(m, &n_allowed, &visited);
-    if (r < 0) return false;
+    int r = walk_memo(m, &n_allowed, &visited, budget);
     if (r == 0) {
         memset(m->mask, 0, (size_t)v->words * sizeof *m->mask);
         n_allowed = 0;
-        if (!walk_plain(m, &n_allowed, &visited)) return false;
+        r = walk_plain(m, &n_allowed, &visited, budget);
     }
+    atomic_fetch_add(&g_nodes, visited);
+    atomic_fetch_add(&g_work, m->work);
+    if (r == -2) {
+        atomic_fetch_add(&g_over_budget, 1);
+        return KV_ETOOLONG;
+    }
+    if (r < 0) return KV_ENOMEM;
     if (m->st.accept)
         for (int k = 0; k < v->n_eog; k++) {
             int32_t id = v->eog[k];
@@ -635,12 +655,18 @@ static bool walk(gram_matcher_t *m) {
             m->mask[id >> 6] |= 1ull << (id & 63);
         }
     m->n_allowed = n_allowed;
-    atomic_fetch_add(&g_nodes, visited);
-    return true;
+    return KV_OK;
 }
 
 const uint64_t *gram_matcher_mask(gram_matcher_t *m, int *n_allowed) {
-    if (m->mask_valid) {
+    return gram_matcher_mask_within(m, gram_mask_budget(), n_allowed);
+}
+
+const uint64_t *gram_matcher_mask_within(gram_matcher_t *m, uint64_t budget, int *n_allowed) {
+    uint64_t def = gram_mask_budget();
+    if (budget > def) budget = def;
+    m->fail = KV_OK;
+    if (m->mask_valid) { /* the same state as the last call: m->work is its cost */
         if (n_allowed) *n_allowed = m->n_allowed;
         return m->mask;
     }
@@ -649,6 +675,7 @@ const uint64_t *gram_matcher_mask(gram_matcher_t *m, int *n_allowed) {
         memset(m->mask, 0, (size_t)v->words * sizeof *m->mask);
         m->n_allowed = 0;
         m->mask_valid = true;
+        m->work = 0;
         if (n_allowed) *n_allowed = 0;
         return m->mask;
     }
@@ -658,6 +685,15 @@ const uint64_t *gram_matcher_mask(gram_matcher_t *m, int *n_allowed) {
     struct gram_mask_cache *c = mc_for(g, v);
     struct mc_entry *e = c ? mc_find(c, m->st.v, m->st.len, h) : NULL;
     if (e && e->key) {
+        /* a hit is charged what the walk cost, so whether a mask is over the budget never
+         * depends on which request computed it first */
+        m->work = e->work;
+        if (e->work > budget) {
+            pthread_mutex_unlock(&g->mu);
+            atomic_fetch_add(&g_over_budget, 1);
+            m->fail = KV_ETOOLONG;
+            return NULL;
+        }
         memcpy(m->mask, e->bits, (size_t)v->words * sizeof *m->mask);
         m->n_allowed = e->n_allowed;
         pthread_mutex_unlock(&g->mu);
@@ -665,18 +701,26 @@ const uint64_t *gram_matcher_mask(gram_matcher_t *m, int *n_allowed) {
     } else {
         pthread_mutex_unlock(&g->mu);
         uint64_t t0 = kv_now_ns();
-        if (!walk(m)) return NULL;
+        kv_status st = walk(m, budget);
+        if (st) {
+            m->fail = st;
+            return NULL;
+        }
         atomic_fetch_add(&g_walk_ns, kv_now_ns() - t0);
         atomic_fetch_add(&g_misses, 1);
         pthread_mutex_lock(&g->mu);
         c = mc_for(g, v);
-        if (c) mc_insert(c, m->st.v, m->st.len, h, m->mask, m->n_allowed);
+        if (c) mc_insert(c, m->st.v, m->st.len, h, m->work, m->mask, m->n_allowed);
         pthread_mutex_unlock(&g->mu);
     }
     m->mask_valid = true;
     if (n_allowed) *n_allowed = m->n_allowed;
     return m->mask;
 }
+
+kv_status gram_matcher_status(const gram_matcher_t *m) { return m->fail; }
+uint64_t gram_matcher_last_work(const gram_matcher_t *m) { return m->work; }
+uint64_t gram_matcher_state_key(const gram_matcher_t *m) { return key_hash(m->st.v, m->st.len) ^ (uint64_t)m->final; }
 
 bool gram_matcher_accept_bytes(gram_matcher_t *m, const char *s, size_t n) {
     if (m->final) return n == 0;

@@ -75,6 +75,8 @@ struct oai_structured {
     json_t *spec;               /* owned: the schema, regex or grammar string, or choice array */
     bool strict;                /* json_schema.strict */
     const char *param;          /* static: the field the constraint came from (error param) */
+    const char *where;          /* static: the exact value compiled, e.g.
+                                   "response_format.json_schema.schema" (compile errors) */
     json_t *tools;              /* owned or NULL: the request's non-empty "tools" (chat) */
     enum oai_tool_choice tool_choice;
     char *tool_name;            /* owned: a named tool_choice */

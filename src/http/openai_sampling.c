@@ -91,9 +91,11 @@ kv_status oai_parse_sampling(json_t *o, const struct oai_limits *lim, struct oai
     if (parse_logit_bias(o, lim, r, err) || parse_stop_token_ids(o, lim, r, err)) return KV_EINVAL;
     int64_t hi = r->max_tokens > 0 ? r->max_tokens : lim && lim->max_model_len > 0 ? lim->max_model_len : INT32_MAX;
     if (oai_get_int(o, "min_tokens", 0, hi, &present, &x, err)) {
-        if (err->status == 400 && r->max_tokens > 0)
-            snprintf(err->message, sizeof err->message,
-                     "'min_tokens' must be between 0 and max_tokens (%d)", r->max_tokens);
+        if (err->status == 400 && r->max_tokens > 0) /* name the field the client sent */
+            snprintf(err->message, sizeof err->message, "'min_tokens' must be between 0 and '%s' (%d)",
+                     r->kind == OAI_CHAT && oai_field(o, "max_completion_tokens") ? "max_completion_tokens"
+                                                                                         : "max_tokens",
+                     r->max_tokens);
         return KV_EINVAL;
     }
     if (present) r->min_tokens = (int)x;

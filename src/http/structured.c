@@ -29,7 +29,7 @@ static json_t *present(json_t *o, const char *k) {
 
 /* One constraint source found: records it, or refuses a second one. */
 static kv_status set_kind(struct oai_structured *so, enum oai_so_kind kind, json_t *spec, bool strict,
-                          const char *param, struct oai_error *err) {
+                          const char *param, const char *where, struct oai_error *err) {
     if (so->kind != OAI_SO_NONE)
         return BAD(param, "'%s' cannot be combined with '%s': give one way to constrain the output", param,
                    so->param);
@@ -37,6 +37,7 @@ static kv_status set_kind(struct oai_structured *so, enum oai_so_kind kind, json
     so->spec = json_incref(spec);
     so->strict = strict;
     so->param = param;
+    so->where = where;
     return KV_OK;
 }
 
@@ -64,7 +65,7 @@ static kv_status schema_field(struct oai_structured *so, json_t *v, const char *
                               bool strict, struct oai_error *err) {
     json_t *s = NULL;
     if (schema_value(v, value_param, &s, err)) return KV_EINVAL;
-    kv_status st = set_kind(so, OAI_SO_JSON_SCHEMA, s, strict, param, err);
+    kv_status st = set_kind(so, OAI_SO_JSON_SCHEMA, s, strict, param, value_param, err);
     json_decref(s);
     return st;
 }
@@ -86,17 +87,20 @@ static kv_status response_format(json_t *rf, struct oai_structured *so, struct o
     if (!strcmp(ts, "text")) return KV_OK;
     if (!strcmp(ts, "json_object")) {
         json_t *schema = present(rf, "schema"); /* llama.cpp's extension: json_object with a schema */
-        if (!schema) return set_kind(so, OAI_SO_JSON_OBJECT, NULL, false, P, err);
+        if (!schema) return set_kind(so, OAI_SO_JSON_OBJECT, NULL, false, P, P, err);
         return schema_field(so, schema, P, "response_format.schema", false, err);
     }
     if (strcmp(ts, "json_schema"))
         return BAD(P, "response_format type '%s' is not supported (text, json_object or json_schema)", ts);
     json_t *js = json_object_get(rf, "json_schema");
-    if (!json_is_object(js)) return BAD(P, "response_format json_schema needs a 'json_schema' object");
+    if (!json_is_object(js))
+        return BAD("response_format.json_schema", "response_format type json_schema needs a 'json_schema' object");
     json_t *name = present(js, "name"), *strict = present(js, "strict"), *schema = present(js, "schema");
-    if (name && !json_is_string(name)) return BAD(P, "'response_format.json_schema.name' must be a string");
-    if (strict && !json_is_boolean(strict)) return BAD(P, "'response_format.json_schema.strict' must be a boolean");
-    if (!schema) return set_kind(so, OAI_SO_JSON_OBJECT, NULL, false, P, err);
+    if (name && !json_is_string(name))
+        return BAD("response_format.json_schema.name", "'response_format.json_schema.name' must be a string");
+    if (strict && !json_is_boolean(strict))
+        return BAD("response_format.json_schema.strict", "'response_format.json_schema.strict' must be a boolean");
+    if (!schema) return set_kind(so, OAI_SO_JSON_OBJECT, NULL, false, P, P, err);
     return schema_field(so, schema, P, "response_format.json_schema.schema", strict && json_is_true(strict), err);
 }
 
@@ -108,22 +112,22 @@ kv_status oai_parse_structured(json_t *o, struct oai_request *r, struct oai_erro
         return KV_EINVAL;
     if ((v = present(o, "guided_regex"))) {
         if (!json_is_string(v)) return BAD("guided_regex", "'guided_regex' must be a string");
-        if (set_kind(so, OAI_SO_REGEX, v, false, "guided_regex", err)) return KV_EINVAL;
+        if (set_kind(so, OAI_SO_REGEX, v, false, "guided_regex", "guided_regex", err)) return KV_EINVAL;
     }
     if ((v = present(o, "guided_choice"))) {
-        if (choice_value(v, "guided_choice", err) || set_kind(so, OAI_SO_CHOICE, v, false, "guided_choice", err))
+        if (choice_value(v, "guided_choice", err) || set_kind(so, OAI_SO_CHOICE, v, false, "guided_choice", "guided_choice", err))
             return KV_EINVAL;
     }
     if ((v = present(o, "guided_grammar"))) {
         if (!json_is_string(v)) return BAD("guided_grammar", "'guided_grammar' must be a string (GBNF)");
-        if (set_kind(so, OAI_SO_GRAMMAR, v, false, "guided_grammar", err)) return KV_EINVAL;
+        if (set_kind(so, OAI_SO_GRAMMAR, v, false, "guided_grammar", "guided_grammar", err)) return KV_EINVAL;
     }
     /* llama.cpp's own fields: "json_schema" (a schema) and "grammar" (GBNF) */
     if ((v = present(o, "json_schema")) && schema_field(so, v, "json_schema", "json_schema", false, err))
         return KV_EINVAL;
     if ((v = present(o, "grammar"))) {
         if (!json_is_string(v)) return BAD("grammar", "'grammar' must be a string (GBNF)");
-        if (set_kind(so, OAI_SO_GRAMMAR, v, false, "grammar", err)) return KV_EINVAL;
+        if (set_kind(so, OAI_SO_GRAMMAR, v, false, "grammar", "grammar", err)) return KV_EINVAL;
     }
     if ((v = present(o, "guided_whitespace_pattern")))
         return BAD("guided_whitespace_pattern", "'guided_whitespace_pattern' is not supported (JSON whitespace is "
@@ -138,17 +142,19 @@ kv_status oai_parse_structured(json_t *o, struct oai_request *r, struct oai_erro
             if (!strcmp(k, "json")) {
                 if (schema_field(so, x, P, "structured_outputs.json", false, err)) return KV_EINVAL;
             } else if (!strcmp(k, "regex")) {
-                if (!json_is_string(x)) return BAD(P, "'structured_outputs.regex' must be a string");
-                if (set_kind(so, OAI_SO_REGEX, x, false, P, err)) return KV_EINVAL;
+                if (!json_is_string(x)) return BAD("structured_outputs.regex", "'structured_outputs.regex' must be a string");
+                if (set_kind(so, OAI_SO_REGEX, x, false, P, "structured_outputs.regex", err)) return KV_EINVAL;
             } else if (!strcmp(k, "choice")) {
-                if (choice_value(x, "structured_outputs.choice", err) || set_kind(so, OAI_SO_CHOICE, x, false, P, err))
+                if (choice_value(x, "structured_outputs.choice", err) || set_kind(so, OAI_SO_CHOICE, x, false, P, "structured_outputs.choice", err))
                     return KV_EINVAL;
             } else if (!strcmp(k, "grammar")) {
-                if (!json_is_string(x)) return BAD(P, "'structured_outputs.grammar' must be a string (GBNF)");
-                if (set_kind(so, OAI_SO_GRAMMAR, x, false, P, err)) return KV_EINVAL;
+                if (!json_is_string(x))
+                    return BAD("structured_outputs.grammar", "'structured_outputs.grammar' must be a string (GBNF)");
+                if (set_kind(so, OAI_SO_GRAMMAR, x, false, P, "structured_outputs.grammar", err)) return KV_EINVAL;
             } else if (!strcmp(k, "json_object")) {
-                if (!json_is_boolean(x)) return BAD(P, "'structured_outputs.json_object' must be a boolean");
-                if (json_is_true(x) && set_kind(so, OAI_SO_JSON_OBJECT, NULL, false, P, err)) return KV_EINVAL;
+                if (!json_is_boolean(x))
+                    return BAD("structured_outputs.json_object", "'structured_outputs.json_object' must be a boolean");
+                if (json_is_true(x) && set_kind(so, OAI_SO_JSON_OBJECT, NULL, false, P, "structured_outputs.json_object", err)) return KV_EINVAL;
             } else {
                 return BAD(P, "'structured_outputs.%s' is not supported (json, regex, choice, grammar, json_object)", k);
             }
@@ -208,7 +214,7 @@ kv_status oai_structured_compile(struct oai_request *r, enum gram_tool_fmt fmt, 
                    so->tool_choice == OAI_TOOLS_REQUIRED ? "required" : "function", so->param);
     char msg[400] = "";
     kv_status st = KV_OK;
-    const char *param = so->param;
+    const char *param = so->where ? so->where : so->param;
     switch (so->kind) {
     case OAI_SO_NONE:
         if (forced) {

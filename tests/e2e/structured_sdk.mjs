@@ -165,7 +165,8 @@ try {
   await check('unsupported schema keyword is a 400 naming it', async () => {
     await assert.rejects(client.chat.completions.create({ model: id, messages, max_tokens: 5,
       response_format: { type: 'json_schema', json_schema: { name: 'x', schema: { type: 'object', patternProperties: { a: {} } } } } }),
-    (e) => e instanceof OpenAI.BadRequestError && /patternProperties/.test(e.message) && e.param === 'response_format');
+    (e) => e instanceof OpenAI.BadRequestError && /patternProperties/.test(e.message) && e.param === 'response_format.json_schema.schema'
+        && /response_format\.json_schema\.schema: unsupported/.test(e.message));
     await assert.rejects(client.completions.create({ model: id, prompt: 'x', max_tokens: 5, guided_regex: '(a)\\1' }),
       (e) => e.status === 400 && /backreference/.test(e.message) && e.param === 'guided_regex');
     await assert.rejects(client.chat.completions.create({ model: id, messages, max_tokens: 5, tools: [weather],

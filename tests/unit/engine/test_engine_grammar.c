@@ -50,6 +50,8 @@ struct job {
     int n_term;
     enum engine_event_type term;
     enum finish_reason fin;
+    char msg[400];             /* the error message */
+    bool quiet;                /* an error is expected */
 };
 
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -73,7 +75,10 @@ static void on_event(const struct engine_event *ev, void *user) {
         j->n_term++;
         j->term = ev->type;
         j->fin = ev->finish;
-        if (ev->type == ENGINE_EV_ERROR) fprintf(stderr, "job error: %s\n", ev->message);
+        if (ev->type == ENGINE_EV_ERROR) {
+            snprintf(j->msg, sizeof j->msg, "%s", ev->message ? ev->message : "");
+            if (!j->quiet) fprintf(stderr, "job error: %s\n", ev->message);
+        }
         pthread_cond_broadcast(&g_cv);
     }
     pthread_mutex_unlock(&g_mu);
@@ -376,8 +381,105 @@ static void test_grammar_property_tiny_random(void **st) {
     if (!ran) skip();
 }
 
+/* The per-mask work budget (tester finding F2): a request whose mask needs more than the
+ * budget fails with a clear error (a 400 over HTTP), its n > 1 siblings too, and an
+ * unconstrained request in the same batch is untouched (bitwise its output alone). The bound
+ * is counted work, not time. */
+static void test_grammar_budget(void **st) {
+    (void)st;
+    char path[1024], err[512];
+    if (!test_data_path(path, sizeof path, "models/stories260K/stories260K.gguf")) skip();
+    model_t *model = NULL;
+    tokenizer_t *tok = NULL;
+    backend_t *be = NULL;
+    if (model_load(path, &model, err, sizeof err) || tok_load(path, &tok, err, sizeof err) ||
+        backend_cpu_new(model, 1, &be, err, sizeof err))
+        fail_msg("%s", err);
+    struct engine_config cfg = {.tokens_per_block = 16, .n_blocks = 256, .max_batch_size = 8,
+                                .max_num_tokens = 128, .max_model_len = 256, .max_queue = 16};
+    engine_t *e = NULL;
+    if (engine_start(&cfg, model, tok, be, &e, err, sizeof err)) fail_msg("engine: %s", err);
+    int32_t *prompt = NULL;
+    size_t n_prompt = 0;
+    assert_int_equal(tok_encode(tok, "Once upon a time", 16, true, false, &prompt, &n_prompt), KV_OK);
+    const char *re = "(.*.*.*)*x"; /* passes the compile-time bound; its masks are costly */
+    gram_t *g = NULL;
+    if (gram_compile_regex(re, strlen(re), &g, err, sizeof err)) fail_msg("%s", err);
+    struct job *j = calloc(5, sizeof *j); /* 0: unconstrained alone; 1: the same batched; 2-4: hostile, n = 3 */
+    for (int k = 0; k < 5; k++) sampling_params_default(&j[k].sp);
+    j[0].sp.temperature = 0.8f;
+    j[0].sp.seed = 5;
+    j[0].sp.has_seed = true;
+    j[1] = j[0];
+    run_jobs(e, &j[0], 1, prompt, (int)n_prompt);
+    assert_int_equal(j[0].term, ENGINE_EV_FINISH);
+    struct gram_stats a, b;
+    gram_get_stats(&a);
+    gram_set_mask_budget(1000);
+    for (int k = 2; k < 5; k++) {
+        j[k].g = g;
+        j[k].sp.temperature = 1.0f;
+        j[k].sp.seed = 7;
+        j[k].sp.has_seed = true;
+        j[k].quiet = true;
+    }
+    /* the hostile request (n = 3) and the unconstrained one in one batch */
+    char err2[256];
+    struct engine_request_params p;
+    memset(&p, 0, sizeof p);
+    p.prompt_ids = prompt;
+    p.n_prompt = n_prompt;
+    p.max_tokens = MAX_GEN;
+    p.sp = j[2].sp;
+    p.grammar = g;
+    p.n = 3;
+    uint64_t id;
+    if (engine_submit(e, &p, on_choice, &j[2], &id, err2, sizeof err2) != KV_OK) fail_msg("submit: %s", err2);
+    run_jobs(e, &j[1], 1, prompt, (int)n_prompt);
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_sec += 60;
+    pthread_mutex_lock(&g_mu);
+    for (int k = 2; k < 5; k++)
+        while (!j[k].n_term)
+            if (pthread_cond_timedwait(&g_cv, &g_mu, &ts)) {
+                pthread_mutex_unlock(&g_mu);
+                fail_msg("timeout");
+            }
+    pthread_mutex_unlock(&g_mu);
+    gram_set_mask_budget(0);
+    gram_get_stats(&b);
+    for (int k = 2; k < 5; k++) {
+        assert_int_equal(j[k].term, ENGINE_EV_ERROR);
+        assert_int_equal(j[k].n_ids, 0);
+        if (!strstr(j[k].msg, "too complex") || !strstr(j[k].msg, "work units")) fail_msg("message '%s'", j[k].msg);
+    }
+    assert_true(b.over_budget - a.over_budget >= 3);
+    assert_int_equal(j[1].term, ENGINE_EV_FINISH);
+    if (j[1].n_ids != j[0].n_ids || memcmp(j[1].ids, j[0].ids, (size_t)j[0].n_ids * sizeof *j[0].ids))
+        fail_msg("the unconstrained request changed next to the hostile one: '%s' != '%s'", j[1].text, j[0].text);
+    /* the default budget: the same request runs */
+    j[2].n_term = 0;
+    j[2].n_ids = 0;
+    run_jobs(e, &j[2], 1, prompt, (int)n_prompt);
+    assert_int_equal(j[2].term, ENGINE_EV_FINISH);
+    /* nothing leaked: every block is back once the engine is idle */
+    assert_int_equal(engine_wait_idle(e, 10000), KV_OK);
+    struct engine_stats es;
+    engine_get_stats(e, &es);
+    assert_int_equal(es.kv_blocks_used, 0);
+    free(j);
+    gram_unref(g);
+    free(prompt);
+    engine_stop(e);
+    backend_free(be);
+    tok_free(tok);
+    model_free(model);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_grammar_budget),
         cmocka_unit_test(test_grammar_property_stories),
         cmocka_unit_test(test_grammar_property_tiny_random),
     };

@@ -212,7 +212,7 @@ static void test_regex_random(void **st) {
 static void test_regex_refused(void **st) {
     (void)st;
     /* nested repetitions are lowered once per level (not multiplied out): these compile */
-    static const char *const big[] = {"((a{10000}){10000}){10000}", "((a|b){0,10000}){0,10000}", "(((x?){0,9999})*)+"};
+    static const char *const big[] = {"((a{10000}){10000}){10000}", "((a|b){0,100}){0,100}", "(((x?){0,9999})*)+"};
     for (size_t i = 0; i < sizeof big / sizeof *big; i++) {
         gram_t *g = NULL;
         char err[256] = "";
@@ -236,6 +236,224 @@ static void test_regex_refused(void **st) {
         }
         assert_null(g);
     }
+}
+
+/* ---------------------------------------------------------------- pathological constraints
+ * (tester finding F2): nested quantifiers are merged where that is exact, grammars that would
+ * keep too many parses open are refused when compiled, and a mask costs at most the budget. */
+
+static gram_t *compile_kind(const char *kind, const char *src, kv_status *st, char *err, size_t errlen) {
+    gram_t *g = NULL;
+    if (!strcmp(kind, "regex")) *st = gram_compile_regex(src, strlen(src), &g, err, errlen);
+    else if (!strcmp(kind, "gbnf")) *st = gram_compile_ebnf(src, strlen(src), &g, err, errlen);
+    else {
+        json_t *j = json_loads(src, 0, NULL);
+        assert_non_null(j);
+        *st = gram_compile_json_schema(j, false, &g, err, errlen);
+        json_decref(j);
+    }
+    return g;
+}
+
+/* Work units of the first mask of g (a fresh grammar: a cache miss). */
+static uint64_t first_mask_work(gram_t *g, const gram_vocab_t *v, int *na) {
+    gram_matcher_t *m = gram_matcher_new(g, v);
+    assert_non_null(gram_matcher_mask(m, na));
+    uint64_t w = gram_matcher_last_work(m);
+    gram_matcher_free(m);
+    return w;
+}
+
+static void test_pathological(void **st) {
+    (void)st;
+    int eos;
+    gram_vocab_t *v = byte_vocab(JSON_TOKENS, (int)(sizeof JSON_TOKENS / sizeof *JSON_TOKENS), &eos);
+    char err[512];
+    kv_status s;
+    /* merged nests: the same rules and the same mask work as the plain form */
+    static const char *const same[][2] = {
+        {"(.*){10000}", ".*"}, {"((((.*)*)*)*)*x", ".*x"}, {"((a+)+)+b", "a+b"}, {"(x?){0,50}y", "x{0,50}y"},
+        {"((ab){2}){3}c", "(ab){6}c"}, {"(((z*)+)?)*", "z*"},
+    };
+    for (size_t i = 0; i < sizeof same / sizeof *same; i++) {
+        gram_t *a = compile_kind("regex", same[i][0], &s, err, sizeof err);
+        if (s) fail_msg("%s: %s", same[i][0], err);
+        gram_t *b = compile_kind("regex", same[i][1], &s, err, sizeof err);
+        assert_int_equal(s, KV_OK);
+        assert_int_equal(gram_n_rules(a), gram_n_rules(b));
+        assert_int_equal(gram_n_elems(a), gram_n_elems(b));
+        int na = 0, nb = 0;
+        assert_int_equal(first_mask_work(a, v, &na), first_mask_work(b, v, &nb));
+        assert_int_equal(na, nb);
+        gram_unref(a);
+        gram_unref(b);
+    }
+    /* a nest whose counts have gaps is not merged: (a{3}){0,2} is "", aaa, aaaaaa */
+    gram_t *g = compile_kind("regex", "(a{3}){0,2}", &s, err, sizeof err);
+    assert_int_equal(s, KV_OK);
+    assert_true(full_match(g, v, "aaaaaa", 6));
+    assert_false(full_match(g, v, "aaaa", 4));
+    gram_unref(g);
+    /* the GBNF and JSON schema forms of a nest are merged too */
+    g = compile_kind("gbnf", "root ::= ((\"ab\"*)*)* \"x\"", &s, err, sizeof err);
+    if (s) fail_msg("%s", err);
+    assert_true(full_match(g, v, "ababx", 5));
+    gram_unref(g);
+    /* refused when compiled, with the limit in the message: every form of "a repeated group
+     * whose iterations can end in many places" and too many alternatives that begin alike */
+    kv_buf many;
+    kv_buf_init(&many);
+    kv_buf_puts(&many, "{\"anyOf\":[");
+    for (int i = 0; i < 300; i++)
+        kv_buf_printf(&many, "%s{\"type\":\"object\",\"properties\":{\"k%d\":{\"type\":\"integer\"}},\"required\":[\"k%d\"]}",
+                      i ? "," : "", i, i);
+    kv_buf_puts(&many, "]}");
+    const char *bad[][2] = {
+        {"regex", "(.*a){1000}"}, {"regex", "(.*x.*){1,1000}"}, {"regex", "((a|b){0,10000}){0,10000}"},
+        {"regex", "(a|ab|b)*(.*b){500}"}, {"gbnf", "root ::= item{1,1000}\nitem ::= [^\\n]* \"a\""},
+        {"schema", "{\"type\":\"string\",\"pattern\":\"^(.*a){1000}$\"}"}, {"schema", kv_buf_cstr(&many)},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        err[0] = 0;
+        g = compile_kind(bad[i][0], bad[i][1], &s, err, sizeof err);
+        if (s != KV_ETOOLONG || !strstr(err, "too ambiguous") || !strstr(err, "255")) {
+            fprintf(stderr, "%s %.60s: status %d, '%s'\n", bad[i][0], bad[i][1], s, err);
+            fail();
+        }
+        assert_null(g);
+    }
+    kv_buf_free(&many);
+    /* the runtime bound: a grammar that passes the compile-time probe but whose masks are
+     * expensive fails its mask when over the budget (counted work, not time), and only then */
+    g = compile_kind("regex", "(.*.*.*)*x", &s, err, sizeof err);
+    assert_int_equal(s, KV_OK);
+    int na = 0;
+    uint64_t need = first_mask_work(g, v, &na);
+    gram_unref(g);
+    assert_true(need > 1000);
+    gram_set_mask_budget(need / 2);
+    g = compile_kind("regex", "(.*.*.*)*x|never", &s, err, sizeof err); /* fresh: an empty mask cache */
+    assert_int_equal(s, KV_OK);
+    struct gram_stats a, b;
+    gram_get_stats(&a);
+    gram_matcher_t *m = gram_matcher_new(g, v);
+    assert_null(gram_matcher_mask(m, NULL));
+    assert_int_equal(gram_matcher_status(m), KV_ETOOLONG);
+    /* it stopped at the budget (the last trie node's transition may pass it) */
+    assert_true(gram_matcher_last_work(m) > need / 2 && gram_matcher_last_work(m) < need);
+    gram_get_stats(&b);
+    assert_int_equal(b.over_budget - a.over_budget, 1);
+    gram_matcher_free(m);
+    gram_set_mask_budget(0);
+    m = gram_matcher_new(g, v);
+    assert_non_null(gram_matcher_mask(m, NULL));
+    assert_int_equal(gram_matcher_status(m), KV_OK);
+    uint64_t w = gram_matcher_last_work(m);
+    assert_true(w > need / 2);
+    /* a cached mask is charged what its walk cost: over a smaller budget it fails as a fresh
+     * walk would (the outcome never depends on who filled the cache); the same state has the
+     * same key in another matcher */
+    gram_matcher_t *m2 = gram_matcher_new(g, v);
+    assert_true(gram_matcher_state_key(m2) == gram_matcher_state_key(m));
+    gram_get_stats(&a);
+    assert_null(gram_matcher_mask_within(m2, w - 1, NULL));
+    assert_int_equal(gram_matcher_status(m2), KV_ETOOLONG);
+    assert_non_null(gram_matcher_mask_within(m2, w, NULL));
+    assert_int_equal(gram_matcher_last_work(m2), w);
+    gram_get_stats(&b);
+    assert_int_equal(b.mask_misses, a.mask_misses); /* both from the cache */
+    assert_true(gram_matcher_accept_bytes(m2, "ab", 2));
+    assert_true(gram_matcher_state_key(m2) != gram_matcher_state_key(m));
+    gram_matcher_free(m2);
+    gram_matcher_free(m);
+    gram_unref(g);
+    gram_vocab_free(v);
+}
+
+/* Thousands of alternatives (tester finding F5): a trie, so the start state holds one parse
+ * per distinct first byte, not one per choice. */
+static void test_many_choices(void **st) {
+    (void)st;
+    int eos;
+    gram_vocab_t *v = byte_vocab(NULL, 0, &eos);
+    enum { N = 5000 };
+    static char buf[N][16];
+    const char *ch[N];
+    size_t len[N];
+    for (int i = 0; i < N; i++) {
+        len[i] = (size_t)snprintf(buf[i], sizeof buf[i], "item-%d", i * 7);
+        ch[i] = buf[i];
+    }
+    gram_t *g = NULL;
+    char err[256];
+    assert_int_equal(gram_compile_choice(ch, len, N, &g, err, sizeof err), KV_OK);
+    for (int i = 0; i < N; i += 97) assert_true(full_match(g, v, ch[i], len[i]));
+    assert_false(full_match(g, v, "item-1", 6));
+    assert_false(full_match(g, v, "item-", 5));
+    /* "item-7" and "item-70" both: complete after the first, with more allowed */
+    gram_matcher_t *m = gram_matcher_new(g, v);
+    assert_true(gram_matcher_accept_bytes(m, "item-7", 6));
+    assert_true(gram_matcher_is_complete(m));
+    assert_false(gram_matcher_is_final(m));
+    int na = 0;
+    gram_matcher_mask(m, &na);
+    assert_int_equal(na, 11); /* 0-9 and the end */
+    gram_matcher_free(m);
+    gram_unref(g);
+    /* choices that are prefixes of one another: a chain as deep as the list; past 4096
+     * levels a clear refusal (never a deep recursion) */
+    for (int deep = 0; deep < 2; deep++) {
+        int nc = deep ? 5000 : 3000;
+        char *as = malloc((size_t)nc + 1);
+        memset(as, 'a', (size_t)nc);
+        const char **cs = calloc((size_t)nc, sizeof *cs);
+        size_t *cl = calloc((size_t)nc, sizeof *cl);
+        for (int i = 0; i < nc; i++) cs[i] = as, cl[i] = (size_t)i + 1;
+        kv_status cst = gram_compile_choice(cs, cl, nc, &g, err, sizeof err);
+        if (!deep) {
+            assert_int_equal(cst, KV_OK);
+            assert_true(full_match(g, v, as, 2999));
+            assert_true(full_match(g, v, as, 3000));
+            assert_false(full_match(g, v, "ab", 2));
+            gram_matcher_t *cm = gram_matcher_new(g, v);
+            assert_true(gram_matcher_accept_bytes(cm, as, 3000));
+            assert_true(gram_matcher_is_final(cm)); /* the longest: nothing may follow */
+            gram_matcher_free(cm);
+            gram_unref(g);
+        } else {
+            assert_int_equal(cst, KV_ETOOLONG);
+            assert_non_null(strstr(err, "4096"));
+        }
+        free(as);
+        free(cs);
+        free(cl);
+    }
+    /* the limit, named */
+    size_t n_over = GRAM_MAX_CHOICES + 1;
+    const char **many = calloc(n_over, sizeof *many);
+    size_t *ml = calloc(n_over, sizeof *ml);
+    for (size_t i = 0; i < n_over; i++) many[i] = "x", ml[i] = 1;
+    assert_int_equal(gram_compile_choice(many, ml, (int)n_over, &g, err, sizeof err), KV_ETOOLONG);
+    assert_non_null(strstr(err, "65536"));
+    free(many);
+    free(ml);
+    /* JSON schema: an enum and an anyOf of consts of 3000 values */
+    for (int form = 0; form < 2; form++) {
+        kv_buf sb;
+        kv_buf_init(&sb);
+        kv_buf_puts(&sb, form ? "{\"anyOf\":[" : "{\"enum\":[");
+        for (int i = 0; i < 3000; i++)
+            kv_buf_printf(&sb, form ? "%s{\"const\":\"v%d\"}" : "%s\"v%d\"", i ? "," : "", i);
+        kv_buf_puts(&sb, "]}");
+        kv_status s;
+        g = compile_kind("schema", kv_buf_cstr(&sb), &s, err, sizeof err);
+        if (s) fail_msg("%s", err);
+        assert_true(full_match(g, v, "\"v2999\"", 7));
+        assert_false(full_match(g, v, "\"v3000\"", 7));
+        gram_unref(g);
+        kv_buf_free(&sb);
+    }
+    gram_vocab_free(v);
 }
 
 /* ---------------------------------------------------------------- masks vs per-token advance */
@@ -687,6 +905,9 @@ static void test_tool_parse(void **st) {
         {GRAM_TOOLS_HERMES, "no calls here, just a < sign and <tool", "no calls here, just a < sign and <tool", 0, NULL, NULL},
         {GRAM_TOOLS_HERMES, "<tool_call>\nnot json\n</tool_call> after", "<tool_call>\nnot json\n</tool_call> after", 0, NULL, NULL},
         {GRAM_TOOLS_HERMES, "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"q\": [1, 2]}}", "", 1, "f", "{\"q\":[1,2]}"},
+        /* the closing tag inside a string argument does not end the call (F4a) */
+        {GRAM_TOOLS_HERMES, "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"q\": \"a </tool_call> b \\\" </tool_call>\"}}\n</tool_call> done",
+         " done", 1, "f", "{\"q\":\"a </tool_call> b \\\" </tool_call>\"}"},
         {GRAM_TOOLS_LLAMA3_JSON, "  {\"name\": \"f\", \"parameters\": {\"a\": 1}}; {\"name\": \"g\", \"parameters\": {}}", "", 2, "f", "{\"a\":1}"},
         {GRAM_TOOLS_LLAMA3_JSON, "<|python_tag|>{\"name\": \"f\", \"parameters\": {}}", "", 1, "f", "{}"},
         {GRAM_TOOLS_LLAMA3_JSON, "Hello {there}", "Hello {there}", 0, NULL, NULL},
@@ -783,6 +1004,8 @@ int main(void) {
         cmocka_unit_test(test_regex_fixed),
         cmocka_unit_test(test_regex_random),
         cmocka_unit_test(test_regex_refused),
+        cmocka_unit_test(test_pathological),
+        cmocka_unit_test(test_many_choices),
         cmocka_unit_test(test_masks_byte_vocab),
         cmocka_unit_test(test_masks_tokenizers),
         cmocka_unit_test(test_schema_fixed),

@@ -123,6 +123,7 @@ static const struct bad_case bad[] = {
     {C, "{\"prompt\":\"a\",\"stop_token_ids\":[\"2\"]}", 400, "stop_token_ids", NULL},
     {C, "{\"prompt\":\"a\",\"min_tokens\":17}", 400, "min_tokens", NULL},
     {C, "{\"prompt\":\"a\",\"min_tokens\":-1}", 400, "min_tokens", NULL},
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"max_completion_tokens\":8,\"min_tokens\":9}", 400, "min_tokens", NULL},
     {C, "{\"prompt\":\"a\",\"priority\":\"high\"}", 400, "priority", NULL},
     {C, "{\"prompt\":\"a\",\"priority\":1.5}", 400, "priority", NULL},
     {C, "{\"prompt\":\"a\",\"echo\":true}", 400, "echo", NULL},
@@ -177,9 +178,12 @@ static const struct bad_case bad[] = {
     /* structured output and tool choice (structured.c) */
     {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"response_format\":{\"type\":\"xml\"}}", 400, "response_format", NULL},
     {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"response_format\":\"json\"}", 400, "response_format", NULL},
-    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"response_format\":{\"type\":\"json_schema\"}}", 400, "response_format", NULL},
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"response_format\":{\"type\":\"json_schema\"}}", 400, "response_format.json_schema", NULL},
     {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"schema\":3}}}", 400, "response_format.json_schema.schema", NULL},
-    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"strict\":\"yes\",\"schema\":{}}}}", 400, "response_format", NULL},
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"strict\":\"yes\",\"schema\":{}}}}", 400, "response_format.json_schema.strict", NULL},
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"name\":1}}}", 400, "response_format.json_schema.name", NULL},
+    {C, "{\"prompt\":\"a\",\"structured_outputs\":{\"regex\":1}}", 400, "structured_outputs.regex", NULL},
+    {C, "{\"prompt\":\"a\",\"structured_outputs\":{\"choice\":[]}}", 400, "structured_outputs.choice", NULL},
     {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"response_format\":{\"type\":\"json_object\"},\"guided_regex\":\"a\"}", 400, "guided_regex", NULL},
     {C, "{\"prompt\":\"a\",\"guided_json\":\"{not json\"}", 400, "guided_json", NULL},
     {C, "{\"prompt\":\"a\",\"guided_json\":[1]}", 400, "guided_json", NULL},
@@ -364,6 +368,16 @@ static void test_sampling_fields(void **state) {
     parse_ok(H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"min_tokens\":400}", &r);
     assert_int_equal(r.min_tokens, 400);
     oai_request_free(&r);
+    /* ... and its message names the field the client sent (F6) */
+    {
+        const char *mb = "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"max_completion_tokens\":8,\"min_tokens\":9}";
+        struct oai_error e;
+        assert_int_equal(oai_parse(H, mb, strlen(mb), &LIM, &r, &e), KV_EINVAL);
+        assert_string_equal(e.message, "'min_tokens' must be between 0 and 'max_completion_tokens' (8)");
+        mb = "{\"prompt\":\"a\",\"max_tokens\":8,\"min_tokens\":9}";
+        assert_int_equal(oai_parse(C, mb, strlen(mb), &LIM, &r, &e), KV_EINVAL);
+        assert_string_equal(e.message, "'min_tokens' must be between 0 and 'max_tokens' (8)");
+    }
     /* continue_final_message: add_generation_prompt defaults to false then */
     parse_ok(H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"},{\"role\":\"assistant\",\"content\":\"Once\"}],"
                 "\"continue_final_message\":true}", &r);
@@ -544,11 +558,19 @@ static void test_structured(void **state) {
         oai_request_free(&r);
     }
     struct { int kind; const char *body, *param, *want; } bad[] = {
+        /* the param and the message name the exact value the user sent (F6) */
         {H, "%s\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"schema\":{\"type\":\"object\",\"patternProperties\":{}}}}}",
-         "response_format", "patternProperties"},
+         "response_format.json_schema.schema", "response_format.json_schema.schema: unsupported JSON schema keyword 'patternProperties'"},
+        {C, "{\"prompt\":\"a\",\"structured_outputs\":{\"regex\":\"a(?=b)\"}}", "structured_outputs.regex",
+         "structured_outputs.regex: lookahead"},
+        {C, "{\"prompt\":\"a\",\"structured_outputs\":{\"json\":{\"type\":\"string\",\"format\":\"hostname\"}}}",
+         "structured_outputs.json", "structured_outputs.json: "},
+        /* pathological constraints are refused when compiled, naming the field and the limit (F2) */
+        {C, "{\"prompt\":\"a\",\"guided_regex\":\"(.*a){1000}\"}", "guided_regex", "guided_regex: the constraint is too ambiguous"},
+        {C, "{\"prompt\":\"a\",\"guided_grammar\":\"root ::= ([^x]* \\\"a\\\"){1,500}\"}", "guided_grammar", "more than 255 parses"},
         {C, "{\"prompt\":\"a\",\"guided_json\":{\"type\":\"string\",\"format\":\"hostname\"}}", "guided_json", "hostname"},
         {C, "{\"prompt\":\"a\",\"guided_regex\":\"(a)\\\\1\"}", "guided_regex", "backreference"},
-        {H, "%s\"response_format\":{\"type\":\"json_object\",\"schema\":{\"type\":\"hiccup\"}}}", "response_format", "hiccup"},
+        {H, "%s\"response_format\":{\"type\":\"json_object\",\"schema\":{\"type\":\"hiccup\"}}}", "response_format.schema", "hiccup"},
         {C, "{\"prompt\":\"a\",\"guided_grammar\":\"start ::= \\\"x\\\"\"}", "guided_grammar", "root"},
         {H, "%s\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\",\"parameters\":{\"type\":\"object\",\"not\":{}}}}],\"tool_choice\":\"required\"}",
          "tools", "'not'"},
@@ -565,6 +587,35 @@ static void test_structured(void **state) {
         if (e.status != 400 || strcmp(e.param, bad[i].param) || !strstr(e.message, bad[i].want))
             fail_msg("case %zu: %d param '%s' message '%s'", i, e.status, e.param, e.message);
         oai_request_free(&r);
+    }
+}
+
+/* Thousands of alternatives compile (a trie: tester finding F5); past the limit the 400 names
+ * the field and the limit. */
+static void test_many_choices(void **state) {
+    (void)state;
+    for (int over = 0; over < 2; over++) {
+        int n = over ? 65537 : 4000;
+        kv_buf b;
+        kv_buf_init(&b);
+        kv_buf_puts(&b, over ? "{\"prompt\":\"a\",\"guided_choice\":[" : "{\"prompt\":\"a\",\"guided_json\":{\"enum\":[");
+        for (int i = 0; i < n; i++) kv_buf_printf(&b, "%s\"choice number %d\"", i ? "," : "", i);
+        kv_buf_puts(&b, over ? "]}" : "]}}");
+        struct oai_request r;
+        parse_ok(C, kv_buf_cstr(&b), &r);
+        struct oai_error e;
+        kv_status st = oai_structured_compile(&r, GRAM_TOOLS_HERMES, &e);
+        if (!over) {
+            if (st) fail_msg("%s", e.message);
+            assert_non_null(r.so.grammar);
+        } else {
+            assert_int_equal(st, KV_EINVAL);
+            assert_int_equal(e.status, 400);
+            assert_string_equal(e.param, "guided_choice");
+            assert_string_equal(e.message, "guided_choice: 65537 choices: the limit is 65536");
+        }
+        oai_request_free(&r);
+        kv_buf_free(&b);
     }
 }
 
@@ -713,6 +764,7 @@ int main(void) {
         cmocka_unit_test(test_chat),
         cmocka_unit_test(test_chat_tools),
         cmocka_unit_test(test_structured),
+        cmocka_unit_test(test_many_choices),
         cmocka_unit_test(test_tool_markers),
         cmocka_unit_test(test_disaggregated_params),
         cmocka_unit_test(test_tokenize_detokenize),
