@@ -50,13 +50,7 @@ static int parse_seconds(const char *a, const char *v, double *out) {
     return 1;
 }
 
-int serve_disagg_option(struct serve_disagg *d, const char *a, const char *v) {
-    if (!strcmp(a, "--role")) {
-        if (strcmp(v, "aggregated") && strcmp(v, "context") && strcmp(v, "generation"))
-            return bad(a, v, "expected aggregated, context or generation");
-        d->role = v;
-        return 1;
-    }
+static int kv_option(struct serve_disagg *d, const char *a, const char *v) {
     if (!strcmp(a, "--kv-transfer-host")) {
         if (!*v) return bad(a, v, "must not be empty");
         d->kv_host = v;
@@ -85,6 +79,18 @@ int serve_disagg_option(struct serve_disagg *d, const char *a, const char *v) {
         return 1;
     }
     return 0;
+}
+
+int serve_disagg_option(struct serve_disagg *d, const char *a, const char *v) {
+    if (!strcmp(a, "--role")) {
+        if (strcmp(v, "aggregated") && strcmp(v, "context") && strcmp(v, "generation"))
+            return bad(a, v, "expected aggregated, context or generation");
+        d->role = v;
+        return 1;
+    }
+    int r = kv_option(d, a, v);
+    if (r == 1) d->kv_opt = a;
+    return r;
 }
 
 /* ---------------------------------------------------------------- engine seam -> agent */
@@ -137,7 +143,12 @@ kv_status serve_disagg_start(struct serve_disagg *d, engine_t *e, backend_t *be,
                              const model_t *m, int tokens_per_block, const char *host,
                              struct http_config *hc, char *err, size_t errlen) {
     hc->role = d->role;
-    if (!strcmp(d->role, "aggregated")) return KV_OK;
+    if (!strcmp(d->role, "aggregated")) {
+        if (d->kv_opt) /* a flag we accept must take effect: an aggregated worker transfers no KV */
+            return kv_errf(KV_EINVAL, err, errlen, "%s applies to disaggregated workers only (--role context or "
+                           "--role generation); this worker is aggregated", d->kv_opt);
+        return KV_OK;
+    }
     /* where the pool is: host memory (block_ptr: tcp / ucx) or GPU memory (device_pool: the
      * backend's own transport, cuda_ipc) */
     void *pool_base = be->ops->block_ptr ? be->ops->block_ptr(be, 0) : NULL;

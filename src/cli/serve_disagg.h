@@ -20,6 +20,7 @@ struct serve_disagg {
     double kv_timeout_s;         /* --kv-transfer-timeout (60) */
     double kv_stale_ttl_s;       /* --kv-stale-ttl (120) */
     unsigned long long kv_bounce_min_bytes; /* --kv-bounce-min-bytes (2 MiB) */
+    const char *kv_opt;          /* the last --kv-* transfer option given (refused with --role aggregated) */
     /* state */
     void *agent;                 /* kvx_agent_t */
     char *pool_json;             /* owned: the page table as JSON */

@@ -253,13 +253,13 @@ static kv_status match(const struct kvx_page_table *local, const struct kvx_page
     for (int i = 0; i < peer->n_views && !p; i++)
         if (peer->views[i].role == l->role && overlap(l, &peer->views[i]) > 0) p = &peer->views[i];
     if (!p)
-        return kv_errf(KV_EINVAL, err, errlen, "KV page tables do not match: the peer has no %s "
-                       "pool holding any of our layers %d..%d", kvx_role_name(l->role),
+        return kv_errf(KV_EINVAL, err, errlen, "KV page tables do not match: the sender has no %s "
+                       "pool holding any of the receiver's layers %d..%d", kvx_role_name(l->role),
                        l->entries[0].layer, l->entries[l->n_entries - 1].layer);
     if (p->dtype != l->dtype || p->tokens_per_block != l->tokens_per_block ||
         p->n_kv_heads != l->n_kv_heads || p->head_dim != l->head_dim || p->kv_factor != l->kv_factor)
-        return kv_errf(KV_EINVAL, err, errlen, "KV page tables do not match: peer %s, %d tokens "
-                       "per block, %d kv heads x %d, kv_factor %d; ours %s, %d, %d x %d, %d",
+        return kv_errf(KV_EINVAL, err, errlen, "KV page tables do not match: sender (context) %s, %d "
+                       "tokens per block, %d kv heads x %d, kv_factor %d; receiver (generation) %s, %d, %d x %d, %d",
                        kvx_dtype_name(p->dtype), p->tokens_per_block, p->n_kv_heads, p->head_dim,
                        p->kv_factor, kvx_dtype_name(l->dtype), l->tokens_per_block,
                        l->n_kv_heads, l->head_dim, l->kv_factor);
@@ -273,13 +273,13 @@ static kv_status match(const struct kvx_page_table *local, const struct kvx_page
         if (!s) {
             if (partial) continue;
             kvx_map_free(out);
-            return kv_errf(KV_EINVAL, err, errlen, "KV page tables do not match: the peer does "
+            return kv_errf(KV_EINVAL, err, errlen, "KV page tables do not match: the sender does "
                            "not hold layer %d", d->layer);
         }
         if (s->bytes != d->bytes) {
             kvx_map_free(out);
             return kv_errf(KV_EINVAL, err, errlen, "KV page tables do not match: layer %d has "
-                           "%zu bytes per block there, %zu here", d->layer, s->bytes, d->bytes);
+                           "%zu bytes per block at the sender, %zu at the receiver", d->layer, s->bytes, d->bytes);
         }
         struct kvx_segment sg = {p->pool_offset + s->offset, l->pool_offset + d->offset, d->bytes};
         if (n && out->seg[n - 1].src_off + out->seg[n - 1].len == sg.src_off &&

@@ -108,7 +108,8 @@ struct kvx_map {
 /* Receiver-side matching of the local (destination) table against the peer's (source). Only
  * single-view local tables are mapped today (kvserve's pools); every local entry must find its
  * layer in the peer's matched view, else KV_EINVAL naming the layer (a split sender covers a
- * subset: kvx_page_table_match_partial). KV_EINVAL with a message for any mismatch; KV_ENOMEM. */
+ * subset: kvx_page_table_match_partial). KV_EINVAL with a message for any mismatch (naming the
+ * sender = peer and the receiver = local, so it reads the same in either worker's log); KV_ENOMEM. */
 kv_status kvx_page_table_match(const struct kvx_page_table *local, const struct kvx_page_table *peer,
                                struct kvx_map *out, char *err, size_t errlen);
 /* Like match, but maps only the local layers the peer holds (for several senders with disjoint

@@ -547,6 +547,11 @@ def test_stale(refs, recs):
 def test_edges(agg, recs):
     """Requests that end at their first token, prompts that leave room for one token, legs sent
     to the wrong role, a disagg_request_id offered twice: answered at once and correctly."""
+    # a transfer flag on an aggregated worker would do nothing: refused at start, naming it
+    for flag, val in (("--kv-transport", "tcp"), ("--kv-transfer-port", "0"), ("--kv-transfer-timeout", "5")):
+        out = subprocess.run([BIN, "serve", "--model", GGUF, flag, val], capture_output=True, text=True, timeout=60)
+        check(out.returncode == 2 and flag in out.stderr and "--role" in out.stderr,
+              "aggregated serve %s %s: exit 2 naming it (rc %s: %s)" % (flag, val, out.returncode, out.stderr[-200:]))
     ctx, gen = worker("context"), worker("generation")
     try:
         long_ids = (recs[-1]["prompt_ids"] * 4)[:511]
