@@ -29,22 +29,6 @@
 
 #define POOL (1ull << 30)
 
-static int write_all(int fd, const void *p, size_t n) {
-    for (size_t d = 0; d < n;) {
-        ssize_t w = write(fd, (const char *)p + d, n - d);
-        if (w <= 0) return -1;
-        d += (size_t)w;
-    }
-    return 0;
-}
-static int read_all(int fd, void *p, size_t n) {
-    for (size_t d = 0; d < n;) {
-        ssize_t r = read(fd, (char *)p + d, n - d);
-        if (r <= 0) return -1;
-        d += (size_t)r;
-    }
-    return 0;
-}
 
 static int exposer(void) {
     char err[256];
@@ -58,7 +42,7 @@ static int exposer(void) {
         return 1;
     }
     uint32_t n = (uint32_t)desc.len;
-    write_all(1, &n, 4), write_all(1, desc.data, n);
+    kv_write_all(1, &n, 4), kv_write_all(1, desc.data, n);
     char c;
     while (read(0, &c, 1) > 0) {
     }
@@ -143,7 +127,7 @@ int main(int argc, char **argv) {
     close(in[0]), close(out[1]);
     uint32_t n = 0;
     uint8_t desc[4096];
-    if (read_all(out[0], &n, 4) || n > sizeof desc || read_all(out[0], desc, n)) {
+    if (kv_read_all(out[0], &n, 4) || n > sizeof desc || kv_read_all(out[0], desc, n)) {
         fprintf(stderr, "bench_cuda_ipc: the exposer failed\n");
         return 1;
     }

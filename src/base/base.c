@@ -426,3 +426,24 @@ float kv_bf16_to_f32(uint16_t h) {
     memcpy(&f, &bits, 4);
     return f;
 }
+
+int kv_write_all(int fd, const void *p, size_t n) {
+    for (size_t d = 0; d < n;) {
+        ssize_t w = write(fd, (const char *)p + d, n - d);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) return -1;
+        d += (size_t)w;
+    }
+    return 0;
+}
+
+int kv_read_all(int fd, void *p, size_t n) {
+    for (size_t d = 0; d < n;) {
+        ssize_t r = read(fd, (char *)p + d, n - d);
+        if (r < 0 && errno == EINTR) continue;
+        if (r == 0) errno = 0;
+        if (r <= 0) return -1;
+        d += (size_t)r;
+    }
+    return 0;
+}

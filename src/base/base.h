@@ -92,6 +92,11 @@ kv_status kv_mkdirs(const char *path);
 kv_status kv_parse_size(const char *s, uint64_t *out);
 /* Strict integer parse (whole string, base 10, range-checked). */
 kv_status kv_parse_i64(const char *s, int64_t min, int64_t max, int64_t *out);
+/* Writes / reads exactly n bytes of a blocking descriptor (a pipe, a socket), retrying short
+ * transfers and EINTR. 0 when all n bytes moved; -1 on an error or end of file (errno set,
+ * or 0 at end of file), how many moved is then unknown. Thread-safe as the descriptor is. */
+int kv_write_all(int fd, const void *p, size_t n);
+int kv_read_all(int fd, void *p, size_t n);
 
 /* ---- UTF-8 ---- */
 /* Length in bytes of the UTF-8 sequence starting with lead byte c (1..4), 0 if c is

@@ -48,22 +48,6 @@ static uint64_t fnv(const uint8_t *p, size_t n) {
     return h;
 }
 
-static int write_all(int fd, const void *p, size_t n) {
-    for (size_t d = 0; d < n;) {
-        ssize_t w = write(fd, (const char *)p + d, n - d);
-        if (w <= 0) return -1;
-        d += (size_t)w;
-    }
-    return 0;
-}
-static int read_all(int fd, void *p, size_t n) {
-    for (size_t d = 0; d < n;) {
-        ssize_t r = read(fd, (char *)p + d, n - d);
-        if (r <= 0) return -1;
-        d += (size_t)r;
-    }
-    return 0;
-}
 
 /* The exposing process: 'S' + reason (skip), or 'D' + u32 length + descriptor; then it waits
  * for EOF on stdin and cleans up. */
@@ -71,7 +55,7 @@ static int exposer_main(void) {
     char why[256];
     if (kv_cuda_device_check(why, sizeof why) != KV_OK) {
         uint32_t n = (uint32_t)strlen(why);
-        write_all(1, "S", 1), write_all(1, &n, 4), write_all(1, why, n);
+        kv_write_all(1, "S", 1), kv_write_all(1, &n, 4), kv_write_all(1, why, n);
         return 0;
     }
     uint8_t *host = malloc(POOL);
@@ -88,7 +72,7 @@ static int exposer_main(void) {
         return 3;
     }
     uint32_t n = (uint32_t)desc.len;
-    write_all(1, "D", 1), write_all(1, &n, 4), write_all(1, desc.data, n);
+    kv_write_all(1, "D", 1), kv_write_all(1, &n, 4), kv_write_all(1, desc.data, n);
     char c;
     while (read(0, &c, 1) > 0) {
     }
@@ -122,10 +106,10 @@ static bool start_exposer(struct peer_proc *pp) {
     close(in[0]), close(out[1]);
     pp->pid = pid, pp->to = in[1], pp->from = out[0];
     char kind = 0;
-    assert_int_equal(read_all(pp->from, &kind, 1), 0);
-    assert_int_equal(read_all(pp->from, &pp->n, 4), 0);
+    assert_int_equal(kv_read_all(pp->from, &kind, 1), 0);
+    assert_int_equal(kv_read_all(pp->from, &pp->n, 4), 0);
     assert_true(pp->n < sizeof pp->desc);
-    assert_int_equal(read_all(pp->from, pp->desc, pp->n), 0);
+    assert_int_equal(kv_read_all(pp->from, pp->desc, pp->n), 0);
     if (kind == 'S') {
         pp->desc[pp->n] = 0;
         fprintf(stderr, "SKIP: exposer: %s\n", (char *)pp->desc);
