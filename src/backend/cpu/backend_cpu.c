@@ -455,6 +455,7 @@ static void cpu_free(backend_t *be) {
         if (c->collapsing) {
             atomic_store(&c->collapse_stop, 1);
             pthread_join(c->collapser, NULL);
+            c->collapsing = false;
         }
         kv_threadpool_free(c->tp);
         pool_unmap(c);
@@ -617,6 +618,15 @@ static kv_status prepack(struct cpu_ctx *c, bool enabled) {
     free(tasks);
     free(ws);
     return KV_OK;
+}
+
+void backend_cpu_wait_pages(backend_t *be) {
+    if (!be || be->ops != &cpu_ops) return;
+    struct cpu_ctx *c = be->ctx;
+    if (c->collapsing) {
+        pthread_join(c->collapser, NULL);
+        c->collapsing = false;
+    }
 }
 
 size_t backend_cpu_panel_bytes(const backend_t *be) {
