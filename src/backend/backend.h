@@ -200,7 +200,8 @@ kv_status backend_copy_from_host(backend_t *be, const void *const *host, const i
  * Weights are used in place (borrowed from m; no copy). RoPE frequencies (incl.
  * cfg.rope_scaling) are computed here: change m->cfg before creating the backend.
  * Errors: KV_EINVAL for unsupported shapes (n_heads % n_kv_heads != 0, odd head_dim) or
- * missing bias / q-k norm weights that cfg enables; KV_ENOMEM. *out untouched on failure.
+ * missing bias / q-k norm weights that cfg enables, or KVSERVE_CPU_PANEL_THP other than unset,
+ * 0 or 1; KV_ENOMEM. *out untouched on failure.
  * One forward at a time per backend (not thread-safe). Measured with bench_engine, 2 shared
  * Zen 4 cores, invariant gemm: 12x768 Llama (32k vocab, f32) prefill of 256 tokens ~610
  * tok/s, decode ~54 tok/s at batch 1 (memory-bound: ~24 GB/s of weights); stories260K

@@ -708,6 +708,12 @@ kv_status backend_cpu_new_ex(const model_t *m, const struct backend_cpu_options 
         cpu_free(be);
         return kv_errf(KV_ENOMEM, err, errlen, "backend_cpu_new: out of memory");
     }
+    const char *pt = getenv("KVSERVE_CPU_PANEL_THP");
+    if (pt && *pt && strcmp(pt, "0") && strcmp(pt, "1")) {
+        cpu_free(be);
+        return kv_errf(KV_EINVAL, err, errlen, "KVSERVE_CPU_PANEL_THP=%s: expected 0 (4 KiB pages) or 1 (2 MiB pages "
+                       "advised before packing); unset = collapse into 2 MiB pages after packing", pt);
+    }
     const char *pe = getenv("KVSERVE_CPU_PREPACK");
     if (prepack(c, !opt->no_prepack && !(pe && !strcmp(pe, "0")) && c->gemm == BACKEND_CPU_GEMM_INVARIANT) != KV_OK) {
         cpu_free(be);
