@@ -527,7 +527,7 @@ static void *panel_collapser(void *arg) {
         else if (errno == EINVAL) break;
     }
     KV_INFO("cpu backend: %.0f of %.0f MiB of panels collapsed into 2 MiB pages in %.0f ms", (double)done / (1 << 20),
-             (double)c->panel_alloc / (1 << 20), (kv_now_s() - t0) * 1e3);
+            (double)c->panel_alloc / (1 << 20), (kv_now_s() - t0) * 1e3);
 #else
     (void)c;
 #endif
