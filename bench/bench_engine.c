@@ -396,6 +396,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "bench_engine: %s\n", err);
         return 1;
     }
+    backend_cpu_wait_pages(be); /* the weight panels in 2 MiB pages: measure the steady state */
     int max_c = 1;
     for (const char *p = conc; *p;) {
         int c = atoi(p);

@@ -200,7 +200,8 @@ kv_status backend_copy_from_host(backend_t *be, const void *const *host, const i
  * Weights are used in place (borrowed from m; no copy). RoPE frequencies (incl.
  * cfg.rope_scaling) are computed here: change m->cfg before creating the backend.
  * Errors: KV_EINVAL for unsupported shapes (n_heads % n_kv_heads != 0, odd head_dim) or
- * missing bias / q-k norm weights that cfg enables; KV_ENOMEM. *out untouched on failure.
+ * missing bias / q-k norm weights that cfg enables, or KVSERVE_CPU_PANEL_THP other than unset,
+ * 0 or 1; KV_ENOMEM. *out untouched on failure.
  * One forward at a time per backend (not thread-safe). Measured with bench_engine, 2 shared
  * Zen 4 cores, invariant gemm: 12x768 Llama (32k vocab, f32) prefill of 256 tokens ~610
  * tok/s, decode ~54 tok/s at batch 1 (memory-bound: ~24 GB/s of weights); stories260K
@@ -235,7 +236,10 @@ struct backend_cpu_options {
      * every product reads the panel: same bits, faster prefill and decode. Also turned off by
      * KVSERVE_CPU_PREPACK=0 (for A/B measurements). The KV pool (kv_alloc) is an anonymous
      * map advised for transparent huge pages (2x decode at 4k context on a VM, where every
-     * 4 KiB run of the pool was a TLB miss); KVSERVE_CPU_THP=0 keeps 4 KiB pages. */
+     * 4 KiB run of the pool was a TLB miss); KVSERVE_CPU_THP=0 keeps 4 KiB pages. The panels
+     * are faulted in 4 KiB pages (fast load on a VM) and collapsed into 2 MiB pages by a
+     * background thread (backend_cpu_wait_pages); KVSERVE_CPU_PANEL_THP=1 advises 2 MiB
+     * pages before packing instead, =0 keeps 4 KiB pages. */
     bool no_prepack;
 };
 /* backend_cpu_new with options (zero-initialised options = backend_cpu_new(m, 0, ...)).
@@ -243,6 +247,11 @@ struct backend_cpu_options {
 /* Bytes of the weight panels a CPU backend repacked at creation (struct
  * backend_cpu_options.no_prepack), 0 when it repacked nothing or be is not a CPU backend. */
 size_t backend_cpu_panel_bytes(const backend_t *be);
+/* Waits until the background thread that collapses a CPU backend's weight panels into 2 MiB
+ * pages (started at creation unless KVSERVE_CPU_PANEL_THP is 0 or 1) has finished, so that a
+ * benchmark measures the steady state. No-op for other backends or when no thread runs. Not
+ * thread-safe against backend_free or another call on the same backend; bits unchanged. */
+void backend_cpu_wait_pages(backend_t *be);
 kv_status backend_cpu_new_ex(const model_t *m, const struct backend_cpu_options *opt, backend_t **out, char *err,
                              size_t errlen);
 void backend_free(backend_t *be);
