@@ -569,8 +569,8 @@ kv_status kv_cpu_env_check(char *err, size_t errlen) {
         return kv_errf(KV_EINVAL, err, errlen, "KVSERVE_CPU_QUANT_MATMUL=%s: expected int8 or f32", e);
     if (kv_q8_amx_env() < 0)
         return kv_errf(KV_EINVAL, err, errlen, "KVSERVE_CPU_AMX=%s: expected 0 (off) or 1", getenv("KVSERVE_CPU_AMX"));
-    const char *const bools[] = {"KVSERVE_CPU_PREPACK", "KVSERVE_CPU_THP"};
-    for (int i = 0; i < 2; i++) {
+    const char *const bools[] = {"KVSERVE_CPU_PREPACK", "KVSERVE_CPU_THP", "KVSERVE_CPU_PANEL_THP"};
+    for (int i = 0; i < 3; i++) {
         e = getenv(bools[i]);
         if (e && *e && strcmp(e, "0") && strcmp(e, "1"))
             return kv_errf(KV_EINVAL, err, errlen, "%s=%s: expected 0 (off) or 1", bools[i], e);
