@@ -47,6 +47,12 @@ void engine_set_kv_transfer(engine_t *e, const struct engine_kv_transfer *xt) {
     }
 }
 
+bool engine_kv_release(engine_t *e, uint64_t disagg_id) {
+    if (!e || !e->has_xt) return false;
+    e->xt.cancel(e->xt.ctx, disagg_id); /* thread-safe: the agent queues it */
+    return true;
+}
+
 uint64_t engine_tokens_hash(const int32_t *ids, int n) {
     uint64_t h = 1469598103934665603ull;
     for (int i = 0; i < n; i++) {

@@ -288,6 +288,13 @@ struct engine_kv_transfer {
 /* Installs the seam (copied). Call before submitting disaggregated requests; without it they
  * fail at submit with KV_EUNSUPPORTED. Not thread-safe against submits in flight. */
 void engine_set_kv_transfer(engine_t *e, const struct engine_kv_transfer *xt);
+/* Sender: the router says the generation leg of disagg_id will never pull its KV (it failed
+ * for good, was never delivered, or its client left): drops the offer and unpins its blocks now
+ * instead of at the transfer deadline (through xt.cancel, so the completion comes back as
+ * KV_ECANCELLED through engine_kv_transfer_done like any cancel). An id not offered yet is
+ * remembered by the agent and cancelled when it comes (generation first). Thread-safe (the
+ * seam is only read); false when no seam is installed. */
+bool engine_kv_release(engine_t *e, uint64_t disagg_id);
 /* Reports one transfer outcome (thread-safe; the engine thread acts on it at its next pass).
  * first/n_first: generation-first receive: the tokens the context worker sampled. */
 void engine_kv_transfer_done(engine_t *e, uint64_t disagg_id, bool is_send, kv_status status,

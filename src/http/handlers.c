@@ -49,6 +49,38 @@ void handle_kv_probe(struct evhttp_request *req) {
     prep_submit(req, PREP_PROBE, OAI_COMPLETION);
 }
 
+/* POST /kv_release {"disagg_request_id": N}: the router gave up on the generation leg of N, so
+ * the KV this context worker keeps pinned for it goes now instead of at --kv-transfer-timeout.
+ * Asynchronous (the transfer agent drops the offer, or remembers the id when the offer has not
+ * come yet); answers 200 {"disagg_request_id": N, "released": true}. 400: malformed body, or a
+ * worker that is not a context worker. Authenticated like every route (--api-key). */
+void handle_kv_release(struct evhttp_request *req) {
+    const struct http_config *c = srv.cfg;
+    if (!c || !c->role || strcmp(c->role, "context") != 0) {
+        http_send_errf(req, 400, "invalid_request_error", NULL, NULL,
+                       "/kv_release is served by context workers only (this one is not --role context)");
+        return;
+    }
+    struct evbuffer *in = evhttp_request_get_input_buffer(req);
+    size_t len = evbuffer_get_length(in);
+    json_t *j = json_loadb(len ? (const char *)evbuffer_pullup(in, -1) : "", len, 0, NULL);
+    json_t *id = json_object_get(j, "disagg_request_id");
+    if (!json_is_integer(id) || json_integer_value(id) < 0) {
+        json_decref(j);
+        http_send_errf(req, 400, "invalid_request_error", "disagg_request_id", NULL,
+                       "the body must be a JSON object with an unsigned integer disagg_request_id");
+        return;
+    }
+    uint64_t did = (uint64_t)json_integer_value(id);
+    json_decref(j);
+    if (!engine_kv_release(srv.e, did)) {
+        http_send_errf(req, 400, "invalid_request_error", NULL, NULL, "this worker has no KV transfer agent");
+        return;
+    }
+    KV_DEBUG("http: /kv_release of disagg_request_id %llu", (unsigned long long)did);
+    http_send_json(req, 200, json_pack("{s:I, s:b}", "disagg_request_id", (json_int_t)did, "released", 1));
+}
+
 void handle_tokenize(struct evhttp_request *req) { prep_submit(req, PREP_TOKENIZE, OAI_TOKENIZE); }
 
 void handle_detokenize(struct evhttp_request *req) {

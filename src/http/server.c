@@ -31,7 +31,7 @@ struct server http_srv = {.reply = {.ctr = &http_srv.ctr, .id_header = "X-Kvserv
                                     .id_value = http_srv.worker_id}};
 
 enum route_id { R_COMPLETIONS, R_CHAT, R_MODELS, R_HEALTH, R_READY, R_TOKENIZE, R_DETOKENIZE,
-                R_METRICS, R_KV_EVENTS, R_SERVER_INFO, R_KV_PROBE };
+                R_METRICS, R_KV_EVENTS, R_SERVER_INFO, R_KV_PROBE, R_KV_RELEASE };
 static const struct {
     const char *path;
     enum evhttp_cmd_type method;
@@ -52,6 +52,7 @@ static const struct {
     {"/kv_events", EVHTTP_REQ_GET, R_KV_EVENTS},
     {"/server_info", EVHTTP_REQ_GET, R_SERVER_INFO},
     {"/kv_probe", EVHTTP_REQ_POST, R_KV_PROBE},
+    {"/kv_release", EVHTTP_REQ_POST, R_KV_RELEASE},
 };
 
 /* GET /health: 200 {"status":"ok"}, or 503 with an error JSON once the backend can no longer
@@ -121,6 +122,7 @@ static void on_request(struct evhttp_request *req, void *arg) {
         case R_KV_EVENTS: handle_kv_events(req); return;
         case R_SERVER_INFO: handle_server_info(req); return;
         case R_KV_PROBE: handle_kv_probe(req); return;
+        case R_KV_RELEASE: handle_kv_release(req); return;
         }
     }
     char msg[300];

@@ -130,6 +130,9 @@ void handle_metrics(struct evhttp_request *req);
 void handle_server_info(struct evhttp_request *req);
 /* POST /kv_probe: the cached prefix of a completions/chat body (docs/disaggregation.md). */
 void handle_kv_probe(struct evhttp_request *req);
+/* POST /kv_release {"disagg_request_id": N}: a context worker drops the KV it holds for N
+ * (docs/disaggregation.md). */
+void handle_kv_release(struct evhttp_request *req);
 /* GET /kv_events: ?poll=1 -> one JSON answer; otherwise kvstream_start. */
 void handle_kv_events(struct evhttp_request *req);
 

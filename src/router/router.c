@@ -132,6 +132,7 @@ void rtq_rreq_free(struct rreq *q) {
         rtq_release(q, i);
     }
     rt_coord_finish(q);
+    if (q->kv_held) rt_kv_release(r, q->kv_ctx, q->id); /* no generation leg pulled it */
     free(q->ckeys);
     free(q->bh);
     if (q->kick) event_free(q->kick);
@@ -419,6 +420,9 @@ static void count_retry(struct router *r, enum rt_leg_kind k, const struct rt_ou
     r->retries[k][rt_classify(o)]++;
 }
 
+/* The relayed leg is the generation leg (not a local prefill's plain leg). */
+static bool k_final_gen(const struct rreq *q) { return q->final_kind == RT_LEG_GENERATION; }
+
 static void on_final_done(struct upx *u, const struct rt_outcome *o, CURLcode rc) {
     struct rreq *q = u->owner;
     struct router *r = q->r;
@@ -438,12 +442,14 @@ static void on_final_done(struct upx *u, const struct rt_outcome *o, CURLcode rc
                 return;
             }
             upx_free(u);
+            if (k_final_gen(q)) q->kv_held = false; /* the generation leg pulled it */
             rtq_count_outcome(q, OUT_OK);
             struct evhttp_request *req = rtq_take_req(q);
             evhttp_send_reply_end(req);
             rtq_maybe_free(q);
             return;
         }
+        if (k_final_gen(q)) q->kv_held = false;
         rtq_count_outcome(q, OUT_OK);
         credit_reported(q, u->resp.data ? u->resp.data : "", u->resp.len);
         struct evhttp_request *req = rtq_take_req(q);
@@ -493,6 +499,8 @@ static void send_context(struct rreq *q) {
     struct router *r = q->r;
     const char *style = r->cfg.style == ROUTER_GENERATION_FIRST ? "generation_first" : "context_first";
     json_t *body = rt_context_leg(q->base, q->id, style, q->conv_id);
+    q->kv_held = true;
+    q->kv_ctx = q->ctx_idx;
     q->ctx = body ? rtq_leg_send(q, R_CTX(r), q->ctx_idx, q->path, body, on_ctx_done, RT_LEG_CONTEXT) : NULL;
     json_decref(body);
     if (!q->ctx) {
@@ -557,12 +565,17 @@ static void on_ctx_done(struct upx *u, const struct rt_outcome *o, CURLcode rc) 
             upx_free(u);
             if (gen_first && idx != q->ctx_idx) idx = q->ctx_idx; /* its endpoint is in the gen leg */
             q->ctx_idx = idx;
-            if (!gen_first) q->id = rtq_new_id(r); /* spec §2: a context retry gets a fresh id */
+            if (!gen_first) { /* spec §2: a context retry gets a fresh id */
+                if (q->kv_held) rt_kv_release(r, q->kv_ctx, q->id); /* in case it kept KV */
+                q->kv_held = false;
+                q->id = rtq_new_id(r);
+            }
             send_context(q);
             return;
         }
         r->upstream_errors[RT_LEG_CONTEXT]++;
         if (o->http_status > 0) {
+            q->kv_held = false; /* an error answer: the context worker offered nothing */
             relay_upstream_error(q, u, o->http_status); /* 4xx unchanged */
             return;
         }
@@ -595,6 +608,7 @@ static void on_ctx_done(struct upx *u, const struct rt_outcome *o, CURLcode rc) 
         return;
     }
     if (rt_context_finished(resp, q->base)) {
+        q->kv_held = false; /* the context worker kept no KV */
         q->served_by = R_CTX(r)->w[q->ctx_idx]->url;
         ctx_answer_finished(q, resp);
         json_decref(resp);

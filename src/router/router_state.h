@@ -18,7 +18,7 @@
 #define SSE_MAX ((size_t)16 << 20)     /* one upstream event may not exceed this */
 
 enum { UPX_PROBE = 10, UPX_INFO = 11, UPX_MODELS = 12, UPX_HEALTH = 13, UPX_EVENTS = 14, UPX_ETCD = 15,
-       UPX_COORD_FINISH = 16, UPX_COORD_SELECT_BASE = 300 /* + pool */ };
+       UPX_COORD_FINISH = 16, UPX_KV_RELEASE = 17, UPX_COORD_SELECT_BASE = 300 /* + pool */ };
 enum { POOL_AGG = 0, POOL_CTX = 1, POOL_GEN = 2, POOL_N = 3 };
 
 /* A coordinator reservation (POST /select -> POST /finish). */
@@ -50,6 +50,9 @@ struct router {
     struct upx **coord_fin;  /* coordinator /finish transfers in flight (coord_client.c) */
     int n_coord_fin, cap_coord_fin;
     uint64_t coord_placements, coord_errors;
+    struct upx **rel;        /* POST /kv_release transfers in flight (kv_release.c) */
+    int n_rel, cap_rel;
+    uint64_t kv_releases[2]; /* answered 2xx, failed */
     struct rreq *live;
     int n_live;
     struct event *tick;   /* peeks quiet client connections for EOF */
@@ -97,6 +100,10 @@ struct rreq {
     bool coord[POOL_N];             /* the coordinator reserved for this request (finish owed) */
     int retries[3];                 /* per leg kind */
     json_t *gen_body;               /* the generation leg's body (kept across retries) */
+    bool kv_held;                   /* a context leg went to context worker kv_ctx under id: it may
+                                       hold KV for id until a generation leg pulls it; cleared once
+                                       a generation leg completed or the context kept nothing */
+    int kv_ctx;
     struct upx *probe, *info, *ctx, *final;
     enum rt_leg_kind final_kind;
     kv_buf sse;                     /* upstream bytes of an incomplete SSE event */
@@ -126,6 +133,11 @@ void rt_coord_stop(struct router *r);
 /* Fills q's routing inputs (prompt tokens, content keys, block hashes) from the client body,
  * as far as the pools' policies need them. Never fails a request (ENOMEM = no keys). */
 void rtq_route_inputs(struct rreq *q, const char *body, size_t len);
+
+/* ---- kv_release.c: POST /kv_release to a context worker (fire and forget) ---- */
+/* Asks context worker ctx_idx to drop the KV it holds for id now. No-op while stopping. */
+void rt_kv_release(struct router *r, int ctx_idx, uint64_t id);
+void rt_kv_release_stop(struct router *r);
 
 /* ---- workers.c: health checks, /kv_events mirrors, coordinator, worker metrics ---- */
 kv_status rt_workers_start(struct router *r, char *err, size_t errlen);

@@ -335,6 +335,11 @@ static void handle_metrics(struct router *r, struct evhttp_request *req) {
     HDR("client_disconnects_total", "counter", "Clients that left before their answer ended.");
     st |= kv_buf_printf(&b, "kvserve_router_client_disconnects_total %llu\n",
                         (unsigned long long)r->ctr.client_disconnects);
+    HDR("kv_releases_total", "counter",
+        "POST /kv_release calls to context workers (KV no generation leg will pull) by outcome.");
+    st |= kv_buf_printf(&b, "kvserve_router_kv_releases_total{outcome=\"ok\"} %llu\n"
+                            "kvserve_router_kv_releases_total{outcome=\"failed\"} %llu\n",
+                        (unsigned long long)r->kv_releases[0], (unsigned long long)r->kv_releases[1]);
 #undef HDR
     st |= rt_workers_metrics(r, &b);
     if (st) http_reply_errf(&r->reply, req, 500, "server_error", NULL, NULL, "out of memory");

@@ -299,6 +299,7 @@ kv_status rt_workers_start(struct router *r, char *err, size_t errlen) {
 
 void rt_workers_stop(struct router *r) {
     rt_coord_stop(r);
+    rt_kv_release_stop(r);
     etcd_watch_stop(r->etcd);
     r->etcd = NULL;
     if (r->health) event_free(r->health);

@@ -589,6 +589,17 @@ void kvx_cancel(kvx_agent_t *a, uint64_t id) {
 
 void agent_cancel_local(struct kvx_agent *a, uint64_t id) { do_cancel(a, id); }
 
+void agent_refuse_offer(struct kvx_agent *a, uint64_t id, const char *why) {
+    struct offer *o = agent_find_offer(a, id);
+    if (o && o->conn) return; /* another receiver is being served: its own outcome decides */
+    if (!o) {
+        if (!agent_was_finished(a, id)) memo_add(a, id);
+        return;
+    }
+    agent_drop_offer(a, o);
+    agent_complete(a, id, true, KV_EINVAL, NULL, 0, "the generation worker was refused: %s", why);
+}
+
 void kvx_cancel_remote(kvx_agent_t *a, uint64_t id, const char *peer) {
     if (!a || !peer || !*peer || strlen(peer) >= 160 || !strrchr(peer, ':')) return;
     struct cmd *c = cmd_new(CMD_CANCEL_REMOTE, id, NULL, 0);

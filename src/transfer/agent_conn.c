@@ -449,15 +449,18 @@ void conn_serve(struct kvx_agent *a, struct conn *c, struct offer *o) {
         snprintf(why, sizeof why, "prompt length mismatch: the generation worker has %d tokens, "
                  "the context worker %d", c->n_tokens, o->aux.n_tokens);
         conn_fail(a, c, why);
+        agent_refuse_offer(a, o->id, why); /* never deliverable: unpin now, not at the deadline */
         return;
     }
     if (c->n_dst > o->n_blocks) {
         conn_fail(a, c, "the receiver asks for more blocks than the prompt has");
+        agent_refuse_offer(a, o->id, "the receiver asks for more blocks than the prompt has");
         return;
     }
     struct kvx_map m;
     if (kvx_page_table_match(&c->peer_pt, &a->pt, &m, why, sizeof why) != KV_OK) {
         conn_fail(a, c, why);
+        agent_refuse_offer(a, o->id, why);
         return;
     }
     /* end alignment (BUG-17): the receiver lacks the LAST n_dst blocks */
@@ -547,6 +550,7 @@ static void on_req(struct kvx_agent *a, struct conn *c, json_t *o) {
                  a->device_pool ? "GPU" : "host", a->device_pool ? host_tp : "cuda_ipc", a->device_pool ? "host" : "GPU");
         KV_WARN("kv transfer: refusing a receiver for %llu: %s", id, why);
         conn_fail(a, c, why);
+        agent_refuse_offer(a, id, why);
         return;
     }
     if (kvx_page_table_from_json(json_object_get(o, "pt"), &c->peer_pt, why, sizeof why) != KV_OK) {
@@ -557,6 +561,7 @@ static void on_req(struct kvx_agent *a, struct conn *c, json_t *o) {
     if (kvx_page_table_match(&c->peer_pt, &a->pt, &m, why, sizeof why) != KV_OK) {
         KV_WARN("kv transfer: refusing a receiver for %llu: %s", id, why);
         conn_fail(a, c, why);
+        agent_refuse_offer(a, id, why); /* the KV can never reach it: unpin now */
         return;
     }
     kvx_map_free(&m);

@@ -156,6 +156,11 @@ void agent_stat(struct kvx_agent *a, uint64_t *field, uint64_t add);
 void agent_stale_sweep(struct kvx_agent *a, uint64_t now);
 
 void agent_cancel_local(struct kvx_agent *a, uint64_t id);
+/* Sender: the receiver of id was refused (page tables or transports do not match, prompt
+ * length differs): the KV can never be delivered, so an offer no connection serves is dropped
+ * now (KV_EINVAL completion naming why) and an id not offered yet is remembered as cancelled,
+ * instead of holding the blocks until the transfer deadline. */
+void agent_refuse_offer(struct kvx_agent *a, uint64_t id, const char *why);
 
 /* ---- agent_conn.c ---- */
 /* Receiver: a one-frame connection telling the sender that id is cancelled. */

@@ -21,6 +21,10 @@ Groups (run all, or name some on the command line):
   conditional --max-local-prefill-tokens: a second turn with a short uncached tail sends no
               context leg and gives the same output
   netns       the same flow between two network namespaces joined by a veth pair (root only)
+  release     KV held for a generation leg that will never pull it is freed at once (transfer
+              timeout 60 s, freed < 10 s): POST /kv_release, a refused receiver (mismatched
+              page tables), the router's release after kill -9 of the generation worker and
+              after a client leaves
 env: KVSERVE_BIN, KVSERVE_TEST_DATA. Exit 0 = all passed, 77 = skipped (data missing).
 """
 import concurrent.futures
@@ -518,6 +522,112 @@ def direct_gen_leg(gen, ctx_endpoint, rec, did, style):
     return gen.post("/v1/completions", body, timeout=60)
 
 
+def direct_ctx_leg(ctx, rec, did):
+    """A context leg sent straight to the context worker; its disaggregated_params."""
+    body = completion_body(rec, 8)
+    body["disaggregated_params"] = {"request_type": "context_only", "disagg_request_id": did,
+                                    "schedule_style": "context_first"}
+    st, resp = ctx.post("/v1/completions", body, timeout=60)
+    check(st == 200 and resp["choices"][0]["finish_reason"] == "not_finished",
+          "direct context leg %d kept its KV (%s)" % (did, st))
+    return resp["choices"][0]["disaggregated_params"]
+
+
+def wait_freed(p, what, bound=10):
+    """The KV p holds for transfer is freed well within its transfer deadline (60 s here)."""
+    t0 = time.time()
+    ok = wait_idle([p], what, timeout=bound)
+    if ok:
+        check(True, "%s: freed after %.1f s (transfer deadline 60 s)" % (what, time.time() - t0))
+    return ok
+
+
+def test_release(recs):
+    """KV a context worker holds for a generation leg that will never pull it is freed at once,
+    not at --kv-transfer-timeout (60 s here; every check allows 10 s): POST /kv_release; a
+    receiver refused for mismatched page tables; the router's release after the generation
+    worker is killed (kill -9) with transfers pending, and after a client leaves."""
+    T60 = ["--kv-transfer-timeout", "60"]
+    ctx = worker("context", extra=T60)
+    gen = worker("generation", extra=T60)
+    try:
+        dp = direct_ctx_leg(ctx, recs[0], 515151)
+        check(used_blocks(ctx)[1] == 1, "the context worker holds the KV for transfer")
+        st, resp = ctx.post("/kv_release", {"disagg_request_id": 515151})
+        check(st == 200 and resp.get("released") is True, "POST /kv_release answers 200 (%s %s)" % (st, resp))
+        wait_freed(ctx, "/kv_release")
+        st, resp = gen.post("/v1/completions", dict(completion_body(recs[0], 8), disaggregated_params=dict(
+            dp, request_type="generation_only")), timeout=60)
+        check(st >= 400, "a generation leg for released KV fails (%s)" % st)
+        for bad in ({}, {"disagg_request_id": "x"}, {"disagg_request_id": -1}, []):
+            st, resp = ctx.post("/kv_release", bad)
+            check(st == 400 and "disagg_request_id" in json.dumps(resp), "/kv_release %r: 400" % (bad,))
+        st, resp = gen.post("/kv_release", {"disagg_request_id": 1})
+        check(st == 400, "/kv_release on a generation worker: 400 (%s)" % st)
+        wait_idle([ctx, gen], "release: bad calls")
+    finally:
+        ctx.stop()
+        gen.stop()
+
+    # a receiver refused at the handshake (f16 context, f32 generation): freed at once
+    ctx = worker("context", extra=T60 + ["--kv-cache-dtype", "f16"])
+    gen = worker("generation", extra=T60)
+    try:
+        dp = direct_ctx_leg(ctx, recs[0], 525252)
+        st, resp = gen.post("/v1/completions", dict(completion_body(recs[0], 8), disaggregated_params=dict(
+            dp, request_type="generation_only")), timeout=60)
+        check(st >= 400, "mismatched page tables: the generation leg fails (%s)" % st)
+        wait_freed(ctx, "refused receiver")
+        wait_idle([gen], "refused receiver (generation side)")
+    finally:
+        ctx.stop()
+        gen.stop()
+
+    # kill -9 of the generation worker while transfers wait (its REQs are held back), then a
+    # client that leaves while its generation leg waits: the router releases the KV
+    ctx = worker("context", extra=T60)
+    slow = {"KVSERVE_KVX_FAULT": "delay_request_ms=60000"}
+    for case in ("kill", "client gone"):
+        gen = worker("generation", extra=T60, env=slow)
+        rt = router([ctx], [gen])
+        try:
+            n = 3 if case == "kill" else 1
+            res = []
+            body = lambda i: completion_body(recs[i], 32, stream=True)  # noqa: E731
+            if case == "kill":
+                ths = [threading.Thread(target=lambda i=i: res.append(rt.stream("/v1/completions", body(i), 60)))
+                       for i in range(n)]
+                for th in ths:
+                    th.start()
+            else:
+                sk = socket.create_connection(("127.0.0.1", rt.port))
+                data = json.dumps(body(0)).encode()
+                sk.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n" % len(data) + data)
+            t0 = time.time()
+            while time.time() - t0 < 30 and used_blocks(ctx)[1] < n:
+                time.sleep(0.02)
+            check(used_blocks(ctx)[1] == n, "%s: the context worker holds %d transfer(s)" % (case, n))
+            if case == "kill":
+                gen.kill()
+                for th in ths:
+                    th.join(60)
+                check(len(res) == n and all(st >= 500 for st, _, _ in res),
+                      "kill: every client gets an error (%s)" % [st for st, _, _ in res])
+            else:
+                sk.close()
+            wait_freed(ctx, "release after %s" % case)
+            if case == "client gone":
+                wait_idle([gen], "client gone (generation side)")
+            m = rt.metrics()
+            check(m.get("kvserve_router_kv_releases_total", 0) >= n,
+                  "%s: the router counted its releases" % case)
+        finally:
+            rt.stop()
+            gen.stop()
+    ctx.stop()
+
+
 def test_stale(refs, recs):
     ctx = worker("context", extra=["--kv-stale-ttl", "2"])
     gen = worker("generation", extra=["--kv-transfer-timeout", "6"])
@@ -742,7 +852,8 @@ def main():
                   ("edges", lambda: test_edges(agg, recs)),
                   ("conditional", lambda: test_conditional(agg)),
                   ("netns", lambda: test_netns(refs, recs)),
-                  ("kvdtype", lambda: test_kvdtype(recs))]
+                  ("kvdtype", lambda: test_kvdtype(recs)),
+                  ("release", lambda: test_release(recs))]
         for name, fn in groups:
             if not want(name):
                 continue
