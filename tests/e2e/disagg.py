@@ -280,8 +280,7 @@ def test_kvdtype(recs):
             rt.stop()
             ctx.stop()
             gen.stop()
-    # the context worker keeps a refused offer for a matching receiver until its transfer
-    # deadline (3 s here), then frees the blocks
+    # the refused offer is dropped at once (group release checks it against a 60 s deadline)
     ctx = worker("context", extra=["--kv-cache-dtype", "f16", "--kv-transfer-timeout", "3"])
     gen = worker("generation")  # f32
     rt = router([ctx], [gen], env=dict(os.environ, KVSERVE_DISAGG_NO_RETRY="1"))
