@@ -586,12 +586,14 @@ def test_release(recs):
         gen.stop()
 
     # kill -9 of the generation worker while transfers wait (its REQs are held back), then a
-    # client that leaves while its generation leg waits: the router releases the KV
-    ctx = worker("context", extra=T60)
+    # client that leaves while its generation leg waits: the router releases the KV (workers
+    # with --api-key: the release carries the router's --worker-api-key)
+    key = ["--api-key", "release-test-key"]
+    ctx = worker("context", extra=T60 + key)
     slow = {"KVSERVE_KVX_FAULT": "delay_request_ms=60000"}
     for case in ("kill", "client gone"):
-        gen = worker("generation", extra=T60, env=slow)
-        rt = router([ctx], [gen])
+        gen = worker("generation", extra=T60 + key, env=slow)
+        rt = router([ctx], [gen], ["--worker-api-key", "release-test-key"])
         try:
             n = 3 if case == "kill" else 1
             res = []
@@ -619,9 +621,12 @@ def test_release(recs):
             else:
                 sk.close()
             wait_freed(ctx, "release after %s" % case)
-            m = rt.metrics()
-            check(m.get("kvserve_router_kv_releases_total", 0) >= n,
-                  "%s: the router counted its releases" % case)
+            text = rt.request("GET", "/metrics")[1].decode()
+            ok = [float(x.rsplit(" ", 1)[1]) for x in text.splitlines()
+                  if x.startswith('kvserve_router_kv_releases_total{outcome="ok"}')]
+            check(ok and ok[0] >= n, "%s: the router counted %s answered release(s)" % (case, ok))
+            st, _ = ctx.post("/kv_release", {"disagg_request_id": 1})
+            check(st == 401, "/kv_release without the key: 401 (%s)" % st)
         finally:
             rt.stop()
             if case == "client gone":
