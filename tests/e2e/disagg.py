@@ -591,14 +591,15 @@ def test_release(recs):
     key = ["--api-key", "release-test-key"]
     ctx = worker("context", extra=T60 + key)
     slow = {"KVSERVE_KVX_FAULT": "delay_request_ms=60000"}
-    for case in ("kill", "client gone"):
+    for case in ("kill", "kill, generation first", "client gone"):
         gen = worker("generation", extra=T60 + key, env=slow)
-        rt = router([ctx], [gen], ["--worker-api-key", "release-test-key"])
+        style = "generation_first" if "generation first" in case else "context_first"
+        rt = router([ctx], [gen], ["--worker-api-key", "release-test-key", "--schedule-style", style])
         try:
-            n = 3 if case == "kill" else 1
+            n = 3 if case.startswith("kill") else 1
             res = []
             body = lambda i: completion_body(recs[i], 32, stream=True)  # noqa: E731
-            if case == "kill":
+            if case.startswith("kill"):
                 ths = [threading.Thread(target=lambda i=i: res.append(rt.stream("/v1/completions", body(i), 60)))
                        for i in range(n)]
                 for th in ths:
@@ -612,7 +613,7 @@ def test_release(recs):
             while time.time() - t0 < 30 and used_blocks(ctx)[1] < n:
                 time.sleep(0.02)
             check(used_blocks(ctx)[1] == n, "%s: the context worker holds %d transfer(s)" % (case, n))
-            if case == "kill":
+            if case.startswith("kill"):
                 gen.kill()
                 for th in ths:
                     th.join(60)
