@@ -550,6 +550,7 @@ static void on_ctx_done(struct upx *u, const struct rt_outcome *o, CURLcode rc) 
     }
     bool gen_first = r->cfg.style == ROUTER_GENERATION_FIRST;
     enum rt_delivery d = rt_classify(o);
+    if (d == RT_UNDELIVERED) q->kv_held = false; /* the worker never saw it: nothing to release */
     if (d != RT_COMPLETED) {
         /* generation first: the generation leg waits for this id, so a retry keeps it and is
          * made only when the leg is certainly undelivered (the generation rule) */
