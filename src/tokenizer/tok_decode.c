@@ -105,18 +105,6 @@ static kv_status replace_into(kv_buf *o, const char *s, size_t n, const char *a,
     return kv_buf_append(o, s + last, n - last) ? KV_ENOMEM : KV_OK;
 }
 
-static int parse_byte_tok(const char *s, size_t n) {
-    if (n != 6 || memcmp(s, "<0x", 3) != 0 || s[5] != '>') return -1;
-    int v = 0;
-    for (int i = 3; i < 5; i++) {
-        char c = s[i];
-        int d = c >= '0' && c <= '9' ? c - '0' : c >= 'A' && c <= 'F' ? c - 'A' + 10 : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
-        if (d < 0) return -1;
-        v = v * 16 + d;
-    }
-    return v;
-}
-
 /* Runs the decoder chain on token strings; result bytes (not yet lossy-repaired) in out.
  * cont: the first token continues earlier output (no leading-space stripping). */
 static kv_status run_decoders(const tokenizer_t *t, struct dtoks *a, bool cont, kv_buf *out) {
@@ -149,7 +137,7 @@ static kv_status run_decoders(const tokenizer_t *t, struct dtoks *a, bool cont, 
             kv_buf_init(&run);
             size_t nrun = 0;
             for (size_t i = 0; i <= a->n && !st; i++) {
-                int v = i < a->n ? parse_byte_tok(base + a->off[i], a->len[i]) : -1;
+                int v = i < a->n ? tok_parse_byte_token(base + a->off[i], a->len[i]) : -1;
                 if (v >= 0) {
                     unsigned char c = (unsigned char)v;
                     if (kv_buf_append(&run, &c, 1)) st = KV_ENOMEM;

@@ -140,6 +140,9 @@ kv_status tok_finalize(tokenizer_t *t, char *err, size_t errlen);
 /* Resolves the vocab strings and builds the string hash (no more tok_vocab_set after). */
 kv_status tok_finalize_map_only(tokenizer_t *t);
 int tok_lookup(const tokenizer_t *t, const char *s, size_t len); /* any token */
+/* The byte of a byte-fallback token "<0xHH>" (s[0..n), exactly two hex digits, any case), or
+ * -1 when s is not one. */
+int tok_parse_byte_token(const char *s, size_t n);
 kv_status pairmap_put(struct pairmap *m, int32_t a, int32_t b, int32_t rank, int32_t merged);
 kv_status pairmap_init(struct pairmap *m, size_t n);
 /* Compiles a HF/llama.cpp pre-tokenizer regex (UTF + UCP, JIT when available) with \s, \S,

@@ -256,16 +256,28 @@ kv_status tok_finalize_map_only(tokenizer_t *t) {
     return KV_OK;
 }
 
+int tok_parse_byte_token(const char *s, size_t n) {
+    if (n != 6 || memcmp(s, "<0x", 3) != 0 || s[5] != '>') return -1;
+    int v = 0;
+    for (int i = 3; i < 5; i++) {
+        char c = s[i];
+        int d = c >= '0' && c <= '9' ? c - '0' : c >= 'A' && c <= 'F' ? c - 'A' + 10 : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+        if (d < 0) return -1;
+        v = v * 16 + d;
+    }
+    return v;
+}
+
 kv_status tok_finalize(tokenizer_t *t, char *err, size_t errlen) {
     kv_status st = tok_finalize_map_only(t);
     if (st) return st;
     for (int b = 0; b < 256; b++) t->byte_tok[b] = -1;
     for (int id = 0; id < t->n_tok; id++) {
         struct tok_entry *e = &t->tok[id];
-        unsigned v;
-        char tail;
-        if (e->len == 6 && memcmp(e->s, "<0x", 3) == 0 && e->s[5] == '>' &&
-            sscanf(e->s + 3, "%2x%c", &v, &tail) == 2 && tail == '>') {
+        /* "<0xHH>", exactly two hex digits (sscanf's %2x took "<0x-7>" and indexed byte_tok
+         * with 0xFFFFFFF9: found by fuzz_tokenizer_json) */
+        const int v = tok_parse_byte_token(e->s, e->len);
+        if (v >= 0) {
             if (t->byte_tok[v] < 0) t->byte_tok[v] = id;
             e->flags |= TF_BYTE;
             e->byte = (uint8_t)v;
