@@ -447,3 +447,44 @@ int kv_read_all(int fd, void *p, size_t n) {
     }
     return 0;
 }
+
+struct kv_arena_chunk {
+    struct kv_arena_chunk *next;
+    size_t used, cap;
+    _Alignas(16) unsigned char data[];
+};
+
+void *kv_arena_alloc(struct kv_arena *a, size_t n, kv_status *why) {
+    n = n ? (n + 15) & ~(size_t)15 : 16;
+    struct kv_arena_chunk *c = a->head;
+    if (!c || c->cap - c->used < n) {
+        size_t cap = n > 65536 ? n : 65536;
+        if (a->limit && a->used + cap > a->limit) {
+            *why = KV_ETOOLONG;
+            return NULL;
+        }
+        c = malloc(sizeof *c + cap);
+        if (!c) {
+            *why = KV_ENOMEM;
+            return NULL;
+        }
+        c->next = a->head;
+        c->used = 0;
+        c->cap = cap;
+        a->head = c;
+        a->used += cap;
+    }
+    void *p = c->data + c->used;
+    c->used += n;
+    memset(p, 0, n);
+    return p;
+}
+
+void kv_arena_free(struct kv_arena *a) {
+    for (struct kv_arena_chunk *c = a->head, *nx; c; c = nx) {
+        nx = c->next;
+        free(c);
+    }
+    a->head = NULL;
+    a->used = 0;
+}

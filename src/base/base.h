@@ -98,6 +98,21 @@ kv_status kv_parse_i64(const char *s, int64_t min, int64_t max, int64_t *out);
 int kv_write_all(int fd, const void *p, size_t n);
 int kv_read_all(int fd, void *p, size_t n);
 
+/* A chunked bump allocator (the Jinja interpreter's and the grammar builder's node memory):
+ * allocations live until kv_arena_free releases them all. Zero-initialise the struct (limit:
+ * the most bytes of chunks it may hold, 0 = no limit). Not thread-safe. */
+struct kv_arena_chunk;
+struct kv_arena {
+    struct kv_arena_chunk *head;
+    size_t used;  /* bytes of chunks held */
+    size_t limit; /* 0: none */
+};
+/* n bytes (at least 16), zeroed, 16-byte aligned; NULL when out of memory (*why = KV_ENOMEM)
+ * or when a new chunk would pass the limit (*why = KV_ETOOLONG). The arena is unchanged then. */
+void *kv_arena_alloc(struct kv_arena *a, size_t n, kv_status *why);
+/* Frees every chunk; the arena is empty (limit kept) and reusable. */
+void kv_arena_free(struct kv_arena *a);
+
 /* ---- UTF-8 ---- */
 /* Length in bytes of the UTF-8 sequence starting with lead byte c (1..4), 0 if c is
  * a continuation byte or invalid lead. */

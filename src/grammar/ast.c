@@ -8,21 +8,10 @@
 
 /* ---------------------------------------------------------------- arena */
 
-struct gb_chunk {
-    struct gb_chunk *next;
-    size_t used, cap;
-    _Alignas(16) unsigned char data[];
-};
-
 void gb_init(struct gb *b) { memset(b, 0, sizeof *b); }
 
 void gb_free(struct gb *b) {
-    struct gb_chunk *c = b->arena;
-    while (c) {
-        struct gb_chunk *n = c->next;
-        free(c);
-        c = n;
-    }
+    kv_arena_free(&b->arena);
     for (int i = 0; i < b->n_rules; i++) free(b->rules[i].name);
     free(b->rules);
     memset(b, 0, sizeof *b);
@@ -35,23 +24,9 @@ void gb_fail(struct gb *b, kv_status st, const char *msg) {
 }
 
 void *gb_alloc(struct gb *b, size_t n) {
-    n = (n + 15) & ~(size_t)15;
-    struct gb_chunk *c = b->arena;
-    if (!c || c->cap - c->used < n) {
-        size_t cap = n > 65536 ? n : 65536;
-        c = kv_malloc(sizeof *c + cap);
-        if (!c) {
-            gb_fail(b, KV_ENOMEM, "out of memory");
-            return NULL;
-        }
-        c->next = b->arena;
-        c->used = 0;
-        c->cap = cap;
-        b->arena = c;
-    }
-    void *p = c->data + c->used;
-    c->used += n;
-    memset(p, 0, n);
+    kv_status why;
+    void *p = kv_arena_alloc(&b->arena, n, &why); /* no limit set: only out of memory fails */
+    if (!p) gb_fail(b, KV_ENOMEM, "out of memory");
     return p;
 }
 

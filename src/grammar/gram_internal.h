@@ -65,7 +65,7 @@ struct gb_rule {
     struct gn *body;       /* NULL until defined */
 };
 struct gb {
-    struct gb_chunk *arena;
+    struct kv_arena arena;
     struct gb_rule *rules;
     int n_rules, cap_rules;
     size_t n_nodes;        /* node count (size limit) */

@@ -585,6 +585,12 @@ kv_status kv_matmul_quant_parse(const char *s, enum kv_matmul_quant *out, char *
     return KV_OK;
 }
 
+/* Two products read the same activations (X, M rows of K): their quantized / packed copy is
+ * made once (plan_q8, plan_xpack). */
+static int same_x(const struct kv_matmul_op *a, const struct kv_matmul_op *b) {
+    return a->X == b->X && a->M == b->M && a->W->cols == b->W->cols;
+}
+
 /* Quantizes the activations of the ops that take the integer path (pl->q8[i]); ops with the
  * same X, M and group share one copy. acts: MAX_BATCH slots owned by the caller. */
 static void plan_q8(struct plan *pl, struct kv_q8_act *acts) {
@@ -599,7 +605,7 @@ static void plan_q8(struct plan *pl, struct kv_q8_act *acts) {
         if (!G || op->M < 1 || op->W->cols < 1 || op->W->rows < 1) continue;
         src[i] = i;
         for (int j = 0; j < i; j++)
-            if (src[j] == j && ops[j].X == op->X && ops[j].M == op->M && ops[j].W->cols == op->W->cols &&
+            if (src[j] == j && same_x(&ops[j], op) &&
                 kv_q8_group(ops[j].W->type) == G)
                 src[i] = j;
         if (src[i] == i) {
@@ -634,7 +640,7 @@ static void plan_xpack(struct plan *pl) {
         if (pl->q8[i] || op->M <= DECODE_ROWS || op->W->cols < 0 || op->W->rows < 1) continue;
         src[i] = i;
         for (int j = 0; j < i; j++)
-            if (src[j] == j && pl->ops[j].X == op->X && pl->ops[j].M == op->M && pl->ops[j].W->cols == op->W->cols)
+            if (src[j] == j && same_x(&pl->ops[j], op))
                 src[i] = j;
         if (src[i] == i) {
             off[i] = total;

@@ -511,7 +511,7 @@ kv_status jinja_render(const jinja_template_t *t, const json_t *ctxj, char **out
     if (!t || !out) return kv_errf(KV_EINVAL, err, errlen, "jinja: NULL argument");
     if (ctxj && !json_is_object(ctxj)) return kv_errf(KV_EINVAL, err, errlen, "jinja: the render context must be a JSON object");
     jmp_buf jb;
-    struct jarena arena = {.limit = JINJA_ARENA_LIMIT, .jb = &jb, .err = err, .errlen = errlen};
+    struct jarena arena = {.mem = {.limit = JINJA_ARENA_LIMIT}, .jb = &jb, .err = err, .errlen = errlen};
     struct ctx C = {.a = &arena};
     if (setjmp(jb)) {
         kv_status st = arena.st;

@@ -20,10 +20,8 @@
 #define JINJA_ARENA_LIMIT ((size_t)256 << 20) /* bytes, per parse and per render */
 
 /* ---- arena with a byte limit; on exhaustion or error, longjmp to *jb ---- */
-struct jchunk;
 struct jarena {
-    struct jchunk *head;
-    size_t used, limit; /* bytes */
+    struct kv_arena mem; /* mem.limit: bytes */
     jmp_buf *jb;
     char *err; size_t errlen;
     kv_status st;

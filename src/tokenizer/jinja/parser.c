@@ -681,7 +681,7 @@ kv_status jinja_parse(const char *src, size_t len, jinja_template_t **out, char 
     jinja_template_t *t = calloc(1, sizeof *t);
     if (!t) return kv_errf(KV_ENOMEM, err, errlen, "jinja: out of memory");
     jmp_buf jb;
-    t->arena.limit = JINJA_ARENA_LIMIT;
+    t->arena.mem.limit = JINJA_ARENA_LIMIT;
     t->arena.jb = &jb;
     t->arena.err = err;
     t->arena.errlen = errlen;

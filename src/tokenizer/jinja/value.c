@@ -8,30 +8,11 @@
 
 #include "jinja_internal.h"
 
-struct jchunk {
-    struct jchunk *next;
-    size_t used, cap;
-    max_align_t data[];
-};
-
 void *ja_alloc(struct jarena *a, size_t n) {
-    n = (n + 15) & ~(size_t)15;
-    if (!n) n = 16;
-    struct jchunk *c = a->head;
-    if (!c || c->cap - c->used < n) {
-        size_t cap = n > 65536 ? n : 65536;
-        if (a->used + cap > a->limit) ja_fail(a, KV_ETOOLONG, 0, 0, "template uses more than %zu MiB of memory", a->limit >> 20);
-        c = malloc(sizeof *c + cap);
-        if (!c) ja_fail(a, KV_ENOMEM, 0, 0, "out of memory");
-        c->next = a->head;
-        c->used = 0;
-        c->cap = cap;
-        a->head = c;
-        a->used += cap;
-    }
-    void *p = (char *)c->data + c->used;
-    c->used += n;
-    memset(p, 0, n);
+    kv_status why = KV_OK;
+    void *p = kv_arena_alloc(&a->mem, n, &why);
+    if (!p && why == KV_ETOOLONG) ja_fail(a, KV_ETOOLONG, 0, 0, "template uses more than %zu MiB of memory", a->mem.limit >> 20);
+    if (!p) ja_fail(a, KV_ENOMEM, 0, 0, "out of memory");
     return p;
 }
 
@@ -41,14 +22,7 @@ char *ja_strndup(struct jarena *a, const char *s, size_t n) {
     return p;
 }
 
-void ja_free(struct jarena *a) {
-    for (struct jchunk *c = a->head, *nx; c; c = nx) {
-        nx = c->next;
-        free(c);
-    }
-    a->head = NULL;
-    a->used = 0;
-}
+void ja_free(struct jarena *a) { kv_arena_free(&a->mem); }
 
 void ja_fail(struct jarena *a, kv_status st, int line, int col, const char *fmt, ...) {
     char msg[400];
