@@ -83,7 +83,7 @@ static void cols_generic(const struct cols_args *a) {
 /* ---- per-thread buffer of the tiles' saved 16-lane partial sums (between K blocks) ---- */
 
 static void *thread_buf(int which, size_t n); /* below, with the other per-thread buffers */
-enum { BUF_ACT, BUF_PANEL, BUF_SUMS, BUF_ROW, BUF_XPACK, BUF_N };
+enum { BUF_ACT, BUF_PANEL, BUF_SUMS, BUF_XPACK, BUF_N };
 /* This thread's partial-sum buffer of at least n floats, 64-byte aligned. Out of memory
  * aborts: a few tens of KiB per thread. */
 static float *thread_sums(size_t n) {
@@ -401,7 +401,8 @@ const char *kv_matmul_isa_name(void) {
 /* ---- per-thread buffers (freed at thread exit), one key per use because they are live at
  * the same time on one thread: the integer path's quantized activations (the calling thread,
  * for the whole batch), a task's weight panel (the quantized rows repacked, or dequantized to
- * f32: a task uses one of the two), the float tiles' saved partial sums (inside a task) ---- */
+ * f32: a task uses one of the two), the float tiles' saved partial sums (inside a task), the
+ * packed X of the float tiles (the calling thread, for the whole batch) ---- */
 struct tbuf {
     void *p;
     size_t cap;
