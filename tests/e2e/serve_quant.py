@@ -14,8 +14,8 @@ same server on the matching dequant-f32 file (llama.cpp's own dequantization to 
   other (a near tie that 8-bit activations may flip);
 - memory: the server's RSS after serving is at most (file size + KV pool) x 1.15 + the
   fixed part (code, libraries -- libcublasLt alone is ~130 MiB in a CUDA build --, thread
-  stacks, scratch), measured as the RSS of the same server on the smallest file minus that
-  file's size. A widened f32 copy of the weights would exceed it (4-8x the file).
+  stacks, scratch), measured as the RSS of the same server (same arguments, same requests) on
+  the smallest file minus that file's size. A widened f32 copy of the weights would exceed it (4-8x the file).
 env: KVSERVE_BIN, KVSERVE_TEST_DATA. Exit 0 = passed, 77 = skipped (data missing).
 """
 import os
@@ -189,9 +189,11 @@ def main():
     prompts = [r["prompt"] for r in H.greedy_records()][:6]
     kv_bytes = KV_BLOCKS * 16 * 2 * 2 * 2 * 128 * 4  # blocks x tpb x K,V x layers x kv heads x head_dim x f32
     base_file = os.path.join(QDIR, "tiny-Q4_0.gguf")
-    sb = serve(base_file)
+    # the same arguments and the same requests as the measured runs below, so the fixed part
+    # holds the same scratch, touched KV pages and (under ASan) the same quarantine history
+    sb = serve(base_file, ["--kv-cache-dtype", "f32", "--quant-matmul", "f32"])
     try:
-        completions(sb, prompts[:2])
+        completions(sb, prompts)
         fixed = proc_status(sb.proc.pid)["VmRSS"] - os.path.getsize(base_file)
     finally:
         sb.stop()
