@@ -7,7 +7,9 @@
  *   hot     the packed weights fit in L2 (512 KiB, cycled): compute-bound throughput
  *   stream  the weights cycle through 320 MiB (> any LLC), as a decode step reads them
  * Rows of K (default 4096) elements, 64 rows per kv_qdot_rows call. Each number is the
- * median of --runs (default 5) runs of >= --ms (default 100) ms.
+ * median of --runs (default 5) runs of >= --ms (default 100) ms. For F32/F16/BF16 also the same
+ * rows in the grouped layout (kv_fgroup_pack, kv_qdot_grouped: what the CPU backend reads
+ * after repacking F16/BF16 at load).
  *
  *   bench_qdot [--k 4096] [--runs 5] [--ms 100] [--hot] [--types Q8_0,Q4_K,...] [--isa avx512]
  */
@@ -52,6 +54,7 @@ struct ctx {
     int type, K, M;
     size_t rb, nrows;
     const uint8_t *w;
+    const uint8_t *g; /* the same rows in the grouped layout (kv_fgroup_pack), or NULL */
     const float *X;
     float *Y, *panel;
 };
@@ -73,8 +76,12 @@ static void fused_group(const struct ctx *c, size_t row) {
     kv_qdot_rows(c->type, c->w + row * c->rb, c->rb, GROUP, c->K, c->X, (size_t)c->K, c->M, c->Y, GROUP);
 }
 
-/* median ns per weight */
-static double measure(const struct ctx *c, bool fused, int runs, int ms) {
+static void grouped_group(const struct ctx *c, size_t row) {
+    kv_qdot_grouped(c->type, c->g + row * c->rb, GROUP, c->K, c->X, (size_t)c->K, c->M, c->Y, GROUP);
+}
+
+/* median ns per weight; way: 0 the old panel path, 1 fused (kv_qdot_rows), 2 grouped */
+static double measure(const struct ctx *c, int way, int runs, int ms) {
     double t[101];
     size_t row = 0;
     for (int r = 0; r < runs; r++) {
@@ -82,7 +89,8 @@ static double measure(const struct ctx *c, bool fused, int runs, int ms) {
         double t0 = kv_now_s(), el;
         do {
             for (int j = 0; j < 8; j++) {
-                if (fused) fused_group(c, row);
+                if (way == 1) fused_group(c, row);
+                else if (way == 2) grouped_group(c, row);
                 else panel_group(c, row);
                 row += GROUP;
                 if (row + GROUP > c->nrows) row = 0;
@@ -125,13 +133,13 @@ int main(int argc, char **argv) {
            "# fused = kv_qdot_rows; panel = kv_dequant_row 4 rows into an f32 panel + the f32 tile (the old "
            "matmul decode path; for F32 both are the f32 tile)\n",
            K, GROUP, runs, ms, kv_quant_isa_name(auto_isa));
-    printf("%-8s %-6s %2s %-7s %10s %10s %8s %10s\n", "isa", "type", "M", "mode", "fused ns/w", "panel ns/w", "gain",
-           "fused GB/s");
+    printf("%-8s %-6s %2s %-7s %10s %10s %8s %10s %12s %12s\n", "isa", "type", "M", "mode", "fused ns/w", "panel ns/w",
+           "gain", "fused GB/s", "grouped ns/w", "grouped GB/s");
     const size_t stream_bytes = (size_t)320 << 20, hot_bytes = (size_t)512 << 10;
-    uint8_t *src = malloc(stream_bytes);
+    uint8_t *src = malloc(stream_bytes), *grp = malloc(stream_bytes);
     float *X = aligned_alloc(64, sizeof(float) * 4 * (size_t)K), *Y = aligned_alloc(64, sizeof(float) * 4 * GROUP);
     float *panel = aligned_alloc(64, sizeof(float) * 4 * (size_t)K);
-    if (!src || !X || !Y || !panel) {
+    if (!src || !grp || !X || !Y || !panel) {
         fprintf(stderr, "out of memory\n");
         return 1;
     }
@@ -156,11 +164,16 @@ int main(int argc, char **argv) {
                     return 2;
                 }
                 fill(type, src, nrows * rb);
+                bool grouped = kv_fgroup_ok(type, K);
+                if (grouped) kv_fgroup_pack(type, src, rb, (int)nrows, K, grp);
                 for (int M = 1; M <= 4; M += 3) {
-                    struct ctx c = {type, K, M, rb, nrows, src, X, Y, panel};
-                    double f = measure(&c, true, runs, ms), p = measure(&c, false, runs, ms);
-                    printf("%-8s %-6s %2d %-7s %10.4f %10.4f %7.2fx %10.2f\n", kv_quant_isa_name(isa),
-                           kv_qtype_name(type), M, mode ? "stream" : "hot", f, p, p / f, (double)rb / K / f);
+                    struct ctx c = {type, K, M, rb, nrows, src, grouped ? grp : NULL, X, Y, panel};
+                    double f = measure(&c, 1, runs, ms), p = measure(&c, 0, runs, ms);
+                    double g = grouped ? measure(&c, 2, runs, ms) : 0;
+                    printf("%-8s %-6s %2d %-7s %10.4f %10.4f %7.2fx %10.2f", kv_quant_isa_name(isa), kv_qtype_name(type),
+                           M, mode ? "stream" : "hot", f, p, p / f, (double)rb / K / f);
+                    if (grouped) printf(" %12.4f %12.2f\n", g, (double)rb / K / g);
+                    else printf(" %12s %12s\n", "-", "-");
                     fflush(stdout);
                 }
             }
@@ -168,6 +181,7 @@ int main(int argc, char **argv) {
     }
     kv_quant_set_isa(KV_QUANT_ISA_AUTO);
     free(src);
+    free(grp);
     free(X);
     free(Y);
     free(panel);

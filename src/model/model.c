@@ -202,9 +202,13 @@ void model_free(model_t *m) {
     free(m);
 }
 
-void model_release_pages(const model_t *m, const void *p, size_t n) {
+bool model_pages_releasable(const model_t *m, const void *p, size_t n) {
     const struct model_priv *pv = m ? m->priv : NULL;
-    if (!pv || !pv->gguf || !gguf_in_map(pv->gguf, p, n)) return;
+    return pv && pv->gguf && gguf_in_map(pv->gguf, p, n);
+}
+
+void model_release_pages(const model_t *m, const void *p, size_t n) {
+    if (!model_pages_releasable(m, p, n)) return;
     long ps = sysconf(_SC_PAGESIZE);
     if (ps <= 0) return;
     uintptr_t a = ((uintptr_t)p + (uintptr_t)ps - 1) & ~((uintptr_t)ps - 1), b = ((uintptr_t)p + n) & ~((uintptr_t)ps - 1);

@@ -83,10 +83,12 @@ struct kv_wmat {
     int type;         /* enum kv_qtype */
     int rows, cols;
     size_t row_bytes; /* kv_qtype_row_bytes(type, cols) */
-    /* Optional: the same matrix repacked whole by kv_q8_pack (src/quant/q8.h: 16-row groups of
-     * kv_q8_pack_bytes(type, 16, cols) bytes each, row group g at panel + g * that), or NULL.
-     * Set by the CPU backend on its own copies of the weight table (never in a model), owned
-     * by that backend; the integer matmul path reads it instead of data (same bits). */
+    /* Optional: the same matrix repacked whole, or NULL. Q8_0: by kv_q8_pack (src/quant/q8.h:
+     * 16-row groups of kv_q8_pack_bytes(type, 16, cols) bytes each, row group g at panel + g *
+     * that), read by the integer matmul path. F16/BF16 (when kv_fgroup_ok(type, cols)): the
+     * grouped layout of src/quant/qdot.h (kv_fgroup_pack), read by every product. Set by the
+     * CPU backend on its own copies of the weight table (never in a model), owned by that
+     * backend; the matmul reads it instead of data (same bits). */
     const void *panel;
 };
 /* The matrix's data as floats when it is F32, else NULL. Writable only for model_alloc's
@@ -146,6 +148,10 @@ void model_free(model_t *m);
  * faults them back from the file (page cache). A no-op for memory that is not in m's file map
  * (model_alloc's arena, HF 16-bit buffers). Thread-safe; cannot fail (errors are ignored). */
 void model_release_pages(const model_t *m, const void *p, size_t n);
+/* True when model_release_pages(m, p, n) would release pages: [p, p + n) lies in m's GGUF file
+ * map. A copy of such bytes costs no resident memory once they are released; a copy of other
+ * bytes (an arena, HF buffers) doubles them. Thread-safe. */
+bool model_pages_releasable(const model_t *m, const void *p, size_t n);
 
 /* Allocates an empty model with all weight arrays for cfg (zeroed), every matrix F32 and
  * writable through kv_wmat_f32. For tests and the demo model generator. */

@@ -23,6 +23,7 @@
 #ifndef KV_QUANT_QDOT_H
 #define KV_QUANT_QDOT_H
 
+#include <stdbool.h>
 #include <stddef.h>
 
 #include "quant.h"
@@ -37,5 +38,44 @@
  * n_rows < 1) write nothing: callers check kv_qtype_row_bytes first. */
 void kv_qdot_rows(int type, const void *w, size_t row_bytes, int n_rows, int K, const float *X, size_t ldx, int M,
                   float *Y, size_t ldy);
+
+/* ---- the grouped layout of F32/F16/BF16 matrices (decode) ----
+ * A decode tile reads 4-8 weight rows at once; in the packed layout that is 4-8 concurrent
+ * streams, each a row long, and from one core the hardware prefetcher keeps fewer lines in
+ * flight for them than for one long stream (1B F16 model: 14.4 GB/s against llama.cpp's 16.0,
+ * which reads one row at a time; docs/benchmarks.md). In the grouped layout rows are taken
+ * KV_FGROUP_ROWS at a time (the last group of a matrix may have fewer, nr) and interleaved in
+ * 64-byte chunks:
+ *   chunk c (bytes 64c .. 64c + 63) of row i of group g  is at  g * 4 * RB + (c * nr + i) * 64
+ * with RB = the packed row's bytes. Same total size as the packed rows; the whole matrix is one
+ * sequential stream. The kernels run one tile over all rows of a group (AVX-512: up to 4 X
+ * rows at once; AVX2, 16 registers: one X row per pass, the group's later passes hit L1/L2):
+ * a tile over part of a group would read every other run of lines, which measured slower than
+ * the packed rows. 4 rows, not 8: AVX2 has the registers for a 4-row tile only. Only for K
+ * with RB a multiple of 64 (kv_fgroup_ok). The arithmetic is qdot's contract on the same
+ * floats: same bits as kv_qdot_rows on the packed rows (tested for every ISA).
+ * The CPU backend repacks F16/BF16 matrices into this layout at load (struct kv_wmat.panel). */
+#define KV_FGROUP_ROWS 4
+
+/* True when type is F32, F16 or BF16 and a row of K elements is a positive multiple of 64
+ * bytes, i.e. the grouped layout exists for it. */
+bool kv_fgroup_ok(int type, int K);
+/* Writes n_rows packed rows (row r at (const char *)w + r * row_bytes) in the grouped layout
+ * at dst (n_rows * RB bytes; must not overlap w). Nothing written unless kv_fgroup_ok(type, K)
+ * and n_rows >= 1. Pure; callers may pack disjoint groups from several threads. */
+void kv_fgroup_pack(int type, const void *w, size_t row_bytes, int n_rows, int K, void *dst);
+/* The n_rows rows in the grouped layout at g (a group start, as for kv_qdot_grouped),
+ * dequantized: row r to out + r * ldo (K floats, bitwise kv_dequant_row of the packed row;
+ * ldo >= K). Converts a group's contiguous bytes 8 chunks at a time and scatters the 32-float
+ * runs, so it costs about what kv_dequant_row on the packed rows costs. Invalid arguments
+ * write nothing. Pure. */
+void kv_fgroup_rows(int type, const void *g, int n_rows, int K, float *out, size_t ldo);
+/* kv_qdot_rows on n_rows rows in the grouped layout, starting at g (a group start; every group
+ * but the last of these n_rows rows holds KV_FGROUP_ROWS rows, as in a whole matrix or any
+ * range of it starting at a multiple of KV_FGROUP_ROWS). Same arguments, contract and bits as
+ * kv_qdot_rows on the packed rows; invalid arguments (!kv_fgroup_ok, M < 1, n_rows < 1) write
+ * nothing. */
+void kv_qdot_grouped(int type, const void *g, int n_rows, int K, const float *X, size_t ldx, int M, float *Y,
+                     size_t ldy);
 
 #endif

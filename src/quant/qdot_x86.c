@@ -24,6 +24,7 @@
 #pragma STDC FP_CONTRACT OFF
 #endif
 
+#include "qdot.h"
 #include "qdot_internal.h"
 
 #ifdef KV_QUANT_X86
@@ -58,6 +59,20 @@ static ALWAYS size_t step_bytes(int type) {
     }
 }
 static ALWAYS bool has_scales(int type) { return step_elems(type) > 16; }
+/* Steps per 64-byte chunk of a row: F32 1, F16/BF16 2; the block types read whole blocks (1). */
+static ALWAYS int steps_per_chunk(int type) { return has_scales(type) ? 1 : (int)(64 / step_bytes(type)); }
+/* Byte offset of step st (in the chunk starting at step c0) in a row. Block types: st * SB.
+ * F32/F16/BF16 rows are read in 64-byte chunks, chunk c of the row at c * cs: cs = 64 in a
+ * packed row (so again st * SB), cs = nr * 64 in the grouped layout (qdot.h: kv_qdot_grouped),
+ * where the row pointer advances 64 bytes per row instead of a row's bytes. The tiles loop
+ * over chunks outside and over a chunk's steps inside (unrolled), so each load instruction
+ * advances by the same stride every turn, which the hardware's stride prefetcher follows
+ * (alternating +32 / +cs - 32 strides ran the grouped tiles ~25% slower from L2). */
+static ALWAYS size_t step_off(int type, int c0, int st, size_t cs) {
+    const size_t SB = step_bytes(type);
+    if (has_scales(type)) return (size_t)st * SB;
+    return (size_t)(c0 / steps_per_chunk(type)) * cs + (size_t)(st - c0) * SB;
+}
 
 /* F32/F16/BF16 rows (no scales): while a tile reads step st of its R rows, prefetch (into L2)
  * the matching share of the next R rows, which follow contiguously when rb is the packed row
@@ -65,8 +80,8 @@ static ALWAYS bool has_scales(int type) { return step_elems(type) > 16; }
  * for the hardware prefetcher to ramp up per row. Only for rows of at most 2 KiB: longer ones
  * stream well on their own and measured no faster (bench_qdot --k 2048/4096) with it. A
  * prefetch past the matrix is harmless. */
-static ALWAYS void float_prefetch(const uint8_t *w, size_t rb, int R, int st, size_t SB) {
-    if (rb > 2048) return;
+static ALWAYS void float_prefetch(const uint8_t *w, size_t rb, int R, int st, size_t SB, size_t cs) {
+    if (rb > 2048 || cs != 64) return; /* long rows, or the grouped layout: one stream already */
     const uint8_t *next = w + (size_t)R * rb + (size_t)st * R * SB;
     for (size_t b = 0; b < (size_t)R * SB; b += 64) __builtin_prefetch(next + b, 0, 2);
 }
@@ -231,7 +246,7 @@ AVX2 static ALWAYS void y_dq(int type, const uint8_t *b, const float *sa, const 
     }
 }
 
-AVX2 static ALWAYS void y_tile(const int type, const uint8_t *w, size_t rb, int K, const float *X, size_t ldx,
+AVX2 static ALWAYS void y_tile(const int type, const uint8_t *w, size_t rb, size_t cs, int K, const float *X, size_t ldx,
                                float *Y, size_t ldy, const int M, const int R) {
     const int SE = step_elems(type);
     const size_t SB = step_bytes(type);
@@ -243,26 +258,32 @@ AVX2 static ALWAYS void y_tile(const int type, const uint8_t *w, size_t rb, int 
         for (int r = 0; r < R; r++) alo[m][r] = ahi[m][r] = _mm256_setzero_ps();
     float sa[4][16], sb[4][8];
     uint8_t qb[4][256] __attribute__((aligned(32)));
-    for (int st = 0; st < nst; st++) {
-        const uint8_t *blk = w + (size_t)st * SB;
-        if (!has_scales(type)) float_prefetch(w, rb, R, st, SB);
-        if (has_scales(type))
+    const int PER = steps_per_chunk(type);
+    for (int c0 = 0; c0 < nst; c0 += PER) { /* one chunk per turn: constant strides */
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++) {
-                prep_scales(type, blk + (size_t)r * rb, sa[r], sb[r]);
-                if (SE == 256) y_stage(type, blk + (size_t)r * rb, qb[r]);
-            }
+        for (int j = 0; j < PER; j++) {
+            const int st = c0 + j;
+            if (st >= nst) break;
+            const uint8_t *blk = w + step_off(type, c0, st, cs);
+            if (!has_scales(type)) float_prefetch(w, rb, R, st, SB, cs);
+            if (has_scales(type))
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++) {
+                    prep_scales(type, blk + (size_t)r * rb, sa[r], sb[r]);
+                    if (SE == 256) y_stage(type, blk + (size_t)r * rb, qb[r]);
+                }
 #pragma GCC unroll 16
-        for (int ch = 0; ch < SE / 16; ch++) {
-            const float *x = X + (size_t)st * SE + 16 * ch;
+            for (int ch = 0; ch < SE / 16; ch++) {
+                const float *x = X + (size_t)st * SE + 16 * ch;
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++) {
-                __m256 lo, hi;
-                y_dq(type, blk + (size_t)r * rb, sa[r], sb[r], qb[r], ch, &lo, &hi);
+                for (int r = 0; r < R; r++) {
+                    __m256 lo, hi;
+                    y_dq(type, blk + (size_t)r * rb, sa[r], sb[r], qb[r], ch, &lo, &hi);
 #pragma GCC unroll 4
-                for (int m = 0; m < M; m++) {
-                    alo[m][r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + (size_t)m * ldx), lo, alo[m][r]);
-                    ahi[m][r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + (size_t)m * ldx + 8), hi, ahi[m][r]);
+                    for (int m = 0; m < M; m++) {
+                        alo[m][r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + (size_t)m * ldx), lo, alo[m][r]);
+                        ahi[m][r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + (size_t)m * ldx + 8), hi, ahi[m][r]);
+                    }
                 }
             }
         }
@@ -277,10 +298,21 @@ AVX2 static ALWAYS void y_tile(const int type, const uint8_t *w, size_t rb, int 
         }
 }
 
-AVX2 static ALWAYS void y_run(const int type, const uint8_t *w, size_t rb, int n_rows, int K, const float *X,
+AVX2 static ALWAYS void y_run(const int type, const uint8_t *w, size_t rb, size_t cs, int n_rows, int K, const float *X,
                               size_t ldx, int M, float *Y, size_t ldy) {
     int r = 0;
-#define YT(MM, RR) y_tile(type, w + (size_t)r * rb, rb, K, X, ldx, Y + r, ldy, MM, RR)
+    if (cs != 64 && !has_scales(type)) { /* a group of the grouped layout (qdot.h): one pass per X row */
+        for (int m = 0; m < M; m++) {
+            if (n_rows == 4) {
+                y_tile(type, w, rb, cs, K, X + (size_t)m * ldx, ldx, Y + (size_t)m * ldy, ldy, 1, 4);
+                continue;
+            }
+            for (r = 0; r < n_rows; r++) /* the short last group of a matrix */
+                y_tile(type, w + (size_t)r * rb, rb, cs, K, X + (size_t)m * ldx, ldx, Y + (size_t)m * ldy + r, ldy, 1, 1);
+        }
+        return;
+    }
+#define YT(MM, RR) y_tile(type, w + (size_t)r * rb, rb, cs, K, X, ldx, Y + r, ldy, MM, RR)
     switch (M) {
     case 1:
         for (; r + 4 <= n_rows; r += 4) YT(1, 4);
@@ -367,7 +399,7 @@ AVX512 static ALWAYS float z_tree(__m512 a) {
     return tree8(_mm256_add_ps(_mm512_castps512_ps256(a), hi));
 }
 
-AVX512 static ALWAYS void z_tile(const int type, const uint8_t *w, size_t rb, int K, const float *X, size_t ldx,
+AVX512 static ALWAYS void z_tile(const int type, const uint8_t *w, size_t rb, size_t cs, int K, const float *X, size_t ldx,
                                  float *Y, size_t ldy, const int M, const int R) {
     const int SE = step_elems(type);
     const size_t SB = step_bytes(type);
@@ -379,26 +411,32 @@ AVX512 static ALWAYS void z_tile(const int type, const uint8_t *w, size_t rb, in
         for (int r = 0; r < R; r++) acc[m][r] = _mm512_setzero_ps();
     float sa[8][16], sb[8][8];
     uint8_t qb[8][256] __attribute__((aligned(64)));
-    for (int st = 0; st < nst; st++) {
-        const uint8_t *blk = w + (size_t)st * SB;
-        if (!has_scales(type)) float_prefetch(w, rb, R, st, SB);
-        if (has_scales(type))
+    const int PER = steps_per_chunk(type);
+    for (int c0 = 0; c0 < nst; c0 += PER) { /* one chunk per turn: constant strides */
+#pragma GCC unroll 4
+        for (int j = 0; j < PER; j++) {
+            const int st = c0 + j;
+            if (st >= nst) break;
+            const uint8_t *blk = w + step_off(type, c0, st, cs);
+            if (!has_scales(type)) float_prefetch(w, rb, R, st, SB, cs);
+            if (has_scales(type))
 #pragma GCC unroll 8
-            for (int r = 0; r < R; r++) {
-                prep_scales(type, blk + (size_t)r * rb, sa[r], sb[r]);
-                if (SE == 256) z_stage(type, blk + (size_t)r * rb, qb[r]);
-            }
+                for (int r = 0; r < R; r++) {
+                    prep_scales(type, blk + (size_t)r * rb, sa[r], sb[r]);
+                    if (SE == 256) z_stage(type, blk + (size_t)r * rb, qb[r]);
+                }
 #pragma GCC unroll 16
-        for (int ch = 0; ch < SE / 16; ch++) {
-            const float *x = X + (size_t)st * SE + 16 * ch;
-            __m512 xv[4];
+            for (int ch = 0; ch < SE / 16; ch++) {
+                const float *x = X + (size_t)st * SE + 16 * ch;
+                __m512 xv[4];
 #pragma GCC unroll 4
-            for (int m = 0; m < M; m++) xv[m] = _mm512_loadu_ps(x + (size_t)m * ldx);
+                for (int m = 0; m < M; m++) xv[m] = _mm512_loadu_ps(x + (size_t)m * ldx);
 #pragma GCC unroll 8
-            for (int r = 0; r < R; r++) {
-                __m512 wv = z_dq(type, blk + (size_t)r * rb, sa[r], sb[r], qb[r], ch);
+                for (int r = 0; r < R; r++) {
+                    __m512 wv = z_dq(type, blk + (size_t)r * rb, sa[r], sb[r], qb[r], ch);
 #pragma GCC unroll 4
-                for (int m = 0; m < M; m++) acc[m][r] = _mm512_fmadd_ps(xv[m], wv, acc[m][r]);
+                    for (int m = 0; m < M; m++) acc[m][r] = _mm512_fmadd_ps(xv[m], wv, acc[m][r]);
+                }
             }
         }
     }
@@ -412,10 +450,28 @@ AVX512 static ALWAYS void z_tile(const int type, const uint8_t *w, size_t rb, in
         }
 }
 
-AVX512 static ALWAYS void z_run(const int type, const uint8_t *w, size_t rb, int n_rows, int K, const float *X,
+AVX512 static ALWAYS void z_run(const int type, const uint8_t *w, size_t rb, size_t cs, int n_rows, int K, const float *X,
                                 size_t ldx, int M, float *Y, size_t ldy) {
     int r = 0;
-#define ZT(MM, RR) z_tile(type, w + (size_t)r * rb, rb, K, X, ldx, Y + r, ldy, MM, RR)
+#define ZT(MM, RR) z_tile(type, w + (size_t)r * rb, rb, cs, K, X, ldx, Y + r, ldy, MM, RR)
+    if (cs != 64 && !has_scales(type)) { /* a group of the grouped layout (qdot.h): one tile for all its rows */
+        switch (n_rows == 4 ? M : 0) {
+        case 1: ZT(1, 4); break;
+        case 2: ZT(2, 4); break;
+        case 3: ZT(3, 4); break;
+        case 4: ZT(4, 4); break;
+        default: /* the short last group of a matrix */
+            for (; r < n_rows; r++) {
+                switch (M) {
+                case 1: ZT(1, 1); break;
+                case 2: ZT(2, 1); break;
+                case 3: ZT(3, 1); break;
+                default: ZT(4, 1); break;
+                }
+            }
+        }
+        return;
+    }
     switch (M) {
     case 1:
         for (; r + 8 <= n_rows; r += 8) ZT(1, 8);
@@ -439,8 +495,8 @@ AVX512 static ALWAYS void z_run(const int type, const uint8_t *w, size_t rb, int
 }
 
 /* one non-inlined kernel per type and ISA */
-#define QDOT_ARGS const uint8_t *w, size_t rb, int n_rows, int K, const float *X, size_t ldx, int M, float *Y, size_t ldy
-#define QDOT_PASS w, rb, n_rows, K, X, ldx, M, Y, ldy
+#define QDOT_ARGS const uint8_t *w, size_t rb, size_t cs, int n_rows, int K, const float *X, size_t ldx, int M, float *Y, size_t ldy
+#define QDOT_PASS w, rb, cs, n_rows, K, X, ldx, M, Y, ldy
 #define KERNELS(T, name)                                                                          \
     AVX2 NOINLINE static void y_##name(QDOT_ARGS) { y_run(T, QDOT_PASS); }                       \
     AVX512 NOINLINE static void z_##name(QDOT_ARGS) { z_run(T, QDOT_PASS); }
@@ -468,6 +524,51 @@ KERNELS(KV_QTYPE_Q6_K, q6_k)
 
 void kv_qdot_avx2(int type, QDOT_ARGS) { DISPATCH(y) }
 void kv_qdot_avx512(int type, QDOT_ARGS) { DISPATCH(z) }
+
+/* kv_fgroup_rows (qdot.h): each 64-byte chunk of the grouped layout converted straight into
+ * its row of out (the conversions are exact, so the bits of kv_dequant_row) */
+#define FGROUP_ROWS_BODY(STORE16)                                                                 \
+    const size_t SB = step_bytes(type), RB = (size_t)K * (SB / 16), nc = RB / 64;                 \
+    const int PER = steps_per_chunk(type);                                                        \
+    for (int g0 = 0; g0 < n_rows; g0 += KV_FGROUP_ROWS) {                                         \
+        const int nr = n_rows - g0 < KV_FGROUP_ROWS ? n_rows - g0 : KV_FGROUP_ROWS;              \
+        const uint8_t *b = g + (size_t)g0 * RB;                                                   \
+        for (size_t c = 0; c < nc; c++)                                                           \
+            for (int i = 0; i < nr; i++, b += 64) {                                               \
+                float *o = out + (size_t)(g0 + i) * ldo + c * (size_t)PER * 16;                   \
+                for (int j = 0; j < PER; j++) STORE16(o + 16 * j, b + (size_t)j * SB);            \
+            }                                                                                     \
+    }
+#define Y_STORE16(o, p)                                                                           \
+    do {                                                                                          \
+        __m256 lo, hi;                                                                            \
+        y_dq(type, (p), NULL, NULL, NULL, 0, &lo, &hi);                                           \
+        _mm256_storeu_ps((o), lo);                                                                \
+        _mm256_storeu_ps((o) + 8, hi);                                                            \
+    } while (0)
+#define Z_STORE16(o, p) _mm512_storeu_ps((o), z_dq(type, (p), NULL, NULL, NULL, 0))
+AVX2 static ALWAYS void y_fgroup_rows(const int type, const uint8_t *g, int n_rows, int K, float *out, size_t ldo) {
+    FGROUP_ROWS_BODY(Y_STORE16)
+}
+AVX512 static ALWAYS void z_fgroup_rows(const int type, const uint8_t *g, int n_rows, int K, float *out, size_t ldo) {
+    FGROUP_ROWS_BODY(Z_STORE16)
+}
+AVX2 void kv_fgroup_rows_avx2(int type, const uint8_t *g, int n_rows, int K, float *out, size_t ldo) {
+    switch (type) {
+    case KV_QTYPE_F32: y_fgroup_rows(KV_QTYPE_F32, g, n_rows, K, out, ldo); break;
+    case KV_QTYPE_F16: y_fgroup_rows(KV_QTYPE_F16, g, n_rows, K, out, ldo); break;
+    case KV_QTYPE_BF16: y_fgroup_rows(KV_QTYPE_BF16, g, n_rows, K, out, ldo); break;
+    default: break;
+    }
+}
+AVX512 void kv_fgroup_rows_avx512(int type, const uint8_t *g, int n_rows, int K, float *out, size_t ldo) {
+    switch (type) {
+    case KV_QTYPE_F32: z_fgroup_rows(KV_QTYPE_F32, g, n_rows, K, out, ldo); break;
+    case KV_QTYPE_F16: z_fgroup_rows(KV_QTYPE_F16, g, n_rows, K, out, ldo); break;
+    case KV_QTYPE_BF16: z_fgroup_rows(KV_QTYPE_BF16, g, n_rows, K, out, ldo); break;
+    default: break;
+    }
+}
 
 #else
 typedef int kv_qdot_x86_unused;

@@ -29,6 +29,7 @@
 #include "attention.h"
 #include "matmul.h"
 #include "../../quant/q8.h"
+#include "../../quant/qdot.h"
 
 struct cpu_ctx {
     const model_t *m;
@@ -482,13 +483,20 @@ static const struct backend_ops cpu_ops = {
 
 
 /* ---- weights repacked at load ----
- * On the integer path (kv_matmul_get_quant() == INT8) a matrix whose repacked panel (q8.h) is
- * at most PREPACK_GROWTH times its stored bytes is repacked whole once, here, instead of per
- * task in every prefill; decode then reads one sequential stream per task instead of 16 row
- * streams. Of the stored types only Q8_0 qualifies (panel 576 bytes per 16 x 32 weights
- * against 544: +5.9%); Q4_0 and the K-quants unpack to a byte per weight (2-2.3x) and stay
- * in place. The file pages a panel replaces are released (model_release_pages), so resident
- * memory stays about the file size. Same bits either way (q8.h's contract). */
+ * Two layouts, each chosen because it turns a decode tile's 4-16 row streams into one
+ * sequential stream per task (and lets prefill skip per-task repacking):
+ * - Q8_0, on the integer path (kv_matmul_get_quant() == INT8): a matrix whose repacked panel
+ *   (q8.h) is at most PREPACK_GROWTH times its stored bytes is repacked whole once, here,
+ *   instead of per task in every prefill. Of the stored types only Q8_0 qualifies (panel 576
+ *   bytes per 16 x 32 weights against 544: +5.9%); Q4_0 and the K-quants unpack to a byte per
+ *   weight (2-2.3x) and stay in place.
+ * - F16/BF16, in both modes: the grouped layout of qdot.h (same bytes, 8 rows interleaved in
+ *   64-byte chunks); decode from one core reads it faster than the file's rows (1B F16: see
+ *   docs/benchmarks.md), prefill converts from it as from the rows. Only where the file pages
+ *   can be released (a GGUF map; not the tied output, whose rows the embedding still reads),
+ *   so it never doubles resident memory.
+ * The file pages a panel replaces are released (model_release_pages), so resident memory stays
+ * about the file size. Same bits either way (q8.h's and qdot.h's contracts). */
 #define PREPACK_GROWTH 1.10
 
 struct pack_task { struct kv_wmat *w; int r0, r1; };
@@ -497,15 +505,29 @@ static void task_pack(void *p, int t, int th) {
     (void)th;
     const struct pack_task *pt = &((const struct pack_run *)p)->t[t];
     const struct kv_wmat *w = pt->w;
+    const char *src = (const char *)w->data + (size_t)pt->r0 * w->row_bytes;
+    if (kv_fgroup_ok(w->type, w->cols)) { /* r0 is a multiple of KV_FGROUP_ROWS */
+        kv_fgroup_pack(w->type, src, w->row_bytes, pt->r1 - pt->r0, w->cols,
+                       (char *)(uintptr_t)w->panel + (size_t)pt->r0 * w->row_bytes);
+        return;
+    }
     size_t gb = kv_q8_pack_bytes(w->type, 16, w->cols);
-    kv_q8_pack(w->type, (const char *)w->data + (size_t)pt->r0 * w->row_bytes, w->row_bytes, pt->r1 - pt->r0, w->cols,
-               (char *)(uintptr_t)w->panel + (size_t)(pt->r0 / 16) * gb);
+    kv_q8_pack(w->type, src, w->row_bytes, pt->r1 - pt->r0, w->cols, (char *)(uintptr_t)w->panel + (size_t)(pt->r0 / 16) * gb);
 }
 
-static bool prepack_wanted(const struct kv_wmat *w) {
-    if (kv_q8_group(w->type) == 0 || !kv_q8_packed_fast(w->type) || w->rows < 1 || w->cols < 1) return false;
+/* The panel bytes of w if it is to be repacked (see above), else 0. */
+static size_t prepack_bytes(const model_t *m, const struct kv_wmat *w, bool int8) {
+    if (w->rows < 1 || w->cols < 1) return 0;
+    if ((w->type == KV_QTYPE_F16 || w->type == KV_QTYPE_BF16) && kv_fgroup_ok(w->type, w->cols)) {
+        size_t n = w->row_bytes * (size_t)w->rows;
+        if (w->row_bytes != kv_qtype_row_bytes(w->type, w->cols) || !model_pages_releasable(m, w->data, n)) return 0;
+        if (w->data == m->w.tok_embd.data) return 0; /* the tied output: the embedding reads these rows */
+        return n;
+    }
+    if (!int8 || kv_q8_group(w->type) == 0 || !kv_q8_packed_fast(w->type)) return 0;
     size_t pb = kv_q8_pack_bytes(w->type, 16, w->cols);
-    return pb > 0 && (double)pb <= PREPACK_GROWTH * 16.0 * (double)w->row_bytes;
+    return pb > 0 && (double)pb <= PREPACK_GROWTH * 16.0 * (double)w->row_bytes ? kv_q8_pack_bytes(w->type, w->rows, w->cols)
+                                                                                : 0;
 }
 
 #if defined(__linux__) && !defined(MADV_COLLAPSE)
@@ -543,7 +565,8 @@ static kv_status prepack(struct cpu_ctx *c, bool enabled) {
     if (!c->lw) return KV_ENOMEM;
     memcpy(c->lw, m->w.layers, (size_t)nl * sizeof *c->lw);
     c->output = m->w.output;
-    if (!enabled || kv_matmul_get_quant() != KV_MATMUL_QUANT_INT8) return KV_OK;
+    if (!enabled) return KV_OK;
+    const bool int8 = kv_matmul_get_quant() == KV_MATMUL_QUANT_INT8;
     int n = 0, n_tasks = 0;
     size_t total = 0;
     struct kv_wmat **ws = kv_malloc((size_t)(7 * nl + 1) * sizeof *ws);
@@ -552,12 +575,12 @@ static kv_status prepack(struct cpu_ctx *c, bool enabled) {
         struct layer_weights *L = &c->lw[l];
         struct kv_wmat *w7[7] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
         for (int i = 0; i < 7; i++)
-            if (prepack_wanted(w7[i])) ws[n++] = w7[i];
+            if (prepack_bytes(m, w7[i], int8)) ws[n++] = w7[i];
     }
-    if (prepack_wanted(&c->output)) ws[n++] = &c->output;
-    enum { ROWS_PER_TASK = 256 }; /* a multiple of 16: tasks write whole row groups */
+    if (prepack_bytes(m, &c->output, int8)) ws[n++] = &c->output;
+    enum { ROWS_PER_TASK = 256 }; /* a multiple of 16 (q8 row groups) and 8 (KV_FGROUP_ROWS) */
     for (int i = 0; i < n; i++) {
-        total += (kv_q8_pack_bytes(ws[i]->type, ws[i]->rows, ws[i]->cols) + 63) & ~(size_t)63;
+        total += (prepack_bytes(m, ws[i], int8) + 63) & ~(size_t)63;
         n_tasks += (ws[i]->rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
     }
     if (n == 0) {
@@ -589,8 +612,9 @@ static kv_status prepack(struct cpu_ctx *c, bool enabled) {
     size_t off = 0;
     int t = 0;
     for (int i = 0; i < n; i++) {
+        size_t pb = prepack_bytes(m, ws[i], int8); /* before panel is set: it reads data */
         ws[i]->panel = panels + off;
-        off += (kv_q8_pack_bytes(ws[i]->type, ws[i]->rows, ws[i]->cols) + 63) & ~(size_t)63;
+        off += (pb + 63) & ~(size_t)63;
         for (int r = 0; r < ws[i]->rows; r += ROWS_PER_TASK)
             tasks[t++] = (struct pack_task){ws[i], r, r + ROWS_PER_TASK < ws[i]->rows ? r + ROWS_PER_TASK : ws[i]->rows};
     }
@@ -603,9 +627,11 @@ static kv_status prepack(struct cpu_ctx *c, bool enabled) {
         if (!(ws[i] == &c->output && m->w.output.data == m->w.tok_embd.data))
             model_release_pages(m, ws[i]->data, ws[i]->row_bytes * (size_t)ws[i]->rows);
     }
-    KV_INFO("cpu backend: repacked %d %s matrices for the integer path (%.1f MiB stored -> %.1f MiB panels) in %.0f ms",
-            n, kv_qtype_name(ws[0]->type), (double)stored / (1 << 20), (double)total / (1 << 20),
-            (kv_now_s() - t0) * 1e3);
+    int n_float = 0;
+    for (int i = 0; i < n; i++) n_float += kv_fgroup_ok(ws[i]->type, ws[i]->cols);
+    KV_INFO("cpu backend: repacked %d matrices (%d Q8_0 for the integer path, %d F16/BF16 grouped for decode; "
+            "%.1f MiB stored -> %.1f MiB panels) in %.0f ms",
+            n, n - n_float, n_float, (double)stored / (1 << 20), (double)total / (1 << 20), (kv_now_s() - t0) * 1e3);
     c->panels = panels;
     c->panel_bytes = total;
     c->panel_alloc = alloc;

@@ -483,6 +483,15 @@ struct plan {
     const float *xp[MAX_BATCH]; /* op i's X packed for an x86 family's float tiles (pack_x), or NULL */
 };
 
+/* Y[m][n] += bias[n] for the columns n0 .. n1 - 1 of a decode product (the kernels there write
+ * the dot products only; the contract adds the bias last, in one rounding). */
+static void add_bias(const struct kv_matmul_op *op, int n0, int n1) {
+    if (!op->bias) return;
+    const size_t N = (size_t)op->W->rows;
+    for (int m = 0; m < op->M; m++)
+        for (int n = n0; n < n1; n++) op->Y[(size_t)m * N + n] = op->Y[(size_t)m * N + n] + op->bias[n];
+}
+
 static void plan_task(void *p, int t, int th) {
     (void)th;
     const struct plan *pl = p;
@@ -495,6 +504,21 @@ static void plan_task(void *p, int t, int th) {
     size_t K = (size_t)W->cols;
     if (W->type == KV_QTYPE_F32 && op->M > DECODE_ROWS) {
         struct cols_args ca = {op, pl->xp[i], (const float *)W->data + (size_t)n0 * K, K, n0, n1};
+        pl->fn(&ca);
+        return;
+    }
+    if (W->panel && kv_fgroup_ok(W->type, W->cols)) {
+        /* F16/BF16 in the grouped layout (qdot.h), repacked at load; n0 is a multiple of 8 (a group) */
+        const char *g = (const char *)W->panel + (size_t)n0 * W->row_bytes;
+        if (op->M <= DECODE_ROWS) {
+            kv_qdot_grouped(W->type, g, n1 - n0, (int)K, op->X, K, op->M, op->Y + n0, (size_t)W->rows);
+            add_bias(op, n0, n1);
+            return;
+        }
+        float *pn = thread_buf(BUF_PANEL, (size_t)(n1 - n0) * K * sizeof(float));
+        if (!pn) abort(); /* about block_bytes() per thread: out of memory here is fatal */
+        kv_fgroup_rows(W->type, g, n1 - n0, (int)K, pn, K);
+        struct cols_args ca = {op, pl->xp[i], pn, K, n0, n1};
         pl->fn(&ca);
         return;
     }
@@ -519,9 +543,7 @@ static void plan_task(void *p, int t, int th) {
         else
             kv_qdot_rows(W->type, (const char *)W->data + (size_t)n0 * W->row_bytes, W->row_bytes, n1 - n0, (int)K,
                          op->X, K, op->M, op->Y + n0, (size_t)W->rows);
-        if (op->bias)
-            for (int m = 0; m < op->M; m++)
-                for (int n = n0; n < n1; n++) op->Y[(size_t)m * W->rows + n] = op->Y[(size_t)m * W->rows + n] + op->bias[n];
+        add_bias(op, n0, n1);
         return;
     }
     /* the task's rows dequantized to f32 */

@@ -434,15 +434,17 @@ static void test_quant_determinism(void **st) {
     }
 }
 
-/* Q8_0 matrices repacked whole at backend creation (the default on the integer path) give
- * the bits of the in-place layout, and the file pages they replace may be dropped: the
- * model's own bytes still read back unchanged (a private read-only map refaults them). */
-static void test_prepack_same_bits(void **st) {
-    (void)st;
-    char path[4096], err[256];
-    if (!test_data_path(path, sizeof path, "models/tiny-quant/tiny-Q8_0.gguf")) { skip(); return; }
+/* Matrices repacked whole at backend creation (the default: Q8_0 on the integer path into the
+ * q8 panels, F16/BF16 into qdot.h's grouped layout) give the bits of the in-place layout, for
+ * decode and prefill rows, and the file pages they replace may be dropped: the model's own
+ * bytes still read back unchanged (a private read-only map refaults them). */
+static void check_prepack_same_bits(const char *file, int type) {
+    char path[4096], rel[256], err[256];
+    snprintf(rel, sizeof rel, "models/tiny-quant/%s", file);
+    if (!test_data_path(path, sizeof path, rel)) { skip(); return; }
     model_t *m = NULL;
     if (model_load(path, &m, err, sizeof err)) fail_msg("%s: %s", path, err);
+    assert_int_equal(m->w.layers[0].w_up.type, type);
     size_t nb = m->w.layers[0].w_up.row_bytes * (size_t)m->w.layers[0].w_up.rows;
     void *copy = malloc(nb);
     assert_non_null(copy);
@@ -451,11 +453,12 @@ static void test_prepack_same_bits(void **st) {
     struct seqs S;
     random_seqs(&S, m->cfg.n_vocab, 77);
     struct run R[2] = {{0}, {0}};
+    bool packs = type == KV_QTYPE_Q8_0 ? kv_q8_packed_fast(KV_QTYPE_Q8_0) : true;
     for (int no = 0; no < 2; no++) {
         struct backend_cpu_options o = {.n_threads = 2, .no_prepack = no};
         backend_t *be = NULL;
         assert_int_equal(backend_cpu_new_ex(m, &o, &be, err, sizeof err), KV_OK);
-        if (kv_q8_packed_fast(KV_QTYPE_Q8_0) && !no) assert_true(backend_cpu_panel_bytes(be) > 0);
+        if (packs && !no) assert_true(backend_cpu_panel_bytes(be) >= nb);
         else assert_int_equal(backend_cpu_panel_bytes(be), 0);
         R[no].tpb = 16, R[no].n_blocks = 40;
         run_schedule(be, &S, 3, 5, &R[no]); /* random chunks: decode and prefill rows */
@@ -464,13 +467,19 @@ static void test_prepack_same_bits(void **st) {
     }
     for (int s = 0; s < S.n; s++)
         if (memcmp(R[0].logits[s], R[1].logits[s], (size_t)S.len[s] * m->cfg.n_vocab * sizeof(float)))
-            fail_msg("seq %d: repacked Q8_0 weights give other logits than the file layout", s);
+            fail_msg("%s seq %d: repacked weights give other logits than the file layout", file, s);
     assert_memory_equal(copy, m->w.layers[0].w_up.data, nb);
     free_run(&R[0], S.n);
     free_run(&R[1], S.n);
     free(copy);
     kv_matmul_set_quant(KV_MATMUL_QUANT_AUTO);
     model_free(m);
+}
+static void test_prepack_same_bits(void **st) {
+    (void)st;
+    check_prepack_same_bits("tiny-Q8_0.gguf", KV_QTYPE_Q8_0);
+    check_prepack_same_bits("tiny-F16.gguf", KV_QTYPE_F16);
+    check_prepack_same_bits("tiny-BF16.gguf", KV_QTYPE_BF16);
 }
 
 /* Every kernel family the CPU has (generic, AVX2, AVX-512: kv_matmul_set_isa, which also

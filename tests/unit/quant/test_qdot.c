@@ -171,6 +171,102 @@ static void check_type(int type) {
     assert_true(runs > 0);
 }
 
+/* The grouped layout (kv_fgroup_*, kv_qdot_grouped): for every ISA, bitwise the reference on
+ * the packed rows, for whole matrices and for ranges starting at a group (the tasks of the
+ * CPU matmul), with partial last groups; kv_fgroup_rows gives the packed rows' floats; Y past
+ * the rows is untouched; layouts it does not exist for write nothing. */
+static void check_grouped(int type) {
+    static const int Ks[] = {16, 32, 64, 96, 768, 1024};
+    static const int Ns[] = {1, 3, 7, 8, 9, 16, 17, 29};
+    long runs = 0;
+    for (size_t ki = 0; ki < sizeof Ks / sizeof Ks[0]; ki++) {
+        int K = Ks[ki];
+        if (!kv_fgroup_ok(type, K)) {
+            assert_true(type != KV_QTYPE_F32 && K % 32 != 0); /* F16/BF16 rows of 16 elements: 32 bytes */
+            continue;
+        }
+        size_t RB = kv_qtype_row_bytes(type, K);
+        for (size_t ni = 0; ni < sizeof Ns / sizeof Ns[0]; ni++) {
+            int N = Ns[ni];
+            size_t rb = RB + (size_t)(rnd() % 3) * 4;
+            uint8_t *w = malloc(rb * (size_t)N), *g = malloc(RB * (size_t)N + 64);
+            float *row = malloc(sizeof(float) * (size_t)K), *want_row = malloc(sizeof(float) * (size_t)K);
+            assert_non_null(w), assert_non_null(g), assert_non_null(row), assert_non_null(want_row);
+            fill_rows(type, w, rb, N, K, N % 2 == 1);
+            memset(g, 0xa5, RB * (size_t)N + 64);
+            kv_fgroup_pack(type, w, rb, N, K, g);
+            for (size_t i = RB * (size_t)N; i < RB * (size_t)N + 64; i++) assert_int_equal(g[i], 0xa5);
+            for (int r0 = 0; r0 < N; r0 += KV_FGROUP_ROWS) { /* the whole matrix, then each tail range */
+                size_t ldo = (size_t)K + 3;
+                float *rows = malloc(sizeof(float) * ldo * (size_t)(N - r0));
+                assert_non_null(rows);
+                for (size_t i = 0; i < ldo * (size_t)(N - r0); i++) rows[i] = -7.0f;
+                kv_fgroup_rows(type, g + (size_t)r0 * RB, N - r0, K, rows, ldo);
+                for (int r = r0; r < N; r++) {
+                    kv_dequant_row_ref(type, w + (size_t)r * rb, want_row, K);
+                    memcpy(row, rows + (size_t)(r - r0) * ldo, sizeof(float) * (size_t)K);
+                    for (int k = 0; k < K; k++)
+                        if (f_bits(row[k]) != f_bits(want_row[k]))
+                            fail_msg("%s K=%d N=%d r0=%d: kv_fgroup_rows row %d [%d] = %a, packed %a", kv_qtype_name(type),
+                                     K, N, r0, r, k, (double)row[k], (double)want_row[k]);
+                    for (size_t k = (size_t)K; k < ldo; k++) assert_true(rows[(size_t)(r - r0) * ldo + k] == -7.0f);
+                }
+                free(rows);
+            }
+            for (int M = 1; M <= 5; M++) {
+                for (int r0 = 0; r0 < N; r0 += KV_FGROUP_ROWS) { /* the whole matrix, then each tail range */
+                    int n = N - r0;
+                    size_t ldx = (size_t)K + rnd() % 3, ldy = (size_t)n + rnd() % 3, ny = ldy * (size_t)M;
+                    float *X = malloc(sizeof(float) * ldx * (size_t)M), *want = malloc(sizeof(float) * ny),
+                          *got = malloc(sizeof(float) * ny);
+                    assert_non_null(X), assert_non_null(want), assert_non_null(got);
+                    fill_x(X, ldx * (size_t)M);
+                    ref_qdot(type, w + (size_t)r0 * rb, rb, n, K, X, ldx, M, want, ldy);
+                    for (int ii = 0; ii < N_ISAS; ii++) {
+                        if (!use_isa(k_isas[ii])) continue;
+                        uint32_t sent = SENT;
+                        for (size_t i = 0; i < ny; i++) memcpy(&got[i], &sent, 4);
+                        kv_qdot_grouped(type, g + (size_t)r0 * RB, n, K, X, ldx, M, got, ldy);
+                        for (int m = 0; m < M; m++)
+                            for (size_t r = 0; r < ldy; r++) {
+                                size_t i = (size_t)m * ldy + r;
+                                if ((int)r >= n) {
+                                    assert_int_equal(f_bits(got[i]), SENT);
+                                } else if (!same(got[i], want[i])) {
+                                    fail_msg("grouped %s %s K=%d N=%d r0=%d M=%d: Y[%d][%zu] = %a, reference %a",
+                                             kv_qtype_name(type), kv_quant_isa_name(k_isas[ii]), K, N, r0, M, m, r,
+                                             (double)got[i], (double)want[i]);
+                                }
+                            }
+                        runs++;
+                    }
+                    kv_quant_set_isa(KV_QUANT_ISA_AUTO);
+                    free(X), free(want), free(got);
+                }
+            }
+            free(w), free(g), free(row), free(want_row);
+        }
+    }
+    assert_true(runs > 0);
+    /* no grouped layout: block types, K = 0, rows of 32 bytes; nothing written */
+    float y = 1.0f, x[64] = {0};
+    uint8_t buf[256] = {0}, out[256];
+    memset(out, 0x5a, sizeof out);
+    assert_false(kv_fgroup_ok(KV_QTYPE_Q8_0, 64));
+    assert_false(kv_fgroup_ok(type, 0));
+    kv_fgroup_pack(KV_QTYPE_Q8_0, buf, 68, 2, 64, out);
+    kv_fgroup_pack(type, buf, 64, 0, 32, out);
+    for (size_t i = 0; i < sizeof out; i++) assert_int_equal(out[i], 0x5a);
+    kv_qdot_grouped(type, buf, 1, 0, x, 64, 1, &y, 1);
+    kv_qdot_grouped(type, buf, 0, 32, x, 64, 1, &y, 1);
+    kv_qdot_grouped(type, buf, 1, 32, x, 64, 0, &y, 1);
+    assert_true(y == 1.0f);
+}
+
+static void test_grouped_f32(void **s) { (void)s; check_grouped(KV_QTYPE_F32); }
+static void test_grouped_f16(void **s) { (void)s; check_grouped(KV_QTYPE_F16); }
+static void test_grouped_bf16(void **s) { (void)s; check_grouped(KV_QTYPE_BF16); }
+
 static void test_random_f32(void **s) { (void)s; check_type(KV_QTYPE_F32); }
 static void test_random_f16(void **s) { (void)s; check_type(KV_QTYPE_F16); }
 static void test_random_bf16(void **s) { (void)s; check_type(KV_QTYPE_BF16); }
@@ -269,6 +365,9 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_invalid_writes_nothing),
         cmocka_unit_test(test_random_f32),
+        cmocka_unit_test(test_grouped_f32),
+        cmocka_unit_test(test_grouped_f16),
+        cmocka_unit_test(test_grouped_bf16),
         cmocka_unit_test(test_random_f16),
         cmocka_unit_test(test_random_bf16),
         cmocka_unit_test(test_random_q8_0),
