@@ -149,7 +149,7 @@ static void on_close(struct evhttp_connection *conn, void *arg) {
     struct gen *g = arg;
     (void)conn;
     g->conn = NULL;
-    if (!g->client_gone) srv.ctr.client_disconnects++;
+    if (!g->client_gone && !g->peek_gone) srv.ctr.client_disconnects++; /* counted once */
     g->client_gone = true;
     /* The request is detached (req->evcon == NULL) if libevent hands it over to us; otherwise
      * libevent frees it right after this callback. */
@@ -596,10 +596,10 @@ static struct event *g_watch; /* persistent timer, pending while srv.live is not
 
 /* Every GEN_WATCH_MS: is the client of a request still being computed gone? A non-stream
  * request is peeked (http_gate_client_gone: a reset, or an end of input that draws one with an
- * interim 100 Continue); a stream whose client ended its input gets one SSE comment (": \n\n",
- * ignored by SSE readers) so a closed socket answers with a reset, which the gate turns into a
- * close (on_close cancels). The (cancelled) answer of a peeked request is still sent so
- * libevent cleans up. */
+ * interim 100 Continue); the (cancelled) answer is still sent so libevent cleans up. A stream's
+ * connection is read by libevent (a reset closes it: on_close), but its end of input is held
+ * as a half-close (conn_gate.h): such a stream gets one SSE comment (": \n\n", skipped by SSE
+ * readers), so a closed socket answers with a reset, which the gate turns into a close. */
 static void on_watch(evutil_socket_t fd, short what, void *arg) {
     (void)fd;
     (void)what;
@@ -608,13 +608,15 @@ static void on_watch(evutil_socket_t fd, short what, void *arg) {
         next = g->next;
         if (g->client_gone || g->peek_gone || !g->req || !g->conn || g->ended || g->n_done == g->n)
             continue;
-        if (peer_closed(g)) {
-            g->peek_gone = true;
-            srv.ctr.client_disconnects++;
-            engine_cancel(srv.e, g->eid);
+        if (!g->stream) {
+            if (peer_closed(g)) {
+                g->peek_gone = true;
+                srv.ctr.client_disconnects++;
+                engine_cancel(srv.e, g->eid);
+            }
             continue;
         }
-        if (g->stream && g->started && !g->probed && http_gate_input_held(g->conn)) {
+        if (g->started && !g->probed && http_gate_input_held(g->conn)) {
             g->probed = true;
             kv_buf_puts(&g->pending, ": \n\n");
             flush_pending(g); /* never frees g: there is pending output */
