@@ -17,7 +17,8 @@
  *   watch (every GEN_WATCH_MS while a gen is live): a client that left while nothing is
  *         written to it is seen by no callback (libevent does not read a connection whose
  *         non-stream answer is computed; a stream's FIN looks like a half-close): the watch
- *         peeks (http_gate_client_gone) and cancels, so a request whose client left during a
+ *         peeks a non-stream request (http_gate_client_gone) and cancels it, and sends a
+ *         half-closed stream one SSE comment to draw a reset, so a request whose client left during a
  *         long prefill, a wait for KV blocks or a KV transfer is cancelled at the engine's next
  *         step boundary instead of running to its first token (docs/disaggregation.md).
  *   drain timeout (server.c): gen_fail_all answers every unfinished request with the 503
