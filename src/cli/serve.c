@@ -445,6 +445,18 @@ int cmd_serve(int argc, char **argv) {
                                .prefix_wait_blocks = prefix_wait < 0 ? 0 : prefix_wait > 0 ? prefix_wait : -1,
                                .hash_key = hash_key_file ? &hkey : NULL,
                                .kv_dtype = kv_dtype, .host_sampling = host_sampling};
+    const char *hold = getenv("KVSERVE_TEST_HOLD_PREFILL"); /* test hook: docs/testing.md */
+    if (hold && *hold) {
+        char *end = NULL;
+        unsigned long long v = strtoull(hold, &end, 10);
+        if (*end || !v) {
+            fprintf(stderr, "kvserve serve: KVSERVE_TEST_HOLD_PREFILL=%s: expected a token count > 0\n", hold);
+            ret = 2;
+            goto out;
+        }
+        ec.test_hold_prefill_tokens = v;
+        KV_WARN("test hook KVSERVE_TEST_HOLD_PREFILL: no engine step after %llu prompt tokens", v);
+    }
     kv_status st = engine_start(&ec, m, t, be, &e, err, sizeof err);
     if (st != KV_OK) {
         fprintf(stderr, "kvserve serve: cannot start the engine: %s\n", err);

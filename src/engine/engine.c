@@ -654,6 +654,32 @@ static int take_xdone(struct engine *e, struct xfer_done **buf, int *cap) {
     return n;
 }
 
+/* The test hook engine_config.test_hold_prefill_tokens: once that many prompt tokens were
+ * computed, publish the stats and wait (up to 20 ms, or until a submit, cancel or transfer
+ * completion wakes us) instead of stepping. True while holding. */
+static bool test_hold(struct engine *e) {
+    uint64_t lim = e->cfg.test_hold_prefill_tokens;
+    if (!lim) return false;
+    pthread_mutex_lock(&e->stats_mu);
+    bool hold = e->stats.prefill_tokens_computed >= lim;
+    pthread_mutex_unlock(&e->stats_mu);
+    if (!hold) return false;
+    engine_publish_stats(e, false);
+    pthread_mutex_lock(&e->mu);
+    if (!e->stopping && e->n_incoming == 0 && e->n_cancels == 0 && e->n_xdone == 0) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 20000000L;
+        if (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&e->cv, &e->mu, &ts);
+    }
+    pthread_mutex_unlock(&e->mu);
+    return true;
+}
+
 static void *engine_main(void *arg) {
     struct engine *e = arg;
     uint64_t *cancels = NULL;
@@ -762,6 +788,7 @@ static void *engine_main(void *arg) {
         }
         next_deadline = disagg_check_deadlines(e);
         if (stop) break;
+        if (test_hold(e)) continue;
         last_plan = run_step(e);
     }
     free(cancels);

@@ -194,6 +194,11 @@ struct engine_config {
                                  (backend_ops.forward_sample: CUDA); default false: the device
                                  samples and only ids and logprobs come back (sampler.h says
                                  where the two can differ; serve --host-sampling) */
+    /* ---- test hook (0 = off; serve: env KVSERVE_TEST_HOLD_PREFILL, docs/testing.md) ---- */
+    uint64_t test_hold_prefill_tokens; /* once prefill_tokens_computed reaches this, no further
+                                 step runs (submits, cancels, transfer completions and deadlines
+                                 are still handled): a test keeps a request mid-prefill, its
+                                 blocks held, for as long as it needs, without timing */
 };
 
 struct engine_stats {

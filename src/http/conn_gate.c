@@ -426,6 +426,11 @@ bool http_gate_client_gone(struct evhttp_connection *conn) {
     return !(g && gate_input_ended(g));
 }
 
+bool http_gate_input_held(struct evhttp_connection *conn) {
+    struct gate *g = gate_of(conn);
+    return g && !g->finished && g->rs == R_WAIT && g->half_closed;
+}
+
 struct http_gates *http_gates_new(struct event_base *base, struct evhttp *http,
                                   const struct http_gate_limits *lim,
                                   const struct http_reply_ctx *reply, const char *name) {

@@ -98,6 +98,13 @@ void http_gates_stats(const struct http_gates *gs, struct http_gate_stats *out);
  * gone only once it resets the connection). False while it may still read. Loop thread. */
 #include <stdbool.h>
 bool http_gate_client_gone(struct evhttp_connection *conn);
+/* Has the client of conn ended its input (a FIN) while its request is answered, with no reset
+ * seen yet? It may have half-closed (it still reads) or closed its socket (its next received
+ * byte draws a reset, which the gate then sees within GATE_WATCH_MS and turns into a close).
+ * A caller whose answer has begun and that has nothing to write for a while (a stream whose
+ * request is still in prefill) sends a byte that costs a half-closed client nothing (an SSE
+ * comment) to tell the two apart. Loop thread. */
+bool http_gate_input_held(struct evhttp_connection *conn);
 
 /* Drops the owner's reference. Call after evhttp_free: connections libevent frees later
  * (deferred finalizers) still find their gate set; the last one frees it. NULL is a no-op. */

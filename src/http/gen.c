@@ -14,6 +14,13 @@
  *   closecb (client gone): mark, engine_cancel; the evhttp_request is then detached from its
  *         connection (libevent hands it to us) and is freed with evhttp_request_free when the
  *         gen is freed; if libevent finishes the request itself (on_complete), we forget it.
+ *   watch (every GEN_WATCH_MS while a gen is live): a client that left while nothing is
+ *         written to it is seen by no callback (libevent does not read a connection whose
+ *         non-stream answer is computed; a stream's FIN looks like a half-close): the watch
+ *         peeks a non-stream request (http_gate_client_gone) and cancels it, and sends a
+ *         half-closed stream one SSE comment to draw a reset, so a request whose client left during a
+ *         long prefill, a wait for KV blocks or a KV transfer is cancelled at the engine's next
+ *         step boundary instead of running to its first token (docs/disaggregation.md).
  *   drain timeout (server.c): gen_fail_all answers every unfinished request with the 503
  *         error (streams: an error event and [DONE]) and cancels it; finish_reason
  *         "cancelled" never reaches a client.
@@ -67,7 +74,9 @@ struct gen {
     struct evhttp_connection *conn; /* NULL once closed or our closecb removed */
     bool detached;                /* req detached from its connection: we must free it */
     bool client_gone;
-    bool peek_gone;               /* non-stream: EOF seen by peer_closed, cancelled */
+    bool peek_gone;               /* the watch saw the client gone (peer_closed), cancelled */
+    bool probed;                  /* stream: an SSE comment went out to a client whose input
+                                     ended, to draw its reset if it closed its socket */
     bool stream, include_usage, started, tokens_as_ids;
     enum oai_kind kind;
     uint64_t eid;
@@ -85,7 +94,6 @@ struct gen {
     bool inflight;
     kv_buf pending;
     bool end_after_flush;
-    uint64_t last_peek_ns;
     /* disaggregated serving */
     bool probe;                   /* /kv_probe: answer {prompt_tokens, cached_tokens} */
     enum oai_disagg_type dtype;
@@ -142,7 +150,7 @@ static void on_close(struct evhttp_connection *conn, void *arg) {
     struct gen *g = arg;
     (void)conn;
     g->conn = NULL;
-    if (!g->client_gone) srv.ctr.client_disconnects++;
+    if (!g->client_gone && !g->peek_gone) srv.ctr.client_disconnects++; /* counted once */
     g->client_gone = true;
     /* The request is detached (req->evcon == NULL) if libevent hands it over to us; otherwise
      * libevent frees it right after this callback. */
@@ -438,20 +446,7 @@ static void handle_event(struct gen *g, const struct engine_event *ev) {
     if (g->want_lp && ev->logprobs && ev->n_ids > 0)
         resp_logprobs_append(c->lp, g->kind, srv.t, g->tokens_as_ids, ev->logprobs, ev->top,
                              ev->n_ids, ev->n_top, &c->lp_offset);
-    if (!terminal) {
-        /* libevent does not watch a connection while we compute a non-stream answer: peek.
-         * On EOF cancel; the (cancelled) reply is still sent so libevent cleans up. */
-        uint64_t now = kv_now_ns();
-        if (!g->peek_gone && now - g->last_peek_ns > 50000000ull) {
-            g->last_peek_ns = now;
-            if (peer_closed(g)) {
-                g->peek_gone = true;
-                srv.ctr.client_disconnects++;
-                engine_cancel(srv.e, g->eid);
-            }
-        }
-        return;
-    }
+    if (!terminal) return; /* a client gone meanwhile is seen by the watch */
     if (g->n_done == g->n) finish_full(g);
 }
 
@@ -595,6 +590,49 @@ void gen_on_wake(void *arg) {
 }
 
 
+/* ------------------------------------------------------------------ the watch */
+
+#define GEN_WATCH_MS 50
+static struct event *g_watch; /* persistent timer, pending while srv.live is not empty */
+
+/* Every GEN_WATCH_MS: is the client of a request still being computed gone? A non-stream
+ * request is peeked (http_gate_client_gone: a reset, or an end of input that draws one with an
+ * interim 100 Continue); the (cancelled) answer is still sent so libevent cleans up. A stream's
+ * connection is read by libevent (a reset closes it: on_close), but its end of input is held
+ * as a half-close (conn_gate.h): such a stream gets one SSE comment (": \n\n", skipped by SSE
+ * readers), so a closed socket answers with a reset, which the gate turns into a close. */
+static void on_watch(evutil_socket_t fd, short what, void *arg) {
+    (void)fd;
+    (void)what;
+    (void)arg;
+    for (struct gen *g = srv.live, *next; g; g = next) {
+        next = g->next;
+        if (g->client_gone || g->peek_gone || !g->req || !g->conn || g->ended || g->n_done == g->n)
+            continue;
+        if (!g->stream) {
+            if (peer_closed(g)) {
+                g->peek_gone = true;
+                srv.ctr.client_disconnects++;
+                engine_cancel(srv.e, g->eid);
+            }
+            continue;
+        }
+        if (g->started && !g->probed && http_gate_input_held(g->conn)) {
+            g->probed = true;
+            kv_buf_puts(&g->pending, ": \n\n");
+            flush_pending(g); /* never frees g: there is pending output */
+        }
+    }
+    if (!srv.live) event_del(g_watch);
+}
+
+static void watch_arm(void) {
+    if (!g_watch) g_watch = event_new(srv.base, -1, EV_PERSIST, on_watch, NULL);
+    if (!g_watch || event_pending(g_watch, EV_TIMEOUT, NULL)) return;
+    struct timeval tv = {0, GEN_WATCH_MS * 1000};
+    event_add(g_watch, &tv); /* a failure leaves the close callbacks, as before */
+}
+
 /* ------------------------------------------------------------------ start / shutdown */
 
 static void make_id(char *out, size_t cap, const char *prefix) {
@@ -695,6 +733,7 @@ void gen_start(struct evhttp_request *req, const struct oai_request *r, const in
     g->conn = evhttp_request_get_connection(req);
     if (g->conn) evhttp_connection_set_closecb(g->conn, on_close, g);
     evhttp_request_set_on_complete_cb(req, on_complete_foreign, g);
+    watch_arm();
     if (g->stream) {
         stream_start(g);
         if (kind == OAI_CHAT) {
@@ -724,4 +763,6 @@ void gen_shutdown(void) {
         q = next;
     }
     for (struct gen *g = srv.live; g; g = g->next) gen_unhook(g);
+    if (g_watch) event_free(g_watch);
+    g_watch = NULL;
 }

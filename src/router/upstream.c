@@ -5,6 +5,8 @@
  */
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include "upstream.h"
 
@@ -157,12 +159,39 @@ static size_t on_header(char *p, size_t sz, size_t nm, void *ud) {
     return n;
 }
 
+/* An attempt aborted while running closes its connection with a reset (SO_LINGER 0), not a
+ * FIN: a worker cannot tell a FIN from a client that only half-closed until it writes, and a
+ * worker in a long prefill or waiting for KV writes nothing for a while; a reset is seen at
+ * once (its peek or read fails), so it cancels at its next step (docs/disaggregation.md). */
+static void abort_with_reset(struct upx *u) {
+    if (u->sock == CURL_SOCKET_BAD) return; /* no socket: nothing reached a worker */
+    struct linger lg = {.l_onoff = 1, .l_linger = 0};
+    (void)setsockopt(u->sock, SOL_SOCKET, SO_LINGER, &lg, sizeof lg); /* else a FIN, as before */
+}
+
+/* libcurl's socket callbacks: u->sock is the attempt's socket exactly while it is open
+ * (CURLINFO_ACTIVESOCKET says nothing before the transfer ends in libcurl 7.88). With
+ * CURLOPT_FORBID_REUSE libcurl closes the connection inside curl_multi_remove_handle or at
+ * the transfer's end, so these run while u is alive. */
+static int on_sockopt(void *clientp, curl_socket_t s, curlsocktype purpose) {
+    struct upx *u = clientp;
+    if (purpose == CURLSOCKTYPE_IPCXN) u->sock = s;
+    return CURL_SOCKOPT_OK;
+}
+
+static int on_close_socket(void *clientp, curl_socket_t s) {
+    struct upx *u = clientp;
+    if (u->sock == s) u->sock = CURL_SOCKET_BAD;
+    return close(s);
+}
+
 struct upx *upx_start(struct upstream *up, const char *url, const char *body, size_t body_len,
                       double timeout_s, void *owner) {
     struct upx *u = calloc(1, sizeof *u);
     if (!u) return NULL;
     u->up = up;
     u->owner = owner;
+    u->sock = CURL_SOCKET_BAD;
     kv_buf_init(&u->resp);
     u->easy = curl_easy_init();
     if (body) {
@@ -188,6 +217,10 @@ struct upx *upx_start(struct upstream *up, const char *url, const char *body, si
     CURL *e = u->easy;
     curl_easy_setopt(e, CURLOPT_URL, url);
     curl_easy_setopt(e, CURLOPT_PRIVATE, (char *)u);
+    curl_easy_setopt(e, CURLOPT_SOCKOPTFUNCTION, on_sockopt);
+    curl_easy_setopt(e, CURLOPT_SOCKOPTDATA, u);
+    curl_easy_setopt(e, CURLOPT_CLOSESOCKETFUNCTION, on_close_socket);
+    curl_easy_setopt(e, CURLOPT_CLOSESOCKETDATA, u);
     curl_easy_setopt(e, CURLOPT_NOSIGNAL, 1L);
     curl_easy_setopt(e, CURLOPT_HTTPHEADER, u->hdrs);
     curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, on_write);
@@ -222,6 +255,7 @@ struct upx *upx_start(struct upstream *up, const char *url, const char *body, si
 void upx_free(struct upx *u) {
     if (!u) return;
     if (u->easy) {
+        if (u->in_multi && !u->done) abort_with_reset(u);
         if (u->in_multi) curl_multi_remove_handle(u->up->multi, u->easy);
         curl_easy_cleanup(u->easy);
     }

@@ -46,6 +46,8 @@ struct upx {
     size_t hdr_out, data_out; /* request bytes written to the socket */
     long status;             /* 0 until the first body byte */
     bool got_bytes, in_multi, done, paused;
+    curl_socket_t sock;      /* the attempt's socket while libcurl holds it open, else
+                                CURL_SOCKET_BAD (set and cleared by libcurl's callbacks) */
     kv_buf resp;             /* response body (everything when on_data is NULL or not 2xx) */
     char ctype[128];         /* response Content-Type */
     char errbuf[CURL_ERROR_SIZE];
@@ -59,7 +61,8 @@ struct upx {
 /* Starts an attempt (the body is copied). NULL on ENOMEM / libcurl failure. */
 struct upx *upx_start(struct upstream *up, const char *url, const char *body, size_t body_len,
                       double timeout_s, void *owner);
-/* Aborts the transfer if still running (closing its connection) and frees u. NULL no-op. */
+/* Aborts the transfer if still running (closing its connection with a reset, so the worker
+ * sees the abort at once) and frees u. NULL no-op. */
 void upx_free(struct upx *u);
 /* Continues a transfer paused by on_data. */
 void upx_resume(struct upx *u);

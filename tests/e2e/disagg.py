@@ -25,6 +25,10 @@ Groups (run all, or name some on the command line):
               timeout 60 s, freed < 10 s): POST /kv_release, a refused receiver (mismatched
               page tables), the router's release after kill -9 of the generation worker and
               after a client leaves
+  cancel      a client that leaves during a long prefill (context leg, plain stream, through
+              the router) or while its generation leg waits for KV (TRANSFER_IN in generation
+              first, WAITING for blocks): cancelled at the next step, blocks freed
+              (KVSERVE_TEST_HOLD_PREFILL keeps the prefill in progress)
 env: KVSERVE_BIN, KVSERVE_TEST_DATA. Exit 0 = all passed, 77 = skipped (data missing).
 """
 import concurrent.futures
@@ -41,6 +45,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import e2e_util as E  # noqa: E402
 import http_api as H  # noqa: E402
 
 check = H.check
@@ -628,12 +633,13 @@ def test_release(recs):
             check(ok and ok[0] >= n, "%s: the router counted %s answered release(s)" % (case, ok))
             st, _ = ctx.post("/kv_release", {"disagg_request_id": 1})
             check(st == 401, "/kv_release without the key: 401 (%s)" % st)
+            if case == "client gone":
+                # the generation leg waiting for its transfer sees the router abort it too
+                # (it used to keep its blocks until the transfer deadline and hold SIGTERM)
+                poll("client gone: the generation leg in TRANSFER_IN is cancelled, its blocks freed",
+                     lambda: freed(gen, 1), 10)
         finally:
             rt.stop()
-            if case == "client gone":
-                # known gap: a generation leg that waits for its transfer (no event yet) does not
-                # see the router close its connection, so it would hold SIGTERM for the drain
-                gen.kill()
             gen.stop()
     ctx.stop()
 
@@ -844,6 +850,170 @@ def ucx_works():
     return True
 
 
+# ---------------------------------------------------------------- cancel (client gone)
+
+HOLD = 64  # KVSERVE_TEST_HOLD_PREFILL: no engine step once this many prompt tokens were computed
+LONG = 400  # prompt tokens of a "long prefill" (--max-num-tokens 16: 25 steps, held after 4)
+
+
+def long_prompt(n=LONG):
+    return [1] + [10 + (7 * i) % 480 for i in range(n - 1)]  # BOS + ids of the 512-token vocab
+
+
+def raw_post(p, body, path="/v1/completions"):
+    """Sends body on a socket of its own and returns the socket (the answer is not read)."""
+    sk = socket.create_connection((p.host, p.port))
+    data = json.dumps(body).encode()
+    sk.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n" % (path.encode(), len(data)) + data)
+    return sk
+
+
+def poll(what, cond, limit=20):
+    """A bounded poll (never a sleep as synchronisation): check(cond() within limit seconds)."""
+    try:
+        E.wait_for(cond, limit, what)
+        check(True, what)
+        return True
+    except AssertionError:
+        check(False, what)
+        return False
+
+
+def mval(p, name):
+    return p.metrics().get(name, 0.0)
+
+
+def mid_prefill(p, n_running=1):
+    """p holds n_running request(s) mid-prefill: HOLD prompt tokens computed, blocks held."""
+    m = p.metrics()
+    return (m.get("kvserve_prefill_tokens_computed_total", 0) >= HOLD and
+            m.get("kvserve_num_requests_running", 0) == n_running and m.get("kvserve_kv_blocks_used", 0) > 0)
+
+
+def freed(p, cancelled):
+    m = p.metrics()
+    return (m.get("kvserve_requests_cancelled_total", 0) >= cancelled and m.get("kvserve_kv_blocks_used", -1) == 0
+            and m.get("kvserve_num_requests_running", -1) == 0 and m.get("kvserve_num_requests_waiting", -1) == 0
+            and m.get("kvserve_num_requests_transfer_in", -1) == 0
+            and m.get("kvserve_num_requests_transfer_out", -1) == 0)
+
+
+def test_cancel(recs):
+    """A client that leaves while its request computes a long prefill, or while its generation
+    leg waits for KV, is cancelled at the next engine step and frees every block (F5/F6 of the
+    disaggregation review). Prefill is kept in progress with the engine test hook
+    KVSERVE_TEST_HOLD_PREFILL (no step after HOLD prompt tokens) instead of timing: before the
+    fix the worker never noticed these clients (nothing was written to them), so every
+    "cancelled" poll below timed out."""
+    held = ["--max-num-tokens", "16"]
+    hold = {"KVSERVE_TEST_HOLD_PREFILL": str(HOLD)}
+    T60 = ["--kv-transfer-timeout", "60"]
+    r0 = recs[0]
+    prompt = long_prompt()
+
+    # 1. F5 on the worker itself: a context leg (non-stream) whose client closes mid-prefill,
+    #    then a plain stream whose client read the head and closed (a FIN either way)
+    ctx = worker("context", extra=held + T60, env=hold)
+    try:
+        body = dict(completion_body(r0, 8), prompt=prompt)
+        body["disaggregated_params"] = {"request_type": "context_only", "disagg_request_id": 616161,
+                                        "schedule_style": "context_first"}
+        sk = raw_post(ctx, body)
+        poll("context leg: held mid-prefill", lambda: mid_prefill(ctx))
+        sk.close()
+        poll("context leg: the closed client is seen, the leg cancelled, its blocks freed",
+             lambda: freed(ctx, 1))
+        m = ctx.metrics()
+        check(m["kvserve_prefill_tokens_computed_total"] < LONG and m["kvserve_client_disconnects_total"] >= 1,
+              "context leg: cancelled before its prefill ended (%d of %d prompt tokens computed)"
+              % (m["kvserve_prefill_tokens_computed_total"], LONG))
+        sk = raw_post(ctx, dict(completion_body(r0, 8, stream=True), prompt=prompt))
+        head = b""
+        sk.settimeout(30)
+        while b"\r\n\r\n" not in head:
+            chunk = sk.recv(4096)
+            if not chunk:
+                break
+            head += chunk
+        check(head.startswith(b"HTTP/1.1 200"), "plain stream: head received (%r)" % head[:40])
+        sk.close()
+        poll("plain stream whose client closed after the head (a FIN, no reset): cancelled, blocks freed",
+             lambda: freed(ctx, 2))
+    finally:
+        ctx.stop()
+
+    # 2. F5 through the router (context first): the router aborts the context leg, the worker
+    #    cancels it mid-prefill
+    ctx = worker("context", extra=held + T60, env=hold)
+    gen = worker("generation", extra=T60)
+    rt = router([ctx], [gen])
+    try:
+        sk = raw_post(rt, dict(completion_body(r0, 8), prompt=prompt))
+        poll("router, context first: context leg held mid-prefill", lambda: mid_prefill(ctx))
+        sk.close()
+        poll("router, context first: the context leg is cancelled, its blocks freed", lambda: freed(ctx, 1))
+        check(mval(ctx, "kvserve_prefill_tokens_computed_total") < LONG, "router: cancelled before its prefill ended")
+        check(mval(rt, "kvserve_router_client_disconnects_total") >= 1, "router counted the disconnect")
+        check(mval(gen, "kvserve_requests_total") == 0, "no generation leg was sent")
+    finally:
+        rt.stop()
+        ctx.stop()
+        gen.stop()
+
+    # 3. F6, generation first: the generation leg waits in TRANSFER_IN for a context leg that
+    #    is held mid-prefill; the client (stream and not) leaves: both legs are cancelled, the
+    #    generation worker frees its blocks at once (not at its transfer deadline). Its request
+    #    for the KV is held back (delay_request_ms), so the context worker never learns of it
+    #    and the router's /kv_release cannot end it there: the generation worker must see the
+    #    router's abort itself.
+    for stream in (True, False):
+        ctx = worker("context", extra=held + T60, env=hold)
+        gen = worker("generation", extra=T60, env={"KVSERVE_KVX_FAULT": "delay_request_ms=60000"})
+        rt = router([ctx], [gen], ["--schedule-style", "generation_first"])
+        try:
+            sk = raw_post(rt, dict(completion_body(r0, 8, stream=stream), prompt=prompt))
+            poll("generation first (stream %s): generation leg in TRANSFER_IN, context leg mid-prefill" % stream,
+                 lambda: mval(gen, "kvserve_num_requests_transfer_in") == 1 and mid_prefill(ctx))
+            check(mval(gen, "kvserve_kv_blocks_used") > 0, "the generation leg holds blocks for the KV")
+            sk.close()
+            poll("generation first (stream %s): the generation leg is cancelled, its blocks freed" % stream,
+                 lambda: freed(gen, 1))
+            check(mval(gen, "kvserve_client_disconnects_total") >= 1, "the generation worker saw the abort")
+            poll("generation first (stream %s): the context leg is cancelled, its blocks freed" % stream,
+                 lambda: freed(ctx, 1))
+        finally:
+            rt.stop()
+            ctx.stop()
+            gen.stop()
+
+    # 4. F6, a generation leg still waiting for blocks (WAITING; the generation worker is held
+    #    by a plain long prefill) whose client leaves: it tells the context worker
+    #    (kvx_cancel_remote), which drops the offer and its blocks at once (no router here, so
+    #    no /kv_release: the remote cancel is the only way they are freed before 60 s)
+    ctx = worker("context", extra=T60)
+    gen = worker("generation", extra=held + T60, env=hold)
+    try:
+        plain = raw_post(gen, dict(completion_body(r0, 8), prompt=prompt))
+        poll("generation worker held by a plain prefill", lambda: mid_prefill(gen))
+        dp = direct_ctx_leg(ctx, recs[1], 626262)
+        poll("the context worker holds the KV for transfer",
+             lambda: mval(ctx, "kvserve_num_requests_transfer_out") == 1)
+        sk = raw_post(gen, dict(completion_body(recs[1], 8),
+                                disaggregated_params=dict(dp, request_type="generation_only")))
+        poll("the generation leg waits", lambda: mval(gen, "kvserve_num_requests_waiting") == 1)
+        sk.close()
+        poll("waiting generation leg whose client left: cancelled", lambda: mval(gen, "kvserve_num_requests_waiting") == 0
+             and mval(gen, "kvserve_requests_cancelled_total") >= 1)
+        poll("... and the context worker dropped the offer and its blocks (remote cancel)", lambda: freed(ctx, 0), 10)
+        plain.close()
+        poll("the plain request is cancelled too, every block of the generation worker free",
+             lambda: freed(gen, 2))
+    finally:
+        ctx.stop()
+        gen.stop()
+
+
 def main():
     if not os.path.exists(GGUF):
         print("SKIP: test data %s not found (set KVSERVE_TEST_DATA)" % GGUF)
@@ -863,7 +1033,8 @@ def main():
                   ("conditional", lambda: test_conditional(agg)),
                   ("netns", lambda: test_netns(refs, recs)),
                   ("kvdtype", lambda: test_kvdtype(recs)),
-                  ("release", lambda: test_release(recs))]
+                  ("release", lambda: test_release(recs)),
+                  ("cancel", lambda: test_cancel(recs))]
         for name, fn in groups:
             if not want(name):
                 continue
