@@ -291,7 +291,7 @@ def run(bin_, model, extra, in_process):
         (exact); else g minus the reader's stall (while the reader could run, no byte came),
         at most a (an upper bound when the read held several events)."""
         if a >= 0 and ne == 1:
-            return a
+            return min(a, g)  # (g < a: the client was later on the previous read than on this)
         lb = max(0, g - stall)
         return min(lb, a) if a >= 0 else lb
 
