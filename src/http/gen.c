@@ -4,8 +4,8 @@
  *
  *   gen_start: engine_submit --ok--> LIVE (closecb set on the connection;
  *            stream: headers + first chunk sent at once)
- *   engine thread: engine_cb copies each event onto srv.qstack (lock-free) and signals
- *         srv.wake when it was empty (wake.h: an eventfd, no lock shared with the loop)
+ *   engine thread: engine_cb copies each event onto srv.qstack (a wake_stack: lock-free) and
+ *         signals srv.wake when it was empty (wake.h: an eventfd, no lock shared with the loop)
  *   loop: gen_on_wake drains -> DELTA: stream chunk / accumulate;  FINISH|ERROR (terminal,
  *         one per choice): the last one writes the final answer (an ERROR of any choice
  *         answers at once with the error and cancels the other choices: `ended`).
@@ -47,7 +47,7 @@
 
 /* One engine event copied for the loop thread; payload arrays live in the same block. */
 struct qev {
-    struct qev *next;
+    struct wake_node node;   /* srv.qstack (wake.h) */
     struct gen *g;
     struct engine_event ev;
     bool embedded; /* the gen's terminal slot: not freed separately */
@@ -562,30 +562,20 @@ static void engine_cb(const struct engine_event *ev, void *user) {
         if (!q->embedded) free(q);
         return;
     }
-    struct qev *old = atomic_load(&srv.qstack);
-    do q->next = old;
-    while (!atomic_compare_exchange_weak(&srv.qstack, &old, q));
-    if (old == NULL) loop_wake_signal(srv.wake); /* else a wakeup is pending: the loop takes all */
+    loop_wake_push(srv.wake, &srv.qstack, &q->node);
     atomic_fetch_sub(&srv.pushing, 1);
 }
 
 void gen_on_wake(void *arg) {
     (void)arg;
-    struct qev *q = NULL, *s = atomic_exchange(&srv.qstack, NULL);
-    while (s) { /* newest first -> the order the events were pushed in */
-        struct qev *n = s->next;
-        s->next = q;
-        q = s;
-        s = n;
-    }
-    while (q) {
-        struct qev *next = q->next;
+    for (struct wake_node *n = wake_stack_take_all(&srv.qstack), *next; n; n = next) { /* in push order */
+        next = n->next;
+        struct qev *q = WAKE_ITEM(n, struct qev, node);
         void *payload = q->payload;
         bool emb = q->embedded;
         handle_event(q->g, &q->ev); /* may free q->g (and the embedded q with it) */
         free(payload);
         if (!emb) free(q);
-        q = next;
     }
 }
 
@@ -755,12 +745,11 @@ void gen_shutdown(void) {
      * leaked on purpose: the engine may still hold their pointers). */
     atomic_store(&srv.closed, true);
     while (atomic_load(&srv.pushing) > 0) sched_yield(); /* a push under way ends at once */
-    struct qev *q = atomic_exchange(&srv.qstack, NULL);
-    while (q) {
-        struct qev *next = q->next;
+    for (struct wake_node *n = wake_stack_take_all(&srv.qstack), *next; n; n = next) {
+        next = n->next;
+        struct qev *q = WAKE_ITEM(n, struct qev, node);
         free(q->payload);
         if (!q->embedded) free(q);
-        q = next;
     }
     for (struct gen *g = srv.live; g; g = g->next) gen_unhook(g);
     if (g_watch) event_free(g_watch);

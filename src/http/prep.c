@@ -24,7 +24,6 @@
  */
 #include <fcntl.h>
 #include <pthread.h>
-#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -42,7 +41,8 @@
 #define PREP_NICE 5
 
 struct prep_job {
-    struct prep_job *next;
+    struct prep_job *next;   /* the waiting queue (under P.mu) */
+    struct wake_node node;   /* the done stack (P.done) */
     struct evhttp_request *req;
     enum prep_what what;
     enum oai_kind kind;
@@ -61,8 +61,8 @@ static struct {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     struct prep_job *qhead, *qtail;   /* waiting for a worker */
-    _Atomic(struct prep_job *) done;  /* finished, for the loop: a lock-free stack (a worker
-                                         preempted under a lock the loop takes would stall it) */
+    struct wake_stack done;           /* finished, for the loop: lock-free (a worker preempted
+                                         under a lock the loop takes would stall it; wake.h) */
     bool stop;
     pthread_t th[PREP_MAX_THREADS];
     int n_threads;
@@ -215,10 +215,7 @@ static void *worker(void *arg) {
             if (fd >= 0) close(fd);
         }
         prepare(j);
-        struct prep_job *old = atomic_load(&P.done);
-        do j->next = old;
-        while (!atomic_compare_exchange_weak(&P.done, &old, j));
-        if (old == NULL) loop_wake_signal(P.wake); /* else a wakeup is pending: the loop takes all */
+        loop_wake_push(P.wake, &P.done, &j->node);
         pthread_mutex_lock(&P.mu);
     }
     pthread_mutex_unlock(&P.mu);
@@ -277,21 +274,12 @@ static void finish(struct prep_job *j) {
 
 static void on_done(void *arg) {
     (void)arg;
-    struct prep_job *list = atomic_exchange(&P.done, NULL);
-    /* oldest first (the list is newest first) */
-    struct prep_job *rev = NULL;
-    while (list) {
-        struct prep_job *n = list->next;
-        list->next = rev;
-        rev = list;
-        list = n;
-    }
-    while (rev) {
-        struct prep_job *n = rev->next;
+    for (struct wake_node *n = wake_stack_take_all(&P.done), *next; n; n = next) { /* oldest first */
+        next = n->next;
+        struct prep_job *j = WAKE_ITEM(n, struct prep_job, node);
         P.pending--;
-        finish(rev);
-        job_free(rev);
-        rev = n;
+        finish(j);
+        job_free(j);
     }
     /* a stop waits for prepared requests too (server.c begin_stop) */
     if (srv.stopping && srv.n_live == 0 && P.pending == 0) server_drained();
@@ -327,7 +315,7 @@ kv_status prep_init(int n_threads) {
     P.stop = false;
     P.pending = 0;
     P.qhead = P.qtail = NULL;
-    atomic_store(&P.done, NULL);
+    wake_stack_init(&P.done);
     P.test_gate = getenv("KVSERVE_TEST_PREP_GATE");
     if (P.test_gate && !*P.test_gate) P.test_gate = NULL;
     /* the longest token in bytes bounds how many bytes max_model_len tokens can cover */
@@ -352,6 +340,13 @@ kv_status prep_init(int n_threads) {
     return KV_OK;
 }
 
+/* Shutdown: a job never started or never answered; its request dies with its connection
+ * (evhttp_free), unless libevent already handed it to us. */
+static void drop(struct prep_job *j) {
+    if (evhttp_request_get_connection(j->req) == NULL) evhttp_request_free(j->req);
+    job_free(j);
+}
+
 void prep_shutdown(void) {
     pthread_mutex_lock(&P.mu);
     P.stop = true;
@@ -359,15 +354,14 @@ void prep_shutdown(void) {
     pthread_mutex_unlock(&P.mu);
     for (int i = 0; i < P.n_threads; i++) pthread_join(P.th[i], NULL);
     P.n_threads = 0;
-    /* jobs never started or never answered: their requests die with the connections
-     * (evhttp_free), except those libevent already handed to us */
-    struct prep_job *lists[2] = {P.qhead, atomic_exchange(&P.done, NULL)};
-    for (int k = 0; k < 2; k++)
-        for (struct prep_job *j = lists[k], *n; j; j = n) {
-            n = j->next;
-            if (evhttp_request_get_connection(j->req) == NULL) evhttp_request_free(j->req);
-            job_free(j);
-        }
+    for (struct prep_job *j = P.qhead, *n; j; j = n) {
+        n = j->next;
+        drop(j);
+    }
+    for (struct wake_node *n = wake_stack_take_all(&P.done), *next; n; n = next) {
+        next = n->next;
+        drop(WAKE_ITEM(n, struct prep_job, node));
+    }
     P.qhead = P.qtail = NULL;
     P.pending = 0;
     loop_wake_free(P.wake);

@@ -234,7 +234,7 @@ kv_status http_serve(const struct http_config *cfg, engine_t *e, const model_t *
     kv_status st = KV_OK;
     signal(SIGPIPE, SIG_IGN);
     if (evthread_use_pthreads() != 0) return kv_errf(KV_EINTERNAL, err, errlen, "evthread_use_pthreads failed");
-    atomic_store(&srv.qstack, NULL);
+    wake_stack_init(&srv.qstack);
     atomic_store(&srv.closed, false);
     srv.cfg = cfg;
     srv.e = e;

@@ -29,13 +29,13 @@
 #include "wake.h"
 
 struct gen;
-struct qev;
 struct kvsub;
 
 struct server {
-    /* engine events for the loop: a lock-free stack (the engine pushes, the loop takes all
-     * and reverses), so the loop never waits for a lock an engine thread holds (gen.c) */
-    _Atomic(struct qev *) qstack;
+    /* engine events (struct qev) for the loop: a lock-free stack (the engine pushes, the loop
+     * takes all, oldest first), so the loop never waits for a lock an engine thread holds
+     * (gen.c, wake.h) */
+    struct wake_stack qstack;
     struct loop_wake *wake;       /* signalled by a push onto an empty stack (wake.h) */
     atomic_bool closed;           /* engine events are dropped after the loop ended */
     atomic_int pushing;           /* engine threads inside engine_cb (shutdown waits for 0) */

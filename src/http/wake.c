@@ -1,4 +1,4 @@
-/* wake: an eventfd-based wakeup of the loop thread (wake.h). */
+/* wake: an eventfd-based wakeup of the loop thread and the lock-free stack (wake.h). */
 #include <errno.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -54,4 +54,28 @@ void loop_wake_free(struct loop_wake *w) {
     event_free(w->ev);
     close(w->fd);
     free(w);
+}
+
+void wake_stack_init(struct wake_stack *s) { atomic_store(&s->top, NULL); }
+
+bool wake_stack_push(struct wake_stack *s, struct wake_node *n) {
+    struct wake_node *old = atomic_load(&s->top);
+    do n->next = old;
+    while (!atomic_compare_exchange_weak(&s->top, &old, n));
+    return old == NULL;
+}
+
+struct wake_node *wake_stack_take_all(struct wake_stack *s) {
+    struct wake_node *list = atomic_exchange(&s->top, NULL), *fifo = NULL;
+    while (list) { /* newest first -> the order the nodes were pushed in */
+        struct wake_node *n = list->next;
+        list->next = fifo;
+        fifo = list;
+        list = n;
+    }
+    return fifo;
+}
+
+void loop_wake_push(struct loop_wake *w, struct wake_stack *s, struct wake_node *n) {
+    if (wake_stack_push(s, n)) loop_wake_signal(w); /* else a wakeup is pending: the loop takes all */
 }
