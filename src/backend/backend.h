@@ -232,8 +232,10 @@ struct backend_cpu_options {
     enum backend_cpu_gemm gemm; /* BACKEND_CPU_GEMM_INVARIANT (0) unless asked otherwise */
     /* Keep every matrix in its file layout. By default (false), on the integer path for
      * quantized weights, Q8_0 matrices are repacked whole at creation into the prefill
-     * kernels' panel layout (+5.9% bytes; the file pages they replace are released) and
-     * every product reads the panel: same bits, faster prefill and decode. Also turned off by
+     * kernels' panel layout (+5.9% bytes), and F16/BF16 matrices of a GGUF file into the
+     * grouped decode layout of src/quant/qdot.h (same bytes); the file pages they replace are
+     * released and every product reads the panel: same bits, faster decode (and Q8_0
+     * prefill), about 1 s more load time per GB repacked. Also turned off by
      * KVSERVE_CPU_PREPACK=0 (for A/B measurements). The KV pool (kv_alloc) is an anonymous
      * map advised for transparent huge pages (2x decode at 4k context on a VM, where every
      * 4 KiB run of the pool was a TLB miss); KVSERVE_CPU_THP=0 keeps 4 KiB pages. The panels

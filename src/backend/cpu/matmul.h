@@ -46,7 +46,9 @@
  * a task runs kv_q8_dot_rows on its rows (M <= 4, or no AMX/VNNI) or repacks them into a
  * per-thread panel (kv_q8_pack) and runs kv_q8_dot_packed (prefill); a matrix the CPU backend
  * repacked whole at load (struct kv_wmat.panel, Q8_0) goes to kv_q8_dot_packed for every M,
- * its tasks cut at 16-row groups. Otherwise, when M <= 4
+ * its tasks cut at 16-row groups. An F16/BF16 matrix the CPU backend repacked at load into
+ * qdot.h's grouped layout (struct kv_wmat.panel) goes to kv_qdot_grouped when M <= 4 and is
+ * converted to the task's f32 panel by kv_fgroup_rows otherwise. Otherwise, when M <= 4
  * (decode; every weight type, F32 included) the task calls kv_qdot_rows (src/quant/qdot.h),
  * which dequantizes 16 weights at a time into registers and FMAs them at once (nothing
  * written but Y); for larger M and non-F32 weights the task dequantizes its block into a
