@@ -499,20 +499,26 @@ static const struct backend_ops cpu_ops = {
  * about the file size. Same bits either way (q8.h's and qdot.h's contracts). */
 #define PREPACK_GROWTH 1.10
 
-struct pack_task { struct kv_wmat *w; int r0, r1; };
-struct pack_run { const struct pack_task *t; };
+struct pack_task { struct kv_wmat *w; int r0, r1; bool release; };
+struct pack_run { const struct pack_task *t; const model_t *m; };
+/* Packs one task's rows, then releases the file pages wholly inside them at once (the pages a
+ * task boundary cuts go when the whole matrix is done), so a large file's resident set does not
+ * reach the file plus all its panels while packing. */
 static void task_pack(void *p, int t, int th) {
     (void)th;
-    const struct pack_task *pt = &((const struct pack_run *)p)->t[t];
+    const struct pack_run *run = p;
+    const struct pack_task *pt = &run->t[t];
     const struct kv_wmat *w = pt->w;
     const char *src = (const char *)w->data + (size_t)pt->r0 * w->row_bytes;
     if (kv_fgroup_ok(w->type, w->cols)) { /* r0 is a multiple of KV_FGROUP_ROWS */
         kv_fgroup_pack(w->type, src, w->row_bytes, pt->r1 - pt->r0, w->cols,
                        (char *)(uintptr_t)w->panel + (size_t)pt->r0 * w->row_bytes);
-        return;
+    } else {
+        size_t gb = kv_q8_pack_bytes(w->type, 16, w->cols);
+        kv_q8_pack(w->type, src, w->row_bytes, pt->r1 - pt->r0, w->cols,
+                   (char *)(uintptr_t)w->panel + (size_t)(pt->r0 / 16) * gb);
     }
-    size_t gb = kv_q8_pack_bytes(w->type, 16, w->cols);
-    kv_q8_pack(w->type, src, w->row_bytes, pt->r1 - pt->r0, w->cols, (char *)(uintptr_t)w->panel + (size_t)(pt->r0 / 16) * gb);
+    if (pt->release) model_release_pages(run->m, src, (size_t)(pt->r1 - pt->r0) * w->row_bytes);
 }
 
 /* The panel bytes of w if it is to be repacked (see above), else 0. */
@@ -613,18 +619,20 @@ static kv_status prepack(struct cpu_ctx *c, bool enabled) {
     int t = 0;
     for (int i = 0; i < n; i++) {
         size_t pb = prepack_bytes(m, ws[i], int8); /* before panel is set: it reads data */
+        /* the tied output shares its rows with the embedding, which is still looked up */
+        const bool tied = ws[i] == &c->output && m->w.output.data == m->w.tok_embd.data;
         ws[i]->panel = panels + off;
         off += (pb + 63) & ~(size_t)63;
         for (int r = 0; r < ws[i]->rows; r += ROWS_PER_TASK)
-            tasks[t++] = (struct pack_task){ws[i], r, r + ROWS_PER_TASK < ws[i]->rows ? r + ROWS_PER_TASK : ws[i]->rows};
+            tasks[t++] = (struct pack_task){ws[i], r, r + ROWS_PER_TASK < ws[i]->rows ? r + ROWS_PER_TASK : ws[i]->rows,
+                                            !tied};
     }
-    struct pack_run run = {tasks};
+    struct pack_run run = {tasks, m};
     kv_threadpool_for(c->tp, n_tasks, task_pack, &run);
     size_t stored = 0;
     for (int i = 0; i < n; i++) {
         stored += ws[i]->row_bytes * (size_t)ws[i]->rows;
-        /* the tied output shares its rows with the embedding, which is still looked up */
-        if (!(ws[i] == &c->output && m->w.output.data == m->w.tok_embd.data))
+        if (!(ws[i] == &c->output && m->w.output.data == m->w.tok_embd.data)) /* the pages tasks' ends cut */
             model_release_pages(m, ws[i]->data, ws[i]->row_bytes * (size_t)ws[i]->rows);
     }
     int n_float = 0;
