@@ -879,76 +879,103 @@ AVX2 static ALWAYS void kq_tile256(int type, const uint8_t *w, size_t rb, int nr
  * rows. Q4_0/Q4_K/Q5_K/Q6_K: the panel's value + off (0..63) times an activation never saturates
  * vpmaddubsw, off * sum(q) comes off per sub-block; Q8_0: |w| times the activation with w's sign
  * (at most 2 * 128 * 127 per pair). */
+/* One 16-row panel group (nr rows valid) x MR activation rows, on H 8-row halves from half
+ * `half` (H = 2: the whole group in one pass, both halves' lines used as they stream in; H = 1:
+ * one half, the other half's pass finds the lines in L1). */
 AVX2 static ALWAYS void packed_tile256(int type, const uint8_t *rg, int half, int nr, const struct kv_q8_act *a,
-                                      int m0, float *Y, size_t ldy, const int MR) {
+                                      int m0, float *Y, size_t ldy, const int MR, const int H) {
     const struct kv_q8_geo g = kv_q8_geo(type);
     const int K = a->K, ng = K / g.G;
     const int off = type == KV_QTYPE_Q4_0 ? 8 : type == KV_QTYPE_Q6_K ? 32 : 0;
     const __m256i voff = _mm256_set1_epi8((char)off), ones = _mm256_set1_epi16(1);
-    const size_t ho = 32 * (size_t)half; /* byte offset of this half in a 64-byte row */
-    __m256 acc[4], mn[4];
-    _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++) acc[m] = mn[m] = _mm256_setzero_ps();
+    __m256 acc[4][2], mn[4][2];
+    _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++)
+        _Pragma("GCC unroll 2") for (int h = 0; h < H; h++) acc[m][h] = mn[m][h] = _mm256_setzero_ps();
     for (int s = 0; s < ng; s++) {
         const uint8_t *grp = rg + (size_t)s * g.grp;
-        if (MR == 1 && !g.kq && half == 0) prefetch_group_ahead(grp, g.grp); /* the second half reads from L2 */
-        __m256i I[4];
-        _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++) I[m] = _mm256_setzero_si256();
+        if (MR == 1 && !g.kq && half == 0) prefetch_group_ahead(grp, g.grp); /* H = 1: the second half reads from L1/L2 */
+        __m256i I[4][2];
+        _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++)
+            _Pragma("GCC unroll 2") for (int h = 0; h < H; h++) I[m][h] = _mm256_setzero_si256();
         for (int j = 0; j < g.J; j++) {
             const uint8_t *sub = grp + g.hdr + (size_t)j * g.sub;
             const uint8_t *v = sub + (g.kq ? 64 : 0);
             const int e0 = s * g.G + j * g.S;
-            __m256i C[4];
-            _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++) C[m] = _mm256_setzero_si256();
+            __m256i C[4][2];
+            _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++)
+                _Pragma("GCC unroll 2") for (int h = 0; h < H; h++) C[m][h] = _mm256_setzero_si256();
             _Pragma("GCC unroll 8") for (int k4 = 0; k4 < g.S / 4; k4++) {
-                __m256i vv = _mm256_load_si256((const __m256i *)(v + 64 * k4 + ho)), aw = vv;
-                if (type == KV_QTYPE_Q8_0) aw = _mm256_abs_epi8(vv); /* sign trick: |w| x sign(w) q */
-                else vv = aw = _mm256_add_epi8(vv, voff);
+                __m256i vv[2], aw[2];
+                _Pragma("GCC unroll 2") for (int h = 0; h < H; h++) {
+                    vv[h] = aw[h] = _mm256_load_si256((const __m256i *)(v + 64 * k4 + 32 * (half + h)));
+                    if (type == KV_QTYPE_Q8_0) aw[h] = _mm256_abs_epi8(vv[h]); /* sign trick: |w| x sign(w) q */
+                    else vv[h] = aw[h] = _mm256_add_epi8(vv[h], voff);
+                }
                 _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++) {
                     int32_t x4;
                     memcpy(&x4, a->q + (size_t)(m0 + m) * K + e0 + 4 * k4, 4);
-                    __m256i xb = _mm256_set1_epi32(x4);
-                    if (type == KV_QTYPE_Q8_0) xb = _mm256_sign_epi8(xb, vv);
-                    C[m] = _mm256_add_epi32(C[m], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xb), ones));
+                    const __m256i xb = _mm256_set1_epi32(x4);
+                    _Pragma("GCC unroll 2") for (int h = 0; h < H; h++) {
+                        __m256i xs = type == KV_QTYPE_Q8_0 ? _mm256_sign_epi8(xb, vv[h]) : xb;
+                        C[m][h] = _mm256_add_epi32(C[m][h], _mm256_madd_epi16(_mm256_maddubs_epi16(aw[h], xs), ones));
+                    }
                 }
             }
             _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++) {
                 const int16_t *s16 = a->s16 + (size_t)(m0 + m) * (K / 16) + e0 / 16;
                 int qs = g.S == 32 ? s16[0] + s16[1] : s16[0];
-                __m256i t = off ? _mm256_sub_epi32(C[m], _mm256_set1_epi32(off * qs)) : C[m];
-                I[m] = g.kq ? _mm256_add_epi32(I[m], _mm256_mullo_epi32(t, _mm256_load_si256((const __m256i *)(sub + ho))))
-                            : t;
+                _Pragma("GCC unroll 2") for (int h = 0; h < H; h++) {
+                    __m256i t = off ? _mm256_sub_epi32(C[m][h], _mm256_set1_epi32(off * qs)) : C[m][h];
+                    I[m][h] = g.kq ? _mm256_add_epi32(I[m][h], _mm256_mullo_epi32(t, _mm256_load_si256(
+                                                                                   (const __m256i *)(sub + 32 * (half + h)))))
+                                   : t;
+                }
             }
         }
-        const __m256 dv = _mm256_load_ps((const float *)(grp + ho));
-        _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++) {
-            const float dxs = a->d[(size_t)(m0 + m) * ng + s];
-            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I[m]), _mm256_mul_ps(dv, _mm256_set1_ps(dxs)), acc[m]);
-            if (g.mins) {
-                const int16_t *s16 = a->s16 + (size_t)(m0 + m) * (K / 16) + 16 * (size_t)s;
-                __m256i Mi = _mm256_setzero_si256();
-                _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++)
-                    Mi = _mm256_add_epi32(Mi, _mm256_mullo_epi32(_mm256_load_si256((const __m256i *)(grp + 128 + 64 * j + ho)),
-                                                                 _mm256_set1_epi32(s16[2 * j] + s16[2 * j + 1])));
-                mn[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Mi),
-                                        _mm256_mul_ps(_mm256_load_ps((const float *)(grp + 64 + ho)), _mm256_set1_ps(dxs)), mn[m]);
+        _Pragma("GCC unroll 2") for (int h = 0; h < H; h++) {
+            const size_t ho = 32 * (size_t)(half + h); /* byte offset of this half in a 64-byte row */
+            const __m256 dv = _mm256_load_ps((const float *)(grp + ho));
+            _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++) {
+                const float dxs = a->d[(size_t)(m0 + m) * ng + s];
+                acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I[m][h]), _mm256_mul_ps(dv, _mm256_set1_ps(dxs)), acc[m][h]);
+                if (g.mins) {
+                    const int16_t *s16 = a->s16 + (size_t)(m0 + m) * (K / 16) + 16 * (size_t)s;
+                    __m256i Mi = _mm256_setzero_si256();
+                    _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++)
+                        Mi = _mm256_add_epi32(Mi, _mm256_mullo_epi32(_mm256_load_si256((const __m256i *)(grp + 128 + 64 * j + ho)),
+                                                                     _mm256_set1_epi32(s16[2 * j] + s16[2 * j + 1])));
+                    mn[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Mi),
+                                               _mm256_mul_ps(_mm256_load_ps((const float *)(grp + 64 + ho)), _mm256_set1_ps(dxs)),
+                                               mn[m][h]);
+                }
             }
         }
     }
     _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++)
-        store8(Y + (size_t)m * ldy, nr, g.mins ? _mm256_sub_ps(acc[m], mn[m]) : acc[m]);
+        _Pragma("GCC unroll 2") for (int h = 0; h < H; h++) {
+            int n = nr - 8 * h < 8 ? nr - 8 * h : 8;
+            if (n > 0) store8(Y + (size_t)m * ldy + 8 * h, n, g.mins ? _mm256_sub_ps(acc[m][h], mn[m][h]) : acc[m][h]);
+        }
 }
 
 AVX2 static ALWAYS void packed_t256(int type, const uint8_t *panel, int n_rows, const struct kv_q8_act *a, int m0,
                                     int M, float *Y, size_t ldy) {
     const struct kv_q8_geo g = kv_q8_geo(type);
     const size_t rgb = (size_t)(a->K / g.G) * g.grp;
-    for (int r = 0; r < n_rows; r += 8) {
-        const int nr = n_rows - r < 8 ? n_rows - r : 8;
+    for (int r = 0; r < n_rows;) {
         const uint8_t *rg = panel + (size_t)(r / 16) * rgb;
+        if (M == 1 && !g.kq && r % 16 == 0 && n_rows - r > 8) { /* decode: the whole group in one pass */
+            const int nr = n_rows - r < 16 ? n_rows - r : 16;
+            packed_tile256(type, rg, 0, nr, a, m0, Y + r, ldy, 1, 2);
+            r += 16;
+            continue;
+        }
+        const int nr = n_rows - r < 8 ? n_rows - r : 8;
         const int half = (r / 8) & 1;
         int m = 0;
-        for (; m + 4 <= M; m += 4) packed_tile256(type, rg, half, nr, a, m0 + m, Y + (size_t)m * ldy + r, ldy, 4);
-        for (; m < M; m++) packed_tile256(type, rg, half, nr, a, m0 + m, Y + (size_t)m * ldy + r, ldy, 1);
+        for (; m + 4 <= M; m += 4) packed_tile256(type, rg, half, nr, a, m0 + m, Y + (size_t)m * ldy + r, ldy, 4, 1);
+        for (; m < M; m++) packed_tile256(type, rg, half, nr, a, m0 + m, Y + (size_t)m * ldy + r, ldy, 1, 1);
+        r += 8;
     }
 }
 
