@@ -964,9 +964,9 @@ AVX2 static ALWAYS void packed_t256(int type, const uint8_t *panel, int n_rows, 
     const size_t rgb = (size_t)(a->K / g.G) * g.grp;
     for (int r = 0; r < n_rows;) {
         const uint8_t *rg = panel + (size_t)(r / 16) * rgb;
-        if (M == 1 && !g.kq && r % 16 == 0 && n_rows - r > 8) { /* decode: the whole group in one pass */
+        if (M < 4 && !g.kq && r % 16 == 0 && n_rows - r > 8) { /* decode: the whole group per row of X */
             const int nr = n_rows - r < 16 ? n_rows - r : 16;
-            packed_tile256(type, rg, 0, nr, a, m0, Y + r, ldy, 1, 2);
+            for (int m = 0; m < M; m++) packed_tile256(type, rg, 0, nr, a, m0 + m, Y + (size_t)m * ldy + r, ldy, 1, 2);
             r += 16;
             continue;
         }
