@@ -593,9 +593,11 @@ static kv_status prepack(struct cpu_ctx *c, bool enabled) {
         free(ws);
         return KV_OK;
     }
-    const size_t huge = (size_t)2 << 20;
-    size_t alloc = (total + huge - 1) & ~(huge - 1);
-    char *panels = aligned_alloc(huge, alloc);
+    /* Panels under 8 MiB (tiny models, tests) stay on 4 KiB pages: rounding them up to 2 MiB
+     * pages would make the unused rest of the last page resident, more than the panels save. */
+    const size_t huge = (size_t)2 << 20, unit = total < 4 * huge ? 4096 : huge;
+    size_t alloc = (total + unit - 1) & ~(unit - 1);
+    char *panels = aligned_alloc(unit, alloc);
     struct pack_task *tasks = kv_malloc((size_t)n_tasks * sizeof *tasks);
     if (!panels || !tasks) {
         free(panels), free(tasks), free(ws);
@@ -611,6 +613,7 @@ static kv_status prepack(struct cpu_ctx *c, bool enabled) {
      * once, slow load, no thread), 0 = 4 KiB pages only (no thread). */
     const char *thp = getenv("KVSERVE_CPU_PANEL_THP");
     int thp_mode = thp && !strcmp(thp, "1") ? 1 : thp && !strcmp(thp, "0") ? 0 : 2;
+    if (unit != huge) thp_mode = 0;
 #ifdef MADV_HUGEPAGE
     if (thp_mode == 1) (void)madvise(panels, alloc, MADV_HUGEPAGE); /* advisory */
 #endif
