@@ -328,11 +328,15 @@ def run(bin_, model, extra, in_process):
 
 
 def main():
+    if len(sys.argv) < 3 or sys.argv[1].startswith("-") or sys.argv[2].startswith("-"):
+        sys.exit("usage: bench/http_stall.py KVSERVE_BIN MODEL [--runs N] [--in-process] [extra serve args...]")
     bin_, model = sys.argv[1], sys.argv[2]
     extra = sys.argv[3:]
     runs, in_process = 1, False
     while extra[:1] in (["--runs"], ["--in-process"]):
         if extra[0] == "--runs":
+            if len(extra) < 2 or not extra[1].isdigit() or int(extra[1]) < 1:
+                sys.exit("http_stall.py: --runs needs a positive integer")
             runs = int(extra[1])
             extra = extra[2:]
         else:
