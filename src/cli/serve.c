@@ -418,7 +418,7 @@ int cmd_serve(int argc, char **argv) {
             "(%s): %d blocks x %d tokens x %zu bytes = %.1f MiB (%lld tokens); max_model_len %d",
             m->cfg.name, model_arch_name(m->cfg.arch), m->cfg.n_layers, m->cfg.dim, m->cfg.n_vocab,
             (double)model_weight_bytes(m) / (1024.0 * 1024.0), mtypes,
-            m->format == MODEL_FORMAT_GGUF ? ", mapped from the file" : "",
+            m->format == MODEL_FORMAT_GGUF ? ", mapped from the file; what the CPU backend repacks is logged next" : "",
             kv_dtype_name(kv_dtype), kv_blocks, tpb, block_bytes,
             (double)kv_blocks * (double)block_bytes / (1024.0 * 1024.0), (long long)kv_blocks * tpb, max_model_len);
     struct backend_options bopt = {.kind = be_kind, .n_threads = threads, .gemm = gemm, .deterministic = deterministic};

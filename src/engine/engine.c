@@ -74,11 +74,13 @@ void engine_post_terminal(struct engine *e, struct request *r, enum engine_event
     ev.t_admitted_ns = r->t_admitted_ns;
     ev.t_first_token_ns = r->t_first_ns;
     r->cb(&ev, r->user);
-    pthread_mutex_lock(&e->stats_mu);
-    if (type == ENGINE_EV_ERROR) e->stats.requests_failed++;
-    else if (fin == FINISH_CANCELLED) e->stats.requests_cancelled++;
-    else e->stats.requests_finished++;
-    pthread_mutex_unlock(&e->stats_mu);
+    if (!r->unborn) {
+        pthread_mutex_lock(&e->stats_mu);
+        if (type == ENGINE_EV_ERROR) e->stats.requests_failed++;
+        else if (fin == FINISH_CANCELLED) e->stats.requests_cancelled++;
+        else e->stats.requests_finished++;
+        pthread_mutex_unlock(&e->stats_mu);
+    }
     /* n > 1 ended before its fork (cancel, failure, shutdown): every choice still gets its
      * terminal event */
     for (int i = 1; i < r->n_choices; i++) {
@@ -86,6 +88,7 @@ void engine_post_terminal(struct engine *e, struct request *r, enum engine_event
         u.n_choices = 1;
         u.index = i;
         u.terminal_sent = false;
+        u.unborn = true;
         engine_post_terminal(e, &u, type, fin, st, msg);
     }
     r->n_choices = 1;

@@ -87,6 +87,9 @@ struct request {
     int n_first_top;
     bool has_first_lp;
     bool terminal_sent;         /* the client saw its terminal event; only the blocks remain */
+    bool unborn;                /* a choice of n > 1 ended before the fork made it a request of
+                                   its own: its terminal event is not counted in the stats
+                                   (requests_total counts choices as the fork makes them) */
     bool xfer_cancelled;        /* cancel was sent to the transfer; waiting for its completion */
     int n_recv_from;            /* generation leg: first block index received (cached before) */
 };

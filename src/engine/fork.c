@@ -144,6 +144,7 @@ static void fail_unborn(struct engine *e, const struct request *r, int index) {
     u.n_choices = 1;
     u.index = index;
     u.terminal_sent = false;
+    u.unborn = true;
     engine_post_terminal(e, &u, ENGINE_EV_ERROR, FINISH_NONE, KV_ENOMEM,
                          "out of memory while creating a choice");
 }

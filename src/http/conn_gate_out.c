@@ -20,8 +20,8 @@
 #include "listener.h"
 
 /* A response has been written completely: the connection is idle (or closes, if the client
- * ended its input), and a pipelined request may proceed (both from the loop, after evhttp
- * has finished its own bookkeeping of the response). */
+ * ended its input and sent nothing more), and a pipelined request may proceed (both from the
+ * loop, after evhttp has finished its own bookkeeping of the response). */
 void gate_response_done(struct gate *g) {
     struct http_gates *gs = g->gs;
     g->streaming = false;
@@ -32,8 +32,11 @@ void gate_response_done(struct gate *g) {
     g->begun = false;
     g->declared = -1;
     gate_arm(g, gs->lim.keepalive_timeout_ms);
+    /* a client that ended its input after pipelining more requests gets them answered first:
+     * the held end is handed on only once no request bytes are left */
+    const bool more = evbuffer_get_length(bufferevent_get_input(g->under)) > 0;
     if (!g->probe_only && !g->eof_held) gate_idle(g, true);
-    if (g->eof_held) {
+    if (g->eof_held && !more) {
         g->eof_held = false;
         gate_finish(g);
     } else {

@@ -265,7 +265,13 @@ static void gen_fail(struct gen *g, const struct oai_error *e) {
     struct evhttp_request *req = g->req;
     gen_unhook(g);
     g->req = NULL;
-    http_send_error(req, e);
+    if (g->peek_gone) { /* written only so libevent cleans up: no client reads it, not a 5xx of ours */
+        struct http_reply_ctx quiet = srv.reply;
+        quiet.ctr = NULL;
+        http_reply_error(&quiet, req, e);
+    } else {
+        http_send_error(req, e);
+    }
     gen_maybe_free(g);
 }
 

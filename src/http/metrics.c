@@ -88,7 +88,7 @@ kv_status metrics_render(kv_buf *out, const struct engine_stats *s, const struct
     kv_status st = KV_OK;
 #define C(name, help, v) st |= metric(out, "kvserve_" name, "counter", help, model, (double)(v))
 #define G(name, help, v) st |= metric(out, "kvserve_" name, "gauge", help, model, (double)(v))
-    C("requests_total", "Requests accepted by the engine.", s->requests_total);
+    C("requests_total", "Requests accepted by the engine (each choice of n > 1 once forked after the prompt).", s->requests_total);
     C("requests_finished_total", "Requests that finished (stop or length).", s->requests_finished);
     C("requests_failed_total", "Requests that ended with an error.", s->requests_failed);
     C("requests_cancelled_total", "Requests cancelled (client disconnect or shutdown).",

@@ -940,6 +940,19 @@ def test_cancel(recs):
         sk.close()
         poll("plain stream whose client closed after the head (a FIN, no reset): cancelled, blocks freed",
              lambda: freed(ctx, 2))
+        # n = 3 whose client leaves before the fork: one request, one cancel (the unborn choices'
+        # terminal events used to count 3 cancels against 1 request)
+        t0, c0 = mval(ctx, "kvserve_requests_total"), mval(ctx, "kvserve_requests_cancelled_total")
+        sk = raw_post(ctx, dict(completion_body(r0, 8), prompt=prompt, n=3, temperature=0.8, seed=5))
+        poll("n=3: admitted", lambda: mval(ctx, "kvserve_requests_total") >= t0 + 1)
+        sk.close()
+        poll("n=3 request whose client left: cancelled, blocks freed", lambda: freed(ctx, c0 + 1))
+        check(mval(ctx, "kvserve_requests_cancelled_total") == c0 + 1 and mval(ctx, "kvserve_requests_total") == t0 + 1,
+              "n=3 cancelled before its fork counts one request, one cancel (%d, %d)"
+              % (mval(ctx, "kvserve_requests_total") - t0, mval(ctx, "kvserve_requests_cancelled_total") - c0))
+        # the cancelled answers written to clients that left are not the server's 5xx
+        check(mval(ctx, "kvserve_http_responses_5xx_total") == 0,
+              "clients that left are not counted as 5xx answers (%d)" % mval(ctx, "kvserve_http_responses_5xx_total"))
     finally:
         ctx.stop()
 

@@ -268,6 +268,15 @@ def test_half_close_and_pipelining(port):
     s.close()
     check(r1[0] == 200 and b"ok" in r1[2] and completion_ok(r2[0], r2[2]) and r3[0] == 200 and b"stories260K" in r3[2],
           "three pipelined requests answered in order")
+    # pipelined requests and then the end of input (shutdown(SHUT_WR)): every one is answered
+    # (the end used to close the connection after the first answer)
+    s = connect(port)
+    s.sendall((post_head("/v1/completions", len(BODY)) + BODY) * 3)
+    s.shutdown(socket.SHUT_WR)
+    out = read_all(s)
+    s.close()
+    check(out.count(b"HTTP/1.1 200") == 3 and out.count(b'"text_completion"') == 3,
+          "three pipelined requests, then a half-close: three answers (%d)" % out.count(b"HTTP/1.1 200"))
     # a half-closed client of a stream reads it to the end too
     body = b'{"prompt":"Once upon a time","max_tokens":4,"temperature":0,"stream":true}'
     st, h, b, _ = exchange(port, post_head("/v1/completions", len(body)) + body, shut=True)
