@@ -490,7 +490,7 @@ static const struct backend_ops cpu_ops = {
  *   instead of per task in every prefill. Of the stored types only Q8_0 qualifies (panel 576
  *   bytes per 16 x 32 weights against 544: +5.9%); Q4_0 and the K-quants unpack to a byte per
  *   weight (2-2.3x) and stay in place.
- * - F16/BF16, in both modes: the grouped layout of qdot.h (same bytes, 8 rows interleaved in
+ * - F16/BF16, in both modes: the grouped layout of qdot.h (same bytes, 4 rows interleaved in
  *   64-byte chunks); decode from one core reads it faster than the file's rows (1B F16: see
  *   docs/benchmarks.md), prefill converts from it as from the rows. Only where the file pages
  *   can be released (a GGUF map; not the tied output, whose rows the embedding still reads),
@@ -584,7 +584,7 @@ static kv_status prepack(struct cpu_ctx *c, bool enabled) {
             if (prepack_bytes(m, w7[i], int8)) ws[n++] = w7[i];
     }
     if (prepack_bytes(m, &c->output, int8)) ws[n++] = &c->output;
-    enum { ROWS_PER_TASK = 256 }; /* a multiple of 16 (q8 row groups) and 8 (KV_FGROUP_ROWS) */
+    enum { ROWS_PER_TASK = 256 }; /* a multiple of 16 (q8 row groups) and of KV_FGROUP_ROWS */
     for (int i = 0; i < n; i++) {
         total += (prepack_bytes(m, ws[i], int8) + 63) & ~(size_t)63;
         n_tasks += (ws[i]->rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
@@ -621,7 +621,7 @@ static kv_status prepack(struct cpu_ctx *c, bool enabled) {
     size_t off = 0;
     int t = 0;
     for (int i = 0; i < n; i++) {
-        size_t pb = prepack_bytes(m, ws[i], int8); /* before panel is set: it reads data */
+        size_t pb = prepack_bytes(m, ws[i], int8);
         /* the tied output shares its rows with the embedding, which is still looked up */
         const bool tied = ws[i] == &c->output && m->w.output.data == m->w.tok_embd.data;
         ws[i]->panel = panels + off;

@@ -508,7 +508,7 @@ static void plan_task(void *p, int t, int th) {
         return;
     }
     if (W->panel && kv_fgroup_ok(W->type, W->cols)) {
-        /* F16/BF16 in the grouped layout (qdot.h), repacked at load; n0 is a multiple of 8 (a group) */
+        /* F16/BF16 in the grouped layout (qdot.h), repacked at load; n0 (a multiple of 8) starts a group */
         const char *g = (const char *)W->panel + (size_t)n0 * W->row_bytes;
         if (op->M <= DECODE_ROWS) {
             kv_qdot_grouped(W->type, g, n1 - n0, (int)K, op->X, K, op->M, op->Y + n0, (size_t)W->rows);
