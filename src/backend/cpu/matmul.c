@@ -707,7 +707,13 @@ static void run_batch(const struct kv_matmul_op *ops, int n_ops, kv_threadpool_t
             fair = (fair + 7) & ~7;
             if (nb > fair) nb = fair;
             if (nb < 8) nb = 8;
-            if (op->W->panel) nb = (nb + 15) & ~15; /* tasks start at a row group of the panel */
+            /* the float tiles take 3 W rows at a time (C512, C256): a task of a multiple of 24
+             * rows has no 1- or 2-row remainder tile (a 16-row task, K = 5632 in f32, ran one
+             * of its 6 tiles with a third of the work at the full cost) */
+            if (op->M > DECODE_ROWS && !pl.q8[i] && nb >= 16) nb = (nb + 12) / 24 * 24;
+            /* tasks start at a row group of a q8 panel (16 rows; the grouped F16/BF16 layout's
+             * 4-row groups divide every nb here) */
+            if (op->W->panel && !kv_fgroup_ok(op->W->type, op->W->cols)) nb = (nb + 15) & ~15;
         }
         pl.nb[i] = nb;
         pl.first[i + 1] = pl.first[i] + (nb ? (N + nb - 1) / nb : 0);
