@@ -116,12 +116,7 @@ static void on_finish_done(struct upx *u, const struct rt_outcome *o, CURLcode r
         r->coord_errors++;
         KV_WARN("router: coordinator /finish failed (%s, HTTP %ld)", rtq_curl_reason(u, rc), o->http_status);
     }
-    for (int i = 0; i < r->n_coord_fin; i++)
-        if (r->coord_fin[i] == u) {
-            r->coord_fin[i] = r->coord_fin[--r->n_coord_fin];
-            break;
-        }
-    upx_free(u);
+    upx_set_done(&r->coord_fin, u);
 }
 
 void rt_coord_finish(struct rreq *q) {
@@ -138,25 +133,13 @@ void rt_coord_finish(struct rreq *q) {
         snprintf(body, sizeof body, "%s", s ? s : "");
         free(s);
         if (!body[0]) continue;
-        if (r->n_coord_fin == r->cap_coord_fin) {
-            int cap = r->cap_coord_fin ? 2 * r->cap_coord_fin : 16;
-            struct upx **a = realloc(r->coord_fin, (size_t)cap * sizeof *a);
-            if (!a) continue;
-            r->coord_fin = a;
-            r->cap_coord_fin = cap;
-        }
         snprintf(url, sizeof url, "%s/finish", r->cfg.coordinator);
         struct upx *u = upx_start(&r->up, url, body, strlen(body), COORD_TIMEOUT_S, r);
         if (!u) continue;
         u->on_done = on_finish_done;
         u->kind = UPX_COORD_FINISH;
-        r->coord_fin[r->n_coord_fin++] = u;
+        upx_set_add(&r->coord_fin, u);
     }
 }
 
-void rt_coord_stop(struct router *r) {
-    for (int i = 0; i < r->n_coord_fin; i++) upx_free(r->coord_fin[i]);
-    free(r->coord_fin);
-    r->coord_fin = NULL;
-    r->n_coord_fin = r->cap_coord_fin = 0;
-}
+void rt_coord_stop(struct router *r) { upx_set_free_all(&r->coord_fin); }

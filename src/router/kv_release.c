@@ -28,24 +28,12 @@ static void on_release_done(struct upx *u, const struct rt_outcome *o, CURLcode 
         KV_WARN("router: POST /kv_release to a context worker failed (%s, HTTP %ld): it frees the "
                 "KV at its transfer deadline instead", rtq_curl_reason(u, rc), o->http_status);
     }
-    for (int i = 0; i < r->n_rel; i++)
-        if (r->rel[i] == u) {
-            r->rel[i] = r->rel[--r->n_rel];
-            break;
-        }
-    upx_free(u);
+    upx_set_done(&r->rel, u);
 }
 
 void rt_kv_release(struct router *r, int ctx_idx, uint64_t id) {
     const struct rt_pool *p = R_CTX(r);
     if (ctx_idx < 0 || ctx_idx >= p->n || r->stopping) return;
-    if (r->n_rel == r->cap_rel) {
-        int cap = r->cap_rel ? 2 * r->cap_rel : 16;
-        struct upx **a = realloc(r->rel, (size_t)cap * sizeof *a);
-        if (!a) return;
-        r->rel = a;
-        r->cap_rel = cap;
-    }
     char url[2048], body[64];
     snprintf(url, sizeof url, "%s/kv_release", p->w[ctx_idx]->url);
     snprintf(body, sizeof body, "{\"disagg_request_id\":%llu}", (unsigned long long)id);
@@ -54,13 +42,8 @@ void rt_kv_release(struct router *r, int ctx_idx, uint64_t id) {
     u->on_done = on_release_done;
     u->kind = UPX_KV_RELEASE;
     u->worker = ctx_idx;
-    r->rel[r->n_rel++] = u;
+    if (!upx_set_add(&r->rel, u)) return;
     KV_DEBUG("router: releasing the KV of %llu on %s", (unsigned long long)id, p->w[ctx_idx]->url);
 }
 
-void rt_kv_release_stop(struct router *r) {
-    for (int i = 0; i < r->n_rel; i++) upx_free(r->rel[i]);
-    free(r->rel);
-    r->rel = NULL;
-    r->n_rel = r->cap_rel = 0;
-}
+void rt_kv_release_stop(struct router *r) { upx_set_free_all(&r->rel); }

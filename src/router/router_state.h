@@ -47,11 +47,9 @@ struct router {
     struct event *health; /* health-check timer */
     struct rt_reservation *resv;
     struct etcd_watch *etcd; /* discovery_etcd.c, or NULL */
-    struct upx **coord_fin;  /* coordinator /finish transfers in flight (coord_client.c) */
-    int n_coord_fin, cap_coord_fin;
+    struct upx_set coord_fin; /* coordinator /finish transfers in flight (coord_client.c) */
     uint64_t coord_placements, coord_errors;
-    struct upx **rel;        /* POST /kv_release transfers in flight (kv_release.c) */
-    int n_rel, cap_rel;
+    struct upx_set rel;       /* POST /kv_release transfers in flight (kv_release.c) */
     uint64_t kv_releases[2]; /* answered 2xx, failed */
     struct rreq *live;
     int n_live;

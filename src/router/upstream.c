@@ -271,3 +271,34 @@ void upx_resume(struct upx *u) {
         curl_easy_pause(u->easy, CURLPAUSE_CONT);
     }
 }
+
+bool upx_set_add(struct upx_set *s, struct upx *u) {
+    if (s->n == s->cap) {
+        int cap = s->cap ? 2 * s->cap : 16;
+        struct upx **a = realloc(s->a, (size_t)cap * sizeof *a);
+        if (!a) {
+            upx_free(u);
+            return false;
+        }
+        s->a = a;
+        s->cap = cap;
+    }
+    s->a[s->n++] = u;
+    return true;
+}
+
+void upx_set_done(struct upx_set *s, struct upx *u) {
+    for (int i = 0; i < s->n; i++)
+        if (s->a[i] == u) {
+            s->a[i] = s->a[--s->n];
+            break;
+        }
+    upx_free(u);
+}
+
+void upx_set_free_all(struct upx_set *s) {
+    for (int i = 0; i < s->n; i++) upx_free(s->a[i]);
+    free(s->a);
+    s->a = NULL;
+    s->n = s->cap = 0;
+}

@@ -66,6 +66,19 @@ struct upx *upx_start(struct upstream *up, const char *url, const char *body, si
 void upx_free(struct upx *u);
 /* Continues a transfer paused by on_data. */
 void upx_resume(struct upx *u);
+
+/* Fire-and-forget transfers an owner keeps only to free them if it stops first (the router's
+ * coordinator /finish calls and its /kv_release calls). Zero-initialised = empty; loop thread. */
+struct upx_set {
+    struct upx **a;
+    int n, cap;
+};
+/* Adds u (started by upx_start). On ENOMEM frees u (the transfer never runs) and returns false. */
+bool upx_set_add(struct upx_set *s, struct upx *u);
+/* From u's on_done: takes u out of the set and frees it. */
+void upx_set_done(struct upx_set *s, struct upx *u);
+/* Aborts and frees every transfer still in the set; the set is empty. */
+void upx_set_free_all(struct upx_set *s);
 bool upx_request_written(const struct upx *u);
 
 #endif
