@@ -657,6 +657,16 @@ static int take_xdone(struct engine *e, struct xfer_done **buf, int *cap) {
     return n;
 }
 
+/* The CLOCK_REALTIME instant ns nanoseconds from now (pthread_cond_timedwait's deadline). */
+static struct timespec realtime_in(uint64_t ns) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ns += (uint64_t)ts.tv_nsec;
+    ts.tv_sec += (time_t)(ns / 1000000000ull);
+    ts.tv_nsec = (long)(ns % 1000000000ull);
+    return ts;
+}
+
 /* The test hook engine_config.test_hold_prefill_tokens: once that many prompt tokens were
  * computed, publish the stats and wait (up to 20 ms, or until a submit, cancel or transfer
  * completion wakes us) instead of stepping. True while holding. */
@@ -670,13 +680,7 @@ static bool test_hold(struct engine *e) {
     engine_publish_stats(e, false);
     pthread_mutex_lock(&e->mu);
     if (!e->stopping && e->n_incoming == 0 && e->n_cancels == 0 && e->n_xdone == 0) {
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_nsec += 20000000L;
-        if (ts.tv_nsec >= 1000000000L) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000L;
-        }
+        struct timespec ts = realtime_in(20000000ull);
         pthread_cond_timedwait(&e->cv, &e->mu, &ts);
     }
     pthread_mutex_unlock(&e->mu);
@@ -709,13 +713,8 @@ static void *engine_main(void *arg) {
             uint64_t now = kv_now_ns();
             if (next_deadline && now >= next_deadline) break;
             uint64_t until = next_deadline ? next_deadline : now + 1000000000ull;
-            struct timespec ts;
-            clock_gettime(CLOCK_REALTIME, &ts);
             uint64_t wait = until - now;
-            if (wait > 1000000000ull) wait = 1000000000ull;
-            uint64_t ns = (uint64_t)ts.tv_nsec + wait;
-            ts.tv_sec += (time_t)(ns / 1000000000ull);
-            ts.tv_nsec = (long)(ns % 1000000000ull);
+            struct timespec ts = realtime_in(wait > 1000000000ull ? 1000000000ull : wait);
             if (pthread_cond_timedwait(&e->cv, &e->mu, &ts) != 0) break;
         }
         stop = e->stopping;
@@ -949,11 +948,7 @@ void engine_fault_leak_blocks(engine_t *e, int n) {
 }
 
 kv_status engine_wait_idle(engine_t *e, int timeout_ms) {
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    uint64_t ns = (uint64_t)ts.tv_nsec + (uint64_t)(timeout_ms > 0 ? timeout_ms : 0) * 1000000ull;
-    ts.tv_sec += (time_t)(ns / 1000000000ull);
-    ts.tv_nsec = (long)(ns % 1000000000ull);
+    struct timespec ts = realtime_in((uint64_t)(timeout_ms > 0 ? timeout_ms : 0) * 1000000ull);
     kv_status st = KV_OK;
     pthread_mutex_lock(&e->mu);
     while (!(e->idle && e->n_incoming == 0 && e->n_cancels == 0 && e->n_xdone == 0)) {

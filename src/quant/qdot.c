@@ -101,15 +101,6 @@ void kv_fgroup_pack(int type, const void *w, size_t row_bytes, int n_rows, int K
     }
 }
 
-/* run (c, i) of tmp (chunk c - c0 of row i, per floats) to row i's floats c * per .. of out;
- * inlined with a constant per, so each run is a few vector moves */
-static inline __attribute__((always_inline)) void scatter_runs(float *out, size_t ldo, const float *tmp, size_t c0,
-                                                                size_t c1, int nr, const size_t per) {
-    for (size_t c = c0; c < c1; c++)
-        for (int i = 0; i < nr; i++)
-            memcpy(out + (size_t)i * ldo + c * per, tmp + ((c - c0) * (size_t)nr + (size_t)i) * per, per * sizeof(float));
-}
-
 void kv_fgroup_rows(int type, const void *g, int n_rows, int K, float *out, size_t ldo) {
     if (!kv_fgroup_ok(type, K) || !g || !out || n_rows < 1 || ldo < (size_t)K) return;
 #ifdef KV_QUANT_X86
@@ -119,20 +110,14 @@ void kv_fgroup_rows(int type, const void *g, int n_rows, int K, float *out, size
     default: break;
     }
 #endif
-    /* generic: convert a group's contiguous chunks at once, then scatter the runs */
-    const size_t elt = float_elt(type), RB = (size_t)K * elt, nc = RB / 64, per = 64 / elt; /* per: floats a chunk */
-    enum { SLAB = 8 };          /* chunks of every row of a group converted per kv_dequant_row call */
-    float tmp[SLAB * KV_FGROUP_ROWS * 32]; /* SLAB chunks x 4 rows x at most 32 floats: 4 KiB */
+    /* generic: chunk by chunk (kv_dequant_row is exact, so the same floats as the x86 paths) */
+    const size_t elt = float_elt(type), RB = (size_t)K * elt, per = 64 / elt; /* per: floats a chunk */
     for (int g0 = 0; g0 < n_rows; g0 += KV_FGROUP_ROWS) {
         const int nr = n_rows - g0 < KV_FGROUP_ROWS ? n_rows - g0 : KV_FGROUP_ROWS;
-        const uint8_t *gp = (const uint8_t *)g + (size_t)g0 * RB;
-        for (size_t c0 = 0; c0 < nc; c0 += SLAB) {
-            size_t c1 = c0 + SLAB < nc ? c0 + SLAB : nc;
-            /* chunks c0 .. c1 - 1 of the group's rows are contiguous: convert them at once */
-            kv_dequant_row(type, gp + c0 * (size_t)nr * 64, tmp, (int64_t)((c1 - c0) * (size_t)nr * per));
-            if (per == 32) scatter_runs(out + (size_t)g0 * ldo, ldo, tmp, c0, c1, nr, 32);
-            else scatter_runs(out + (size_t)g0 * ldo, ldo, tmp, c0, c1, nr, 16);
-        }
+        const uint8_t *b = (const uint8_t *)g + (size_t)g0 * RB;
+        for (size_t c = 0; c < RB / 64; c++)
+            for (int i = 0; i < nr; i++, b += 64)
+                kv_dequant_row(type, b, out + (size_t)(g0 + i) * ldo + c * per, (int64_t)per);
     }
 }
 

@@ -66,9 +66,8 @@ bool kv_fgroup_ok(int type, int K);
 void kv_fgroup_pack(int type, const void *w, size_t row_bytes, int n_rows, int K, void *dst);
 /* The n_rows rows in the grouped layout at g (a group start, as for kv_qdot_grouped),
  * dequantized: row r to out + r * ldo (K floats, bitwise kv_dequant_row of the packed row;
- * ldo >= K). Converts a group's contiguous bytes 8 chunks at a time and scatters the 32-float
- * runs, so it costs about what kv_dequant_row on the packed rows costs. Invalid arguments
- * write nothing. Pure. */
+ * ldo >= K). The x86 families convert each 64-byte chunk straight into its row (about what
+ * kv_dequant_row on the packed rows costs). Invalid arguments write nothing. Pure. */
 void kv_fgroup_rows(int type, const void *g, int n_rows, int K, float *out, size_t ldo);
 /* kv_qdot_rows on n_rows rows in the grouped layout, starting at g (a group start; every group
  * but the last of these n_rows rows holds KV_FGROUP_ROWS rows, as in a whole matrix or any

@@ -507,24 +507,14 @@ static void plan_task(void *p, int t, int th) {
         pl->fn(&ca);
         return;
     }
-    if (W->panel && kv_fgroup_ok(W->type, W->cols)) {
-        /* F16/BF16 in the grouped layout (qdot.h), repacked at load; n0 (a multiple of 8) starts a group */
-        const char *g = (const char *)W->panel + (size_t)n0 * W->row_bytes;
-        if (op->M <= DECODE_ROWS) {
-            kv_qdot_grouped(W->type, g, n1 - n0, (int)K, op->X, K, op->M, op->Y + n0, (size_t)W->rows);
-            add_bias(op, n0, n1);
-            return;
-        }
-        float *pn = thread_buf(BUF_PANEL, (size_t)(n1 - n0) * K * sizeof(float));
-        if (!pn) abort(); /* about block_bytes() per thread: out of memory here is fatal */
-        kv_fgroup_rows(W->type, g, n1 - n0, (int)K, pn, K);
-        struct cols_args ca = {op, pl->xp[i], pn, K, n0, n1};
-        pl->fn(&ca);
-        return;
-    }
+    /* F16/BF16 in the grouped layout (qdot.h), repacked at load; n0 (a multiple of 8) starts a group */
+    const char *grouped = W->panel && kv_fgroup_ok(W->type, W->cols) ? (const char *)W->panel + (size_t)n0 * W->row_bytes
+                                                                      : NULL;
     /* decode rows of every type, F32 included (qdot's GEMV tiles: 8 weight rows per X row) */
     if (pl->q8[i] || op->M <= DECODE_ROWS) { /* decode: dequantize in registers, nothing written but Y */
-        if (pl->q8[i] && W->panel && kv_q8_packed_fast(W->type)) {
+        if (grouped) {
+            kv_qdot_grouped(W->type, grouped, n1 - n0, (int)K, op->X, K, op->M, op->Y + n0, (size_t)W->rows);
+        } else if (pl->q8[i] && W->panel && kv_q8_packed_fast(W->type)) {
             /* the matrix was repacked whole at load (struct kv_wmat.panel): outer products over
              * its row groups for every M, decode included (one sequential stream of weights) */
             size_t gb = kv_q8_pack_bytes(W->type, 16, (int)K);
@@ -550,8 +540,12 @@ static void plan_task(void *p, int t, int th) {
     float *pn = thread_buf(BUF_PANEL, (size_t)(n1 - n0) * (K ? K : 1) * sizeof(float));
     if (!pn) abort(); /* about block_bytes() per thread: out of memory here is fatal */
     struct cols_args ca = {op, pl->xp[i], pn, K, n0, n1};
-    for (int r = n0; r < n1; r++)
-        kv_dequant_row(W->type, (const char *)W->data + (size_t)r * W->row_bytes, pn + (size_t)(r - n0) * K, (int64_t)K);
+    if (grouped)
+        kv_fgroup_rows(W->type, grouped, n1 - n0, (int)K, pn, K);
+    else
+        for (int r = n0; r < n1; r++)
+            kv_dequant_row(W->type, (const char *)W->data + (size_t)r * W->row_bytes, pn + (size_t)(r - n0) * K,
+                           (int64_t)K);
     pl->fn(&ca);
 }
 
