@@ -377,7 +377,11 @@ static void bench_copy(void) {
 #define DUMP_TOK 160
 static int dump_write(const char *dir, const char *name, const void *p, size_t bytes) {
     char path[4200];
-    snprintf(path, sizeof path, "%s/%s", dir, name);
+    int n = snprintf(path, sizeof path, "%s/%s", dir, name);
+    if (n < 0 || (size_t)n >= sizeof path) {
+        fprintf(stderr, "bench_cuda: path too long: %s/%s\n", dir, name);
+        return 1;
+    }
     FILE *f = fopen(path, "wb");
     if (!f || fwrite(p, 1, bytes, f) != bytes || fclose(f)) {
         fprintf(stderr, "bench_cuda: cannot write %s\n", path);

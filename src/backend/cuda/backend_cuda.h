@@ -80,7 +80,9 @@ extern "C" {
  * that traps: a real sticky error (the backend turns unhealthy, see above);
  * KVSERVE_CUDA_PDL=0 launches the forward's kernels without programmatic dependent launch
  * (default on: each kernel may start launching while the previous one runs, kernels.cuh
- * pdl_wait); KVSERVE_CUDA_FLASH=0 keeps the split attention kernels for prefill steps too;
+ * pdl_wait); KVSERVE_CUDA_GEMV_LATE=0 lets the next kernel launch at the start of a
+ * single-row product (k_gemv_bf16) instead of after its loads; KVSERVE_CUDA_FLASH=0 keeps the
+ * split attention kernels for prefill steps too;
  * KVSERVE_CUDA_FLASH_MT=1 runs k_attn_flash with one 16-row m tile per warp (64 M rows per
  * CTA) instead of 2; KVSERVE_CUDA_SKIP=attn,norm,qkv,swiglu,gemm (timing only: results are
  * wrong) leaves those stages of every layer out; KVSERVE_CUDA_ATTN=2 takes k_attn_part2 for

@@ -56,6 +56,8 @@ struct cuda_ctx {
     int dec_half;  /* k_attn_dec may use half-tile (16-position) parts when 32-position ones leave SMs
                     * idle (KVSERVE_CUDA_DEC_HALF=0: never) */
     bool dec_tc;  /* k_attn_dec_tc where it applies (KVSERVE_CUDA_DEC_TC=0: k_attn_dec only) */
+    bool gemv_late;    /* k_gemv_bf16 lets the next kernel launch only after its loads (default;
+                        * KVSERVE_CUDA_GEMV_LATE=0: at its start) */
     bool dec_pdl; /* k_attn_dec* launched with PDL (KVSERVE_CUDA_DEC_PDL=1; default plain stream order: 1-12% faster steps, H200) */
     int dec_late; /* k_attn_dec triggers the next kernel's launch after its loads (KVSERVE_CUDA_DEC_LATE) */
     unsigned *dec_cnt; /* (DEC_ROWS_CAP, n_kv) k_attn_dec's last-part counters, zero between launches */

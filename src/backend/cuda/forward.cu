@@ -78,7 +78,7 @@ static kv_status gemm(struct cuda_ctx *c, const void *X, int M, int K, const voi
     if (!c->f32w && M <= c->gemv_max && K % 8 == 0) {
         unsigned g = (unsigned)((N + GEMV_WARPS - 1) / GEMV_WARPS);
         const __nv_bfloat16 *x = (const __nv_bfloat16 *)X, *w = (const __nv_bfloat16 *)W;
-#define GV(MM) klaunch(c, k_gemv_bf16<MM>, dim3(g), dim3(32 * GEMV_WARPS), 0, x, w, Y, N, K)
+#define GV(MM) klaunch(c, k_gemv_bf16<MM>, dim3(g), dim3(32 * GEMV_WARPS), 0, x, w, Y, N, K, c->gemv_late ? 1 : 0)
         cudaError_t e;
         switch (M) {
         case 1: e = GV(1); break;
