@@ -76,8 +76,11 @@ void engine_post_terminal(struct engine *e, struct request *r, enum engine_event
     r->cb(&ev, r->user);
     if (!r->unborn) {
         pthread_mutex_lock(&e->stats_mu);
-        if (type == ENGINE_EV_ERROR) e->stats.requests_failed++;
-        else if (fin == FINISH_CANCELLED) e->stats.requests_cancelled++;
+        /* an error with KV_ECANCELLED is a cancellation (shutdown, a KV transfer the peer
+         * cancelled: the router released the context leg before this leg heard its client
+         * leave), not a failure */
+        if (type == ENGINE_EV_ERROR && st != KV_ECANCELLED) e->stats.requests_failed++;
+        else if (fin == FINISH_CANCELLED || st == KV_ECANCELLED) e->stats.requests_cancelled++;
         else e->stats.requests_finished++;
         pthread_mutex_unlock(&e->stats_mu);
     }

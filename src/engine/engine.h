@@ -202,6 +202,8 @@ struct engine_config {
 };
 
 struct engine_stats {
+    /* every request ends in exactly one of finished / failed / cancelled (an error event with
+     * KV_ECANCELLED -- shutdown, a peer-cancelled KV transfer -- counts as cancelled) */
     uint64_t requests_total, requests_finished, requests_failed, requests_cancelled;
     uint64_t prompt_tokens_total, generation_tokens_total, prefill_tokens_computed;
     uint64_t preemptions_total, steps_total;

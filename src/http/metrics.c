@@ -90,8 +90,10 @@ kv_status metrics_render(kv_buf *out, const struct engine_stats *s, const struct
 #define G(name, help, v) st |= metric(out, "kvserve_" name, "gauge", help, model, (double)(v))
     C("requests_total", "Requests accepted by the engine (each choice of n > 1 once forked after the prompt).", s->requests_total);
     C("requests_finished_total", "Requests that finished (stop or length).", s->requests_finished);
-    C("requests_failed_total", "Requests that ended with an error.", s->requests_failed);
-    C("requests_cancelled_total", "Requests cancelled (client disconnect or shutdown).",
+    C("requests_failed_total", "Requests that ended with an error (cancellations not included).",
+      s->requests_failed);
+    C("requests_cancelled_total",
+      "Requests cancelled (client disconnect, shutdown, a KV transfer the peer worker cancelled).",
       s->requests_cancelled);
     C("prompt_tokens_total", "Prompt tokens of accepted requests.", s->prompt_tokens_total);
     C("generation_tokens_total", "Generated tokens.", s->generation_tokens_total);

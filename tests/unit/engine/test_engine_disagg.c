@@ -428,6 +428,20 @@ static void test_lost_send_completion_releases_sender(void **st) {
     stop_pair();
 }
 
+/* Waits (10 s at most) until the generation engine has started a receive. */
+static void wait_recv_started(void) {
+    uint64_t end = kv_now_ns() + 10000000000ull;
+    for (;;) {
+        pthread_mutex_lock(&g_mock.mu);
+        int n = g_mock.n_recvs;
+        pthread_mutex_unlock(&g_mock.mu);
+        if (n) break;
+        if (kv_now_ns() > end) fail_msg("receive never started");
+        struct timespec d = {0, 1000000};
+        nanosleep(&d, NULL);
+    }
+}
+
 static void test_failed_receive_fails_request(void **st) {
     (void)st;
     require_data();
@@ -439,6 +453,34 @@ static void test_failed_receive_fails_request(void **st) {
     assert_int_equal(g.n_ids, 0);
     wait_used(g_mock.ctx, 0, 10);
     wait_used(g_mock.gen, 0, 10);
+    struct engine_stats s;
+    engine_get_stats(g_mock.gen, &s);
+    assert_int_equal(s.requests_failed, 1); /* a transfer error is a failure */
+    assert_int_equal(s.requests_cancelled, 0);
+    stop_pair();
+}
+
+/* The context worker cancels the transfer (the router's /kv_release or the context leg's
+ * client left, reaching it before the generation worker sees its own client go): the
+ * generation leg ends with an error event (status KV_ECANCELLED), counted as cancelled, not
+ * failed, and every block comes back. */
+static void test_peer_cancel_counts_as_cancelled(void **st) {
+    (void)st;
+    require_data();
+    start_pair(10.0, M_HOLD_RECV);
+    struct out c, g;
+    run_disagg(&g_ref[0], 15, true, &c, &g, 8);
+    wait_recv_started();
+    engine_kv_transfer_done(g_mock.gen, 15, false, KV_ECANCELLED, "cancelled by the context worker", NULL, 0);
+    wait_term(&g);
+    assert_int_equal(g.term, ENGINE_EV_ERROR);
+    engine_kv_transfer_done(g_mock.ctx, 15, true, KV_ECANCELLED, "cancelled", NULL, 0);
+    wait_used(g_mock.gen, 0, 10);
+    wait_used(g_mock.ctx, 0, 10);
+    struct engine_stats s;
+    engine_get_stats(g_mock.gen, &s);
+    assert_int_equal(s.requests_cancelled, 1);
+    assert_int_equal(s.requests_failed, 0);
     stop_pair();
 }
 
@@ -450,17 +492,7 @@ static void test_cancel_during_transfer_keeps_blocks_pinned(void **st) {
     start_pair(10.0, M_HOLD_RECV);
     struct out c, g;
     run_disagg(&g_ref[0], 11, true, &c, &g, 8);
-    /* wait until the receive was started */
-    uint64_t end = kv_now_ns() + 10000000000ull;
-    for (;;) {
-        pthread_mutex_lock(&g_mock.mu);
-        int n = g_mock.n_recvs;
-        pthread_mutex_unlock(&g_mock.mu);
-        if (n) break;
-        if (kv_now_ns() > end) fail_msg("receive never started");
-        struct timespec d = {0, 1000000};
-        nanosleep(&d, NULL);
-    }
+    wait_recv_started();
     engine_cancel(g_mock.gen, g.req_id);
     wait_term(&g);
     assert_int_equal(g.fin, FINISH_CANCELLED);
@@ -595,6 +627,7 @@ int main(void) {
         cmocka_unit_test(test_partial_prefix_hit_pulls_suffix),
         cmocka_unit_test(test_lost_send_completion_releases_sender),
         cmocka_unit_test(test_failed_receive_fails_request),
+        cmocka_unit_test(test_peer_cancel_counts_as_cancelled),
         cmocka_unit_test(test_cancel_during_transfer_keeps_blocks_pinned),
         cmocka_unit_test(test_transfer_that_never_completes),
         cmocka_unit_test(test_probe_reports_cached_prefix),
