@@ -573,7 +573,7 @@ extern "C" kv_status backend_cuda_new(const model_t *m, const struct backend_cud
     if (c->dec_rows < 0) c->dec_rows = 0;
     if (c->dec_rows > DEC_ROWS_CAP) c->dec_rows = DEC_ROWS_CAP;
     const char *dc = getenv("KVSERVE_CUDA_DEC_CTAS");
-    c->dec_ctas = (dc && atoi(dc) > 0 ? atoi(dc) : 8) * c->n_sm;
+    c->dec_ctas = dc && atoi(dc) > 0 ? atoi(dc) * c->n_sm : 0;
     const char *dh = getenv("KVSERVE_CUDA_DEC_HALF");
     c->dec_half = !(dh && *dh == '0');
     const char *dl = getenv("KVSERVE_CUDA_DEC_LATE");

@@ -91,7 +91,7 @@ extern "C" {
  * (k_attn_dec_tc, attn_decode.cuh; bf16 KV pool, GQA group <= 8, head_dim 64 or 128, not
  * deterministic): KVSERVE_CUDA_DEC_ROWS=N serves steps of <= N split rows with it (default and
  * most 256; 0: the split kernels always), KVSERVE_CUDA_DEC_CTAS=N targets N CTAs per SM when
- * choosing its part length (default 8), KVSERVE_CUDA_DEC_HALF=0 never uses 16-position parts,
+ * choosing its part length (default 4 for steps of 1-2 such rows, 8 for more), KVSERVE_CUDA_DEC_HALF=0 never uses 16-position parts,
  * KVSERVE_CUDA_DEC_PDL=1 launches it with programmatic dependent launch (default off),
  * KVSERVE_CUDA_DEC_LATE=1 moves its launch trigger after the loads, KVSERVE_CUDA_DEC_TC=0 runs
  * the SIMT k_attn_dec instead (any head_dim % 8 == 0, f32 pools; experiments). */

@@ -52,7 +52,8 @@ struct cuda_ctx {
     int dec_rows;  /* single-token steps of <= dec_rows split rows run k_attn_dec (KVSERVE_CUDA_DEC_ROWS;
                     * 0: never; at most DEC_ROWS_CAP) */
     int dec_ctas;  /* k_attn_dec's split: parts doubled while the grid exceeds dec_ctas CTAs
-                    * (KVSERVE_CUDA_DEC_CTAS, default 4 per SM) */
+                    * (KVSERVE_CUDA_DEC_CTAS=N: N per SM; 0: dec_split_len's default, 4 per SM
+                    * for 1-2 rows, 8 for more) */
     int dec_half;  /* k_attn_dec may use half-tile (16-position) parts when 32-position ones leave SMs
                     * idle (KVSERVE_CUDA_DEC_HALF=0: never) */
     bool dec_tc;  /* k_attn_dec_tc where it applies (KVSERVE_CUDA_DEC_TC=0: k_attn_dec only) */

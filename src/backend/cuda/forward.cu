@@ -161,7 +161,8 @@ cudaError_t dec_setup(void) {
  * deterministic mode (its own fixed split), more than c->dec_rows rows, shapes outside
  * k_attn_dec_tc's. Parts of DEC_TILE positions,
  * DEC_TILE / 2 when the grid would have fewer CTAs than SMs (c->dec_half), doubled while the
- * grid has more than c->dec_ctas CTAs or the combine's weights would not fit in shared memory.
+ * grid has more than its target (c->dec_ctas, or 4 / 8 per SM by rows) CTAs or the combine's
+ * weights would not fit in shared memory.
  * The length depends on the step's rows and longest context only through powers of two, so
  * a decode graph is reused until the context doubles. */
 static int dec_split_len(const struct cuda_ctx *c, int T1, int max_pos1, int tks) {
@@ -178,7 +179,12 @@ static int dec_split_len(const struct cuda_ctx *c, int T1, int max_pos1, int tks
     int sl = DEC_TILE;
     if (c->dec_half && base * ((max_pos1 + DEC_TILE - 1) / DEC_TILE) < c->n_sm) sl = DEC_TILE / 2;
     if (c->split_set) sl = c->split_set; /* KVSERVE_CUDA_ATTN_SPLIT (experiments) */
-    while (base * ((max_pos1 + sl - 1) / sl) > c->dec_ctas && sl < (1 << 24)) sl *= 2;
+    /* the grid's target: 4 CTAs per SM for 1-2 rows (longer parts, a shorter combine), 8 for
+     * more (H200, Llama-3-8B shape, ms per step at 2048 / 4096 / 8192 with 8 -> 4 per SM:
+     * 1 row 4.77 / 5.03 / 5.26 -> 4.74 / 4.83 / 5.10, 2 rows 5.49 / 5.70 / 6.13 -> 5.34 /
+     * 5.49 / 5.94; 4 rows 5.77 / 6.17 / 7.05 -> 5.87 / 6.64 / 8.16, so 8 stays there) */
+    long target = c->dec_ctas ? c->dec_ctas : (long)(T1 <= 2 ? 4 : 8) * c->n_sm;
+    while (base * ((max_pos1 + sl - 1) / sl) > target && sl < (1 << 24)) sl *= 2;
     for (;;) {
         int parts = (max_pos1 + sl - 1) / sl, p2 = 1;
         while (p2 < parts) p2 *= 2; /* graph steps round the grid up */
