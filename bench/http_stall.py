@@ -342,6 +342,9 @@ def main():
         else:
             in_process = True
             extra = extra[1:]
+    late = [a for a in extra if a in ("--runs", "--in-process")]
+    if late:
+        sys.exit("http_stall.py: %s must come before the serve arguments" % late[0])
     res = [run(bin_, model, extra, in_process) for _ in range(runs)]
     if runs > 1:
         def col(k):

@@ -24,11 +24,22 @@ def parse_metrics(text):
     return out
 
 
-def read_port(path, proc, limit=10.0):
-    """The port a process wrote to its --port-file; fails early if the process exits."""
+def _tail(path, n=5):
+    """The last n lines of a log file ("" when it cannot be read)."""
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-n:]).rstrip()
+    except (OSError, TypeError):
+        return ""
+
+
+def read_port(path, proc, limit=10.0, log_path=None):
+    """The port a process wrote to its --port-file; fails early if the process exits (with the
+    last lines of log_path, its output, when given)."""
     def ok():
         if proc.poll() is not None:
-            raise AssertionError("process exited early: rc %s" % proc.returncode)
+            tail = _tail(log_path) if log_path else ""
+            raise AssertionError("process exited early: rc %s%s" % (proc.returncode, (":\n" + tail) if tail else ""))
         try:
             with open(path) as f:
                 return int(f.read().strip())
@@ -38,16 +49,24 @@ def read_port(path, proc, limit=10.0):
 
 
 def start_kvserve(bin_, args, log=None, env=None):
-    """Starts `kvserve ARGS --port 0 --port-file TMP` (stdout/stderr to log, else discarded);
-    returns (process, port) once the port file is written."""
+    """Starts `kvserve ARGS --port 0 --port-file TMP` (stdout/stderr to log, else to a file
+    beside the port file); returns (process, port) once the port file is written. A process
+    that exits first fails with the last lines of its output (its own error message)."""
     import os
     import subprocess
     import tempfile
-    pf = os.path.join(tempfile.mkdtemp(prefix="kvserve-"), "port")
-    out = log if log is not None else subprocess.DEVNULL
+    d = tempfile.mkdtemp(prefix="kvserve-")
+    pf = os.path.join(d, "port")
+    if log is None:
+        log_path = os.path.join(d, "log")
+        out = open(log_path, "wb")
+    else:
+        out, log_path = log, getattr(log, "name", None)
     p = subprocess.Popen([bin_, *args, "--port", "0", "--port-file", pf], stdout=out,
                          stderr=subprocess.STDOUT, env=env)
-    return p, read_port(pf, p, 120)
+    if log is None:
+        out.close()  # the child holds its own descriptor
+    return p, read_port(pf, p, 120, log_path)
 
 
 class Checks:
