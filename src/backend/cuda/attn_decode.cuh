@@ -330,12 +330,22 @@ __host__ __device__ inline size_t dec_tc_smem_bytes(int hd, int G, int max_parts
     return dec_tc_head_bytes() + (bufs > comb ? bufs : comb);
 }
 
+/* k_attn_dec_tc's fused q/k post-processing (on: k_qkv_post did not run for the step): the
+ * kernel reads the raw q / k / v of its rows from qkv, applies qk_head to its q heads and, in
+ * the CTA whose part holds the row's position, to its k head, and stores that K and V into the
+ * pool (the bits k_qkv_post would have stored) before the part's tiles are copied. */
+struct dec_qkv_t {
+    const float *bqkv, *qn, *kn, *inv_freq;
+    float eps;
+    int neox, on;
+};
+
 template <int HD, typename TA>
 __global__ void __launch_bounds__(DEC_THREADS)
     k_attn_dec_tc(const float *qkv, int stride, const __nv_bfloat16 *pool, size_t block_floats, int layer, int n_kv,
                   int tpb, int G, const int32_t *row_pos, const int32_t *row_bt, const int32_t *bt,
                   const int32_t *rows, int split_len, int max_parts, float sl2, float *part, float *part_ml,
-                  unsigned *cnt, TA *out, int late_trigger) {
+                  unsigned *cnt, TA *out, int late_trigger, dec_qkv_t qp) {
     constexpr int RB = DTC_ROWB(HD), KS = HD / 16, NTW = HD / 32; /* k steps of S; dim n tiles per warp */
     extern __shared__ __align__(16) unsigned char dsm[];
     dec_span sp;
@@ -355,9 +365,30 @@ __global__ void __launch_bounds__(DEC_THREADS)
     const bool sb = nblk <= DTC_MAXB;
     if (sb)
         for (int i = t; i < nblk; i += DEC_THREADS) sbt[i] = rbt[b_first + i];
-    __syncthreads();
     const size_t koff = (((size_t)layer * 2 + 0) * n_kv + kvh) * tpb * HD;
     const size_t voff = (((size_t)layer * 2 + 1) * n_kv + kvh) * tpb * HD;
+    const float *qrow = qkv + (size_t)r * stride + (size_t)h0 * HD; /* the row's q of head h0 */
+    /* fused: the G q heads and the k head (9 x HD floats), in the last K/V stage, which no copy
+     * fills before the tile loop's first issue */
+    float(*qks)[HD] = (float(*)[HD])(buf + (DTC_NS - 1) * stage_bytes);
+    if (qp.on && p_end == sp.pos + 1) { /* this part holds the row's position: its K and V */
+        const float *kr = qkv + (size_t)r * stride + (size_t)n_kv * G * HD + (size_t)kvh * HD;
+        const float *vr = kr + (size_t)n_kv * HD;
+        const size_t slot = (size_t)rbt[sp.pos / tpb] * block_floats + (size_t)(sp.pos % tpb) * HD;
+        const int kb0 = n_kv * G * HD + kvh * HD, vb0 = kb0 + n_kv * HD;
+        if (w == 0) {
+            qk_head(kr, qp.bqkv ? qp.bqkv + kb0 : nullptr, qp.kn, qp.inv_freq, sp.pos, HD, qp.eps, qp.neox, lane,
+                    qks[8]);
+            for (int e = lane; e < HD; e += 32) kv_st((__nv_bfloat16 *)pool + slot + koff + e, qks[8][e]);
+        } else {
+            for (int e = t - 32; e < HD; e += DEC_THREADS - 32) {
+                float v = vr[e];
+                if (qp.bqkv) v += qp.bqkv[vb0 + e];
+                kv_st((__nv_bfloat16 *)pool + slot + voff + e, v);
+            }
+        }
+    }
+    __syncthreads(); /* block ids; the stored K / V row before the tiles are copied */
     constexpr int CR = HD * 2 / 16; /* 16-byte chunks per row */
     /* the tile at p0 into stage s: K rows < n, V rows all DEC_TILE (zero-filled past n: P is
      * 0 there, and 0 * a stale NaN would not be); one commit group (empty past the part) */
@@ -381,10 +412,16 @@ __global__ void __launch_bounds__(DEC_THREADS)
     };
 #pragma unroll
     for (int j = 0; j < DTC_NS - 1; j++) issue(p_begin + j * DEC_TILE, j);
+    if (qp.on) { /* the G q heads, post-processed into shared memory */
+        for (int g = w; g < G; g += DEC_THREADS / 32)
+            qk_head(qrow + (size_t)g * HD, qp.bqkv ? qp.bqkv + (size_t)(h0 + g) * HD : nullptr, qp.qn, qp.inv_freq, sp.pos,
+                    HD, qp.eps, qp.neox, lane, qks[g]);
+        __syncthreads();
+    }
     /* A fragments of Q (rows gi: hi, gi + 8: lo, of head gi; zero for gi >= G), pre-scaled */
     uint32_t qa[KS][4];
     {
-        const float *qr = qkv + (size_t)r * stride + (size_t)(h0 + gi) * HD;
+        const float *qr = qp.on ? qks[gi < 8 ? gi : 0] : qrow + (size_t)gi * HD;
 #pragma unroll
         for (int ks = 0; ks < KS; ks++) {
             float v[4] = {0.f, 0.f, 0.f, 0.f};
@@ -406,6 +443,7 @@ __global__ void __launch_bounds__(DEC_THREADS)
     float o[NTW][4];
 #pragma unroll
     for (int i = 0; i < NTW; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    if (qp.on) __syncthreads(); /* every fragment read qks before the first issue refills its stage */
 
     int s = 0;
     for (int p0 = p_begin; p0 < p_end; p0 += DEC_TILE, s = s + 1 == DTC_NS ? 0 : s + 1) {

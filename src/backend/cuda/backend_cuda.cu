@@ -582,6 +582,8 @@ extern "C" kv_status backend_cuda_new(const model_t *m, const struct backend_cud
     c->dec_tc = !(dt && *dt == '0');
     const char *dp = getenv("KVSERVE_CUDA_DEC_PDL");
     c->dec_pdl = dp && *dp == '1';
+    const char *qf = getenv("KVSERVE_CUDA_QKV_FUSE");
+    c->qkv_fuse = !(qf && *qf == '0');
     const char *gl = getenv("KVSERVE_CUDA_GEMV_LATE");
     c->gemv_late = !(gl && *gl == '0');
     const char *pd = getenv("KVSERVE_CUDA_PDL");

@@ -81,7 +81,8 @@ extern "C" {
  * KVSERVE_CUDA_PDL=0 launches the forward's kernels without programmatic dependent launch
  * (default on: each kernel may start launching while the previous one runs, kernels.cuh
  * pdl_wait); KVSERVE_CUDA_GEMV_LATE=0 lets the next kernel launch at the start of a
- * single-row product (k_gemv_bf16) instead of after its loads; KVSERVE_CUDA_FLASH=0 keeps the
+ * single-row product (k_gemv_bf16) instead of after its loads; KVSERVE_CUDA_QKV_FUSE=0 launches
+ * k_qkv_post for steps whose rows all run k_attn_dec_tc instead of doing its work there; KVSERVE_CUDA_FLASH=0 keeps the
  * split attention kernels for prefill steps too;
  * KVSERVE_CUDA_FLASH_MT=1 runs k_attn_flash with one 16-row m tile per warp (64 M rows per
  * CTA) instead of 2; KVSERVE_CUDA_SKIP=attn,norm,qkv,swiglu,gemm (timing only: results are
@@ -172,8 +173,10 @@ int kv_cuda_copy_splits(enum kv_cuda_copy_dir dir, size_t nbytes);
  *   A step whose attention runs without a combine launch makes 9 * n_layers + 3: all rows in
  *   prefill chunks (k_attn_flash), or single-token rows that k_attn_dec_tc serves (bf16 KV
  *   pool, GQA group <= 8, head_dim 64 or 128, at most 256 such rows, not deterministic: its
- *   combine is inside the kernel); 10 * n_layers + 3 when chunks are mixed with such rows and
- *   11 * n_layers + 3 when mixed with rows of the split kernels + combine.
+ *   combine is inside the kernel), and 8 * n_layers + 3 when every row is such a row (the
+ *   q/k-norm + RoPE + KV store runs inside it too; KVSERVE_CUDA_QKV_FUSE=0: 9 * n_layers + 3);
+ *   10 * n_layers + 3 when chunks are mixed with such rows and 11 * n_layers + 3 when mixed
+ *   with rows of the split kernels + combine.
  * forward_sample: the same, except that the download is the sampling results (one d2h copy)
  *   and the sampling adds 2 launches (3 when a row needs sorted candidates: the radix sort's
  *   own launches are not counted); its requests travel with the step's metadata (no extra

@@ -57,6 +57,8 @@ struct cuda_ctx {
     int dec_half;  /* k_attn_dec may use half-tile (16-position) parts when 32-position ones leave SMs
                     * idle (KVSERVE_CUDA_DEC_HALF=0: never) */
     bool dec_tc;  /* k_attn_dec_tc where it applies (KVSERVE_CUDA_DEC_TC=0: k_attn_dec only) */
+    bool qkv_fuse;     /* all-decode k_attn_dec_tc steps do k_qkv_post's work in the attention
+                        * kernel (default; KVSERVE_CUDA_QKV_FUSE=0: a k_qkv_post launch) */
     bool gemv_late;    /* k_gemv_bf16 lets the next kernel launch only after its loads (default;
                         * KVSERVE_CUDA_GEMV_LATE=0: at its start) */
     bool dec_pdl; /* k_attn_dec* launched with PDL (KVSERVE_CUDA_DEC_PDL=1; default plain stream order: 1-12% faster steps, H200) */
@@ -147,7 +149,7 @@ static cudaError_t klaunch_pdl(const struct cuda_ctx *c, bool pdl, void (*k)(KAr
 #define GRAPH_MAX_ROWS 64
 #define GRAPH_CACHE 32
 struct graph_key {
-    int T, L, parts, split_len, tpb, attn2, n_tiles, n1, dec;
+    int T, L, parts, split_len, tpb, attn2, n_tiles, n1, dec, single;
     size_t cap_meta, block_floats;
     int kv_dtype;
     const void *ptr[9];

@@ -238,6 +238,7 @@ struct enq_args {
     int n_tiles;   /* > 0: k_attn_flash over these tiles (pairs at d_meta + tiles_off) */
     int n1;        /* with n_tiles: rows of the split kernels (list at d_meta + rows1_off) */
     size_t tiles_off, rows1_off, bt_off;
+    bool single; /* every row is its sequence's only new token (no row reads another's new K/V) */
 };
 template <typename TA> static kv_status enqueue_step(struct cuda_ctx *c, const struct enq_args *ea, char *err, size_t errlen);
 
@@ -249,9 +250,11 @@ static kv_status forward_t(backend_t *be, const struct batch *b, float *logits, 
     const struct model_config *cfg = &m->cfg;
     int T = 0, max_pos = 0, L = 0;
     size_t nbt = 0;
+    bool single = true; /* no sequence has more than one new token */
     for (int i = 0; i < b->n_seqs; i++) {
         const struct batch_seq *s = &b->seqs[i];
         T += s->n_tokens;
+        if (s->n_tokens > 1) single = false;
         int e = s->n_past + s->n_tokens;
         if (e > max_pos) max_pos = e;
         nbt += (size_t)(e + c->tpb - 1) / c->tpb;
@@ -362,14 +365,14 @@ static kv_status forward_t(backend_t *be, const struct batch *b, float *logits, 
     int n_sort = 0;
     if (sp && (st = kvs_meta_fill(sp, L, cfg->n_vocab, c->h_meta + samp_off, &n_sort, err, errlen))) return st;
     struct enq_args ea = {T, L, max_parts, split_len, attn2, dsl != 0, use_graph ? c->cap_meta : meta_n, n_tiles, n1, tiles_off,
-                          rows1_off, bt_off};
+                          rows1_off, bt_off, single};
     if (!use_graph) {
         if ((st = enqueue_step<TA>(c, &ea, err, errlen))) return st;
     } else {
         struct graph_key k;
         memset(&k, 0, sizeof k);
         k.T = T, k.L = L, k.parts = max_parts, k.split_len = split_len, k.tpb = c->tpb, k.attn2 = attn2;
-        k.dec = dsl != 0, k.n_tiles = n_tiles, k.n1 = n1;
+        k.dec = dsl != 0, k.n_tiles = n_tiles, k.n1 = n1, k.single = single;
         k.cap_meta = c->cap_meta, k.block_floats = c->block_floats, k.kv_dtype = c->kv_dtype;
         const void *ps[9] = {c->x, c->h, c->a, c->logits, c->part, c->part_ml, c->d_meta, c->h_meta, c->pool};
         memcpy(k.ptr, ps, sizeof ps);
@@ -436,6 +439,12 @@ template <typename TA> static kv_status enqueue_step(struct cuda_ctx *c, const s
     bool kvb = c->kv_dtype == KV_DTYPE_BF16;
     size_t att_smem = (size_t)ATT_WARPS * hc * (hd + 2) * sizeof(float);
     size_t att2_smem = ((size_t)hc * hd + ATT_WARPS * ATT_HC * 32 + (size_t)ATT_WARPS * hc * (hd + 2)) * sizeof(float);
+    /* every row its sequence's only new token and served by k_attn_dec_tc: the q/k
+     * post-processing and the K/V store run inside it (dec_qkv_t), no k_qkv_post launch
+     * (KVSERVE_CUDA_QKV_FUSE=0: off). Not with several rows of one sequence (a prefill chunk
+     * on the split kernels): a row reads the K/V the rows before it store. */
+    const bool fq = c->qkv_fuse && ea->single && ea->dec && !ea->n_tiles && kvb && c->dec_tc && group <= 8 &&
+                    (hd == 64 || hd == 128) && !(c->skip & (SKIP_QKV | SKIP_ATTN));
     for (int l = 0; l < cfg->n_layers; l++) {
         const struct cuda_layer *Ly = &c->L[l];
         /* attention block: x += h (previous FFN output) then norm */
@@ -448,7 +457,7 @@ template <typename TA> static kv_status enqueue_step(struct cuda_ctx *c, const s
             dim3(32 * QKV_WARPS), 0, c->h, qkvw, (const float *)Ly->bqkv, (const float *)Ly->q_norm,          \
             (const float *)Ly->k_norm, (const float *)c->inv_freq, d_pos, d_bto, d_bt, (TK *)c->pool,         \
             c->block_floats, l, nh, nkv, hd, c->tpb, cfg->rms_eps, cfg->rope_neox ? 1 : 0)
-        if (c->skip & SKIP_QKV) {
+        if ((c->skip & SKIP_QKV) || fq) { /* fq: inside k_attn_dec_tc */
         } else if (kvb) QKV(__nv_bfloat16);
         else QKV(float);
 #undef QKV
@@ -491,7 +500,9 @@ template <typename TA> static kv_status enqueue_step(struct cuda_ctx *c, const s
             if (kvb && c->dec_tc && group <= 8 && (hd == 64 || hd == 128)) {
 #define DTC_ARGS                                                                                              \
     (const float *)c->h, qkvw, (const __nv_bfloat16 *)c->pool, c->block_floats, l, nkv, c->tpb, group, d_pos, d_bto, \
-        d_bt, d_rows1, split_len, max_parts, sl2, c->part, c->part_ml, c->dec_cnt, (TA *)c->a, c->dec_late
+        d_bt, d_rows1, split_len, max_parts, sl2, c->part, c->part_ml, c->dec_cnt, (TA *)c->a, c->dec_late, qp
+                dec_qkv_t qp = {(const float *)Ly->bqkv, (const float *)Ly->q_norm, (const float *)Ly->k_norm,
+                                (const float *)c->inv_freq, cfg->rms_eps, cfg->rope_neox ? 1 : 0, fq ? 1 : 0};
                 size_t dsm = dec_tc_smem_bytes(hd, group, max_parts);
                 if (hd == 64)
                     CU_TRY(klaunch_pdl(c, c->dec_pdl, k_attn_dec_tc<64, TA>, dg, dim3(DEC_THREADS), dsm, DTC_ARGS),
@@ -696,7 +707,7 @@ extern "C" kv_status kv_cuda_attn_decode(int mode, int kv_bf16, int T, int n_hea
 #define DTC_T(HD)                                                                                             \
     klaunch(&c, k_attn_dec_tc<HD, float>, dg, dim3(DEC_THREADS), dsm, q, n_heads * hd, (const __nv_bfloat16 *)pool, \
             block_floats, 0, n_kv, tpb, G, pos, bt_off, bt, (const int32_t *)NULL, split_len, max_parts,         \
-            scale * 1.4426950408889634f, part, ml, cnt, out, 0)
+            scale * 1.4426950408889634f, part, ml, cnt, out, 0, dec_qkv_t{})
         for (int rep = 0; rep < 2 && e == cudaSuccess; rep++) e = hd == 64 ? DTC_T(64) : DTC_T(128);
 #undef DTC_T
     } else if (e == cudaSuccess && mode >= 1) {

@@ -164,10 +164,42 @@ __global__ void __launch_bounds__(RMS_THREADS)
 }
 
 #define QKV_WARPS 4
+/* One q or k head of a row, by a whole warp: sh[e] = src[e] (+ bias[e]), then with a norm
+ * weight nw the head's RMSNorm (Qwen3 q/k-norm), then RoPE at position pos in place (pairs
+ * (i, i + hd/2) when neox, else (2i, 2i + 1); angle pos * inv_freq[i]). hd <= 256; sh: hd
+ * floats of shared memory. k_qkv_post and the fused path of k_attn_dec_tc both use it, so
+ * their q and K are the same bits. */
+__device__ __forceinline__ void qk_head(const float *src, const float *bias, const float *nw, const float *inv_freq,
+                                        int pos, int hd, float eps, int neox, int lane, float *sh) {
+    double ss = 0;
+    for (int e = lane; e < hd; e += 32) {
+        float v = src[e];
+        if (bias) v += bias[e];
+        sh[e] = v;
+        ss += (double)v * v;
+    }
+    if (nw) {
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        float inv = (float)(1.0 / sqrt(ss / hd + (double)eps));
+        for (int e = lane; e < hd; e += 32) sh[e] = nw[e] * (sh[e] * inv);
+    }
+    __syncwarp();
+    const int half = hd / 2;
+    for (int i = lane; i < half; i += 32) {
+        int i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
+        float x0 = sh[i0], x1 = sh[i1];
+        float ang = (float)pos * inv_freq[i];
+        float s, c;
+        sincosf(ang, &s, &c);
+        sh[i0] = x0 * c - x1 * s, sh[i1] = x0 * s + x1 * c;
+    }
+    __syncwarp();
+}
+
 /* Per row (grid T, block 32*QKV_WARPS): q/k bias, q/k RMSNorm (Qwen3), RoPE on q (in
  * place in qkv) and k; K and V stored into the row's block slot of the pool. One warp
- * per head; grid (T, ceil((n_heads + n_kv) / QKV_WARPS)). hd <= 256. TK: the KV pool's element
- * type (K/V rounded to it on store; block_floats counts elements). */
+ * per head (qk_head); grid (T, ceil((n_heads + n_kv) / QKV_WARPS)). hd <= 256. TK: the KV
+ * pool's element type (K/V rounded to it on store; block_floats counts elements). */
 template <typename TK>
 __global__ void __launch_bounds__(32 * QKV_WARPS)
     k_qkv_post(float *qkv, int stride, const float *bqkv, const float *qn, const float *kn, const float *inv_freq,
@@ -179,36 +211,17 @@ __global__ void __launch_bounds__(32 * QKV_WARPS)
     int r = blockIdx.x, w = threadIdx.x / 32, lane = threadIdx.x % 32;
     int pos = row_pos[r];
     float *row = qkv + (size_t)r * stride;
-    int qw = n_heads * hd, kw = n_kv * hd, half = hd / 2;
+    int qw = n_heads * hd, kw = n_kv * hd;
     size_t blk = (size_t)bt[row_bt[r] + pos / tpb] * block_floats;
     for (int hh = blockIdx.y * QKV_WARPS + w; hh < n_heads + n_kv; hh += QKV_WARPS * gridDim.y) {
         bool isq = hh < n_heads;
         int off = isq ? hh * hd : qw + (hh - n_heads) * hd;
-        const float *nw = isq ? qn : kn;
-        double ss = 0;
-        for (int e = lane; e < hd; e += 32) {
-            float v = row[off + e];
-            if (bqkv) v += bqkv[off + e];
-            sh[w][e] = v;
-            ss += (double)v * v;
-        }
-        if (nw) {
-            for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-            float inv = (float)(1.0 / sqrt(ss / hd + (double)eps));
-            for (int e = lane; e < hd; e += 32) sh[w][e] = nw[e] * (sh[w][e] * inv);
-        }
-        __syncwarp();
+        qk_head(row + off, bqkv ? bqkv + off : nullptr, isq ? qn : kn, inv_freq, pos, hd, eps, neox, lane, sh[w]);
         float *qdst = row + off;
         TK *kdst = pool + blk + ((((size_t)layer * 2 + 0) * n_kv + (isq ? 0 : hh - n_heads)) * tpb + pos % tpb) * hd;
-        for (int i = lane; i < half; i += 32) {
-            int i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
-            float x0 = sh[w][i0], x1 = sh[w][i1];
-            float ang = (float)pos * inv_freq[i];
-            float s, c;
-            sincosf(ang, &s, &c);
-            float y0 = x0 * c - x1 * s, y1 = x0 * s + x1 * c;
-            if (isq) qdst[i0] = y0, qdst[i1] = y1;
-            else kv_st(kdst + i0, y0), kv_st(kdst + i1, y1);
+        for (int e = lane; e < hd; e += 32) {
+            if (isq) qdst[e] = sh[w][e];
+            else kv_st(kdst + e, sh[w][e]);
         }
         __syncwarp();
     }

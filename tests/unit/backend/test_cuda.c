@@ -386,6 +386,51 @@ static void test_cuda_qwen_logits(void **st) {
  * 1e-4 max|ref| per row; bf16 weights: against the CPU on the dequantized weights rounded to
  * bf16, the bf16 limits of compare_shape (mean 1e-2, row 2e-2); the error against the CPU on
  * the file itself is printed. */
+/* Steps whose rows all run k_attn_dec_tc do k_qkv_post's work (bias, q/k-norm, RoPE, the K/V
+ * store) inside it (KVSERVE_CUDA_QKV_FUSE, default on): the same bits as with the separate
+ * launch, on the llama shape (RoPE scaling), qwen2 (bias) and qwen3 with head_dim 64 (q/k-norm),
+ * bf16 weights and bf16 KV, two sequences whose last 10 tokens decode together. */
+static void test_cuda_qkv_fused(void **st) {
+    (void)st;
+    if (!gpu_ok()) { skip(); return; }
+    model_arch archs[3] = {MODEL_ARCH_LLAMA, MODEL_ARCH_QWEN2, MODEL_ARCH_QWEN3};
+    int bad = 0;
+    for (int a = 0; a < 3; a++) {
+        struct model_config cfg = {.arch = archs[a], .n_vocab = 1024, .dim = 512, .n_layers = 2, .n_heads = 8,
+                                   .n_kv_heads = 2, .head_dim = 64, .ffn_dim = 768, .rms_eps = 1e-5f,
+                                   .rope_theta = 500000.0f, .rope_neox = a != 0, .max_ctx = 512,
+                                   .attn_bias = archs[a] == MODEL_ARCH_QWEN2, .qk_norm = archs[a] == MODEL_ARCH_QWEN3};
+        if (a == 0)
+            cfg.rope_scaling = (struct rope_scaling){.type = 1, .factor = 8, .low_freq_factor = 1,
+                                                     .high_freq_factor = 4, .original_max_pos = 64};
+        model_t *m = NULL;
+        assert_int_equal(model_alloc(&cfg, &m), KV_OK);
+        model_randomize(m, 303 + (uint64_t)a, 0.05f);
+        int n0 = 130, n1 = 70, V = cfg.n_vocab;
+        int32_t toks[2 * 130];
+        kv_rng rng;
+        kv_rng_seed(&rng, 31 + (uint64_t)a);
+        for (int i = 0; i < 2 * n0; i++) toks[i] = (int32_t)(kv_rng_next(&rng) % (uint64_t)V);
+        float *got[2];
+        for (int v = 0; v < 2; v++) {
+            setenv("KVSERVE_CUDA_QKV_FUSE", v ? "0" : "1", 1);
+            backend_t *be = make_be(m, 1, false);
+            got[v] = run_chunks(be, m, toks, n0, n1, KV_DTYPE_BF16);
+            backend_free(be);
+        }
+        unsetenv("KVSERVE_CUDA_QKV_FUSE");
+        size_t n = (size_t)2 * n0 * V, diff = 0, nz = 0;
+        for (size_t i = 0; i < n; i++) diff += memcmp(&got[0][i], &got[1][i], sizeof(float)) != 0, nz += got[0][i] != 0;
+        fprintf(stderr, "  %s: fused vs separate q/k post-processing: %zu of %zu logits differ\n",
+                model_arch_name(archs[a]), diff, n);
+        assert_true(nz > 0);
+        bad += diff != 0;
+        free(got[0]), free(got[1]);
+        model_free(m);
+    }
+    assert_int_equal(bad, 0);
+}
+
 static void test_cuda_quant_gguf(void **st) {
     (void)st;
     if (!gpu_ok()) { skip(); return; }
@@ -975,12 +1020,14 @@ static void test_cuda_quant_gguf(void **st) { (void)st; gpu_ok(); skip(); }
 static void test_cuda_decode_syncs(void **st) { (void)st; gpu_ok(); skip(); }
 static void test_cuda_gemm_invariant(void **st) { (void)st; gpu_ok(); skip(); }
 static void test_cuda_deterministic(void **st) { (void)st; gpu_ok(); skip(); }
+static void test_cuda_qkv_fused(void **st) { (void)st; gpu_ok(); skip(); }
 #endif
 
 int main(void) {
     /* the backend's tuning variables would change what the tests compare (backend_cuda.h) */
     unsetenv("KVSERVE_CUDA_WEIGHTS"), unsetenv("KVSERVE_CUDA_GRAPHS"), unsetenv("KVSERVE_CUDA_ATTN");
     unsetenv("KVSERVE_CUDA_GEMV_MAX"), unsetenv("KVSERVE_CUDA_CAPTURE"), unsetenv("KVSERVE_CUDA_FLASH");
+    unsetenv("KVSERVE_CUDA_QKV_FUSE"), unsetenv("KVSERVE_CUDA_GEMV_LATE"), unsetenv("KVSERVE_CUDA_DEC_CTAS");
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_cuda_registry),
         cmocka_unit_test(test_cuda_errors),
@@ -992,6 +1039,7 @@ int main(void) {
         cmocka_unit_test(test_cuda_stories_greedy),
         cmocka_unit_test(test_cuda_llama3_logits),
         cmocka_unit_test(test_cuda_qwen_logits),
+        cmocka_unit_test(test_cuda_qkv_fused),
     };
     /* KVSERVE_CUDA_TESTS=PATTERN (cmocka wildcards * and ?): run only the matching tests */
     const char *only = getenv("KVSERVE_CUDA_TESTS");
