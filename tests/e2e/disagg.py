@@ -604,7 +604,13 @@ def test_release(recs):
         wait_freed(ctx, "/kv_release")
         st, resp = gen.post("/v1/completions", dict(completion_body(recs[0], 8), disaggregated_params=dict(
             dp, request_type="generation_only")), timeout=60)
-        check(st >= 400, "a generation leg for released KV fails (%s)" % st)
+        check(st == 503, "a generation leg for released KV fails as cancelled (%s %s)" % (st, str(resp)[:200]))
+        # the context worker answers its late request CANCEL (it was released), not FAILED:
+        # a leg whose KV the router released (its client left) is a cancellation on both sides
+        m = gen.metrics()
+        check(m.get("kvserve_requests_cancelled_total") == 1 and m.get("kvserve_requests_failed_total") == 0,
+              "released KV: the late generation leg counts as cancelled, not failed (cancelled %s, failed %s)"
+              % (m.get("kvserve_requests_cancelled_total"), m.get("kvserve_requests_failed_total")))
         for bad in ({}, {"disagg_request_id": "x"}, {"disagg_request_id": -1}, []):
             st, resp = ctx.post("/kv_release", bad)
             check(st == 400 and "disagg_request_id" in json.dumps(resp), "/kv_release %r: 400" % (bad,))
