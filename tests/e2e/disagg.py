@@ -781,6 +781,10 @@ def test_edges(agg, recs):
         st1, r1 = ctx.post("/v1/completions", leg)
         st2, r2 = ctx.post("/v1/completions", leg)
         check(st1 == 200 and st2 == 400, "duplicate disagg_request_id: second context leg refused (%s %s)" % (st1, st2))
+        # nobody pulls the first one: release it (a draining worker waits for offers it holds)
+        st, _ = ctx.post("/kv_release", {"disagg_request_id": 77})
+        check(st == 200, "duplicate disagg_request_id: the kept offer released (%s)" % st)
+        wait_idle([ctx], "duplicate disagg_request_id released")
     finally:
         ctx.stop()
         gen.stop()
