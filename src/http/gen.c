@@ -126,7 +126,7 @@ static void gen_free(struct gen *g) {
     kv_buf_free(&g->pending);
     free(g->prompt_ids);
     free(g);
-    if (srv.stopping && srv.n_live == 0 && prep_pending() == 0) server_drained();
+    server_maybe_drained();
 }
 
 /* Releases our hold on the connection/request before a final write or free. */

@@ -282,7 +282,7 @@ static void on_done(void *arg) {
         job_free(j);
     }
     /* a stop waits for prepared requests too (server.c begin_stop) */
-    if (srv.stopping && srv.n_live == 0 && P.pending == 0) server_drained();
+    server_maybe_drained();
 }
 
 void prep_submit(struct evhttp_request *req, enum prep_what what, enum oai_kind kind) {

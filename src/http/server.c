@@ -147,6 +147,37 @@ static void on_grace(evutil_socket_t fd, short what, void *arg) {
 
 bool server_drain_failing(void) { return g_failing || g_drained; }
 
+static struct event *g_xfer_poll; /* while the drain waits for KV offers (TRANSFER_OUT) */
+
+/* KV this worker still offers to a generation worker (a context leg answered already, its
+ * blocks pinned until the peer pulled them): no HTTP request shows it, yet the client's
+ * disaggregated request fails if the process exits before the pull. */
+static int transfers_out(void) {
+    struct engine_stats st;
+    engine_get_stats(srv.e, &st);
+    return st.n_transfer_out;
+}
+
+static void on_xfer_poll(evutil_socket_t fd, short what, void *arg) {
+    (void)fd;
+    (void)what;
+    (void)arg;
+    server_maybe_drained();
+}
+
+void server_maybe_drained(void) {
+    if (!srv.stopping || g_drained || srv.n_live > 0 || prep_pending() > 0) return;
+    if (!g_failing && transfers_out() > 0) { /* look again shortly (the drain timer bounds it) */
+        if (!g_xfer_poll) g_xfer_poll = evtimer_new(srv.base, on_xfer_poll, NULL);
+        if (g_xfer_poll) {
+            struct timeval tv = {0, 50000};
+            evtimer_add(g_xfer_poll, &tv);
+            return;
+        }
+    }
+    server_drained();
+}
+
 void server_drained(void) {
     if (g_drained) return;
     g_drained = true;
@@ -196,12 +227,14 @@ static void begin_stop(void *arg) {
     if (srv.cfg && srv.cfg->on_stopping) srv.cfg->on_stopping(srv.cfg->hook_arg);
     int t = srv.cfg ? srv.cfg->shutdown_timeout_s : 0;
     if (t == 0) t = HTTP_DEFAULT_SHUTDOWN_TIMEOUT_S;
-    if (srv.n_live == 0 && prep_pending() == 0) {
+    int nx = transfers_out();
+    if (srv.n_live == 0 && prep_pending() == 0 && nx == 0) {
         server_drained();
         return;
     }
-    KV_INFO("http: draining: %d request(s) in flight (+%d being prepared) get %d s to finish "
-            "(--shutdown-timeout); new requests get 503", srv.n_live, prep_pending(), t > 0 ? t : 0);
+    KV_INFO("http: draining: %d request(s) in flight (+%d being prepared, %d KV offer(s) not "
+            "pulled yet) get %d s to finish (--shutdown-timeout); new requests get 503",
+            srv.n_live, prep_pending(), nx, t > 0 ? t : 0);
     if (t < 0) {
         fail_remaining();
         return;
@@ -210,6 +243,7 @@ static void begin_stop(void *arg) {
     struct timeval tv = {t, 0};
     if (g_drain_timer) evtimer_add(g_drain_timer, &tv);
     else fail_remaining();
+    server_maybe_drained(); /* only KV offers left: wait for their pulls */
 }
 
 /* A second SIGINT while draining (Ctrl-C twice): end the drain now. */
@@ -306,6 +340,8 @@ done:
     http_listener_free(srv.listener); /* frees the evhttp and every connection */
     srv.listener = NULL;
     srv.http = NULL;
+    if (g_xfer_poll) event_free(g_xfer_poll);
+    g_xfer_poll = NULL;
     if (g_grace_timer) event_free(g_grace_timer);
     g_grace_timer = NULL;
     if (g_drain_timer) event_free(g_drain_timer);

@@ -94,6 +94,10 @@ void gen_on_wake(void *arg);
 /* The drain ended (no live generation left while stopping): closes the /kv_events streams and
  * the listening socket and ends the loop once the last bytes are out. Idempotent. */
 void server_drained(void);
+/* While stopping: server_drained() once no generation is live, none is being prepared and no
+ * KV offer waits for its generation worker (polled every 50 ms; after the drain timeout the
+ * offers are not waited for: engine_stop cancels them). Loop thread only. */
+void server_maybe_drained(void);
 /* True once the drain time is over (the remaining requests are being failed) or it ended:
  * a request whose preparation finishes then is answered 503 instead of started. */
 bool server_drain_failing(void);

@@ -118,15 +118,29 @@ void agent_drop_offer(struct kvx_agent *a, struct offer *o) {
     free(o);
 }
 
-bool agent_was_finished(const struct kvx_agent *a, uint64_t id) {
+int agent_was_finished(const struct kvx_agent *a, uint64_t id) {
     int n = a->n_finished < 1024 ? a->n_finished : 1024;
-    for (int i = 0; i < n; i++)
-        if (a->finished[i] == id) return true;
-    return false;
+    for (int k = 1; k <= n; k++) { /* newest first: the last end of id decides */
+        int i = (a->n_finished - k) % 1024;
+        if (a->finished[i] == id) return a->finished_cancelled[i] ? 2 : 1;
+    }
+    return 0;
 }
 
 void agent_mark_finished(struct kvx_agent *a, uint64_t id) {
+    a->finished_cancelled[a->n_finished % 1024] = false;
     a->finished[a->n_finished++ % 1024] = id;
+}
+
+void agent_mark_cancelled(struct kvx_agent *a, uint64_t id) {
+    int n = a->n_finished < 1024 ? a->n_finished : 1024;
+    for (int k = 1; k <= n; k++) { /* newest first */
+        int i = (a->n_finished - k) % 1024;
+        if (a->finished[i] == id) {
+            a->finished_cancelled[i] = true;
+            return;
+        }
+    }
 }
 
 static bool memo_take(struct kvx_agent *a, uint64_t id) {
@@ -204,7 +218,12 @@ static void ucx_progress(struct kvx_agent *a) {
 static void do_offer(struct kvx_agent *a, struct cmd *c) {
     if (memo_take(a, c->id)) {
         agent_mark_finished(a, c->id);
+        agent_mark_cancelled(a, c->id);
         agent_complete(a, c->id, true, KV_ECANCELLED, NULL, 0, "cancelled before the offer");
+        /* a REQ stored since the cancel (it came before this offer) hears it now rather than
+         * at the stale sweep */
+        for (struct conn *k = a->conns; k; k = k->next)
+            if (!k->is_recv && k->st == CS_WAIT_OFFER && k->id == c->id) conn_cancel(a, k);
         return;
     }
     struct offer *o = kv_calloc(1, sizeof *o);
@@ -247,6 +266,7 @@ static void do_cancel(struct kvx_agent *a, uint64_t id) {
     struct offer *o = agent_find_offer(a, id);
     if (o) { /* offered, not (or no longer) being served */
         agent_drop_offer(a, o);
+        agent_mark_cancelled(a, id);
         agent_complete(a, id, true, KV_ECANCELLED, NULL, 0, "cancelled");
         found = true;
     }

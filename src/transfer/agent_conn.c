@@ -577,7 +577,13 @@ static void on_req(struct kvx_agent *a, struct conn *c, json_t *o) {
         conn_serve(a, c, of);
         return;
     }
-    if (agent_was_finished(a, id) || of) {
+    int ended = agent_was_finished(a, id);
+    if (ended == 2 && !of) { /* cancelled here (the router released it): the receiver's leg
+                              * is a cancellation, not a failure */
+        conn_cancel(a, c);
+        return;
+    }
+    if (ended || of) {
         conn_fail(a, c, "this KV was already sent, or its send failed or was cancelled");
         return;
     }

@@ -127,7 +127,9 @@ struct kvx_agent {
     struct conn *conns;
     struct cancel_memo *memo;
     int n_memo, cap_memo;
-    uint64_t finished[1024];   /* ids whose send ended (REQ for them gets FAILED) */
+    uint64_t finished[1024];   /* ids whose send ended (REQ for them gets FAILED, or CANCEL
+                                  when finished_cancelled says the offer was cancelled) */
+    bool finished_cancelled[1024];
     int n_finished;
     uint64_t last_sweep_ns;
     /* the data-plane transport (cfg.transport ucx or cuda_ipc; NULL: tcp streaming) */
@@ -149,8 +151,12 @@ void agent_complete(struct kvx_agent *a, uint64_t id, bool is_send, kv_status st
     __attribute__((format(printf, 7, 8)));
 struct offer *agent_find_offer(struct kvx_agent *a, uint64_t id);
 void agent_drop_offer(struct kvx_agent *a, struct offer *o);
-bool agent_was_finished(const struct kvx_agent *a, uint64_t id);
+/* 0: id not remembered as ended; 1: its send ended; 2: it ended by a cancel (the router's
+ * /kv_release, the receiver's cancel): a late REQ for it is answered CANCEL, not FAILED. */
+int agent_was_finished(const struct kvx_agent *a, uint64_t id);
 void agent_mark_finished(struct kvx_agent *a, uint64_t id);
+/* Marks the most recent ended entry of id as cancelled (after agent_mark_finished). */
+void agent_mark_cancelled(struct kvx_agent *a, uint64_t id);
 void agent_stat(struct kvx_agent *a, uint64_t *field, uint64_t add);
 /* Stale sweep (spec §4, decision 4): every second from the loop and on each REQ. */
 void agent_stale_sweep(struct kvx_agent *a, uint64_t now);

@@ -11,7 +11,8 @@ Groups (run all, or name some on the command line):
               reading (not retried, error, no zombie); context worker killed mid-transfer; DONE
               dropped; transfer never starts; receiver delayed before it asks (sender holds, other
               requests go on); sender's blocks under eviction pressure; client disconnect
-              mid-stream. After each: both workers' used blocks return to idle and the next
+              mid-stream; SIGTERM to a context worker whose KV offer is not pulled yet (the
+              client still gets its answer; --shutdown-timeout bounds the wait). After each: both workers' used blocks return to idle and the next
               request succeeds
   stale       --kv-stale-ttl 2: a context-first receive with no offer fails; a generation-first
               one is dropped silently (the receiver times out); a normal transfer still works
@@ -514,6 +515,44 @@ def test_faults(refs, recs):
         ctx.stop()
         gen.stop()
 
+    # 8. SIGTERM to the context worker while its KV offer waits for the generation worker (the
+    #    receiver asks after 3 s): no HTTP request is live there, yet the drain waits for the
+    #    pull, so the client gets its full answer (before, the worker exited at once and the
+    #    client got "cannot connect to the context worker"); with --shutdown-timeout 1 and a
+    #    receiver that never asks in time, the drain still ends at its timeout
+    for delay, tmo in ((3000, 30), (60000, 1)):
+        ctx = worker("context", extra=["--kv-transfer-timeout", "60", "--shutdown-timeout", str(tmo)])
+        gen = worker("generation", extra=["--kv-transfer-timeout", "60"],
+                     env={"KVSERVE_KVX_FAULT": "delay_request_ms=%d" % delay})
+        rt = router([ctx], [gen])
+        try:
+            res = {}
+            th = threading.Thread(target=lambda: res.update(r=rt.post("/v1/completions", completion_body(r0))))
+            th.start()
+            poll("SIGTERM with a KV offer pending (delay %d): the offer is up" % delay,
+                 lambda: used_blocks(ctx)[1] == 1 and used_blocks(gen)[1] == 1)
+            t0 = time.time()
+            ctx.proc.send_signal(signal.SIGTERM)
+            if delay == 3000:
+                th.join(60)
+                st, resp = res.get("r", (0, None))
+                check(st == 200 and ids_of(resp) == want,
+                      "SIGTERM with a KV offer pending: the client gets its answer (%s %s)" % (st, str(resp)[:200]))
+                ctx.stop()
+            else:
+                rc = ctx.proc.wait(30)
+                check(rc == 0 and time.time() - t0 < 20,
+                      "--shutdown-timeout 1: the drain does not wait for an offer nobody pulls (rc %s, %.1f s)"
+                      % (rc, time.time() - t0))
+                ctx.stop()
+                gen.kill()
+                th.join(60)
+        finally:
+            rt.stop()
+            ctx.stop()
+            gen.kill()
+            gen.stop()
+
 
 def direct_gen_leg(gen, ctx_endpoint, rec, did, style):
     body = completion_body(rec, 8)
@@ -565,7 +604,13 @@ def test_release(recs):
         wait_freed(ctx, "/kv_release")
         st, resp = gen.post("/v1/completions", dict(completion_body(recs[0], 8), disaggregated_params=dict(
             dp, request_type="generation_only")), timeout=60)
-        check(st >= 400, "a generation leg for released KV fails (%s)" % st)
+        check(st == 503, "a generation leg for released KV fails as cancelled (%s %s)" % (st, str(resp)[:200]))
+        # the context worker answers its late request CANCEL (it was released), not FAILED:
+        # a leg whose KV the router released (its client left) is a cancellation on both sides
+        m = gen.metrics()
+        check(m.get("kvserve_requests_cancelled_total") == 1 and m.get("kvserve_requests_failed_total") == 0,
+              "released KV: the late generation leg counts as cancelled, not failed (cancelled %s, failed %s)"
+              % (m.get("kvserve_requests_cancelled_total"), m.get("kvserve_requests_failed_total")))
         for bad in ({}, {"disagg_request_id": "x"}, {"disagg_request_id": -1}, []):
             st, resp = ctx.post("/kv_release", bad)
             check(st == 400 and "disagg_request_id" in json.dumps(resp), "/kv_release %r: 400" % (bad,))
@@ -736,6 +781,10 @@ def test_edges(agg, recs):
         st1, r1 = ctx.post("/v1/completions", leg)
         st2, r2 = ctx.post("/v1/completions", leg)
         check(st1 == 200 and st2 == 400, "duplicate disagg_request_id: second context leg refused (%s %s)" % (st1, st2))
+        # nobody pulls the first one: release it (a draining worker waits for offers it holds)
+        st, _ = ctx.post("/kv_release", {"disagg_request_id": 77})
+        check(st == 200, "duplicate disagg_request_id: the kept offer released (%s)" % st)
+        wait_idle([ctx], "duplicate disagg_request_id released")
     finally:
         ctx.stop()
         gen.stop()
