@@ -237,6 +237,15 @@ kv_status kv_parse_i64(const char *s, int64_t min, int64_t max, int64_t *out) {
     return KV_OK;
 }
 
+bool kv_hostport_ok(const char *s) {
+    const char *c = s ? strrchr(s, ':') : NULL;
+    if (!c || c == s) return false;
+    for (const char *p = c + 1; *p; p++)
+        if (*p < '0' || *p > '9') return false;
+    int64_t port;
+    return kv_parse_i64(c + 1, 1, 65535, &port) == KV_OK;
+}
+
 int kv_utf8_seq_len(unsigned char c) {
     if (c < 0x80) return 1;
     if (c < 0xC2) return 0;

@@ -92,6 +92,9 @@ kv_status kv_mkdirs(const char *path);
 kv_status kv_parse_size(const char *s, uint64_t *out);
 /* Strict integer parse (whole string, base 10, range-checked). */
 kv_status kv_parse_i64(const char *s, int64_t min, int64_t max, int64_t *out);
+/* True when s is "host:port": a non-empty host (an IPv6 address in brackets) and, after the
+ * last ':', only decimal digits making a port 1-65535. Resolves nothing. */
+bool kv_hostport_ok(const char *s);
 /* Writes / reads exactly n bytes of a blocking descriptor (a pipe, a socket), retrying short
  * transfers and EINTR. 0 when all n bytes moved; -1 on an error or end of file (errno set,
  * or 0 at end of file), how many moved is then unknown. Thread-safe as the descriptor is. */

@@ -498,20 +498,7 @@ static kv_status parse_cache_salt(json_t *o, struct oai_request *r, struct oai_e
     return r->cache_salt ? KV_OK : OOM();
 }
 
-/* "host:port" with a non-empty host (an IPv6 address in brackets) and a decimal port 1-65535. */
-static bool endpoint_ok(const char *s) {
-    const char *c = strrchr(s, ':');
-    if (!c || c == s || !c[1] || strlen(c + 1) > 5) return false;
-    long port = 0;
-    for (const char *p = c + 1; *p; p++) {
-        if (*p < '0' || *p > '9') return false;
-        port = port * 10 + (*p - '0');
-    }
-    return port >= 1 && port <= 65535;
-}
-
 /* disaggregated_params (docs/disaggregation.md): strict, every key known. */
-
 static kv_status parse_disagg(json_t *o, const struct oai_limits *lim, struct oai_request *r,
                               struct oai_error *err) {
     json_t *d = field(o, "disaggregated_params");
@@ -574,7 +561,7 @@ static kv_status parse_disagg(json_t *o, const struct oai_limits *lim, struct oa
     if (ep && json_is_array(ep)) ep = json_array_get(ep, 0); /* TRT-LLM: a list -> its first */
     if (ep) {
         if (!json_is_string(ep) || !json_string_length(ep) || json_string_length(ep) > 255 ||
-            !endpoint_ok(json_string_value(ep)))
+            !kv_hostport_ok(json_string_value(ep)))
             return BAD("disaggregated_params.ctx_info_endpoint",
                        "'disaggregated_params.ctx_info_endpoint' must be a \"host:port\" string (port 1-65535)");
         g->endpoint = kv_strdup(json_string_value(ep));

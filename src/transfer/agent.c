@@ -588,8 +588,7 @@ kv_status kvx_recv_start(kvx_agent_t *a, uint64_t id, const char *peer, bool con
     if (n_dst > (n_tokens + T - 1) / T) return KV_EINVAL;
     for (int i = 0; i < n_dst; i++)
         if (dst[i] < 0 || dst[i] >= a->cfg.n_blocks) return KV_EINVAL;
-    const char *colon = strrchr(peer, ':');
-    if (!colon || colon == peer || !colon[1]) return KV_EINVAL;
+    if (!kv_hostport_ok(peer)) return KV_EINVAL;
     struct cmd *c = cmd_new(CMD_RECV, id, dst, n_dst);
     if (!c) return KV_ENOMEM;
     c->context_first = context_first;
@@ -621,7 +620,7 @@ void agent_refuse_offer(struct kvx_agent *a, uint64_t id, const char *why) {
 }
 
 void kvx_cancel_remote(kvx_agent_t *a, uint64_t id, const char *peer) {
-    if (!a || !peer || !*peer || strlen(peer) >= 160 || !strrchr(peer, ':')) return;
+    if (!a || !peer || strlen(peer) >= 160 || !kv_hostport_ok(peer)) return;
     struct cmd *c = cmd_new(CMD_CANCEL_REMOTE, id, NULL, 0);
     if (!c) return;
     snprintf(c->peer, sizeof c->peer, "%s", peer);
