@@ -342,7 +342,7 @@ struct dec_qkv_t {
 
 template <int HD, typename TA>
 __global__ void __launch_bounds__(DEC_THREADS)
-    k_attn_dec_tc(const float *qkv, int stride, const __nv_bfloat16 *pool, size_t block_floats, int layer, int n_kv,
+    k_attn_dec_tc(const float *qkv, int stride, __nv_bfloat16 *pool, size_t block_floats, int layer, int n_kv,
                   int tpb, int G, const int32_t *row_pos, const int32_t *row_bt, const int32_t *bt,
                   const int32_t *rows, int split_len, int max_parts, float sl2, float *part, float *part_ml,
                   unsigned *cnt, TA *out, int late_trigger, dec_qkv_t qp) {
@@ -379,12 +379,12 @@ __global__ void __launch_bounds__(DEC_THREADS)
         if (w == 0) {
             qk_head(kr, qp.bqkv ? qp.bqkv + kb0 : nullptr, qp.kn, qp.inv_freq, sp.pos, HD, qp.eps, qp.neox, lane,
                     qks[8]);
-            for (int e = lane; e < HD; e += 32) kv_st((__nv_bfloat16 *)pool + slot + koff + e, qks[8][e]);
+            for (int e = lane; e < HD; e += 32) kv_st(pool + slot + koff + e, qks[8][e]);
         } else {
             for (int e = t - 32; e < HD; e += DEC_THREADS - 32) {
                 float v = vr[e];
                 if (qp.bqkv) v += qp.bqkv[vb0 + e];
-                kv_st((__nv_bfloat16 *)pool + slot + voff + e, v);
+                kv_st(pool + slot + voff + e, v);
             }
         }
     }

@@ -81,9 +81,9 @@ extern "C" {
  * KVSERVE_CUDA_PDL=0 launches the forward's kernels without programmatic dependent launch
  * (default on: each kernel may start launching while the previous one runs, kernels.cuh
  * pdl_wait); KVSERVE_CUDA_GEMV_LATE=0 lets the next kernel launch at the start of a
- * single-row product (k_gemv_bf16) instead of after its loads; KVSERVE_CUDA_QKV_FUSE=0 launches
- * k_qkv_post for steps whose rows all run k_attn_dec_tc instead of doing its work there; KVSERVE_CUDA_FLASH=0 keeps the
- * split attention kernels for prefill steps too;
+ * single-row product (k_gemv_bf16) instead of after its loads; KVSERVE_CUDA_QKV_FUSE=0
+ * launches k_qkv_post for steps whose rows all run k_attn_dec_tc instead of doing its work
+ * there; KVSERVE_CUDA_FLASH=0 keeps the split attention kernels for prefill steps too;
  * KVSERVE_CUDA_FLASH_MT=1 runs k_attn_flash with one 16-row m tile per warp (64 M rows per
  * CTA) instead of 2; KVSERVE_CUDA_SKIP=attn,norm,qkv,swiglu,gemm (timing only: results are
  * wrong) leaves those stages of every layer out; KVSERVE_CUDA_ATTN=2 takes k_attn_part2 for
@@ -92,7 +92,8 @@ extern "C" {
  * (k_attn_dec_tc, attn_decode.cuh; bf16 KV pool, GQA group <= 8, head_dim 64 or 128, not
  * deterministic): KVSERVE_CUDA_DEC_ROWS=N serves steps of <= N split rows with it (default and
  * most 256; 0: the split kernels always), KVSERVE_CUDA_DEC_CTAS=N targets N CTAs per SM when
- * choosing its part length (default 4 for steps of 1-2 such rows, 8 for more), KVSERVE_CUDA_DEC_HALF=0 never uses 16-position parts,
+ * choosing its part length (default 4 for steps of 1-2 such rows, 8 for more),
+ * KVSERVE_CUDA_DEC_HALF=0 never uses 16-position parts,
  * KVSERVE_CUDA_DEC_PDL=1 launches it with programmatic dependent launch (default off),
  * KVSERVE_CUDA_DEC_LATE=1 moves its launch trigger after the loads, KVSERVE_CUDA_DEC_TC=0 runs
  * the SIMT k_attn_dec instead (any head_dim % 8 == 0, f32 pools; experiments). */

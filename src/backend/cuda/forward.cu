@@ -443,8 +443,8 @@ template <typename TA> static kv_status enqueue_step(struct cuda_ctx *c, const s
      * post-processing and the K/V store run inside it (dec_qkv_t), no k_qkv_post launch
      * (KVSERVE_CUDA_QKV_FUSE=0: off). Not with several rows of one sequence (a prefill chunk
      * on the split kernels): a row reads the K/V the rows before it store. */
-    const bool fq = c->qkv_fuse && ea->single && ea->dec && !ea->n_tiles && kvb && c->dec_tc && group <= 8 &&
-                    (hd == 64 || hd == 128) && !(c->skip & (SKIP_QKV | SKIP_ATTN));
+    const bool dtc = kvb && c->dec_tc && group <= 8 && (hd == 64 || hd == 128); /* k_attn_dec_tc's shapes */
+    const bool fq = c->qkv_fuse && ea->single && ea->dec && !ea->n_tiles && dtc && !(c->skip & (SKIP_QKV | SKIP_ATTN));
     for (int l = 0; l < cfg->n_layers; l++) {
         const struct cuda_layer *Ly = &c->L[l];
         /* attention block: x += h (previous FFN output) then norm */
@@ -497,9 +497,9 @@ template <typename TA> static kv_status enqueue_step(struct cuda_ctx *c, const s
         if (ea->dec) { /* few single-token rows: k_attn_dec(_tc), combined in the same kernel */
             dim3 dg(T1, (unsigned)nkv, (unsigned)max_parts);
             float sl2 = scale * 1.4426950408889634f;
-            if (kvb && c->dec_tc && group <= 8 && (hd == 64 || hd == 128)) {
+            if (dtc) {
 #define DTC_ARGS                                                                                              \
-    (const float *)c->h, qkvw, (const __nv_bfloat16 *)c->pool, c->block_floats, l, nkv, c->tpb, group, d_pos, d_bto, \
+    (const float *)c->h, qkvw, (__nv_bfloat16 *)c->pool, c->block_floats, l, nkv, c->tpb, group, d_pos, d_bto, \
         d_bt, d_rows1, split_len, max_parts, sl2, c->part, c->part_ml, c->dec_cnt, (TA *)c->a, c->dec_late, qp
                 dec_qkv_t qp = {(const float *)Ly->bqkv, (const float *)Ly->q_norm, (const float *)Ly->k_norm,
                                 (const float *)c->inv_freq, cfg->rms_eps, cfg->rope_neox ? 1 : 0, fq ? 1 : 0};
@@ -705,7 +705,7 @@ extern "C" kv_status kv_cuda_attn_decode(int mode, int kv_bf16, int T, int n_hea
         if (dsm > DEC_SMEM_MAX) e = cudaErrorInvalidValue;
         dim3 dg((unsigned)T, (unsigned)n_kv, (unsigned)max_parts);
 #define DTC_T(HD)                                                                                             \
-    klaunch(&c, k_attn_dec_tc<HD, float>, dg, dim3(DEC_THREADS), dsm, q, n_heads * hd, (const __nv_bfloat16 *)pool, \
+    klaunch(&c, k_attn_dec_tc<HD, float>, dg, dim3(DEC_THREADS), dsm, q, n_heads * hd, (__nv_bfloat16 *)pool,       \
             block_floats, 0, n_kv, tpb, G, pos, bt_off, bt, (const int32_t *)NULL, split_len, max_parts,         \
             scale * 1.4426950408889634f, part, ml, cnt, out, 0, dec_qkv_t{})
         for (int rep = 0; rep < 2 && e == cudaSuccess; rep++) e = hd == 64 ? DTC_T(64) : DTC_T(128);
