@@ -316,7 +316,11 @@ __global__ void __launch_bounds__(DEC_THREADS)
  * product with ~16 mantissa bits (K and V are bf16 already: exact), so the scores and the
  * output keep f32-like accuracy. The instruction count per K/V byte is a small fraction of
  * k_attn_dec's, which was issue-bound (ncu, H200: 0.45 warp instructions issued per cycle
- * per scheduler and 15% of DRAM bandwidth at batch 8, context 4096). */
+ * per scheduler and 15% of DRAM bandwidth at batch 8, context 4096). The B fragments come
+ * from shared memory by ldmatrix (K rows as stored; V transposed by ldmatrix.trans), and
+ * each thread copies one position's chunks, so a tile costs one block-table lookup per
+ * thread (per-chunk lookups with their divisions by tpb and the 16-bit V gathers made the
+ * kernel issue-bound at long contexts: H200, batch 128 at 4096, 38.4 -> 30.0 ms a step). */
 #define DTC_ROWB(HD) ((HD) * 2 + 16) /* bytes per K/V row in shared memory */
 #define DTC_PST 40                   /* bf16 per P row in shared memory (32 + 8 pad) */
 #define DTC_NS 3      /* K/V stages: DTC_NS - 1 tiles in flight while one is used */
@@ -392,20 +396,32 @@ __global__ void __launch_bounds__(DEC_THREADS)
     constexpr int CR = HD * 2 / 16; /* 16-byte chunks per row */
     /* the tile at p0 into stage s: K rows < n, V rows all DEC_TILE (zero-filled past n: P is
      * 0 there, and 0 * a stale NaN would not be); one commit group (empty past the part) */
+    /* the tile at p0 into stage s: thread t copies position t / TPP's chunks t % TPP + TPP j
+     * of its K row (positions < n) and V row (zero-filled past n: P is 0 there, and 0 * a
+     * stale NaN would not be); one block-table lookup per thread; one commit group (empty
+     * past the part) */
+    constexpr int TPP = DEC_THREADS / DEC_TILE; /* threads per position */
+    static_assert(CR % TPP == 0, "chunks per row");
     auto issue = [&](int p0, int s) {
         if (p0 < p_end) {
-            int n = min(DEC_TILE, p_end - p0), perk = n * CR, tot = perk + DEC_TILE * CR;
-            unsigned char *kb = buf + s * stage_bytes, *vb = kb + DEC_TILE * (size_t)RB;
-            for (int i = t; i < tot; i += DEC_THREADS) {
-                int isv = i >= perk, j = isv ? i - perk : i, p = j / CR, c = j % CR;
-                int ap = p0 + p;
-                bool real = !isv || p < n;
-                int blk = real ? (sb ? sbt[ap / tpb - b_first] : rbt[ap / tpb]) : 0;
-                const __nv_bfloat16 *g =
-                    real ? pool + (size_t)blk * block_floats + (isv ? voff : koff) + (size_t)(ap % tpb) * HD : pool;
-                unsigned sa = (unsigned)__cvta_generic_to_shared((isv ? vb : kb) + (size_t)p * RB + c * 16);
+            const int p = t / TPP, ap = p0 + p, c0 = t % TPP;
+            const bool real = ap < p_end;
+            unsigned char *kd = buf + s * stage_bytes + (size_t)p * RB, *vd = kd + DEC_TILE * (size_t)RB;
+            const unsigned char *g = (const unsigned char *)pool;
+            if (real) {
+                int blk = sb ? sbt[ap / tpb - b_first] : rbt[ap / tpb];
+                g = (const unsigned char *)(pool + (size_t)blk * block_floats + (size_t)(ap % tpb) * HD);
+            }
+#pragma unroll
+            for (int j = 0; j < CR / TPP; j++) {
+                int c = c0 + TPP * j;
+                if (real) {
+                    unsigned sa = (unsigned)__cvta_generic_to_shared(kd + c * 16);
+                    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(g + koff * 2 + c * 16));
+                }
+                unsigned sa = (unsigned)__cvta_generic_to_shared(vd + c * 16);
                 asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sa),
-                             "l"((const unsigned char *)g + (real ? c * 16 : 0)), "r"(real ? 16 : 0));
+                             "l"(real ? g + voff * 2 + c * 16 : g), "r"(real ? 16 : 0));
             }
         }
         asm volatile("cp.async.commit_group;\n" ::: "memory");
@@ -452,13 +468,16 @@ __global__ void __launch_bounds__(DEC_THREADS)
         asm volatile("cp.async.wait_group %0;\n" ::"n"(DTC_NS - 1) : "memory");
         __syncthreads();
         const unsigned char *kb = buf + s * stage_bytes, *vb = kb + DEC_TILE * (size_t)RB;
-        { /* S for positions 8w .. 8w + 7 */
+        { /* S for positions 8w .. 8w + 7; B fragments of two k steps per ldmatrix.x4: lane l
+           * points at position 8w + l % 8, dims 16 ks + 8 (l / 8) */
             float c[4] = {0.f, 0.f, 0.f, 0.f};
-            const unsigned char *krow = kb + (size_t)(8 * w + gi) * RB + ti * 4;
+            const unsigned char *krow = kb + (size_t)(8 * w + lane % 8) * RB + (lane / 8) * 16;
 #pragma unroll
-            for (int ks = 0; ks < KS; ks++) {
-                uint32_t b0 = *(const uint32_t *)(krow + ks * 32), b1 = *(const uint32_t *)(krow + ks * 32 + 16);
-                fl_mma(c, qa[ks], b0, b1, __nv_bfloat16());
+            for (int ks = 0; ks < KS; ks += 2) {
+                uint32_t b[4];
+                fl_ldsm_x4(b, krow + ks * 32);
+                fl_mma(c, qa[ks], b[0], b[1], __nv_bfloat16());
+                fl_mma(c, qa[ks + 1], b[2], b[3], __nv_bfloat16());
             }
             if (gi < G) {
                 int p = 8 * w + ti * 2;
@@ -485,20 +504,16 @@ __global__ void __launch_bounds__(DEC_THREADS)
                 pa[kk][2] = *(const uint32_t *)(pr + 8);
                 pa[kk][3] = *(const uint32_t *)(pr + 8 * DTC_PST + 8);
             }
+            /* B fragments of both k halves by one ldmatrix.x4.trans: lane l points at position l,
+             * dims 8 (w + 4 i) .. + 7 */
+            const unsigned char *vrow = vb + (size_t)lane * RB;
 #pragma unroll
             for (int i = 0; i < NTW; i++) {
                 o[i][0] *= c, o[i][1] *= c, o[i][2] *= c, o[i][3] *= c;
-                const unsigned char *vcol = vb + (size_t)(8 * (w + 4 * i) + gi) * 2;
-#pragma unroll
-                for (int kk = 0; kk < 2; kk++) {
-                    int k0 = kk * 16 + ti * 2;
-                    unsigned short v0 = *(const unsigned short *)(vcol + (size_t)k0 * RB);
-                    unsigned short v1 = *(const unsigned short *)(vcol + (size_t)(k0 + 1) * RB);
-                    unsigned short v2 = *(const unsigned short *)(vcol + (size_t)(k0 + 8) * RB);
-                    unsigned short v3 = *(const unsigned short *)(vcol + (size_t)(k0 + 9) * RB);
-                    fl_mma(o[i], pa[kk], (uint32_t)v0 | ((uint32_t)v1 << 16), (uint32_t)v2 | ((uint32_t)v3 << 16),
-                           __nv_bfloat16());
-                }
+                uint32_t b[4];
+                fl_ldsm_x4_t(b, vrow + (size_t)(8 * (w + 4 * i)) * 2);
+                fl_mma(o[i], pa[0], b[0], b[1], __nv_bfloat16());
+                fl_mma(o[i], pa[1], b[2], b[3], __nv_bfloat16());
             }
         }
         __syncthreads(); /* the stage and P are rewritten by the next iteration */
