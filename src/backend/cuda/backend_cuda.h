@@ -145,6 +145,11 @@ void kv_cuda_device_name(int dev, char *out, size_t outlen);
 enum kv_cuda_copy_dir { KV_CUDA_H2D = 0, KV_CUDA_D2H = 1, KV_CUDA_D2D = 2 };
 kv_status kv_cuda_copy_pages(enum kv_cuda_copy_dir dir, void *const *dst, const void *const *src, int n,
                              size_t nbytes, char *err, size_t errlen);
+/* kv_cuda_copy_pages enqueued on the caller's stream (a cudaStream_t; NULL: the legacy
+ * default stream) without waiting: the copy is done when the stream reaches it. Same checks
+ * and errors; nothing is launched when a check fails. Thread-safe per stream. */
+kv_status kv_cuda_copy_pages_on(enum kv_cuda_copy_dir dir, void *const *dst, const void *const *src, int n,
+                                size_t nbytes, void *stream, char *err, size_t errlen);
 /* Splits (CTAs per page) the kernel uses for one page of nbytes in direction dir. */
 int kv_cuda_copy_splits(enum kv_cuda_copy_dir dir, size_t nbytes);
 
