@@ -394,8 +394,6 @@ __global__ void __launch_bounds__(DEC_THREADS)
     }
     __syncthreads(); /* block ids; the stored K / V row before the tiles are copied */
     constexpr int CR = HD * 2 / 16; /* 16-byte chunks per row */
-    /* the tile at p0 into stage s: K rows < n, V rows all DEC_TILE (zero-filled past n: P is
-     * 0 there, and 0 * a stale NaN would not be); one commit group (empty past the part) */
     /* the tile at p0 into stage s: thread t copies position t / TPP's chunks t % TPP + TPP j
      * of its K row (positions < n) and V row (zero-filled past n: P is 0 there, and 0 * a
      * stale NaN would not be); one block-table lookup per thread; one commit group (empty
