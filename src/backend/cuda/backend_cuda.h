@@ -147,7 +147,9 @@ kv_status kv_cuda_copy_pages(enum kv_cuda_copy_dir dir, void *const *dst, const 
                              size_t nbytes, char *err, size_t errlen);
 /* kv_cuda_copy_pages enqueued on the caller's stream (a cudaStream_t; NULL: the legacy
  * default stream) without waiting: the copy is done when the stream reaches it. Same checks
- * and errors; nothing is launched when a check fails. Thread-safe per stream. */
+ * and errors (n == 0 or nbytes == 0: KV_OK before any other check); nothing is launched when
+ * a check fails. More than 256 pages take several launches: if a later launch fails
+ * (KV_EIO), the earlier ones stay queued. Thread-safe per stream. */
 kv_status kv_cuda_copy_pages_on(enum kv_cuda_copy_dir dir, void *const *dst, const void *const *src, int n,
                                 size_t nbytes, void *stream, char *err, size_t errlen);
 /* Splits (CTAs per page) the kernel uses for one page of nbytes in direction dir. */

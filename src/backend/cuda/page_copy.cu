@@ -86,6 +86,7 @@ kv_status kv_cuda_copy_pages_async(int dir, void *const *dst, const void *const 
 
 extern "C" kv_status kv_cuda_copy_pages_on(enum kv_cuda_copy_dir dir, void *const *dst, const void *const *src, int n,
                                            size_t nbytes, void *stream, char *err, size_t errlen) {
+    if (n == 0 || nbytes == 0) return KV_OK; /* as kv_cuda_copy_pages: nothing else is checked */
     return kv_cuda_copy_pages_async((int)dir, dst, src, n, nbytes, (cudaStream_t)stream, err, errlen);
 }
 

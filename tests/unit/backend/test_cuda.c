@@ -757,6 +757,14 @@ static void page_case(size_t bytes, int n) {
         if (checksum(chk, bytes) != ck[i] || memcmp(chk, hs[i], bytes))
             fail_msg("H2D %zu bytes x %d: page %d differs", bytes, n, i);
     }
+    /* the same H2D enqueued on the default stream (kv_cuda_copy_pages_on), checked again */
+    for (int i = 0; i < n; i++) assert_int_equal(kv_cuda_memcpy(d1[i], hd[i], bytes), KV_OK); /* 0xA5 pages */
+    if (kv_cuda_copy_pages_on(KV_CUDA_H2D, d1, (const void *const *)hs, n, bytes, NULL, err, sizeof err))
+        fail_msg("%s", err);
+    for (int i = 0; i < n; i++) {
+        assert_int_equal(kv_cuda_memcpy(chk, d1[i], bytes), KV_OK); /* synchronous: after the stream's work */
+        if (memcmp(chk, hs[i], bytes)) fail_msg("H2D on a stream %zu bytes x %d: page %d differs", bytes, n, i);
+    }
     /* D2D, then D2H with the kernel */
     if (kv_cuda_copy_pages(KV_CUDA_D2D, d2, (const void *const *)d1, n, bytes, err, sizeof err)) fail_msg("%s", err);
     if (kv_cuda_copy_pages(KV_CUDA_D2H, hd, (const void *const *)d2, n, bytes, err, sizeof err)) fail_msg("%s", err);
@@ -779,6 +787,9 @@ static void test_cuda_page_copy(void **st) {
     /* zero bytes / zero pages: success without a launch (NULL tables are never read) */
     assert_int_equal(kv_cuda_copy_pages(KV_CUDA_H2D, NULL, NULL, 5, 0, err, sizeof err), KV_OK);
     assert_int_equal(kv_cuda_copy_pages(KV_CUDA_D2H, NULL, NULL, 0, 4096, err, sizeof err), KV_OK);
+    assert_int_equal(kv_cuda_copy_pages_on((enum kv_cuda_copy_dir)7, NULL, NULL, 0, 4096, NULL, err, sizeof err), KV_OK);
+    assert_int_equal(kv_cuda_copy_pages_on((enum kv_cuda_copy_dir)7, NULL, NULL, 2, 4096, NULL, err, sizeof err),
+                     KV_EINVAL);
     void *a = kv_cuda_malloc(64), *b = kv_cuda_malloc(64);
     assert_int_equal(kv_cuda_copy_pages(KV_CUDA_D2D, &b, (const void *const *)&a, 1, 24, err, sizeof err),
                      KV_EUNSUPPORTED);
