@@ -93,7 +93,8 @@ static ALWAYS void float_prefetch(const uint8_t *w, size_t rb, int R, int st, si
  * tok/s (bench_engine --concurrency 1, alternated; 1024 and 16384 ahead measured less). Only
  * loads are added: same bits. */
 #define GROUP_PF 4096
-static ALWAYS void group_prefetch(const uint8_t *w, int c0, int PER, size_t cs) {
+static ALWAYS void group_prefetch(int type, const uint8_t *w, int c0, int PER, size_t cs) {
+    if (has_scales(type) || cs == 64) return; /* block types, or file rows (float_prefetch) */
     const uint8_t *p = w + (size_t)(c0 / PER) * cs + GROUP_PF;
     for (size_t b = 0; b < cs; b += 64) __builtin_prefetch(p + b, 0, 3);
 }
@@ -272,7 +273,7 @@ AVX2 static ALWAYS void y_tile(const int type, const uint8_t *w, size_t rb, size
     uint8_t qb[4][256] __attribute__((aligned(32)));
     const int PER = steps_per_chunk(type);
     for (int c0 = 0; c0 < nst; c0 += PER) { /* one chunk per turn: constant strides */
-        if (!has_scales(type) && cs != 64) group_prefetch(w, c0, PER, cs);
+        group_prefetch(type, w, c0, PER, cs);
 #pragma GCC unroll 4
         for (int j = 0; j < PER; j++) {
             const int st = c0 + j;
@@ -426,7 +427,7 @@ AVX512 static ALWAYS void z_tile(const int type, const uint8_t *w, size_t rb, si
     uint8_t qb[8][256] __attribute__((aligned(64)));
     const int PER = steps_per_chunk(type);
     for (int c0 = 0; c0 < nst; c0 += PER) { /* one chunk per turn: constant strides */
-        if (!has_scales(type) && cs != 64) group_prefetch(w, c0, PER, cs);
+        group_prefetch(type, w, c0, PER, cs);
 #pragma GCC unroll 4
         for (int j = 0; j < PER; j++) {
             const int st = c0 + j;

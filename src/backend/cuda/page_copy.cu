@@ -54,9 +54,9 @@ extern "C" int kv_cuda_copy_splits(enum kv_cuda_copy_dir dir, size_t nbytes) {
 
 kv_status kv_cuda_copy_pages_async(int dir, void *const *dst, const void *const *src, int n, size_t nbytes,
                                    cudaStream_t stream, char *err, size_t errlen) {
+    if (n == 0 || nbytes == 0) return KV_OK; /* decision 6: success, no launch, nothing else checked */
     if (n < 0 || dir < KV_CUDA_H2D || dir > KV_CUDA_D2D)
         return kv_errf(KV_EINVAL, err, errlen, "page copy: bad direction %d or page count %d", dir, n);
-    if (n == 0 || nbytes == 0) return KV_OK; /* decision 6: success, no launch */
     if (!dst || !src) return kv_errf(KV_EINVAL, err, errlen, "page copy: NULL pointer table");
     if (nbytes % 16)
         return kv_errf(KV_EUNSUPPORTED, err, errlen, "page copy: %zu bytes per page is not a multiple of 16",
@@ -86,13 +86,12 @@ kv_status kv_cuda_copy_pages_async(int dir, void *const *dst, const void *const 
 
 extern "C" kv_status kv_cuda_copy_pages_on(enum kv_cuda_copy_dir dir, void *const *dst, const void *const *src, int n,
                                            size_t nbytes, void *stream, char *err, size_t errlen) {
-    if (n == 0 || nbytes == 0) return KV_OK; /* as kv_cuda_copy_pages: nothing else is checked */
     return kv_cuda_copy_pages_async((int)dir, dst, src, n, nbytes, (cudaStream_t)stream, err, errlen);
 }
 
 extern "C" kv_status kv_cuda_copy_pages(enum kv_cuda_copy_dir dir, void *const *dst, const void *const *src, int n,
                                         size_t nbytes, char *err, size_t errlen) {
-    if (n == 0 || nbytes == 0) return KV_OK;
+    if (n == 0 || nbytes == 0) return KV_OK; /* before making a stream */
     cudaStream_t s;
     CU_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream create");
     kv_status st = kv_cuda_copy_pages_async((int)dir, dst, src, n, nbytes, s, err, errlen);
