@@ -227,13 +227,18 @@ const char *backend_cpu_gemm_name(enum backend_cpu_gemm g);
  * *out untouched) otherwise. */
 kv_status backend_cpu_gemm_parse(const char *s, enum backend_cpu_gemm *out);
 
+/* Where the CPU backend keeps F16/BF16 matrices (struct backend_cpu_options.float_layout). */
+enum backend_cpu_float_layout { BACKEND_CPU_FLOAT_AUTO = 0, BACKEND_CPU_FLOAT_ROWS, BACKEND_CPU_FLOAT_GROUPED };
+/* Parses "rows" / "grouped" (KVSERVE_CPU_FLOAT_LAYOUT) into *out; KV_EINVAL (and *out
+ * untouched) otherwise. Pure. */
+kv_status backend_cpu_float_layout_parse(const char *s, enum backend_cpu_float_layout *out);
 struct backend_cpu_options {
     int n_threads;              /* 0 = all cores */
     enum backend_cpu_gemm gemm; /* BACKEND_CPU_GEMM_INVARIANT (0) unless asked otherwise */
     /* Keep every matrix in its file layout. By default (false), on the integer path for
      * quantized weights, Q8_0 matrices are repacked whole at creation into the prefill
-     * kernels' panel layout (+5.9% bytes), and F16/BF16 matrices of a GGUF file into the
-     * grouped decode layout of src/quant/qdot.h (same bytes); the file pages they replace are
+     * kernels' panel layout (+5.9% bytes), and F16/BF16 matrices of a GGUF file into
+     * anonymous memory (float_layout below; same bytes); the file pages they replace are
      * released and every product reads the panel: same bits, faster decode (and Q8_0
      * prefill), about 1 s more load time per GB repacked. Also turned off by
      * KVSERVE_CPU_PREPACK=0 (for A/B measurements). The KV pool (kv_alloc) is an anonymous
@@ -243,6 +248,13 @@ struct backend_cpu_options {
      * background thread (backend_cpu_wait_pages); KVSERVE_CPU_PANEL_THP=1 advises 2 MiB
      * pages before packing instead, =0 keeps 4 KiB pages. */
     bool no_prepack;
+    /* Layout of the repacked F16/BF16 matrices (with no_prepack false): BACKEND_CPU_FLOAT_ROWS
+     * copies the file's rows (anonymous memory, 2 MiB pages: the decode tiles read 8 rows as
+     * 8 streams), BACKEND_CPU_FLOAT_GROUPED interleaves 4 rows in 64-byte chunks (one stream
+     * per matrix; kv_fgroup_pack). Same bits either way. BACKEND_CPU_FLOAT_AUTO (0):
+     * KVSERVE_CPU_FLOAT_LAYOUT=rows|grouped if set, else grouped on AMD CPUs, rows elsewhere
+     * (measured: docs/benchmarks.md, "F16/BF16 rows in anonymous memory"). */
+    enum backend_cpu_float_layout float_layout;
 };
 /* backend_cpu_new with options (zero-initialised options = backend_cpu_new(m, 0, ...)).
  * Errors as backend_cpu_new, plus KV_EINVAL for an unknown gemm mode or NULL opt. */

@@ -72,6 +72,7 @@ struct cpu_ctx {
     size_t panel_alloc;       /* bytes of that allocation (a multiple of 2 MiB) */
     pthread_t collapser;      /* collapses the panels into 2 MiB pages after creation (prepack) */
     bool collapsing;          /* collapser started: cpu_free stops and joins it */
+    bool float_grouped;       /* F16/BF16 panels in the grouped layout, else the file's rows copied */
     atomic_int collapse_stop;
 };
 
@@ -490,17 +491,20 @@ static const struct backend_ops cpu_ops = {
  *   instead of per task in every prefill. Of the stored types only Q8_0 qualifies (panel 576
  *   bytes per 16 x 32 weights against 544: +5.9%); Q4_0 and the K-quants unpack to a byte per
  *   weight (2-2.3x) and stay in place.
- * - F16/BF16, in both modes: the grouped layout of qdot.h (same bytes, 4 rows interleaved in
- *   64-byte chunks); decode from one core reads it faster than the file's rows (1B F16: see
- *   docs/benchmarks.md), prefill converts from it as from the rows. Only where the file pages
- *   can be released (a GGUF map; not the tied output, whose rows the embedding still reads),
- *   so it never doubles resident memory.
+ * - F16/BF16, in both modes: into anonymous memory (2 MiB pages once collapsed), either the
+ *   file's rows copied (the decode tiles read 8 rows: 8 streams) or the grouped layout of
+ *   qdot.h (same bytes, 4 rows interleaved in 64-byte chunks: one stream per matrix); both read
+ *   faster than the file's pages, which layout is faster depends on the core (1B F16 decode,
+ *   one thread: Sapphire Rapids rows 9.1-9.4 tok/s, grouped 7.0-7.7, file pages 6.6-6.8; Zen 4
+ *   grouped 10.3-11.4 against file pages 7.6-9.0, rows in anonymous memory not measured there:
+ *   docs/benchmarks.md). Only where the file pages can be released (a GGUF map; not the tied
+ *   output, whose rows the embedding still reads), so it never doubles resident memory.
  * The file pages a panel replaces are released (model_release_pages), so resident memory stays
  * about the file size. Same bits either way (q8.h's and qdot.h's contracts). */
 #define PREPACK_GROWTH 1.10
 
 struct pack_task { struct kv_wmat *w; int r0, r1; bool release; };
-struct pack_run { const struct pack_task *t; const model_t *m; };
+struct pack_run { const struct pack_task *t; const model_t *m; bool grouped; };
 /* Packs one task's rows, then releases the file pages wholly inside them at once (the pages a
  * task boundary cuts go when the whole matrix is done), so a large file's resident set does not
  * reach the file plus all its panels while packing. */
@@ -510,7 +514,9 @@ static void task_pack(void *p, int t, int th) {
     const struct pack_task *pt = &run->t[t];
     const struct kv_wmat *w = pt->w;
     const char *src = (const char *)w->data + (size_t)pt->r0 * w->row_bytes;
-    if (kv_fgroup_ok(w->type, w->cols)) { /* r0 is a multiple of KV_FGROUP_ROWS */
+    if (kv_fgroup_ok(w->type, w->cols) && !run->grouped) {
+        memcpy((char *)(uintptr_t)w->panel + (size_t)pt->r0 * w->row_bytes, src, (size_t)(pt->r1 - pt->r0) * w->row_bytes);
+    } else if (kv_fgroup_ok(w->type, w->cols)) { /* r0 is a multiple of KV_FGROUP_ROWS */
         kv_fgroup_pack(w->type, src, w->row_bytes, pt->r1 - pt->r0, w->cols,
                        (char *)(uintptr_t)w->panel + (size_t)pt->r0 * w->row_bytes);
     } else {
@@ -630,7 +636,7 @@ static kv_status prepack(struct cpu_ctx *c, bool enabled) {
             tasks[t++] = (struct pack_task){ws[i], r, r + ROWS_PER_TASK < ws[i]->rows ? r + ROWS_PER_TASK : ws[i]->rows,
                                             !tied};
     }
-    struct pack_run run = {tasks, m};
+    struct pack_run run = {tasks, m, c->float_grouped};
     kv_threadpool_for(c->tp, n_tasks, task_pack, &run);
     size_t stored = 0;
     for (int i = 0; i < n; i++) {
@@ -639,10 +645,18 @@ static kv_status prepack(struct cpu_ctx *c, bool enabled) {
             model_release_pages(m, ws[i]->data, ws[i]->row_bytes * (size_t)ws[i]->rows);
     }
     int n_float = 0;
-    for (int i = 0; i < n; i++) n_float += kv_fgroup_ok(ws[i]->type, ws[i]->cols);
-    KV_INFO("cpu backend: repacked %d matrices (%d Q8_0 for the integer path, %d F16/BF16 grouped for decode; "
+    for (int i = 0; i < n; i++) {
+        if (!kv_fgroup_ok(ws[i]->type, ws[i]->cols)) continue;
+        n_float++;
+        if (!c->float_grouped) { /* the file's rows, moved: the products read data as before */
+            ws[i]->data = ws[i]->panel;
+            ws[i]->panel = NULL;
+        }
+    }
+    KV_INFO("cpu backend: repacked %d matrices (%d Q8_0 for the integer path, %d F16/BF16 %s; "
             "%.1f MiB stored -> %.1f MiB panels) in %.0f ms",
-            n, n - n_float, n_float, (double)stored / (1 << 20), (double)total / (1 << 20), (kv_now_s() - t0) * 1e3);
+            n, n - n_float, n_float, c->float_grouped ? "grouped" : "rows in anonymous memory",
+            (double)stored / (1 << 20), (double)total / (1 << 20), (kv_now_s() - t0) * 1e3);
     c->panels = panels;
     c->panel_bytes = total;
     c->panel_alloc = alloc;
@@ -681,6 +695,14 @@ const char *backend_cpu_gemm_name(enum backend_cpu_gemm g) {
     case BACKEND_CPU_GEMM_OPENBLAS: return "openblas";
     }
     return NULL;
+}
+
+kv_status backend_cpu_float_layout_parse(const char *s, enum backend_cpu_float_layout *out) {
+    if (!s || !out) return KV_EINVAL;
+    if (!strcmp(s, "rows")) *out = BACKEND_CPU_FLOAT_ROWS;
+    else if (!strcmp(s, "grouped")) *out = BACKEND_CPU_FLOAT_GROUPED;
+    else return KV_EINVAL;
+    return KV_OK;
 }
 
 kv_status backend_cpu_gemm_parse(const char *s, enum backend_cpu_gemm *out) {
@@ -751,6 +773,26 @@ kv_status backend_cpu_new_ex(const model_t *m, const struct backend_cpu_options 
         return kv_errf(KV_EINVAL, err, errlen, "KVSERVE_CPU_PANEL_THP=%s: expected 0 (4 KiB pages) or 1 (2 MiB pages "
                        "advised before packing); unset = collapse into 2 MiB pages after packing", pt);
     }
+    enum backend_cpu_float_layout fl = opt->float_layout;
+    const char *fe = getenv("KVSERVE_CPU_FLOAT_LAYOUT");
+    if (fl == BACKEND_CPU_FLOAT_AUTO && fe && *fe) {
+        if (backend_cpu_float_layout_parse(fe, &fl) != KV_OK) {
+            cpu_free(be);
+            return kv_errf(KV_EINVAL, err, errlen, "KVSERVE_CPU_FLOAT_LAYOUT=%s: expected rows or grouped", fe);
+        }
+    }
+    if (fl == BACKEND_CPU_FLOAT_AUTO) {
+#if defined(__x86_64__) || defined(__i386__)
+        fl = __builtin_cpu_is("amd") ? BACKEND_CPU_FLOAT_GROUPED : BACKEND_CPU_FLOAT_ROWS;
+#else
+        fl = BACKEND_CPU_FLOAT_ROWS;
+#endif
+    }
+    if (fl != BACKEND_CPU_FLOAT_ROWS && fl != BACKEND_CPU_FLOAT_GROUPED) {
+        cpu_free(be);
+        return kv_errf(KV_EINVAL, err, errlen, "backend_cpu_new: unknown float layout %d", (int)fl);
+    }
+    c->float_grouped = fl == BACKEND_CPU_FLOAT_GROUPED;
     const char *pe = getenv("KVSERVE_CPU_PREPACK");
     if (prepack(c, !opt->no_prepack && !(pe && !strcmp(pe, "0")) && c->gemm == BACKEND_CPU_GEMM_INVARIANT) != KV_OK) {
         cpu_free(be);

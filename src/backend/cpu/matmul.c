@@ -13,6 +13,7 @@
 
 #include "../../quant/q8.h"
 #include "../../quant/qdot.h"
+#include "../backend.h"
 
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC optimize("fp-contract=off")
@@ -586,6 +587,10 @@ kv_status kv_cpu_env_check(char *err, size_t errlen) {
         return kv_errf(KV_EINVAL, err, errlen, "KVSERVE_CPU_QUANT_MATMUL=%s: expected int8 or f32", e);
     if (kv_q8_amx_env() < 0)
         return kv_errf(KV_EINVAL, err, errlen, "KVSERVE_CPU_AMX=%s: expected 0 (off) or 1", getenv("KVSERVE_CPU_AMX"));
+    enum backend_cpu_float_layout fl;
+    e = getenv("KVSERVE_CPU_FLOAT_LAYOUT");
+    if (e && *e && backend_cpu_float_layout_parse(e, &fl) != KV_OK)
+        return kv_errf(KV_EINVAL, err, errlen, "KVSERVE_CPU_FLOAT_LAYOUT=%s: expected rows or grouped", e);
     const char *const bools[] = {"KVSERVE_CPU_PREPACK", "KVSERVE_CPU_THP", "KVSERVE_CPU_PANEL_THP"};
     for (int i = 0; i < 3; i++) {
         e = getenv(bools[i]);

@@ -435,7 +435,7 @@ static void test_quant_determinism(void **st) {
 }
 
 /* Matrices repacked whole at backend creation (the default: Q8_0 on the integer path into the
- * q8 panels, F16/BF16 into qdot.h's grouped layout) give the bits of the in-place layout, for
+ * q8 panels, F16/BF16 as rows copied or in qdot.h's grouped layout) give the bits of the in-place layout, for
  * decode and prefill rows, and the file pages they replace may be dropped: the model's own
  * bytes still read back unchanged (a private read-only map refaults them). */
 static void check_prepack_same_bits(const char *file, int type) {
@@ -452,25 +452,30 @@ static void check_prepack_same_bits(const char *file, int type) {
     kv_matmul_set_quant(KV_MATMUL_QUANT_INT8);
     struct seqs S;
     random_seqs(&S, m->cfg.n_vocab, 77);
-    struct run R[2] = {{0}, {0}};
+    /* runs: 0 the file layout (no_prepack), 1 F16/BF16 rows copied, 2 F16/BF16 grouped (for
+     * Q8_0 runs 1 and 2 are the same repack) */
+    struct run R[3] = {{0}, {0}, {0}};
     bool packs = type == KV_QTYPE_Q8_0 ? kv_q8_packed_fast(KV_QTYPE_Q8_0) : true;
-    for (int no = 0; no < 2; no++) {
-        struct backend_cpu_options o = {.n_threads = 2, .no_prepack = no};
+    const enum backend_cpu_float_layout fls[3] = {BACKEND_CPU_FLOAT_AUTO, BACKEND_CPU_FLOAT_ROWS,
+                                                  BACKEND_CPU_FLOAT_GROUPED};
+    for (int v = 0; v < 3; v++) {
+        struct backend_cpu_options o = {.n_threads = 2, .no_prepack = v == 0, .float_layout = fls[v]};
         backend_t *be = NULL;
         assert_int_equal(backend_cpu_new_ex(m, &o, &be, err, sizeof err), KV_OK);
-        if (packs && !no) assert_true(backend_cpu_panel_bytes(be) >= nb);
+        if (packs && v) assert_true(backend_cpu_panel_bytes(be) >= nb);
         else assert_int_equal(backend_cpu_panel_bytes(be), 0);
-        R[no].tpb = 16, R[no].n_blocks = 40;
-        run_schedule(be, &S, 3, 5, &R[no]); /* random chunks: decode and prefill rows */
-        if (!no) backend_cpu_wait_pages(be); /* then free joins nothing twice */
+        R[v].tpb = 16, R[v].n_blocks = 40;
+        run_schedule(be, &S, 3, 5, &R[v]); /* random chunks: decode and prefill rows */
+        if (v) backend_cpu_wait_pages(be); /* then free joins nothing twice */
         backend_free(be);
     }
-    for (int s = 0; s < S.n; s++)
-        if (memcmp(R[0].logits[s], R[1].logits[s], (size_t)S.len[s] * m->cfg.n_vocab * sizeof(float)))
-            fail_msg("%s seq %d: repacked weights give other logits than the file layout", file, s);
+    for (int v = 1; v < 3; v++)
+        for (int s = 0; s < S.n; s++)
+            if (memcmp(R[0].logits[s], R[v].logits[s], (size_t)S.len[s] * m->cfg.n_vocab * sizeof(float)))
+                fail_msg("%s seq %d: repacked weights (%s) give other logits than the file layout", file, s,
+                         v == 1 ? "rows" : "grouped");
     assert_memory_equal(copy, m->w.layers[0].w_up.data, nb);
-    free_run(&R[0], S.n);
-    free_run(&R[1], S.n);
+    for (int v = 0; v < 3; v++) free_run(&R[v], S.n);
     free(copy);
     kv_matmul_set_quant(KV_MATMUL_QUANT_AUTO);
     model_free(m);
