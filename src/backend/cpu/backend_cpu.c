@@ -514,11 +514,10 @@ static void task_pack(void *p, int t, int th) {
     const struct pack_task *pt = &run->t[t];
     const struct kv_wmat *w = pt->w;
     const char *src = (const char *)w->data + (size_t)pt->r0 * w->row_bytes;
-    if (kv_fgroup_ok(w->type, w->cols) && !run->grouped) {
-        memcpy((char *)(uintptr_t)w->panel + (size_t)pt->r0 * w->row_bytes, src, (size_t)(pt->r1 - pt->r0) * w->row_bytes);
-    } else if (kv_fgroup_ok(w->type, w->cols)) { /* r0 is a multiple of KV_FGROUP_ROWS */
-        kv_fgroup_pack(w->type, src, w->row_bytes, pt->r1 - pt->r0, w->cols,
-                       (char *)(uintptr_t)w->panel + (size_t)pt->r0 * w->row_bytes);
+    if (kv_fgroup_ok(w->type, w->cols)) { /* F16/BF16; r0 is a multiple of KV_FGROUP_ROWS */
+        char *dst = (char *)(uintptr_t)w->panel + (size_t)pt->r0 * w->row_bytes;
+        if (run->grouped) kv_fgroup_pack(w->type, src, w->row_bytes, pt->r1 - pt->r0, w->cols, dst);
+        else memcpy(dst, src, (size_t)(pt->r1 - pt->r0) * w->row_bytes);
     } else {
         size_t gb = kv_q8_pack_bytes(w->type, 16, w->cols);
         kv_q8_pack(w->type, src, w->row_bytes, pt->r1 - pt->r0, w->cols,
