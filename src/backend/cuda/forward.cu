@@ -565,8 +565,9 @@ template <typename TA> static kv_status enqueue_step(struct cuda_ctx *c, const s
             return st;
         if (!(c->skip & SKIP_GEMM) && (st = gemm(c, c->a, T, dim, Ly->wgu, 2 * ffn, c->h, err, errlen))) return st;
         if (!(c->skip & SKIP_SWIGLU))
-            KLAUNCH("swiglu", k_swiglu<TA>, dim3(grid_for((size_t)T * ffn, 256)), dim3(256), 0, (const float *)c->h,
-                    (TA *)c->a, T, ffn);
+            KLAUNCH("swiglu", k_swiglu<TA>,
+                    dim3((unsigned)((ffn + 4 * SWIGLU_THREADS - 1) / (4 * SWIGLU_THREADS)), (unsigned)(T < 65535 ? T : 65535)),
+                    dim3(SWIGLU_THREADS), 0, (const float *)c->h, (TA *)c->a, T, ffn);
         if (!(c->skip & SKIP_GEMM) && (st = gemm(c, c->a, T, ffn, Ly->wdown, dim, c->h, err, errlen))) return st;
     }
     if (L > 0) {

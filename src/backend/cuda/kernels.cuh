@@ -526,15 +526,38 @@ __global__ void k_attn_combine(const float *part, const float *part_ml, const in
     out[((size_t)r * n_heads + h) * hd + e] = from_f32<TA>(((a0 + a1) + (a2 + a3)) / L);
 }
 
-/* out[r, i] = silu(gu[r, i]) * gu[r, ffn + i]. */
-template <typename TA> __global__ void k_swiglu(const float *gu, TA *out, int T, int ffn) {
+/* Four consecutive activations o[0..3] = a, b, c, d in TA (one 16- or 8-byte store; o aligned). */
+__device__ __forceinline__ void st4(float *o, float a, float b, float c, float d) { *(float4 *)o = make_float4(a, b, c, d); }
+__device__ __forceinline__ void st4(__nv_bfloat16 *o, float a, float b, float c, float d) {
+    __nv_bfloat162 lo = __floats2bfloat162_rn(a, b), hi = __floats2bfloat162_rn(c, d);
+    uint2 u;
+    u.x = *(const uint32_t *)&lo, u.y = *(const uint32_t *)&hi;
+    *(uint2 *)o = u;
+}
+__device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
+/* out[r, i] = silu(gu[r, i]) * gu[r, ffn + i] (gu rows of 2 ffn f32, out rows of ffn TA).
+ * grid (ceil(ffn / (4 SWIGLU_THREADS)), min(T, 65535)), block SWIGLU_THREADS: thread i0 =
+ * 4 (blockIdx.x * blockDim.x + threadIdx.x) does i0 .. i0 + 3 of rows blockIdx.y + gridDim.y j,
+ * by float4 loads and one store when ffn % 4 == 0. Index math stays 32-bit within a row: one
+ * 64-bit division per element (the first version) made it issue-bound, 269 us per layer at 4096
+ * rows on the H200. The same expression per element either way, so the same bits. */
+#define SWIGLU_THREADS 256
+template <typename TA> __global__ void __launch_bounds__(SWIGLU_THREADS) k_swiglu(const float *gu, TA *out, int T, int ffn) {
     pdl_trigger();
     pdl_wait();
-    size_t n = (size_t)T * ffn;
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        size_t r = i / ffn, k = i % ffn;
-        float g = gu[r * 2 * ffn + k], u = gu[r * 2 * ffn + ffn + k];
-        out[i] = from_f32<TA>(g / (1.0f + expf(-g)) * u);
+    const int i0 = (blockIdx.x * blockDim.x + threadIdx.x) * 4;
+    if (i0 >= ffn) return;
+    const bool vec = ffn % 4 == 0;
+    for (int r = blockIdx.y; r < T; r += gridDim.y) {
+        const float *g = gu + (size_t)r * 2 * ffn, *u = g + ffn;
+        TA *o = out + (size_t)r * ffn;
+        if (vec) {
+            float4 gv = *(const float4 *)(g + i0), uv = *(const float4 *)(u + i0);
+            st4(o + i0, silu_mul(gv.x, uv.x), silu_mul(gv.y, uv.y), silu_mul(gv.z, uv.z), silu_mul(gv.w, uv.w));
+        } else {
+            for (int e = i0; e < i0 + 4 && e < ffn; e++) o[e] = from_f32<TA>(silu_mul(g[e], u[e]));
+        }
     }
 }
 
