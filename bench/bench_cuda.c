@@ -14,7 +14,9 @@
  * read, of --kv-dtype: default bf16 like serve --backend cuda) / copy bandwidth, and
  * tokens/s; with --prefill N,... the median time of one forward of one sequence of N new
  * tokens (n_past 0, logits of the last one) as prefill tokens/s; then page-copy GB/s per
- * direction. --deterministic runs the backend in its batch-invariant mode
+ * direction: kv_cuda_copy_pages (its path: the kernel, or the copy engines for host pages of
+ * >= kv_cuda_copy_engine_min() bytes) against one cudaMemcpyAsync per page, and one
+ * cudaMemcpyBatchAsync of all pages (CUDA 12.8+; 0 when built with an older toolkit). --deterministic runs the backend in its batch-invariant mode
  * (backend_cuda_options.deterministic) for the same measurements.
  */
 #include <cublas_v2.h>
@@ -316,8 +318,9 @@ static void bench_decode(int layers, const int *batches, int nb, const int *ctxs
 
 static void bench_copy(void) {
     size_t sizes[] = {64 << 10, 2 << 20, 8 << 20, 128 << 20, (size_t)512 << 20};
-    printf("\n| page | pages | dir | ours GB/s | ours, kv_cuda_copy_pages GB/s | cudaMemcpyAsync GB/s | ratio |\n"
-           "|---|---|---|---|---|---|---|\n");
+    size_t ce = kv_cuda_copy_engine_min();
+    printf("\n| page | pages | dir | path | ours GB/s | ours, kv_cuda_copy_pages GB/s | cudaMemcpyAsync GB/s | ratio | "
+           "cudaMemcpyBatchAsync GB/s |\n|---|---|---|---|---|---|---|---|---|\n");
     for (size_t si = 0; si < sizeof sizes / sizeof sizes[0]; si++) {
         size_t bytes = sizes[si];
         int n = bytes <= (2 << 20) ? 256 : bytes <= (8 << 20) ? 16 : bytes <= (128 << 20) ? 2 : 1;
@@ -331,7 +334,9 @@ static void bench_copy(void) {
         CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
         for (int dir = 0; dir < 2; dir++) {
             char err[256];
-            double ours[7], sync[7], theirs[7];
+            double ours[7], sync[7], theirs[7], batch[7];
+            size_t *szs = malloc((size_t)n * sizeof(size_t));
+            for (int i = 0; i < n; i++) szs[i] = bytes;
             for (int r = 0; r < 8; r++) {
                 /* ours on the same kind of stream cudaMemcpyAsync gets (what the backend does:
                  * its copies go on its own stream), then the self-contained call (makes and
@@ -357,14 +362,30 @@ static void bench_copy(void) {
                                        dir == 0 ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost, st));
                 CK(cudaStreamSynchronize(st));
                 double t2 = kv_now_s() - a;
-                if (r) ours[r - 1] = t0, sync[r - 1] = t1, theirs[r - 1] = t2;
+                /* the same pages in one batched call (CUDA 12.8+; the copy engines) */
+                double t3 = 0;
+#if CUDART_VERSION >= 12080
+                struct cudaMemcpyAttributes at;
+                memset(&at, 0, sizeof at);
+                at.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+                size_t ai = 0;
+                a = kv_now_s();
+                CK(cudaMemcpyBatchAsync(dir == 0 ? d : h, (const void *const *)(dir == 0 ? h : d), szs, (size_t)n, &at,
+                                        &ai, 1, st));
+                CK(cudaStreamSynchronize(st));
+                t3 = kv_now_s() - a;
+#endif
+                if (r) ours[r - 1] = t0, sync[r - 1] = t1, theirs[r - 1] = t2, batch[r - 1] = t3;
             }
+            free(szs);
+            qsort(batch, 7, sizeof(double), bench_cmp_d);
             qsort(ours, 7, sizeof(double), bench_cmp_d);
             qsort(sync, 7, sizeof(double), bench_cmp_d);
             qsort(theirs, 7, sizeof(double), bench_cmp_d);
             double tot = (double)bytes * n;
-            printf("| %zu KiB | %d | %s | %.1f | %.1f | %.1f | %.2fx |\n", bytes >> 10, n, dir ? "D2H" : "H2D",
-                   tot / ours[3] / 1e9, tot / sync[3] / 1e9, tot / theirs[3] / 1e9, theirs[3] / ours[3]);
+            printf("| %zu KiB | %d | %s | %s | %.1f | %.1f | %.1f | %.2fx | %.1f |\n", bytes >> 10, n, dir ? "D2H" : "H2D",
+                   ce && bytes >= ce ? "copy engine" : "kernel", tot / ours[3] / 1e9, tot / sync[3] / 1e9,
+                   tot / theirs[3] / 1e9, theirs[3] / ours[3], batch[3] > 0 ? tot / batch[3] / 1e9 : 0.0);
             fflush(stdout);
         }
         cudaStreamDestroy(st);

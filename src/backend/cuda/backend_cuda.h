@@ -132,7 +132,12 @@ kv_status kv_cuda_device_check(char *err, size_t errlen);
 void kv_cuda_device_name(int dev, char *out, size_t outlen);
 
 /* ---- page copies (seed-features section 6, decision 6) ----
- * Copies n pages of nbytes each, src[i] -> dst[i], with our kernel: 128 threads per CTA,
+ * Copies n pages of nbytes each, src[i] -> dst[i]. Host<->device pages of at least
+ * kv_cuda_copy_engine_min() bytes (default 8 MiB) go to the copy engines (one
+ * cudaMemcpyAsync per page): on the H200 no SM-issued read of pinned host memory passed
+ * 51 GB/s host-to-device where the copy engines move 54-55 (plain and TMA kernels alike,
+ * docs/benchmarks.md), and a copy engine leaves the SMs to the forward. Smaller pages, and
+ * every device-to-device copy, use our kernel: 128 threads per CTA,
  * 16-byte grains, at most 256 pages per launch (more are split into several launches),
  * grid.x = splits: host<->device copies min(16, max(1, ceil(nbytes / 8 MiB))) CTAs per page
  * (each CTA a contiguous ceil(ceil(nbytes/2048)/splits)*2048-byte range), device-to-device
@@ -154,6 +159,10 @@ kv_status kv_cuda_copy_pages_on(enum kv_cuda_copy_dir dir, void *const *dst, con
                                 size_t nbytes, void *stream, char *err, size_t errlen);
 /* Splits (CTAs per page) the kernel uses for one page of nbytes in direction dir. */
 int kv_cuda_copy_splits(enum kv_cuda_copy_dir dir, size_t nbytes);
+/* Smallest host<->device page (bytes) that kv_cuda_copy_pages hands to the copy engines:
+ * KVSERVE_CUDA_COPY_CE_MIN (bytes; 0 or malformed: never, the kernel for every size), default
+ * 8 MiB. Read at each call; thread-safe. */
+size_t kv_cuda_copy_engine_min(void);
 
 /* ---- call counters (issue 10: no host syncs and no host->device scalar writes in the decode
  * loop; for tests) ----

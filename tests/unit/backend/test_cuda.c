@@ -750,7 +750,7 @@ static void page_case(size_t bytes, int n) {
         memset(hd[i], 0xA5, bytes);
         ck[i] = checksum(hs[i], bytes);
     }
-    /* H2D with the kernel, checked through cudaMemcpy */
+    /* H2D (the kernel or the copy engines: kv_cuda_copy_engine_min), checked through cudaMemcpy */
     if (kv_cuda_copy_pages(KV_CUDA_H2D, d1, (const void *const *)hs, n, bytes, err, sizeof err)) fail_msg("%s", err);
     for (int i = 0; i < n; i++) {
         assert_int_equal(kv_cuda_memcpy(chk, d1[i], bytes), KV_OK);
@@ -765,7 +765,7 @@ static void page_case(size_t bytes, int n) {
         assert_int_equal(kv_cuda_memcpy(chk, d1[i], bytes), KV_OK); /* synchronous: after the stream's work */
         if (memcmp(chk, hs[i], bytes)) fail_msg("H2D on a stream %zu bytes x %d: page %d differs", bytes, n, i);
     }
-    /* D2D, then D2H with the kernel */
+    /* D2D (always the kernel), then D2H */
     if (kv_cuda_copy_pages(KV_CUDA_D2D, d2, (const void *const *)d1, n, bytes, err, sizeof err)) fail_msg("%s", err);
     if (kv_cuda_copy_pages(KV_CUDA_D2H, hd, (const void *const *)d2, n, bytes, err, sizeof err)) fail_msg("%s", err);
     for (int i = 0; i < n; i++)
@@ -775,8 +775,9 @@ static void page_case(size_t bytes, int n) {
         kv_cuda_host_free(hs[i]), kv_cuda_host_free(hd[i]);
         kv_cuda_free(d1[i]), kv_cuda_free(d2[i]);
     }
-    fprintf(stderr, "  page copy %10zu bytes x %3d pages (host splits %2d): ok\n", bytes, n,
-            kv_cuda_copy_splits(KV_CUDA_H2D, bytes));
+    size_t ce = kv_cuda_copy_engine_min();
+    fprintf(stderr, "  page copy %10zu bytes x %3d pages (host: %s, splits %2d): ok\n", bytes, n,
+            ce && bytes >= ce ? "copy engine" : "kernel", kv_cuda_copy_splits(KV_CUDA_H2D, bytes));
     free(hs), free(hd), free(d1), free(d2), free(ck), free(chk);
 }
 
@@ -806,7 +807,19 @@ static void test_cuda_page_copy(void **st) {
         {8 << 20, 3},           {(8 << 20) + 2048, 2},   {(40 << 20) + 48, 2}, {128 << 20, 1},
         {(136 << 20) + 16, 1},  {(size_t)512 << 20, 1},  {16, 257},
     };
+    /* the default (host pages >= 8 MiB on the copy engines), then the kernel for every size */
+    assert_int_equal(kv_cuda_copy_engine_min(), (size_t)8 << 20);
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) page_case(cases[i].bytes, cases[i].n);
+    setenv("KVSERVE_CUDA_COPY_CE_MIN", "0", 1);
+    assert_int_equal(kv_cuda_copy_engine_min(), 0);
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        if (cases[i].bytes >= (8u << 20)) page_case(cases[i].bytes, cases[i].n);
+    setenv("KVSERVE_CUDA_COPY_CE_MIN", "12x", 1);
+    assert_int_equal(kv_cuda_copy_engine_min(), 0); /* malformed: never */
+    setenv("KVSERVE_CUDA_COPY_CE_MIN", "65536", 1);
+    assert_int_equal(kv_cuda_copy_engine_min(), 65536);
+    page_case(64 << 10, 3); /* on the copy engines now */
+    unsetenv("KVSERVE_CUDA_COPY_CE_MIN");
 }
 
 
@@ -1037,6 +1050,7 @@ static void test_cuda_qkv_fused(void **st) { (void)st; gpu_ok(); skip(); }
 int main(void) {
     /* the backend's tuning variables would change what the tests compare (backend_cuda.h) */
     unsetenv("KVSERVE_CUDA_WEIGHTS"), unsetenv("KVSERVE_CUDA_GRAPHS"), unsetenv("KVSERVE_CUDA_ATTN");
+    unsetenv("KVSERVE_CUDA_COPY_CE_MIN");
     unsetenv("KVSERVE_CUDA_GEMV_MAX"), unsetenv("KVSERVE_CUDA_CAPTURE"), unsetenv("KVSERVE_CUDA_FLASH");
     unsetenv("KVSERVE_CUDA_QKV_FUSE"), unsetenv("KVSERVE_CUDA_GEMV_LATE"), unsetenv("KVSERVE_CUDA_DEC_CTAS");
     const struct CMUnitTest tests[] = {
