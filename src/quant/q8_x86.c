@@ -15,6 +15,8 @@
  * rows. AVX512-VNNI: vpdpbusd of the panel's u + 128 (u8) with a broadcast of 4 activation bytes,
  * the 128 * sum(q) taken off per sub-block. AMX: TDPBSSD of a 16-row activation tile with the
  * panel's sub-block (signed x signed, no correction), 16 x 16 sums per instruction.
+ * The same packed kernels run decode on matrices repacked at load (Q8_0): one activation row,
+ * up to 4 row groups side by side so that the weights arrive as several concurrent streams.
  * Integer sums are exact, so every route gives the contract's block sums and the float steps
  * are the contract's: identical bits on every ISA.
  */
@@ -380,9 +382,10 @@ void kv_q8_dot_avx512(int type, const void *w, size_t rb, int n_rows, const stru
     else dot512_plain(type, w, rb, n_rows, a, m0, M, Y, ldy);
 }
 
-/* Decode over a panel repacked at load (Q8_0, one activation row): the weights are one
+/* Decode over a panel repacked at load (Q8_0, one activation row): each row group is one
  * sequential stream; asking for the group two ahead into L1 gave +7-15% tokens/s at 1B
- * (memory-bound). grp: the current group of grp_bytes. */
+ * (memory-bound; with 4 streams side by side 1, 2, 4 or 6 ahead measured alike). grp: the
+ * current group of grp_bytes. */
 static ALWAYS void prefetch_group_ahead(const uint8_t *grp, size_t grp_bytes) {
     const char *pf = (const char *)grp + 2 * grp_bytes;
     for (size_t l = 0; l < grp_bytes; l += 64) _mm_prefetch(pf + l, _MM_HINT_T0);
@@ -390,70 +393,120 @@ static ALWAYS void prefetch_group_ahead(const uint8_t *grp, size_t grp_bytes) {
 
 /* ---------------- AVX-512 VNNI: packed panels (prefill) ---------------- */
 
-/* One 16-row group of the panel (nr rows valid) x MR activation rows. */
-AVX512 static ALWAYS void packed_tile(int type, const uint8_t *rg, int nr, const struct kv_q8_act *a, int m0,
-                                      float *Y, size_t ldy, const int MR) {
+/* NG consecutive 16-row groups of the panel (rgb bytes apart; nr rows valid in the last, the
+ * others full) x MR activation rows (NG > 1 only with MR = 1). Decode reads the NG groups side
+ * by side, NG concurrent streams: one core's read bandwidth grows with the number of sequential
+ * streams in flight (docs/benchmarks.md). Each output's sums run in the same order whatever NG
+ * is (the groups are independent): the same bits. */
+AVX512 static ALWAYS void packed_tile(int type, const uint8_t *rg, size_t rgb, int nr, const struct kv_q8_act *a,
+                                      int m0, float *Y, size_t ldy, const int MR, const int NG) {
     const struct kv_q8_geo g = kv_q8_geo(type);
     const int K = a->K, ng = K / g.G;
-    __m512 acc[8], mn[8];
-    _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++) acc[m] = mn[m] = _mm512_setzero_ps();
+    __m512 acc[8][4], mn[8][4]; /* [m][u] */
+    _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++)
+        _Pragma("GCC unroll 4") for (int u = 0; u < NG; u++) acc[m][u] = mn[m][u] = _mm512_setzero_ps();
     for (int s = 0; s < ng; s++) {
-        const uint8_t *grp = rg + (size_t)s * g.grp;
-        if (MR == 1 && !g.kq) prefetch_group_ahead(grp, g.grp);
-        __m512i I[8];
-        _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++) I[m] = _mm512_setzero_si512();
+        const uint8_t *gp[4]; /* group s of each row group */
+        _Pragma("GCC unroll 4") for (int u = 0; u < NG; u++) gp[u] = rg + (size_t)u * rgb + (size_t)s * g.grp;
+        if (MR == 1 && !g.kq) _Pragma("GCC unroll 4") for (int u = 0; u < NG; u++) prefetch_group_ahead(gp[u], g.grp);
+        __m512i I[8][4];
+        _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++)
+            _Pragma("GCC unroll 4") for (int u = 0; u < NG; u++) I[m][u] = _mm512_setzero_si512();
         for (int j = 0; j < g.J; j++) {
-            const uint8_t *sub = grp + g.hdr + (size_t)j * g.sub;
-            const uint8_t *v = sub + (g.kq ? 64 : 0);
+            const size_t so = g.hdr + (size_t)j * g.sub; /* the sub-block in a group */
             const int e0 = s * g.G + j * g.S;
-            __m512i C[8];
-            _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++) C[m] = _mm512_setzero_si512();
+            __m512i C[8][4];
+            _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++)
+                _Pragma("GCC unroll 4") for (int u = 0; u < NG; u++) C[m][u] = _mm512_setzero_si512();
             _Pragma("GCC unroll 8") for (int k4 = 0; k4 < g.S / 4; k4++) {
-                __m512i vv = _mm512_xor_si512(_mm512_load_si512((const void *)(v + 64 * k4)), _mm512_set1_epi8((char)0x80));
+                __m512i vv[4];
+                _Pragma("GCC unroll 4") for (int u = 0; u < NG; u++)
+                    vv[u] = _mm512_xor_si512(_mm512_load_si512((const void *)(gp[u] + so + (g.kq ? 64 : 0) + 64 * k4)),
+                                             _mm512_set1_epi8((char)0x80));
                 _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++) {
                     int32_t x4;
                     memcpy(&x4, a->q + (size_t)(m0 + m) * K + e0 + 4 * k4, 4);
-                    C[m] = _mm512_dpbusd_epi32(C[m], vv, _mm512_set1_epi32(x4));
+                    const __m512i xb = _mm512_set1_epi32(x4);
+                    _Pragma("GCC unroll 4") for (int u = 0; u < NG; u++)
+                        C[m][u] = _mm512_dpbusd_epi32(C[m][u], vv[u], xb);
                 }
             }
             _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++) {
                 const int16_t *s16 = a->s16 + (size_t)(m0 + m) * (K / 16) + e0 / 16;
                 int qs = g.S == 32 ? s16[0] + s16[1] : s16[0];
-                __m512i t = _mm512_sub_epi32(C[m], _mm512_set1_epi32(128 * qs));
-                I[m] = g.kq ? _mm512_add_epi32(I[m], _mm512_mullo_epi32(t, _mm512_load_si512((const void *)sub))) : t;
+                _Pragma("GCC unroll 4") for (int u = 0; u < NG; u++) {
+                    __m512i t = _mm512_sub_epi32(C[m][u], _mm512_set1_epi32(128 * qs));
+                    I[m][u] = g.kq ? _mm512_add_epi32(I[m][u], _mm512_mullo_epi32(t, _mm512_load_si512((const void *)(gp[u] + so))))
+                                   : t;
+                }
             }
         }
-        __m512 dv = _mm512_load_ps((const float *)grp);
-        _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++) {
-            const float dxs = a->d[(size_t)(m0 + m) * ng + s];
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I[m]), _mm512_mul_ps(dv, _mm512_set1_ps(dxs)), acc[m]);
-            if (g.mins) {
-                const int16_t *s16 = a->s16 + (size_t)(m0 + m) * (K / 16) + 16 * (size_t)s;
-                __m512i Mi = _mm512_setzero_si512();
-                _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++)
-                    Mi = _mm512_add_epi32(Mi, _mm512_mullo_epi32(_mm512_load_si512((const void *)(grp + 128 + 64 * j)),
-                                                                 _mm512_set1_epi32(s16[2 * j] + s16[2 * j + 1])));
-                __m512 dm = _mm512_mul_ps(_mm512_load_ps((const float *)(grp + 64)), _mm512_set1_ps(dxs));
-                mn[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(Mi), dm, mn[m]);
+        _Pragma("GCC unroll 4") for (int u = 0; u < NG; u++) {
+            const uint8_t *grp = gp[u];
+            __m512 dv = _mm512_load_ps((const float *)grp);
+            _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++) {
+                const float dxs = a->d[(size_t)(m0 + m) * ng + s];
+                acc[m][u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I[m][u]), _mm512_mul_ps(dv, _mm512_set1_ps(dxs)),
+                                            acc[m][u]);
+                if (g.mins) {
+                    const int16_t *s16 = a->s16 + (size_t)(m0 + m) * (K / 16) + 16 * (size_t)s;
+                    __m512i Mi = _mm512_setzero_si512();
+                    _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++)
+                        Mi = _mm512_add_epi32(Mi, _mm512_mullo_epi32(_mm512_load_si512((const void *)(grp + 128 + 64 * j)),
+                                                                     _mm512_set1_epi32(s16[2 * j] + s16[2 * j + 1])));
+                    __m512 dm = _mm512_mul_ps(_mm512_load_ps((const float *)(grp + 64)), _mm512_set1_ps(dxs));
+                    mn[m][u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(Mi), dm, mn[m][u]);
+                }
             }
         }
     }
-    const __mmask16 k = (__mmask16)((1u << nr) - 1);
-    _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++)
-        _mm512_mask_storeu_ps(Y + (size_t)m * ldy, k, g.mins ? _mm512_sub_ps(acc[m], mn[m]) : acc[m]);
+    _Pragma("GCC unroll 4") for (int u = 0; u < NG; u++) {
+        const __mmask16 k = u == NG - 1 ? (__mmask16)((1u << nr) - 1) : (__mmask16)0xffff;
+        _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++)
+            _mm512_mask_storeu_ps(Y + (size_t)m * ldy + 16 * u, k,
+                                  g.mins ? _mm512_sub_ps(acc[m][u], mn[m][u]) : acc[m][u]);
+    }
+}
+
+/* The next chunk of a decode walk over `left` row groups: at most 4 groups (streams), the
+ * chunks as even as they can be (5 -> 3 + 2, 6 -> 3 + 3, 7 -> 4 + 3), so no chunk is a lone
+ * stream when it need not be. 4 streams: 1B Q8_0 decode 10.1 -> 13.1 tok/s on a Sapphire Rapids
+ * core (bench_engine, 1 thread, medians of 5 alternated runs); 8 measured alike within noise. */
+static ALWAYS int decode_chunk(int left) {
+    const int n = (left + 3) / 4;
+    return (left + n - 1) / n;
 }
 
 AVX512 static ALWAYS void packed_t(int type, const uint8_t *panel, int n_rows, const struct kv_q8_act *a, int m0,
                                    int M, float *Y, size_t ldy) {
     const struct kv_q8_geo g = kv_q8_geo(type);
     const size_t rgb = (size_t)(a->K / g.G) * g.grp;
+    if (M < 4) { /* decode: chunks of row groups side by side, per row of X */
+        const int n_grp = (n_rows + 15) / 16;
+        for (int q = 0; q < n_grp;) {
+            const int c = decode_chunk(n_grp - q), r = 16 * q;
+            const int nr = n_rows - r - 16 * (c - 1) < 16 ? n_rows - r - 16 * (c - 1) : 16; /* rows of the last group */
+            const uint8_t *rg = panel + (size_t)q * rgb;
+            for (int m = 0; m < M; m++) {
+                float *y = Y + (size_t)m * ldy + r;
+                switch (c) {
+                case 1: packed_tile(type, rg, rgb, nr, a, m0 + m, y, ldy, 1, 1); break;
+                case 2: packed_tile(type, rg, rgb, nr, a, m0 + m, y, ldy, 1, 2); break;
+                case 3: packed_tile(type, rg, rgb, nr, a, m0 + m, y, ldy, 1, 3); break;
+                default: packed_tile(type, rg, rgb, nr, a, m0 + m, y, ldy, 1, 4); break;
+                }
+            }
+            q += c;
+        }
+        return;
+    }
     for (int r = 0; r < n_rows; r += 16) {
         const int nr = n_rows - r < 16 ? n_rows - r : 16;
         const uint8_t *rg = panel + (size_t)(r / 16) * rgb;
         int m = 0;
-        for (; m + 8 <= M; m += 8) packed_tile(type, rg, nr, a, m0 + m, Y + (size_t)m * ldy + r, ldy, 8);
-        for (; m + 4 <= M; m += 4) packed_tile(type, rg, nr, a, m0 + m, Y + (size_t)m * ldy + r, ldy, 4);
-        for (; m < M; m++) packed_tile(type, rg, nr, a, m0 + m, Y + (size_t)m * ldy + r, ldy, 1);
+        for (; m + 8 <= M; m += 8) packed_tile(type, rg, rgb, nr, a, m0 + m, Y + (size_t)m * ldy + r, ldy, 8, 1);
+        for (; m + 4 <= M; m += 4) packed_tile(type, rg, rgb, nr, a, m0 + m, Y + (size_t)m * ldy + r, ldy, 4, 1);
+        for (; m < M; m++) packed_tile(type, rg, rgb, nr, a, m0 + m, Y + (size_t)m * ldy + r, ldy, 1, 1);
     }
 }
 
@@ -879,83 +932,103 @@ AVX2 static ALWAYS void kq_tile256(int type, const uint8_t *w, size_t rb, int nr
  * rows. Q4_0/Q4_K/Q5_K/Q6_K: the panel's value + off (0..63) times an activation never saturates
  * vpmaddubsw, off * sum(q) comes off per sub-block; Q8_0: |w| times the activation with w's sign
  * (at most 2 * 128 * 127 per pair). */
-/* One 16-row panel group (nr rows valid) x MR activation rows, on H 8-row halves from half
- * `half` (H = 2: the whole group in one pass, both halves' lines used as they stream in; H = 1:
- * one half, the other half's pass finds the lines in L1). */
-AVX2 static ALWAYS void packed_tile256(int type, const uint8_t *rg, int half, int nr, const struct kv_q8_act *a,
-                                      int m0, float *Y, size_t ldy, const int MR, const int H) {
+/* NG consecutive 16-row panel groups (rgb bytes apart; nr rows valid in the last, the others
+ * full) x MR activation rows, on H 8-row halves from half `half` (H = 2: the whole group in one
+ * pass, both halves' lines used as they stream in; H = 1: one half, the other half's pass finds
+ * the lines in L1). NG > 1 (decode, H = 2, MR = 1): the groups side by side as concurrent
+ * streams, as packed_tile; the same bits for every NG. */
+AVX2 static ALWAYS void packed_tile256(int type, const uint8_t *rg, size_t rgb, int half, int nr,
+                                      const struct kv_q8_act *a, int m0, float *Y, size_t ldy, const int MR, const int H,
+                                      const int NG) {
     const struct kv_q8_geo g = kv_q8_geo(type);
     const int K = a->K, ng = K / g.G;
     const int off = type == KV_QTYPE_Q4_0 ? 8 : type == KV_QTYPE_Q6_K ? 32 : 0;
     const __m256i voff = _mm256_set1_epi8((char)off), ones = _mm256_set1_epi16(1);
-    __m256 acc[4][2], mn[4][2];
+    __m256 acc[4][4][2], mn[4][4][2]; /* [m][u][h] */
     _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++)
-        _Pragma("GCC unroll 2") for (int h = 0; h < H; h++) acc[m][h] = mn[m][h] = _mm256_setzero_ps();
+        _Pragma("GCC unroll 4") for (int u = 0; u < NG; u++)
+            _Pragma("GCC unroll 2") for (int h = 0; h < H; h++) acc[m][u][h] = mn[m][u][h] = _mm256_setzero_ps();
     for (int s = 0; s < ng; s++) {
-        const uint8_t *grp = rg + (size_t)s * g.grp;
-        if (MR == 1 && !g.kq && half == 0) prefetch_group_ahead(grp, g.grp); /* H = 1: the second half reads from L1/L2 */
-        __m256i I[4][2];
+        const uint8_t *gp[4]; /* group s of each row group */
+        _Pragma("GCC unroll 4") for (int u = 0; u < NG; u++) gp[u] = rg + (size_t)u * rgb + (size_t)s * g.grp;
+        if (MR == 1 && !g.kq && half == 0) /* H = 1: the second half reads from L1/L2 */
+            _Pragma("GCC unroll 4") for (int u = 0; u < NG; u++) prefetch_group_ahead(gp[u], g.grp);
+        __m256i I[4][4][2];
         _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++)
-            _Pragma("GCC unroll 2") for (int h = 0; h < H; h++) I[m][h] = _mm256_setzero_si256();
+            _Pragma("GCC unroll 4") for (int u = 0; u < NG; u++)
+                _Pragma("GCC unroll 2") for (int h = 0; h < H; h++) I[m][u][h] = _mm256_setzero_si256();
         for (int j = 0; j < g.J; j++) {
-            const uint8_t *sub = grp + g.hdr + (size_t)j * g.sub;
-            const uint8_t *v = sub + (g.kq ? 64 : 0);
+            const size_t so = g.hdr + (size_t)j * g.sub; /* the sub-block in a group */
             const int e0 = s * g.G + j * g.S;
-            __m256i C[4][2];
+            __m256i C[4][4][2];
             _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++)
-                _Pragma("GCC unroll 2") for (int h = 0; h < H; h++) C[m][h] = _mm256_setzero_si256();
+                _Pragma("GCC unroll 4") for (int u = 0; u < NG; u++)
+                    _Pragma("GCC unroll 2") for (int h = 0; h < H; h++) C[m][u][h] = _mm256_setzero_si256();
             _Pragma("GCC unroll 8") for (int k4 = 0; k4 < g.S / 4; k4++) {
-                __m256i vv[2], aw[2];
-                _Pragma("GCC unroll 2") for (int h = 0; h < H; h++) {
-                    vv[h] = aw[h] = _mm256_load_si256((const __m256i *)(v + 64 * k4 + 32 * (half + h)));
-                    if (type == KV_QTYPE_Q8_0) aw[h] = _mm256_abs_epi8(vv[h]); /* sign trick: |w| x sign(w) q */
-                    else vv[h] = aw[h] = _mm256_add_epi8(vv[h], voff);
-                }
+                __m256i vv[4][2], aw[4][2];
+                _Pragma("GCC unroll 4") for (int u = 0; u < NG; u++)
+                    _Pragma("GCC unroll 2") for (int h = 0; h < H; h++) {
+                        const uint8_t *v = gp[u] + so + (g.kq ? 64 : 0);
+                        vv[u][h] = aw[u][h] = _mm256_load_si256((const __m256i *)(v + 64 * k4 + 32 * (half + h)));
+                        if (type == KV_QTYPE_Q8_0) aw[u][h] = _mm256_abs_epi8(vv[u][h]); /* |w| x sign(w) q */
+                        else vv[u][h] = aw[u][h] = _mm256_add_epi8(vv[u][h], voff);
+                    }
                 _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++) {
                     int32_t x4;
                     memcpy(&x4, a->q + (size_t)(m0 + m) * K + e0 + 4 * k4, 4);
                     const __m256i xb = _mm256_set1_epi32(x4);
-                    _Pragma("GCC unroll 2") for (int h = 0; h < H; h++) {
-                        __m256i xs = type == KV_QTYPE_Q8_0 ? _mm256_sign_epi8(xb, vv[h]) : xb;
-                        C[m][h] = _mm256_add_epi32(C[m][h], _mm256_madd_epi16(_mm256_maddubs_epi16(aw[h], xs), ones));
-                    }
+                    _Pragma("GCC unroll 4") for (int u = 0; u < NG; u++)
+                        _Pragma("GCC unroll 2") for (int h = 0; h < H; h++) {
+                            __m256i xs = type == KV_QTYPE_Q8_0 ? _mm256_sign_epi8(xb, vv[u][h]) : xb;
+                            C[m][u][h] =
+                                _mm256_add_epi32(C[m][u][h], _mm256_madd_epi16(_mm256_maddubs_epi16(aw[u][h], xs), ones));
+                        }
                 }
             }
             _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++) {
                 const int16_t *s16 = a->s16 + (size_t)(m0 + m) * (K / 16) + e0 / 16;
                 int qs = g.S == 32 ? s16[0] + s16[1] : s16[0];
-                _Pragma("GCC unroll 2") for (int h = 0; h < H; h++) {
-                    __m256i t = off ? _mm256_sub_epi32(C[m][h], _mm256_set1_epi32(off * qs)) : C[m][h];
-                    I[m][h] = g.kq ? _mm256_add_epi32(I[m][h], _mm256_mullo_epi32(t, _mm256_load_si256(
-                                                                                   (const __m256i *)(sub + 32 * (half + h)))))
-                                   : t;
-                }
+                _Pragma("GCC unroll 4") for (int u = 0; u < NG; u++)
+                    _Pragma("GCC unroll 2") for (int h = 0; h < H; h++) {
+                        __m256i t = off ? _mm256_sub_epi32(C[m][u][h], _mm256_set1_epi32(off * qs)) : C[m][u][h];
+                        const __m256i sc = g.kq ? _mm256_load_si256((const __m256i *)(gp[u] + so + 32 * (half + h)))
+                                                : _mm256_setzero_si256();
+                        I[m][u][h] = g.kq ? _mm256_add_epi32(I[m][u][h], _mm256_mullo_epi32(t, sc)) : t;
+                    }
             }
         }
-        _Pragma("GCC unroll 2") for (int h = 0; h < H; h++) {
-            const size_t ho = 32 * (size_t)(half + h); /* byte offset of this half in a 64-byte row */
-            const __m256 dv = _mm256_load_ps((const float *)(grp + ho));
-            _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++) {
-                const float dxs = a->d[(size_t)(m0 + m) * ng + s];
-                acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I[m][h]), _mm256_mul_ps(dv, _mm256_set1_ps(dxs)), acc[m][h]);
-                if (g.mins) {
-                    const int16_t *s16 = a->s16 + (size_t)(m0 + m) * (K / 16) + 16 * (size_t)s;
-                    __m256i Mi = _mm256_setzero_si256();
-                    _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++)
-                        Mi = _mm256_add_epi32(Mi, _mm256_mullo_epi32(_mm256_load_si256((const __m256i *)(grp + 128 + 64 * j + ho)),
-                                                                     _mm256_set1_epi32(s16[2 * j] + s16[2 * j + 1])));
-                    mn[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Mi),
-                                               _mm256_mul_ps(_mm256_load_ps((const float *)(grp + 64 + ho)), _mm256_set1_ps(dxs)),
-                                               mn[m][h]);
+        _Pragma("GCC unroll 4") for (int u = 0; u < NG; u++) {
+            const uint8_t *grp = gp[u];
+            _Pragma("GCC unroll 2") for (int h = 0; h < H; h++) {
+                const size_t ho = 32 * (size_t)(half + h); /* byte offset of this half in a 64-byte row */
+                const __m256 dv = _mm256_load_ps((const float *)(grp + ho));
+                _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++) {
+                    const float dxs = a->d[(size_t)(m0 + m) * ng + s];
+                    acc[m][u][h] =
+                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(I[m][u][h]), _mm256_mul_ps(dv, _mm256_set1_ps(dxs)), acc[m][u][h]);
+                    if (g.mins) {
+                        const int16_t *s16 = a->s16 + (size_t)(m0 + m) * (K / 16) + 16 * (size_t)s;
+                        __m256i Mi = _mm256_setzero_si256();
+                        _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {
+                            const __m256i mj = _mm256_load_si256((const __m256i *)(grp + 128 + 64 * j + ho));
+                            Mi = _mm256_add_epi32(Mi, _mm256_mullo_epi32(mj, _mm256_set1_epi32(s16[2 * j] + s16[2 * j + 1])));
+                        }
+                        const __m256 dm = _mm256_mul_ps(_mm256_load_ps((const float *)(grp + 64 + ho)), _mm256_set1_ps(dxs));
+                        mn[m][u][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Mi), dm, mn[m][u][h]);
+                    }
                 }
             }
         }
     }
     _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++)
-        _Pragma("GCC unroll 2") for (int h = 0; h < H; h++) {
-            int n = nr - 8 * h < 8 ? nr - 8 * h : 8;
-            if (n > 0) store8(Y + (size_t)m * ldy + 8 * h, n, g.mins ? _mm256_sub_ps(acc[m][h], mn[m][h]) : acc[m][h]);
-        }
+        _Pragma("GCC unroll 4") for (int u = 0; u < NG; u++)
+            _Pragma("GCC unroll 2") for (int h = 0; h < H; h++) {
+                const int rows = u == NG - 1 ? nr : 16; /* valid rows of group u */
+                int n = rows - 8 * h < 8 ? rows - 8 * h : 8;
+                if (n > 0)
+                    store8(Y + (size_t)m * ldy + 16 * u + 8 * h, n,
+                           g.mins ? _mm256_sub_ps(acc[m][u][h], mn[m][u][h]) : acc[m][u][h]);
+            }
 }
 
 AVX2 static ALWAYS void packed_t256(int type, const uint8_t *panel, int n_rows, const struct kv_q8_act *a, int m0,
@@ -964,17 +1037,29 @@ AVX2 static ALWAYS void packed_t256(int type, const uint8_t *panel, int n_rows, 
     const size_t rgb = (size_t)(a->K / g.G) * g.grp;
     for (int r = 0; r < n_rows;) {
         const uint8_t *rg = panel + (size_t)(r / 16) * rgb;
-        if (M < 4 && !g.kq && r % 16 == 0 && n_rows - r > 8) { /* decode: the whole group per row of X */
-            const int nr = n_rows - r < 16 ? n_rows - r : 16;
-            for (int m = 0; m < M; m++) packed_tile256(type, rg, 0, nr, a, m0 + m, Y + (size_t)m * ldy + r, ldy, 1, 2);
-            r += 16;
+        if (M < 4 && !g.kq && r % 16 == 0 && n_rows - r > 8) {
+            /* decode: whole groups per row of X, chunks of them side by side (a last group of 8
+             * rows or fewer goes by halves below) */
+            const int full = (n_rows - r) / 16, part = n_rows - r - 16 * full > 8;
+            const int c = decode_chunk(full + part);
+            const int nr = n_rows - r - 16 * (c - 1) < 16 ? n_rows - r - 16 * (c - 1) : 16; /* rows of the last group */
+            for (int m = 0; m < M; m++) {
+                float *y = Y + (size_t)m * ldy + r;
+                switch (c) {
+                case 1: packed_tile256(type, rg, rgb, 0, nr, a, m0 + m, y, ldy, 1, 2, 1); break;
+                case 2: packed_tile256(type, rg, rgb, 0, nr, a, m0 + m, y, ldy, 1, 2, 2); break;
+                case 3: packed_tile256(type, rg, rgb, 0, nr, a, m0 + m, y, ldy, 1, 2, 3); break;
+                default: packed_tile256(type, rg, rgb, 0, nr, a, m0 + m, y, ldy, 1, 2, 4); break;
+                }
+            }
+            r += 16 * c;
             continue;
         }
         const int nr = n_rows - r < 8 ? n_rows - r : 8;
         const int half = (r / 8) & 1;
         int m = 0;
-        for (; m + 4 <= M; m += 4) packed_tile256(type, rg, half, nr, a, m0 + m, Y + (size_t)m * ldy + r, ldy, 4, 1);
-        for (; m < M; m++) packed_tile256(type, rg, half, nr, a, m0 + m, Y + (size_t)m * ldy + r, ldy, 1, 1);
+        for (; m + 4 <= M; m += 4) packed_tile256(type, rg, rgb, half, nr, a, m0 + m, Y + (size_t)m * ldy + r, ldy, 4, 1, 1);
+        for (; m < M; m++) packed_tile256(type, rg, rgb, half, nr, a, m0 + m, Y + (size_t)m * ldy + r, ldy, 1, 1, 1);
         r += 8;
     }
 }

@@ -517,7 +517,8 @@ static void plan_task(void *p, int t, int th) {
             kv_qdot_grouped(W->type, grouped, n1 - n0, (int)K, op->X, K, op->M, op->Y + n0, (size_t)W->rows);
         } else if (pl->q8[i] && W->panel && kv_q8_packed_fast(W->type)) {
             /* the matrix was repacked whole at load (struct kv_wmat.panel): outer products over
-             * its row groups for every M, decode included (one sequential stream of weights) */
+             * its row groups for every M, decode included (M < 4: up to 4 row groups read side by
+             * side, concurrent sequential streams; q8_x86.c packed_tile) */
             size_t gb = kv_q8_pack_bytes(W->type, 16, (int)K);
             kv_q8_dot_packed(W->type, (const char *)W->panel + (size_t)(n0 / 16) * gb, n1 - n0, pl->q8[i], 0, op->M,
                              op->Y + n0, (size_t)W->rows);
