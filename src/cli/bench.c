@@ -65,7 +65,7 @@ static void usage(FILE *f) {
 
 static int need(int i, int argc, char **argv) {
     if (i + 1 >= argc) {
-        fprintf(stderr, "kvserve bench: %s needs a value\n", argv[i]);
+        fprintf(stderr, "kvserve bench: %s needs a value, or is not an option (see --help)\n", argv[i]);
         return 0;
     }
     return 1;

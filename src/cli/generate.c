@@ -131,7 +131,7 @@ int cmd_generate(int argc, char **argv) {
         }
         if (!v) {
             fprintf(stderr, "kvserve generate: %s\n",
-                    a[0] == '-' ? "option needs a value" : "unexpected argument");
+                    a[0] == '-' ? "option needs a value, or is not an option" : "unexpected argument");
             fprintf(stderr, "  at '%s'\n", a);
             usage(stderr);
             return 2;

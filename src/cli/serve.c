@@ -209,8 +209,12 @@ int cmd_serve(int argc, char **argv) {
             fprintf(stderr, "kvserve serve: unexpected argument '%s' (see --help)\n", a);
             return 2;
         }
-        if (i + 1 >= argc) {
-            fprintf(stderr, "kvserve serve: option %s needs a value (see --help)\n", a);
+        if (strchr(a, '=')) { /* --opt=VALUE: options take their value as the next argument */
+            fprintf(stderr, "kvserve serve: unknown option '%s' (write '--option VALUE'; see --help)\n", a);
+            return 2;
+        }
+        if (i + 1 >= argc) { /* the last argument: a value-taking option without it, or no option at all */
+            fprintf(stderr, "kvserve serve: option %s needs a value, or is not an option (see --help)\n", a);
             return 2;
         }
         const char *v = argv[++i];

@@ -632,6 +632,58 @@ param:
     return KV_EINVAL;
 }
 
+/* The top-level fields each request kind reads (docs/api.md). Any other field (not null) is a
+ * 400 naming it, as OpenAI's API answers "Unrecognized request argument supplied": a typo such
+ * as 'max_token' or 'temprature' must not quietly leave a default in place. Message objects are
+ * not checked (the chat template receives them whole and may read any field); stream_options is
+ * (its one key). */
+static const char *const k_sampling[] = {
+    "model", "user", "conversation_id", "cache_salt", "max_tokens", "temperature", "top_p", "min_p", "top_k",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stream", "stream_options", "stop",
+    "n", "best_of", "logprobs", "ignore_eos", "return_tokens_as_token_ids", "logit_bias", "stop_token_ids",
+    "min_tokens", "priority", "response_format", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar", "guided_whitespace_pattern", "structured_outputs", "json_schema", "grammar",
+    "disaggregated_params", NULL};
+static const char *const k_completion[] = {"prompt", "echo", "suffix", NULL};
+static const char *const k_chat_extras[] = {"messages", "tools", "tool_choice", "parallel_tool_calls",
+                                            "add_generation_prompt", "continue_final_message",
+                                            "chat_template_kwargs", NULL};
+static const char *const k_chat[] = {"max_completion_tokens", "top_logprobs", NULL};
+static const char *const k_tokenize[] = {"model", "prompt", "add_special_tokens", NULL};
+static const char *const k_detokenize[] = {"model", "tokens", NULL};
+
+static bool in_list(const char *k, const char *const *l) {
+    for (; l && *l; l++)
+        if (!strcmp(k, *l)) return true;
+    return false;
+}
+
+static kv_status check_known(enum oai_kind kind, json_t *o, struct oai_error *err) {
+    const char *const *lists[3] = {NULL, NULL, NULL};
+    switch (kind) {
+    case OAI_COMPLETION: lists[0] = k_sampling, lists[1] = k_completion; break;
+    case OAI_CHAT: lists[0] = k_sampling, lists[1] = k_chat_extras, lists[2] = k_chat; break;
+    case OAI_TOKENIZE: lists[0] = k_tokenize, lists[1] = k_chat_extras; break;
+    case OAI_DETOKENIZE: lists[0] = k_detokenize; break;
+    }
+    const char *k;
+    json_t *v;
+    json_object_foreach(o, k, v) {
+        if (json_is_null(v) || in_list(k, lists[0]) || in_list(k, lists[1]) || in_list(k, lists[2])) continue;
+        return BAD(k, "Unrecognized request argument supplied: %.100s", k);
+    }
+    json_t *so = field(o, "stream_options");
+    if (json_is_object(so) && (kind == OAI_COMPLETION || kind == OAI_CHAT)) {
+        json_object_foreach(so, k, v) {
+            if (json_is_null(v) || !strcmp(k, "include_usage")) continue;
+            char p[64];
+            snprintf(p, sizeof p, "stream_options.%.40s", k);
+            return BAD(p, "Unrecognized request argument supplied: stream_options.%.100s", k);
+        }
+    }
+    return KV_OK;
+}
+
 static kv_status parse_obj(enum oai_kind kind, json_t *o, const struct oai_limits *lim,
                            struct oai_request *r, struct oai_error *err) {
     r->kind = kind;
@@ -691,6 +743,7 @@ kv_status oai_parse(enum oai_kind kind, const char *body, size_t len,
         return BAD(NULL, "request body must be a JSON object");
     }
     kv_status st = parse_obj(kind, o, lim, out, err);
+    if (!st) st = check_known(kind, o, err); /* after the fields' own checks: those name the better error */
     json_decref(o);
     if (st) {
         oai_request_free(out);

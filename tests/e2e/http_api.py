@@ -343,6 +343,13 @@ def bad_cases():
         ("prompt too long", "POST", P, {"prompt": long_prompt, "max_tokens": 4}, 400, "prompt"),
         ("chat empty messages", "POST", H, {"messages": []}, 400, "messages"),
         ("chat no messages", "POST", H, {"prompt": "a"}, 400, "messages"),
+        # a field no parser reads is a 400 naming it, never a silent default (a typo here)
+        ("typo max_token", "POST", P, {"prompt": "a", "max_token": 2}, 400, "max_token"),
+        ("chat unknown field", "POST", H, {"messages": [{"role": "user", "content": "x"}], "bogus": 1}, 400, "bogus"),
+        ("stream_options unknown key", "POST", P, {"prompt": "a", "stream": True,
+                                                  "stream_options": {"include_usage": True, "zzz": 1}}, 400,
+         "stream_options.zzz"),
+        ("tokenize unknown field", "POST", "/tokenize", {"prompt": "a", "zz": 1}, 400, "zz"),
         ("chat bad role", "POST", H, {"messages": [{"role": 3, "content": "x"}]}, 400, "messages[0].role"),
         ("chat content number", "POST", H, {"messages": [{"role": "user", "content": 1}]}, 400, "messages[0].content"),
         ("chat image part", "POST", H, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages[0].content"),

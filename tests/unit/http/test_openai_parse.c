@@ -215,6 +215,19 @@ static const struct bad_case bad[] = {
     {D, "{}", 400, "tokens", NULL},
     {D, "{\"tokens\":\"1 2\"}", 400, "tokens", NULL},
     {D, "{\"tokens\":[1, 99999]}", 400, "tokens", NULL},
+    /* fields no parser reads are a 400 naming them (OpenAI: "Unrecognized request argument
+     * supplied"), never silently ignored: a typo must not leave a default in place */
+    {C, "{\"prompt\":\"a\",\"max_token\":2}", 400, "max_token", NULL},
+    {C, "{\"prompt\":\"a\",\"temprature\":0}", 400, "temprature", NULL},
+    {C, "{\"prompt\":\"a\",\"top_logprobs\":2}", 400, "top_logprobs", NULL}, /* chat's field */
+    {C, "{\"prompt\":\"a\",\"stream\":true,\"stream_options\":{\"include_usage\":true,\"zzz\":1}}", 400,
+     "stream_options.zzz", NULL},
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"bogus\":1}", 400, "bogus", NULL},
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"echo\":false}", 400, "echo", NULL},
+    {H, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"store\":true}", 400, "store", NULL},
+    {T, "{\"prompt\":\"a\",\"zz\":1}", 400, "zz", NULL},
+    {T, "{\"prompt\":\"a\",\"max_tokens\":3}", 400, "max_tokens", NULL},
+    {D, "{\"tokens\":[1],\"skip_special_tokens\":true}", 400, "skip_special_tokens", NULL},
 };
 
 static void test_bad_inputs(void **state) {
@@ -315,7 +328,7 @@ static void test_completion_full(void **state) {
              "\"presence_penalty\":0.5,\"frequency_penalty\":-0.5,\"repetition_penalty\":1.1,"
              "\"stop\":[\"\\n\",\"The end\"],\"ignore_eos\":true,\"logprobs\":5,\"echo\":false,"
              "\"stream\":true,\"stream_options\":{\"include_usage\":true},\"n\":1,\"user\":\"u\","
-             "\"cache_salt\":\"s\",\"conversation_id\":\"c\",\"unknown_field\":[1]}",
+             "\"cache_salt\":\"s\",\"conversation_id\":\"c\",\"unknown_field\":null}",
              &r);
     assert_string_equal(r.text, "Hi there");
     assert_true(r.stream);
