@@ -16,8 +16,9 @@
  * tokens (n_past 0, logits of the last one) as prefill tokens/s; then page-copy GB/s per
  * direction: kv_cuda_copy_pages (its path: the kernel, or the copy engines for host pages of
  * >= kv_cuda_copy_engine_min() bytes) against one cudaMemcpyAsync per page, and one
- * cudaMemcpyBatchAsync of all pages (CUDA 12.8+; 0 when built with an older toolkit). --deterministic runs the backend in its batch-invariant mode
- * (backend_cuda_options.deterministic) for the same measurements.
+ * cudaMemcpyBatchAsync of all pages (CUDA 12.8+; 0 when built with an older toolkit).
+ * --deterministic runs the backend in its batch-invariant mode (backend_cuda_options.
+ * deterministic) for the same measurements.
  */
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>

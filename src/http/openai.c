@@ -672,11 +672,11 @@ static kv_status check_known(enum oai_kind kind, json_t *o, struct oai_error *er
         if (json_is_null(v) || in_list(k, lists[0]) || in_list(k, lists[1]) || in_list(k, lists[2])) continue;
         return BAD(k, "Unrecognized request argument supplied: %.100s", k);
     }
-    json_t *so = field(o, "stream_options");
-    if (json_is_object(so) && (kind == OAI_COMPLETION || kind == OAI_CHAT)) {
+    json_t *so = field(o, "stream_options"); /* known on completions and chat only (above) */
+    if (json_is_object(so)) {
         json_object_foreach(so, k, v) {
             if (json_is_null(v) || !strcmp(k, "include_usage")) continue;
-            char p[64];
+            char p[sizeof err->param];
             snprintf(p, sizeof p, "stream_options.%.40s", k);
             return BAD(p, "Unrecognized request argument supplied: stream_options.%.100s", k);
         }
