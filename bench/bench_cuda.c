@@ -170,7 +170,8 @@ static void bench_decode(int layers, const int *batches, int nb, const int *ctxs
     double dim = 4096, qw = 4096, kw = 1024, ffn = 14336, V = 128256;
     double wbytes = 2.0 * (layers * (dim * (qw + 2 * kw) + qw * dim + 2 * ffn * dim + ffn * dim) + 2 * V * dim);
     fprintf(stderr, "model: %d layers, weights %.2f GB bf16 (made in %.1f s)\n", layers, wbytes / 1e9, kv_now_s() - t0);
-    printf("\nKV cache: %s; mode: %s; sampling: %s\n", kv_dtype_name(kv_dtype),
+    printf("\nKV cache: %s; batch-1 decode megakernel: %s; mode: %s; sampling: %s\n", kv_dtype_name(kv_dtype),
+           kv_cuda_megakernel(be) ? "on (one-row steps, bf16 KV)" : "off",
            g_det ? "deterministic (batch-invariant GEMM + attention split)" : "default (cuBLAS)",
            !g_sample ? "none (logits rows downloaded)"
                      : g_host_sample ? (g_sample == 1 ? "host, greedy" : "host, temperature 0.8 top_p 0.95")

@@ -51,6 +51,10 @@ __device__ __forceinline__ void dec_cp16(void *smem, const void *g) {
     unsigned sa = (unsigned)__cvta_generic_to_shared(smem);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(g));
 }
+/* The barrier of one decode-attention CTA's DEC_THREADS threads (named barrier 1): the same as
+ * __syncthreads in the kernels below, and usable by the first DEC_THREADS threads of a larger
+ * CTA (the batch-1 decode megakernel, decode_mk.cuh) while its other threads do other work. */
+__device__ __forceinline__ void dec_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(DEC_THREADS) : "memory"); }
 /* 8 consecutive pool elements from shared memory (16-byte aligned) as f32 */
 __device__ __forceinline__ void dec_ld8(const __nv_bfloat16 *p, float o[8]) {
     uint4 u = *(const uint4 *)p;
@@ -109,7 +113,7 @@ __device__ __forceinline__ void dec_last_combine(int r, int kvh, int G, int hd, 
                                                  const float *part, const float *part_ml, unsigned *cnt, float *wz,
                                                  float *cr, TA *out) {
     __threadfence();
-    __syncthreads();
+    dec_sync();
     __shared__ int last;
     const int t = threadIdx.x, w = t / 32, lane = t % 32, h0 = kvh * G;
     if (t == 0) {
@@ -117,7 +121,7 @@ __device__ __forceinline__ void dec_last_combine(int r, int kvh, int G, int hd, 
         last = atomicAdd(c, 1u) == (unsigned)nparts - 1;
         if (last) *c = 0; /* every part has counted: reset for the next launch */
     }
-    __syncthreads();
+    dec_sync();
     if (!last) return;
     __threadfence();
     /* combine: weights 2^(m_z - M_g) into buf (z-major), 1 / sum_z l_z w_z into cr */
@@ -125,7 +129,7 @@ __device__ __forceinline__ void dec_last_combine(int r, int kvh, int G, int hd, 
         int zz = i / G, g = i % G;
         wz[i] = __ldcg(part_ml + (((size_t)r * nh + h0 + g) * max_parts + zz) * 2);
     }
-    __syncthreads();
+    dec_sync();
     for (int g = w; g < G; g += DEC_THREADS / 32) {
         float M = -INFINITY;
         for (int zz = lane; zz < nparts; zz += 32) M = fmaxf(M, wz[zz * G + g]);
@@ -139,7 +143,7 @@ __device__ __forceinline__ void dec_last_combine(int r, int kvh, int G, int hd, 
         for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
         if (lane == 0) cr[g] = 1.f / L;
     }
-    __syncthreads();
+    dec_sync();
     const int hd4 = hd / 4;
     for (int it = t; it < G * hd4; it += DEC_THREADS) {
         int g = it / hd4, d0 = (it % hd4) * 4;
@@ -344,18 +348,18 @@ struct dec_qkv_t {
     int neox, on;
 };
 
+/* k_attn_dec_tc's work for one (row bx, KV head kvh, part z) whose span sp dec_begin computed,
+ * by threads t = 0 .. DEC_THREADS - 1 (dec_sync between them) on dsm (dec_tc_smem_bytes).
+ * Reads the q / k / v rows with ld.global.cg (the megakernel's other CTAs write them in the
+ * same launch: L1 is not coherent). */
 template <int HD, typename TA>
-__global__ void __launch_bounds__(DEC_THREADS)
-    k_attn_dec_tc(const float *qkv, int stride, __nv_bfloat16 *pool, size_t block_floats, int layer, int n_kv,
-                  int tpb, int G, const int32_t *row_pos, const int32_t *row_bt, const int32_t *bt,
-                  const int32_t *rows, int split_len, int max_parts, float sl2, float *part, float *part_ml,
-                  unsigned *cnt, TA *out, int late_trigger, dec_qkv_t qp) {
+__device__ __forceinline__ void dec_tc_run(const dec_span &sp, int bx, int kvh, int z, int t, unsigned char *dsm,
+                                           const float *qkv, int stride, __nv_bfloat16 *pool, size_t block_floats,
+                                           int layer, int n_kv, int tpb, int G, const int32_t *row_bt,
+                                           const int32_t *bt, int max_parts, float sl2, float *part, float *part_ml,
+                                           unsigned *cnt, TA *out, int late_trigger, const dec_qkv_t &qp) {
     constexpr int RB = DTC_ROWB(HD), KS = HD / 16, NTW = HD / 32; /* k steps of S; dim n tiles per warp */
-    extern __shared__ __align__(16) unsigned char dsm[];
-    dec_span sp;
-    if (!dec_begin(late_trigger, rows, row_pos, split_len, &sp)) return;
     const int r = sp.r, p_begin = sp.p_begin, p_end = sp.p_end, nparts = sp.nparts;
-    const int kvh = blockIdx.y, z = blockIdx.z, t = threadIdx.x;
     const int nh = n_kv * G, h0 = kvh * G, w = t / 32, lane = t % 32, gi = lane / 4, ti = lane % 4;
     float *S = (float *)dsm, *ml = S + 8 * DEC_TILE, *cr = ml + 16;
     __nv_bfloat16 *Ps = (__nv_bfloat16 *)(cr + 8);
@@ -386,13 +390,13 @@ __global__ void __launch_bounds__(DEC_THREADS)
             for (int e = lane; e < HD; e += 32) kv_st(pool + slot + koff + e, qks[8][e]);
         } else {
             for (int e = t - 32; e < HD; e += DEC_THREADS - 32) {
-                float v = vr[e];
+                float v = __ldcg(vr + e);
                 if (qp.bqkv) v += qp.bqkv[vb0 + e];
                 kv_st(pool + slot + voff + e, v);
             }
         }
     }
-    __syncthreads(); /* block ids; the stored K / V row before the tiles are copied */
+    dec_sync(); /* block ids; the stored K / V row before the tiles are copied */
     constexpr int CR = HD * 2 / 16; /* 16-byte chunks per row */
     /* the tile at p0 into stage s: thread t copies position t / TPP's chunks t % TPP + TPP j
      * of its K row (positions < n) and V row (zero-filled past n: P is 0 there, and 0 * a
@@ -430,7 +434,7 @@ __global__ void __launch_bounds__(DEC_THREADS)
         for (int g = w; g < G; g += DEC_THREADS / 32)
             qk_head(qrow + (size_t)g * HD, qp.bqkv ? qp.bqkv + (size_t)(h0 + g) * HD : nullptr, qp.qn, qp.inv_freq, sp.pos,
                     HD, qp.eps, qp.neox, lane, qks[g]);
-        __syncthreads();
+        dec_sync();
     }
     /* A fragments of Q (rows gi: hi, gi + 8: lo, of head gi; zero for gi >= G), pre-scaled */
     uint32_t qa[KS][4];
@@ -457,14 +461,14 @@ __global__ void __launch_bounds__(DEC_THREADS)
     float o[NTW][4];
 #pragma unroll
     for (int i = 0; i < NTW; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-    if (qp.on) __syncthreads(); /* every fragment read qks before the first issue refills its stage */
+    if (qp.on) dec_sync(); /* every fragment read qks before the first issue refills its stage */
 
     int s = 0;
     for (int p0 = p_begin; p0 < p_end; p0 += DEC_TILE, s = s + 1 == DTC_NS ? 0 : s + 1) {
         int n = min(DEC_TILE, p_end - p0);
         issue(p0 + (DTC_NS - 1) * DEC_TILE, s == 0 ? DTC_NS - 1 : s - 1);
         asm volatile("cp.async.wait_group %0;\n" ::"n"(DTC_NS - 1) : "memory");
-        __syncthreads();
+        dec_sync();
         const unsigned char *kb = buf + s * stage_bytes, *vb = kb + DEC_TILE * (size_t)RB;
         { /* S for positions 8w .. 8w + 7; B fragments of two k steps per ldmatrix.x4: lane l
            * points at position 8w + l % 8, dims 16 ks + 8 (l / 8) */
@@ -483,14 +487,14 @@ __global__ void __launch_bounds__(DEC_THREADS)
                 S[gi * DEC_TILE + p + 1] = p + 1 < n ? c[1] + c[3] : -INFINITY;
             }
         }
-        __syncthreads();
+        dec_sync();
         for (int g = w; g < G; g += DEC_THREADS / 32) { /* online softmax, one warp per head */
             float pw = dec_softmax_step(S[g * DEC_TILE + lane], lane, n, ml + 2 * g, cr + g);
             __nv_bfloat16 hi = __float2bfloat16_rn(pw);
             Ps[g * DTC_PST + lane] = hi;
             Ps[(g + 8) * DTC_PST + lane] = __float2bfloat16_rn(pw - __bfloat162float(hi));
         }
-        __syncthreads();
+        dec_sync();
         { /* O += P V: this warp's dims n tiles j = w + 4 i */
             float c = cr[gi]; /* rows gi and gi + 8 are both head gi */
             uint32_t pa[2][4];
@@ -514,7 +518,7 @@ __global__ void __launch_bounds__(DEC_THREADS)
                 fl_mma(o[i], pa[1], b[2], b[3], __nv_bfloat16());
             }
         }
-        __syncthreads(); /* the stage and P are rewritten by the next iteration */
+        dec_sync(); /* the stage and P are rewritten by the next iteration */
     }
     if (late_trigger) pdl_trigger();
 
@@ -541,8 +545,23 @@ __global__ void __launch_bounds__(DEC_THREADS)
         float *pm = part_ml + (((size_t)r * nh + h0 + g) * max_parts + z) * 2;
         pm[0] = ml[2 * g], pm[1] = ml[2 * g + 1];
     }
-    dec_last_combine<TA>(r, kvh, G, HD, nh, nparts, max_parts, part, part_ml, cnt + (size_t)blockIdx.x * n_kv + kvh,
+    dec_last_combine<TA>(r, kvh, G, HD, nh, nparts, max_parts, part, part_ml, cnt + (size_t)bx * n_kv + kvh,
                          (float *)buf, cr, out);
+}
+
+/* grid (rows, n_kv, max_parts), block DEC_THREADS, dynamic shared memory dec_tc_smem_bytes;
+ * arguments as k_attn_dec, plus qp (the fused q/k post-processing). */
+template <int HD, typename TA>
+__global__ void __launch_bounds__(DEC_THREADS)
+    k_attn_dec_tc(const float *qkv, int stride, __nv_bfloat16 *pool, size_t block_floats, int layer, int n_kv,
+                  int tpb, int G, const int32_t *row_pos, const int32_t *row_bt, const int32_t *bt,
+                  const int32_t *rows, int split_len, int max_parts, float sl2, float *part, float *part_ml,
+                  unsigned *cnt, TA *out, int late_trigger, dec_qkv_t qp) {
+    extern __shared__ __align__(16) unsigned char dsm[];
+    dec_span sp;
+    if (!dec_begin(late_trigger, rows, row_pos, split_len, &sp)) return;
+    dec_tc_run<HD, TA>(sp, blockIdx.x, blockIdx.y, blockIdx.z, threadIdx.x, dsm, qkv, stride, pool, block_floats, layer,
+                       n_kv, tpb, G, row_bt, bt, max_parts, sl2, part, part_ml, cnt, out, late_trigger, qp);
 }
 
 #endif

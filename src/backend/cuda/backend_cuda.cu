@@ -425,7 +425,7 @@ static void cuda_free(backend_t *be) {
         }
         if (c->output && c->output != c->tok_embd) kvc_free(c->output);
         void *ps[] = {c->tok_embd, c->out_norm, c->inv_freq, c->pool, c->x, c->h, c->a, c->logits, c->part,
-                      c->part_ml, c->d_meta, c->dec_cnt};
+                      c->part_ml, c->d_meta, c->dec_cnt, c->mk_layers, c->mk_bar, c->mk_prof};
         for (size_t i = 0; i < sizeof ps / sizeof ps[0]; i++)
             if (ps[i]) kvc_free(ps[i]);
         if (c->h_meta) kvc_free_host(c->h_meta);
@@ -500,7 +500,8 @@ static kv_status cuda_init(backend_t *be, struct cuda_ctx *c, const struct backe
     if ((size_t)cfg->ffn_dim > aw) aw = cfg->ffn_dim;
     c->hw = hw, c->aw = aw;
     (void)be;
-    return upload_model(c, opt->random_weights_seed, err, errlen);
+    kv_status st = upload_model(c, opt->random_weights_seed, err, errlen);
+    return st ? st : mk_setup(c, err, errlen);
 }
 
 extern "C" kv_status backend_cuda_new(const model_t *m, const struct backend_cuda_options *opt, backend_t **out,

@@ -96,7 +96,14 @@ extern "C" {
  * KVSERVE_CUDA_DEC_HALF=0 never uses 16-position parts,
  * KVSERVE_CUDA_DEC_PDL=1 launches it with programmatic dependent launch (default off),
  * KVSERVE_CUDA_DEC_LATE=1 moves its launch trigger after the loads, KVSERVE_CUDA_DEC_TC=0 runs
- * the SIMT k_attn_dec instead (any head_dim % 8 == 0, f32 pools; experiments). */
+ * the SIMT k_attn_dec instead (any head_dim % 8 == 0, f32 pools; experiments).
+ * The batch-1 decode megakernel (decode_mk.cuh: every layer of a one-row step in one
+ * persistent launch; bf16 weights and KV pool, head_dim 64 / 128, GQA group <= 8, dim,
+ * n_heads * head_dim and ffn_dim multiples of 512, not deterministic; kv_cuda_megakernel):
+ * KVSERVE_CUDA_MK=1 turns it on, 0 off (default: MK_DEFAULT in decode_mk.cuh);
+ * KVSERVE_CUDA_MK_PROF=1 (a timing tool: one blocking copy a step) prints each megakernel
+ * step's phase times on stderr; KVSERVE_CUDA_MK_DBG=N (timing experiments, results wrong):
+ * bit 1 no product arithmetic, 2 no attention, 4 fenced grid barriers, 16 no weight stream. */
 struct backend_cuda_options {
     int device;       /* CUDA device ordinal */
     bool f32_weights; /* keep weights f32 (exact-ish reference mode); default bf16 */
@@ -193,7 +200,9 @@ size_t kv_cuda_copy_engine_min(void);
  *   combine is inside the kernel), and 8 * n_layers + 3 when every row is such a row (the
  *   q/k-norm + RoPE + KV store runs inside it too; KVSERVE_CUDA_QKV_FUSE=0: 9 * n_layers + 3);
  *   10 * n_layers + 3 when chunks are mixed with such rows and 11 * n_layers + 3 when mixed
- *   with rows of the split kernels + combine.
+ *   with rows of the split kernels + combine. A one-row step that the decode megakernel serves
+ *   (kv_cuda_megakernel: bf16 KV pool) makes 4 launches: embedding, megakernel, output norm,
+ *   head (2 when L == 0).
  * forward_sample: the same, except that the download is the sampling results (one d2h copy)
  *   and the sampling adds 2 launches (3 when a row needs sorted candidates: the radix sort's
  *   own launches are not counted); its requests travel with the step's metadata (no extra
@@ -217,6 +226,12 @@ struct kv_cuda_counters {
 };
 /* Copies the counters (since process start) into *out. Thread-safe. */
 void kv_cuda_counters_get(struct kv_cuda_counters *out);
+
+/* 1 when the CUDA backend be runs one-row decode steps (bf16 weights and KV pool) with the
+ * batch-1 decode megakernel (decode_mk.cuh: the model's shapes fit, not deterministic,
+ * KVSERVE_CUDA_MK is not 0, the device launches cooperative grids), else 0. For tests and
+ * benches; be must be a CUDA backend. */
+int kv_cuda_megakernel(const backend_t *be);
 
 /* One product Y[M,N] (f32, device) = X[M,K] W[N,K]^T (device; bf16, or f32 when f32w) as the
  * backend computes it: mode 1 the deterministic mode's batch-invariant kernel, mode 0 the

@@ -64,6 +64,14 @@ struct cuda_ctx {
     bool dec_pdl; /* k_attn_dec* launched with PDL (KVSERVE_CUDA_DEC_PDL=1; default plain stream order: 1-12% faster steps, H200) */
     int dec_late; /* k_attn_dec triggers the next kernel's launch after its loads (KVSERVE_CUDA_DEC_LATE) */
     unsigned *dec_cnt; /* (DEC_ROWS_CAP, n_kv) k_attn_dec's last-part counters, zero between launches */
+    /* the batch-1 decode megakernel (decode_mk.cuh; KVSERVE_CUDA_MK=0: off), set up by mk_setup */
+    bool mk;
+    size_t mk_smem;              /* its dynamic shared memory */
+    int mk_nst;                  /* ring stages */
+    unsigned mk_u_off, mk_part_off;
+    void *mk_layers;             /* device array of struct mk_layer, n_layers */
+    unsigned *mk_bar;            /* grid-barrier counter (zero between launches) */
+    long long *mk_prof;          /* KVSERVE_CUDA_MK_PROF=1 (timing tool): per-CTA phase cycles, printed per step */
     unsigned skip; /* timing only (KVSERVE_CUDA_SKIP, backend_cuda.h): stages left out, SKIP_* bits */
     size_t wsz; /* bytes per weight element */
     cudaStream_t st;
@@ -149,7 +157,7 @@ static cudaError_t klaunch_pdl(const struct cuda_ctx *c, bool pdl, void (*k)(KAr
 #define GRAPH_MAX_ROWS 64
 #define GRAPH_CACHE 32
 struct graph_key {
-    int T, L, parts, split_len, tpb, attn2, n_tiles, n1, dec, single;
+    int T, L, parts, split_len, tpb, attn2, n_tiles, n1, dec, single, mk;
     size_t cap_meta, block_floats;
     int kv_dtype;
     const void *ptr[9];
@@ -194,6 +202,18 @@ bool cuda_healthy(backend_t *be, char *why, size_t whylen);
 /* Raise the dynamic shared memory limits of k_gemm_inv / k_attn_flash (once per device use). */
 cudaError_t inv_gemm_setup(void);
 cudaError_t flash_setup(void);
+/* Decides whether the batch-1 decode megakernel serves this model on this device (c->mk; off
+ * when the shapes, the options or the device do not allow it, never an error for that) and
+ * allocates its layer table and barrier counter. Errors: a failed CUDA call (KV_EIO / KV_ENOMEM). */
+kv_status mk_setup(struct cuda_ctx *c, char *err, size_t errlen);
+/* Enqueues the megakernel for a one-row step (c->mk; its attention parts split_len positions
+ * long, max_parts of them at most; the step's metadata at d_pos / d_bto / d_bt) on c->st:
+ * every layer, c->x left holding the last residual. KV_EIO when the launch fails. */
+kv_status mk_launch(struct cuda_ctx *c, int split_len, int max_parts, const int32_t *d_pos, const int32_t *d_bto,
+                    const int32_t *d_bt, char *err, size_t errlen);
+/* KVSERVE_CUDA_MK_PROF=1 only: the last megakernel step's phase times on stderr (one blocking
+ * copy). */
+void mk_prof_print(struct cuda_ctx *c);
 /* Raises k_attn_dec's dynamic shared memory limit (once per device use). */
 cudaError_t dec_setup(void);
 #define DEC_ROWS_CAP 256

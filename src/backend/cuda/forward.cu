@@ -234,6 +234,7 @@ struct enq_args {
     int T, L, max_parts, split_len;
     bool attn2; /* k_attn_part2 for this step */
     bool dec;   /* k_attn_dec for the split rows (split_len from dec_split_len) */
+    bool mk;    /* the batch-1 decode megakernel runs the layers (decode_mk.cuh) */
     size_t meta_n; /* int32 entries of metadata to upload */
     int n_tiles;   /* > 0: k_attn_flash over these tiles (pairs at d_meta + tiles_off) */
     int n1;        /* with n_tiles: rows of the split kernels (list at d_meta + rows1_off) */
@@ -297,6 +298,14 @@ static kv_status forward_t(backend_t *be, const struct batch *b, float *logits, 
     while ((long)T1 * ((max_pos1 + split_len - 1) / split_len) > 8192 && split_len < (1 << 24)) split_len *= 2;
     int max_parts = max_pos1 ? (max_pos1 + split_len - 1) / split_len : 1;
     int dsl = dec_split_len(c, (int)T1, max_pos1, c->kv_dtype == KV_DTYPE_BF16 ? 2 : 4);
+    /* the batch-1 megakernel: as many (KV head, part) pairs as CTAs, at most; parts a multiple
+     * of DEC_TILE / 2 positions long, so a graph serves the next 16 x (SMs / KV heads) positions */
+    const bool mk = c->mk && T == 1 && !n_tiles && sizeof(TA) == 2 && c->kv_dtype == KV_DTYPE_BF16 && !c->skip;
+    if (mk) {
+        int per = c->n_sm / cfg->n_kv_heads; /* parts per KV head */
+        dsl = (max_pos1 + per - 1) / per;
+        dsl = (dsl + DEC_TILE / 2 - 1) / (DEC_TILE / 2) * (DEC_TILE / 2);
+    }
     if (dsl) attn2 = false, split_len = dsl, max_parts = (max_pos1 + dsl - 1) / dsl;
     if (c->det) { /* batch-invariant: one kernel, each row's split from its own position (det_split_len) */
         attn2 = c->attn2;
@@ -364,15 +373,15 @@ static kv_status forward_t(backend_t *be, const struct batch *b, float *logits, 
     }
     int n_sort = 0;
     if (sp && (st = kvs_meta_fill(sp, L, cfg->n_vocab, c->h_meta + samp_off, &n_sort, err, errlen))) return st;
-    struct enq_args ea = {T, L, max_parts, split_len, attn2, dsl != 0, use_graph ? c->cap_meta : meta_n, n_tiles, n1, tiles_off,
-                          rows1_off, bt_off, single};
+    struct enq_args ea = {T, L, max_parts, split_len, attn2, dsl != 0, mk, use_graph ? c->cap_meta : meta_n, n_tiles, n1,
+                          tiles_off, rows1_off, bt_off, single};
     if (!use_graph) {
         if ((st = enqueue_step<TA>(c, &ea, err, errlen))) return st;
     } else {
         struct graph_key k;
         memset(&k, 0, sizeof k);
         k.T = T, k.L = L, k.parts = max_parts, k.split_len = split_len, k.tpb = c->tpb, k.attn2 = attn2;
-        k.dec = dsl != 0, k.n_tiles = n_tiles, k.n1 = n1, k.single = single;
+        k.dec = dsl != 0, k.n_tiles = n_tiles, k.n1 = n1, k.single = single, k.mk = mk;
         k.cap_meta = c->cap_meta, k.block_floats = c->block_floats, k.kv_dtype = c->kv_dtype;
         const void *ps[9] = {c->x, c->h, c->a, c->logits, c->part, c->part_ml, c->d_meta, c->h_meta, c->pool};
         memcpy(k.ptr, ps, sizeof ps);
@@ -414,6 +423,7 @@ static kv_status forward_t(backend_t *be, const struct batch *b, float *logits, 
                "logits download");
     }
     CU_TRY(kvc_stream_sync(c->st), "forward");
+    if (mk && c->mk_prof) mk_prof_print(c);
     if (sp) kvs_collect(&c->samp, sp, L, sout);
     return KV_OK;
 }
@@ -434,6 +444,14 @@ template <typename TA> static kv_status enqueue_step(struct cuda_ctx *c, const s
 
     k_embed<TA><<<T, 1024, 0, c->st>>>((const TA *)c->tok_embd, d_tok, c->x, dim);
     LAUNCHED("embed");
+    if (ea->mk) { /* every layer in the megakernel; x then holds the last residual */
+        if ((st = mk_launch(c, ea->split_len, ea->max_parts, d_pos, d_bto, d_bt, err, errlen))) return st;
+        if (L > 0) {
+            if ((st = launch_norm<TA>(c, c->x, NULL, c->out_norm, L, d_lr, 0, err, errlen))) return st;
+            if ((st = gemm(c, c->a, L, dim, c->output, cfg->n_vocab, c->logits, err, errlen))) return st;
+        }
+        return KV_OK;
+    }
     int group = nh / nkv, hc = att_hc(cfg);
     float scale = 1.0f / sqrtf((float)hd);
     bool kvb = c->kv_dtype == KV_DTYPE_BF16;
@@ -643,6 +661,8 @@ bool cuda_healthy(backend_t *be, char *why, size_t whylen) {
     if (why && whylen) snprintf(why, whylen, "%s", c->sick_why);
     return false;
 }
+
+extern "C" int kv_cuda_megakernel(const backend_t *be) { return ((const struct cuda_ctx *)be->ctx)->mk ? 1 : 0; }
 
 extern "C" kv_status kv_cuda_gemm(int mode, int f32w, const void *X, int M, int K, const void *W, int N, float *Y,
                                   char *err, size_t errlen) {

@@ -173,7 +173,7 @@ __device__ __forceinline__ void qk_head(const float *src, const float *bias, con
                                         int pos, int hd, float eps, int neox, int lane, float *sh) {
     double ss = 0;
     for (int e = lane; e < hd; e += 32) {
-        float v = src[e];
+        float v = __ldcg(src + e); /* written by other CTAs of the decode megakernel: not through L1 */
         if (bias) v += bias[e];
         sh[e] = v;
         ss += (double)v * v;

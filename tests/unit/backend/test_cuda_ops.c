@@ -16,6 +16,13 @@
  *    batch 1..8 rows with contexts that are and are not multiples of the block size, GQA
  *    groups 1 / 2 / 4 / 8 / 16 / 32, head_dim 32..128, f32 and bf16 K/V, parts of 16 .. 4096 positions
  *    (one part: no combine), each k_attn_dec case launched twice (its counters reset).
+ *  - decode megakernel: one sequence decoded a token at a time from position 0 (every step
+ *    one row: decode_mk.cuh serves it, checked) on a bf16 pool, with and without graphs,
+ *    against the CPU's prefill of the same tokens (every position's logits, compare_shape's
+ *    bf16-KV limits) and against the same run with KVSERVE_CUDA_MK=0 (the eight-kernel
+ *    layers); Llama shape with head_dim 128 / GQA group 2 past two doublings of the attention
+ *    part length (1056, 2112 positions), Qwen3 shape (q/k norms) with q/k/v biases, head_dim
+ *    64 / group 4; greedy tokens equal to the eight-kernel run's except at near-ties.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -441,11 +448,142 @@ static void test_cuda_sticky_fault(void **st) {
     model_free(m);
 }
 
+/* ---- the batch-1 decode megakernel ---- */
+
+/* Decodes toks[0 .. n) one token a step from position 0 on be (bf16 pool), every step's
+ * logits into out[p * V]. mk: the megakernel serves the steps: each step's CUDA calls are
+ * checked against backend_cuda.h's counts (graphs: one graph launch once the step's graph
+ * exists, no memset, no host->device copy; eager: 4 launches, 1 metadata upload). */
+static void mk_run(backend_t *be, const model_t *m, const int32_t *toks, int n, float *out, bool mk, bool graphs) {
+    int V = m->cfg.n_vocab, tpb = 16, per = (n + tpb - 1) / tpb, nb = per + 3;
+    struct kv_geometry g = {.n_layers = m->cfg.n_layers, .n_kv_heads = m->cfg.n_kv_heads, .head_dim = m->cfg.head_dim,
+                            .tokens_per_block = tpb, .kv_dtype = KV_DTYPE_BF16};
+    assert_int_equal(be->ops->kv_alloc(be, nb, &g), KV_OK);
+    int32_t *bt = malloc((size_t)per * sizeof *bt);
+    assert_non_null(bt);
+    for (int i = 0; i < per; i++) bt[i] = nb - 1 - ((i * 7) % nb); /* scattered, distinct (7 coprime to nb) */
+    char err[512];
+    for (int p = 0; p < n; p++) {
+        struct batch_seq sq = {.tokens = toks + p, .n_tokens = 1, .n_past = p, .block_table = bt, .n_blocks = per,
+                               .logits = BATCH_LOGITS_LAST};
+        struct batch b = {&sq, 1};
+        struct kv_cuda_counters c0, c1;
+        kv_cuda_counters_get(&c0);
+        if (be->ops->forward(be, &b, out + (size_t)p * V, err, sizeof err)) fail_msg("forward (position %d): %s", p, err);
+        kv_cuda_counters_get(&c1);
+        if (!mk) continue;
+        assert_int_equal(c1.stream_syncs - c0.stream_syncs, 1);
+        assert_int_equal(c1.d2h_copies - c0.d2h_copies, 1);
+        if (!graphs) {
+            assert_int_equal(c1.launches - c0.launches, 4);
+            assert_int_equal(c1.h2d_copies - c0.h2d_copies, 1);
+        } else if (c1.graph_instantiations == c0.graph_instantiations) {
+            assert_int_equal(c1.graph_launches - c0.graph_launches, 1);
+            assert_int_equal(c1.launches - c0.launches, 0);
+            assert_int_equal(c1.h2d_copies - c0.h2d_copies, 0);
+            assert_int_equal(c1.memsets - c0.memsets, 0);
+        } else {
+            assert_int_equal(c1.captured_launches - c0.captured_launches, 4);
+        }
+    }
+    free(bt);
+}
+
+static int mk_shape(const char *name, model_arch arch, bool bias, int n_heads, int n_kv, int hd, int dim, int ffn, int n,
+                    bool graphs) {
+    struct model_config cfg = {0};
+    cfg.arch = arch;
+    cfg.n_vocab = 1024, cfg.dim = dim, cfg.n_layers = 2, cfg.n_heads = n_heads, cfg.n_kv_heads = n_kv;
+    cfg.head_dim = hd, cfg.ffn_dim = ffn, cfg.rms_eps = 1e-5f, cfg.rope_theta = 500000.0f, cfg.rope_neox = true;
+    cfg.qk_norm = arch == MODEL_ARCH_QWEN3, cfg.attn_bias = bias, cfg.tied_embeddings = true;
+    cfg.max_ctx = 8192, cfg.bos_id = 1, cfg.eos_id = 2;
+    model_t *m = NULL, *mr = NULL;
+    assert_int_equal(model_alloc(&cfg, &m), KV_OK);
+    model_randomize(m, 900 + (uint64_t)hd, 0.05f);
+    assert_int_equal(model_alloc(&cfg, &mr), KV_OK);
+    model_randomize(mr, 900 + (uint64_t)hd, 0.05f);
+    model_round_bf16(mr);
+    int V = cfg.n_vocab, bad = 0;
+    int32_t *toks = malloc((size_t)n * sizeof *toks);
+    kv_rng rng;
+    kv_rng_seed(&rng, 31 + (uint64_t)hd);
+    for (int i = 0; i < n; i++) toks[i] = (int32_t)(kv_rng_next(&rng) % (uint64_t)V);
+    float *ref = malloc((size_t)n * V * sizeof(float)), *got = malloc((size_t)n * V * sizeof(float));
+    float *off = malloc((size_t)n * V * sizeof(float));
+    assert_true(ref && got && off);
+    { /* the CPU: one prefill of every token, all logits */
+        backend_t *cpu = make_be(mr, 0, false);
+        int tpb = 16, per = (n + tpb - 1) / tpb;
+        struct kv_geometry g = {.n_layers = cfg.n_layers, .n_kv_heads = n_kv, .head_dim = hd, .tokens_per_block = tpb,
+                                .kv_dtype = KV_DTYPE_F32};
+        assert_int_equal(cpu->ops->kv_alloc(cpu, per, &g), KV_OK);
+        int32_t *bt = malloc((size_t)per * sizeof *bt);
+        for (int i = 0; i < per; i++) bt[i] = i;
+        struct batch_seq sq = {.tokens = toks, .n_tokens = n, .n_past = 0, .block_table = bt, .n_blocks = per,
+                               .logits = BATCH_LOGITS_ALL};
+        struct batch b = {&sq, 1};
+        char err[512];
+        if (cpu->ops->forward(cpu, &b, ref, err, sizeof err)) fail_msg("cpu forward: %s", err);
+        free(bt);
+        backend_free(cpu);
+    }
+    if (!graphs) setenv("KVSERVE_CUDA_GRAPHS", "0", 1);
+    setenv("KVSERVE_CUDA_MK", "1", 1);
+    backend_t *gpu = make_be(m, 1, false);
+    if (!kv_cuda_megakernel(gpu)) fail_msg("%s: the decode megakernel does not serve this model on this device", name);
+    mk_run(gpu, m, toks, n, got, true, graphs);
+    backend_free(gpu);
+    setenv("KVSERVE_CUDA_MK", "0", 1);
+    gpu = make_be(m, 1, false);
+    unsetenv("KVSERVE_CUDA_MK");
+    unsetenv("KVSERVE_CUDA_GRAPHS");
+    assert_int_equal(kv_cuda_megakernel(gpu), 0);
+    mk_run(gpu, m, toks, n, off, false, graphs);
+    backend_free(gpu);
+    char what[200];
+    snprintf(what, sizeof what, "%s megakernel%s vs cpu", name, graphs ? " (graphs)" : "");
+    bad += score_rows(what, got, ref, n, V, false, 1.5e-2);
+    snprintf(what, sizeof what, "%s eight-kernel layers vs cpu", name);
+    bad += score_rows(what, off, ref, n, V, false, 1.5e-2);
+    snprintf(what, sizeof what, "%s megakernel vs eight-kernel layers", name);
+    bad += score_rows(what, got, off, n, V, false, 1e-2);
+    /* greedy tokens: where the two runs pick different tokens, it must be a near-tie in the
+     * eight-kernel run's logits (their gap <= 2e-2 max|logit| of the row: a different
+     * summation order may flip those, nothing else) */
+    int diff = 0, far = 0;
+    for (int p = 0; p < n; p++) {
+        const float *a = got + (size_t)p * V, *b = off + (size_t)p * V;
+        int ia = argmax(a, V), ib = argmax(b, V);
+        if (ia == ib) continue;
+        diff++;
+        double mx = 0;
+        for (int i = 0; i < V; i++) mx = fmax(mx, fabs(b[i]));
+        if (!((double)b[ib] - b[ia] <= 2e-2 * mx) && far++ < 3)
+            fprintf(stderr, "  %s position %d: tokens %d / %d, gap %g of max %g\n", name, p, ia, ib, b[ib] - b[ia], mx);
+    }
+    fprintf(stderr, "  %s: greedy tokens differ at %d of %d positions (near-ties), %d not near-ties\n", name, diff, n,
+            far);
+    bad += far;
+    free(ref), free(got), free(off), free(toks);
+    model_free(m), model_free(mr);
+    return bad;
+}
+
+static void test_cuda_decode_megakernel(void **st) {
+    (void)st;
+    if (!gpu_ok()) skip();
+    int bad = 0;
+    bad += mk_shape("llama hd128 g2", MODEL_ARCH_LLAMA, false, 8, 4, 128, 1024, 1536, 2200, true);
+    bad += mk_shape("qwen3 hd64 g4 bias", MODEL_ARCH_QWEN3, true, 8, 2, 64, 512, 1024, 300, false);
+    assert_int_equal(bad, 0);
+}
+
 #else /* !KVSERVE_HAVE_CUDA */
 static void test_cuda_flash_prefill(void **st) { (void)st; gpu_ok(); skip(); }
 static void test_cuda_sample(void **st) { (void)st; gpu_ok(); skip(); }
 static void test_cuda_decode_attn(void **st) { (void)st; gpu_ok(); skip(); }
 static void test_cuda_sticky_fault(void **st) { (void)st; gpu_ok(); skip(); }
+static void test_cuda_decode_megakernel(void **st) { (void)st; gpu_ok(); skip(); }
 #endif
 
 int main(void) {
@@ -454,11 +592,12 @@ int main(void) {
     unsetenv("KVSERVE_CUDA_GEMV_MAX"), unsetenv("KVSERVE_CUDA_CAPTURE"), unsetenv("KVSERVE_CUDA_FLASH");
     unsetenv("KVSERVE_CUDA_FAULT"), unsetenv("KVSERVE_CUDA_FLASH_MT");
     unsetenv("KVSERVE_CUDA_DEC_ROWS"), unsetenv("KVSERVE_CUDA_DEC_CTAS"), unsetenv("KVSERVE_CUDA_DEC_HALF");
-    unsetenv("KVSERVE_CUDA_ATTN_SPLIT");
+    unsetenv("KVSERVE_CUDA_ATTN_SPLIT"), unsetenv("KVSERVE_CUDA_MK");
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_cuda_flash_prefill),
         cmocka_unit_test(test_cuda_sample),
         cmocka_unit_test(test_cuda_decode_attn),
+        cmocka_unit_test(test_cuda_decode_megakernel),
         cmocka_unit_test(test_cuda_sticky_fault), /* last: it leaves the process's CUDA context unusable */
     };
     const char *only = getenv("KVSERVE_CUDA_TESTS");
