@@ -208,7 +208,9 @@ cudaError_t flash_setup(void);
 kv_status mk_setup(struct cuda_ctx *c, char *err, size_t errlen);
 /* Enqueues the megakernel for a one-row step (c->mk; its attention parts split_len positions
  * long, max_parts of them at most; the step's metadata at d_pos / d_bto / d_bt) on c->st:
- * every layer, c->x left holding the last residual. KV_EIO when the launch fails. */
+ * every layer, c->x left holding the last residual. KV_EIO when the launch fails; when it
+ * fails because the grid cannot be co-resident, c->mk is cleared first (later steps run the
+ * eight-kernel layers). */
 kv_status mk_launch(struct cuda_ctx *c, int split_len, int max_parts, const int32_t *d_pos, const int32_t *d_bto,
                     const int32_t *d_bt, char *err, size_t errlen);
 /* KVSERVE_CUDA_MK_PROF=1 only: the last megakernel step's phase times on stderr (one blocking

@@ -121,7 +121,13 @@ kv_status mk_launch(struct cuda_ctx *c, int split_len, int max_parts, const int3
     kvc_launched();
     void (*k)(const mk_params) = cfg->head_dim == 64 ? (c->mk_prof ? k_decode_mk<64, true> : k_decode_mk<64, false>)
                                                       : (c->mk_prof ? k_decode_mk<128, true> : k_decode_mk<128, false>);
-    CU_TRY(cudaLaunchKernelEx(&cf, k, P), "decode megakernel");
+    cudaError_t e = cudaLaunchKernelEx(&cf, k, P);
+    if (e == cudaErrorCooperativeLaunchTooLarge) { /* the SMs are not all ours (MPS, a partition) */
+        c->mk = false;
+        KV_WARN("cuda backend: the decode megakernel cannot have every SM; one-row steps use eight kernels a layer "
+                "from the next step on");
+    }
+    CU_TRY(e, "decode megakernel");
     return KV_OK;
 }
 

@@ -95,6 +95,16 @@ static float *run_fsched(backend_t *be, const model_t *m, const int32_t *toks, i
     return out;
 }
 
+/* A random model of shape cfg (seed) into *m and the same weights rounded to bf16 (the CPU
+ * reference on what the CUDA backend stores) into *mr. */
+static void model_pair(const struct model_config *cfg, uint64_t seed, model_t **m, model_t **mr) {
+    assert_int_equal(model_alloc(cfg, m), KV_OK);
+    model_randomize(*m, seed, 0.05f);
+    assert_int_equal(model_alloc(cfg, mr), KV_OK);
+    model_randomize(*mr, seed, 0.05f);
+    model_round_bf16(*mr);
+}
+
 /* One shape: CPU reference on bf16-rounded weights, then the GPU with flash and without, for
  * f32 and bf16 KV. Returns the failures. */
 static int flash_shape(const char *name, model_arch arch, int n_heads, int n_kv, int hd) {
@@ -105,11 +115,7 @@ static int flash_shape(const char *name, model_arch arch, int n_heads, int n_kv,
     cfg.qk_norm = arch == MODEL_ARCH_QWEN3, cfg.tied_embeddings = true;
     cfg.max_ctx = 4096, cfg.bos_id = 1, cfg.eos_id = 2;
     model_t *m = NULL, *mr = NULL;
-    assert_int_equal(model_alloc(&cfg, &m), KV_OK);
-    model_randomize(m, 500 + (uint64_t)hd, 0.05f);
-    assert_int_equal(model_alloc(&cfg, &mr), KV_OK);
-    model_randomize(mr, 500 + (uint64_t)hd, 0.05f);
-    model_round_bf16(mr);
+    model_pair(&cfg, 500 + (uint64_t)hd, &m, &mr);
     int V = cfg.n_vocab, n[FS], bad = 0;
     int32_t *toks = malloc((size_t)FS * FMAXN * sizeof *toks);
     kv_rng rng;
@@ -498,11 +504,7 @@ static int mk_shape(const char *name, model_arch arch, bool bias, int n_heads, i
     cfg.qk_norm = arch == MODEL_ARCH_QWEN3, cfg.attn_bias = bias, cfg.tied_embeddings = true;
     cfg.max_ctx = 8192, cfg.bos_id = 1, cfg.eos_id = 2;
     model_t *m = NULL, *mr = NULL;
-    assert_int_equal(model_alloc(&cfg, &m), KV_OK);
-    model_randomize(m, 900 + (uint64_t)hd, 0.05f);
-    assert_int_equal(model_alloc(&cfg, &mr), KV_OK);
-    model_randomize(mr, 900 + (uint64_t)hd, 0.05f);
-    model_round_bf16(mr);
+    model_pair(&cfg, 900 + (uint64_t)hd, &m, &mr);
     int V = cfg.n_vocab, bad = 0;
     int32_t *toks = malloc((size_t)n * sizeof *toks);
     kv_rng rng;
