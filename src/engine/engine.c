@@ -73,7 +73,8 @@ void engine_post_terminal(struct engine *e, struct request *r, enum engine_event
     ev.t_arrival_ns = r->t_arrival_ns;
     ev.t_admitted_ns = r->t_admitted_ns;
     ev.t_first_token_ns = r->t_first_ns;
-    r->cb(&ev, r->user);
+    /* counted before the event goes out: a client that has its answer must find it in
+     * /metrics (the HTTP thread may reply as soon as the callback returns) */
     if (!r->unborn) {
         pthread_mutex_lock(&e->stats_mu);
         /* an error with KV_ECANCELLED is a cancellation (shutdown, a KV transfer the peer
@@ -84,6 +85,7 @@ void engine_post_terminal(struct engine *e, struct request *r, enum engine_event
         else e->stats.requests_finished++;
         pthread_mutex_unlock(&e->stats_mu);
     }
+    r->cb(&ev, r->user);
     /* n > 1 ended before its fork (cancel, failure, shutdown): every choice still gets its
      * terminal event */
     for (int i = 1; i < r->n_choices; i++) {
