@@ -103,7 +103,7 @@ extern "C" {
  * KVSERVE_CUDA_MK=1 turns it on, 0 off (default off: MK_DEFAULT in decode_mk.cuh);
  * KVSERVE_CUDA_MK_PROF=1 (a timing tool: one blocking copy a step) prints each megakernel
  * step's phase times on stderr; KVSERVE_CUDA_MK_DBG=N (timing experiments, results wrong):
- * bit 1 no product arithmetic, 2 no attention, 4 fenced grid barriers, 16 no weight stream. */
+ * bit 1 no product arithmetic, 2 no attention, 16 no weight stream. */
 struct backend_cuda_options {
     int device;       /* CUDA device ordinal */
     bool f32_weights; /* keep weights f32 (exact-ish reference mode); default bf16 */

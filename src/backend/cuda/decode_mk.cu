@@ -65,6 +65,8 @@ kv_status mk_setup(struct cuda_ctx *c, char *err, size_t errlen) {
     CU_TRY(ce, "megakernel layer table");
     CU_TRY(kvc_malloc((void **)&c->mk_bar, 16), "cudaMalloc (megakernel barrier)");
     CU_TRY(kvc_memset_async(c->mk_bar, 0, 16, c->st), "memset (megakernel barrier)");
+    const char *dbg = getenv("KVSERVE_CUDA_MK_DBG");
+    c->mk_dbg = dbg ? atoi(dbg) : 0;
     const char *pf = getenv("KVSERVE_CUDA_MK_PROF");
     if (pf && *pf == '1')
         CU_TRY(kvc_malloc((void **)&c->mk_prof, (size_t)c->n_sm * MK_NPROF * sizeof(long long)), "cudaMalloc (profile)");
@@ -110,8 +112,7 @@ kv_status mk_launch(struct cuda_ctx *c, int split_len, int max_parts, const int3
     P.row_pos = d_pos, P.row_bt = d_bto, P.bt = d_bt, P.split_len = split_len, P.max_parts = max_parts;
     P.part = c->part, P.part_ml = c->part_ml, P.cnt = c->dec_cnt, P.bar = c->mk_bar;
     P.nst = c->mk_nst, P.u_off = c->mk_u_off, P.part_off = c->mk_part_off, P.prof = c->mk_prof;
-    const char *dbg = getenv("KVSERVE_CUDA_MK_DBG");
-    P.dbg = dbg ? atoi(dbg) : 0;
+    P.dbg = c->mk_dbg;
     cudaLaunchConfig_t cf = {};
     cf.gridDim = dim3((unsigned)c->n_sm), cf.blockDim = dim3(MK_THREADS), cf.dynamicSmemBytes = c->mk_smem, cf.stream = c->st;
     cudaLaunchAttribute at[1] = {};

@@ -87,7 +87,7 @@ struct mk_params {
     unsigned u_off;     /* byte offset of the region the attention and the x buffer share */
     unsigned part_off;  /* byte offset of the product slots in that region */
     int dbg;            /* timing experiments only (KVSERVE_CUDA_MK_DBG; results wrong): 1 no product math, 2 no
-                         * attention, 4 fenced grid barrier, 16 no weight stream (consumers reuse the ring) */
+                         * attention, 16 no weight stream (consumers reuse the ring) */
     long long *prof;    /* k_decode_mk<HD, true>: (gridDim.x, MK_NPROF) clock64 cycles per phase kind (KVSERVE_CUDA_MK_PROF) */
 };
 /* phase kinds of the profile: norms, activation loads, products (of which waiting for a
@@ -123,17 +123,9 @@ __device__ __forceinline__ void mk_csync() { asm volatile("bar.sync 2, %0;\n" ::
 /* every CTA's consumers reach the same barrier number (target = number x gridDim.x): thread 0
  * counts with release semantics (the CTA's writes, ordered before it by the bar.sync) and
  * polls with acquire semantics (the other CTAs' writes, for the threads after the bar.sync) */
-__device__ __forceinline__ void mk_grid(unsigned *bar, unsigned target, int fence = 0) {
+__device__ __forceinline__ void mk_grid(unsigned *bar, unsigned target) {
     mk_csync();
-    if (threadIdx.x == 0 && fence) {
-        __threadfence();
-        atomicAdd(bar, 1u);
-        unsigned v;
-        do {
-            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(bar) : "memory");
-        } while (v < target);
-        __threadfence();
-    } else if (threadIdx.x == 0) {
+    if (threadIdx.x == 0) {
         asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" ::"l"(bar) : "memory");
         unsigned v;
         do {
@@ -256,7 +248,7 @@ __device__ __forceinline__ float mk_row(const float *slots, int i, int ns) {
     return y;
 }
 
-/* xs (f32 planes, mk_xi) = bf16(w * x / rms(x)) as f32, x read from L2 once (dim <= 4 x 4 x
+/* xs (f32 planes, see mk_dot) = bf16(w * x / rms(x)) as f32, x read from L2 once (dim <= 4 x 4 x
  * threads; else twice); the same bits in every CTA */
 #define MK_NV 4
 __device__ __forceinline__ void mk_norm(const float *x, const float *w, int dim, float eps, float *xs,
@@ -388,20 +380,27 @@ __global__ void __launch_bounds__(MK_THREADS, 1) k_decode_mk(const mk_params P) 
             pa[kind] += t - tp, tp = t;
         }
     };
+    mk_seg sg[2];
+    int K, r0;
+    /* product p of layer Ly: this CTA's runs (sg, K, r0) into the slots */
+    auto product = [&](const mk_layer &Ly, int p) {
+        const int nseg = mk_segs(P, Ly, p, HD, cta, nc, sg, &K, &r0);
+        mk_consume(sg, nseg, K, ring, full, empty, nst, &q, xb, slots, warp, lane, starve, P.dbg & 1, P.dbg & 16);
+        mark(MKP_PROD);
+    };
+    auto grid = [&]() {
+        mk_grid(P.bar, ++nbar * nc);
+        mark(MKP_GRID);
+    };
     for (int l = 0; l < P.n_layers; l++) {
         const mk_layer Ly = P.layers[l];
-        mk_seg sg[2];
-        int K, r0, nseg;
         /* 1: norm, q / k / v */
         mk_norm(P.x, Ly.attn_norm, P.dim, P.eps, xb, red);
         mark(MKP_NORM);
-        nseg = mk_segs(P, Ly, 0, HD, cta, nc, sg, &K, &r0);
-        mk_consume(sg, nseg, K, ring, full, empty, nst, &q, xb, slots, warp, lane, starve, P.dbg & 1, P.dbg & 16);
-        mark(MKP_PROD);
+        product(Ly, 0);
         for (int i = threadIdx.x; i < sg[0].rows; i += MK_CW * 32) P.qkv[r0 + i] = mk_row(slots, i, K / MK_KQ);
         mark(MKP_EPI);
-        mk_grid(P.bar, ++nbar * nc, P.dbg & 4);
-        mark(MKP_GRID);
+        grid();
         /* 2: attention, (KV head, part) pairs over the CTAs */
         if (warp < DEC_THREADS / 32 && !(P.dbg & 2)) {
             const dec_qkv_t qp = {Ly.bqkv, Ly.q_norm, Ly.k_norm, P.inv_freq, P.eps, P.neox, 1};
@@ -418,43 +417,36 @@ __global__ void __launch_bounds__(MK_THREADS, 1) k_decode_mk(const mk_params P) 
             }
         }
         mark(MKP_ATTN);
-        mk_grid(P.bar, ++nbar * nc, P.dbg & 4);
-        mark(MKP_GRID);
+        grid();
         /* 3: o, x += o */
         mk_load(P.a, P.nh * HD, xb);
         mark(MKP_LOAD);
-        nseg = mk_segs(P, Ly, 1, HD, cta, nc, sg, &K, &r0);
-        float xo = threadIdx.x < sg[0].rows ? __ldcg(P.x + r0 + threadIdx.x) : 0.f; /* used after the product */
-        mk_consume(sg, nseg, K, ring, full, empty, nst, &q, xb, slots, warp, lane, starve, P.dbg & 1, P.dbg & 16);
-        mark(MKP_PROD);
+        /* the CTA's residual rows (o and down own the same rows of x), read before the product */
+        mk_segs(P, Ly, 1, HD, cta, nc, sg, &K, &r0);
+        float xo = threadIdx.x < sg[0].rows ? __ldcg(P.x + r0 + threadIdx.x) : 0.f;
+        product(Ly, 1);
         if (threadIdx.x < sg[0].rows) P.x[r0 + threadIdx.x] = xo + mk_row(slots, threadIdx.x, K / MK_KQ);
         mark(MKP_EPI);
-        mk_grid(P.bar, ++nbar * nc, P.dbg & 4);
-        mark(MKP_GRID);
+        grid();
         /* 4: norm, gate / up, SwiGLU */
         mk_norm(P.x, Ly.ffn_norm, P.dim, P.eps, xb, red);
         mark(MKP_NORM);
-        nseg = mk_segs(P, Ly, 2, HD, cta, nc, sg, &K, &r0);
-        mk_consume(sg, nseg, K, ring, full, empty, nst, &q, xb, slots, warp, lane, starve, P.dbg & 1, P.dbg & 16);
-        mark(MKP_PROD);
+        product(Ly, 2);
         for (int i = threadIdx.x; i < sg[0].rows; i += MK_CW * 32) {
             float g = mk_row(slots, i, K / MK_KQ), u = mk_row(slots, sg[0].rows + i, K / MK_KQ);
             P.a[r0 + i] = __float2bfloat16_rn(silu_mul(g, u));
         }
         mark(MKP_EPI);
-        mk_grid(P.bar, ++nbar * nc, P.dbg & 4);
-        mark(MKP_GRID);
+        grid();
         /* 5: down, x += down */
         mk_load(P.a, P.ffn, xb);
         mark(MKP_LOAD);
-        nseg = mk_segs(P, Ly, 3, HD, cta, nc, sg, &K, &r0);
+        mk_segs(P, Ly, 3, HD, cta, nc, sg, &K, &r0);
         xo = threadIdx.x < sg[0].rows ? __ldcg(P.x + r0 + threadIdx.x) : 0.f;
-        mk_consume(sg, nseg, K, ring, full, empty, nst, &q, xb, slots, warp, lane, starve, P.dbg & 1, P.dbg & 16);
-        mark(MKP_PROD);
+        product(Ly, 3);
         if (threadIdx.x < sg[0].rows) P.x[r0 + threadIdx.x] = xo + mk_row(slots, threadIdx.x, K / MK_KQ);
         mark(MKP_EPI);
-        if (l + 1 < P.n_layers) mk_grid(P.bar, ++nbar * nc, P.dbg & 4);
-        mark(MKP_GRID);
+        if (l + 1 < P.n_layers) grid();
     }
     if (prof) {
         pa[MKP_ALL] = clock64() - t_start;

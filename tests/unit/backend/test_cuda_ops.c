@@ -20,8 +20,8 @@
  *    one row: decode_mk.cuh serves it, checked) on a bf16 pool, with and without graphs,
  *    against the CPU's prefill of the same tokens (every position's logits, compare_shape's
  *    bf16-KV limits) and against the same run with KVSERVE_CUDA_MK=0 (the eight-kernel
- *    layers); Llama shape with head_dim 128 / GQA group 2 past two doublings of the attention
- *    part length (1056, 2112 positions), Qwen3 shape (q/k norms) with q/k/v biases, head_dim
+ *    layers); Llama shape with head_dim 128 / GQA group 2 over 2200 positions (the attention's
+ *    part length grows every 528 positions at 4 KV heads), Qwen3 shape (q/k norms) with q/k/v biases, head_dim
  *    64 / group 4; greedy tokens equal to the eight-kernel run's except at near-ties.
  */
 #include <setjmp.h>
