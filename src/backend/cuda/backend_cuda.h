@@ -100,7 +100,7 @@ extern "C" {
  * The batch-1 decode megakernel (decode_mk.cuh: every layer of a one-row step in one
  * persistent launch; bf16 weights and KV pool, head_dim 64 / 128, GQA group <= 8, dim,
  * n_heads * head_dim and ffn_dim multiples of 512, not deterministic; kv_cuda_megakernel):
- * KVSERVE_CUDA_MK=1 turns it on, 0 off (default off: MK_DEFAULT in decode_mk.cuh);
+ * KVSERVE_CUDA_MK=0 turns it off, 1 on (default on: MK_DEFAULT in decode_mk.cuh);
  * KVSERVE_CUDA_MK_PROF=1 (a timing tool: one blocking copy a step) prints each megakernel
  * step's phase times on stderr; KVSERVE_CUDA_MK_DBG=N (timing experiments, results wrong):
  * bit 1 no product arithmetic, 2 no attention, 16 no weight stream. */

@@ -34,8 +34,8 @@
  * ld.global.cg (L2), never through the SM's L1.
  *
  * H200, Llama-3-8B shape, batch 1 (docs/benchmarks.md, tenth session): 4.38 / 4.63 ms a step
- * at 512 / 4096 positions against 4.56 / 4.84 with eight kernels a layer. Off by default for
- * now (MK_DEFAULT).
+ * at 512 / 4096 positions against 4.56 / 4.84 with eight kernels a layer. On by default
+ * (MK_DEFAULT; KVSERVE_CUDA_MK=0 off).
  *
  * Not batch-invariant against the multi-row kernels (a different summation order than
  * k_gemv_bf16 / cuBLAS): the deterministic mode never runs it.
@@ -53,11 +53,10 @@
 #define MK_CHUNK (MK_PIECE * MK_PPW * MK_CW) /* bytes per ring stage (30 KiB) */
 #define MK_KQ 512                     /* elements per piece: K % MK_KQ == 0 */
 #define MK_MAX_NST 32
-/* Off unless KVSERVE_CUDA_MK=1: faster on the H200 (docs/benchmarks.md, tenth session), but the
- * device suite (the server's e2e API tests, fault injection) has not yet run with it on; 1
- * once it has. */
+/* On unless KVSERVE_CUDA_MK=0: faster on the H200 (docs/benchmarks.md), and the whole device
+ * suite (the server's e2e API tests, fault injection, det_serve, disagg) passes with it. */
 #ifndef MK_DEFAULT
-#define MK_DEFAULT 0
+#define MK_DEFAULT 1
 #endif
 #define MK_HEAD 1024 /* shared-memory bytes before the ring: the stage mbarriers */
 
