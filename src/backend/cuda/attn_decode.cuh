@@ -333,8 +333,8 @@ __host__ __device__ inline size_t dec_tc_head_bytes() {
     size_t h = (size_t)(8 * DEC_TILE + 2 * 8 + 8) * sizeof(float) + 16 * DTC_PST * 2 + DTC_MAXB * sizeof(int32_t);
     return (h + 15) / 16 * 16;
 }
-__host__ __device__ inline size_t dec_tc_smem_bytes(int hd, int G, int max_parts) {
-    size_t bufs = (size_t)DTC_NS * 2 * DEC_TILE * DTC_ROWB(hd), comb = (size_t)max_parts * G * sizeof(float);
+__host__ __device__ inline size_t dec_tc_smem_bytes(int hd, int G, int max_parts, int ns = DTC_NS) {
+    size_t bufs = (size_t)ns * 2 * DEC_TILE * DTC_ROWB(hd), comb = (size_t)max_parts * G * sizeof(float);
     return dec_tc_head_bytes() + (bufs > comb ? bufs : comb);
 }
 
@@ -352,7 +352,7 @@ struct dec_qkv_t {
  * by threads t = 0 .. DEC_THREADS - 1 (dec_sync between them) on dsm (dec_tc_smem_bytes).
  * Reads the q / k / v rows with ld.global.cg (the megakernel's other CTAs write them in the
  * same launch: L1 is not coherent). */
-template <int HD, typename TA>
+template <int HD, typename TA, int NS = DTC_NS>
 __device__ __forceinline__ void dec_tc_run(const dec_span &sp, int bx, int kvh, int z, int t, unsigned char *dsm,
                                            const float *qkv, int stride, __nv_bfloat16 *pool, size_t block_floats,
                                            int layer, int n_kv, int tpb, int G, const int32_t *row_bt,
@@ -378,7 +378,7 @@ __device__ __forceinline__ void dec_tc_run(const dec_span &sp, int bx, int kvh, 
     const float *qrow = qkv + (size_t)r * stride + (size_t)h0 * HD; /* the row's q of head h0 */
     /* fused: the G q heads and the k head (9 x HD floats), in the last K/V stage, which no copy
      * fills before the tile loop's first issue */
-    float(*qks)[HD] = (float(*)[HD])(buf + (DTC_NS - 1) * stage_bytes);
+    float(*qks)[HD] = (float(*)[HD])(buf + (NS - 1) * stage_bytes);
     if (qp.on && p_end == sp.pos + 1) { /* this part holds the row's position: its K and V */
         const float *kr = qkv + (size_t)r * stride + (size_t)n_kv * G * HD + (size_t)kvh * HD;
         const float *vr = kr + (size_t)n_kv * HD;
@@ -429,7 +429,7 @@ __device__ __forceinline__ void dec_tc_run(const dec_span &sp, int bx, int kvh, 
         asm volatile("cp.async.commit_group;\n" ::: "memory");
     };
 #pragma unroll
-    for (int j = 0; j < DTC_NS - 1; j++) issue(p_begin + j * DEC_TILE, j);
+    for (int j = 0; j < NS - 1; j++) issue(p_begin + j * DEC_TILE, j);
     if (qp.on) { /* the G q heads, post-processed into shared memory */
         for (int g = w; g < G; g += DEC_THREADS / 32)
             qk_head(qrow + (size_t)g * HD, qp.bqkv ? qp.bqkv + (size_t)(h0 + g) * HD : nullptr, qp.qn, qp.inv_freq, sp.pos,
@@ -464,10 +464,10 @@ __device__ __forceinline__ void dec_tc_run(const dec_span &sp, int bx, int kvh, 
     if (qp.on) dec_sync(); /* every fragment read qks before the first issue refills its stage */
 
     int s = 0;
-    for (int p0 = p_begin; p0 < p_end; p0 += DEC_TILE, s = s + 1 == DTC_NS ? 0 : s + 1) {
+    for (int p0 = p_begin; p0 < p_end; p0 += DEC_TILE, s = s + 1 == NS ? 0 : s + 1) {
         int n = min(DEC_TILE, p_end - p0);
-        issue(p0 + (DTC_NS - 1) * DEC_TILE, s == 0 ? DTC_NS - 1 : s - 1);
-        asm volatile("cp.async.wait_group %0;\n" ::"n"(DTC_NS - 1) : "memory");
+        issue(p0 + (NS - 1) * DEC_TILE, s == 0 ? NS - 1 : s - 1);
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(NS - 1) : "memory");
         dec_sync();
         const unsigned char *kb = buf + s * stage_bytes, *vb = kb + DEC_TILE * (size_t)RB;
         { /* S for positions 8w .. 8w + 7; B fragments of two k steps per ldmatrix.x4: lane l

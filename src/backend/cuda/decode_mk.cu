@@ -12,6 +12,17 @@
 #include "cuda_ctx.h"
 #include "decode_mk.cuh"
 
+typedef void (*mk_kernel_t)(const mk_params);
+template <bool PROF, int ANS> static mk_kernel_t mk_k2(int hd) {
+    return hd == 64 ? k_decode_mk<64, PROF, ANS> : k_decode_mk<128, PROF, ANS>;
+}
+/* the kernel for head_dim hd, the profile on or off, ans K/V stages in the attention */
+static mk_kernel_t mk_kernel(int hd, bool prof, int ans) {
+    if (ans == 3) return prof ? mk_k2<true, 3>(hd) : mk_k2<false, 3>(hd);
+    if (ans == 5) return prof ? mk_k2<true, 5>(hd) : mk_k2<false, 5>(hd);
+    return prof ? mk_k2<true, 4>(hd) : mk_k2<false, 4>(hd);
+}
+
 kv_status mk_setup(struct cuda_ctx *c, char *err, size_t errlen) {
     const struct model_config *cfg = &c->m->cfg;
     const char *e = getenv("KVSERVE_CUDA_MK");
@@ -37,16 +48,20 @@ kv_status mk_setup(struct cuda_ctx *c, char *err, size_t errlen) {
     if (ffn > xk) xk = ffn;
     size_t xbb = (size_t)xk * 4, own = xbb + (size_t)sl * sizeof(float);
     /* the attention's parts: at most 2 ceil(nc / nkv) after the graph's power-of-two rounding */
-    size_t att = dec_tc_smem_bytes(hd, G, 2 * (int)cdiv(nc, nkv));
+    const char *ae = getenv("KVSERVE_CUDA_MK_ANS"); /* experiments: the attention's K/V stages, 3-5 */
+    int ans = ae && atoi(ae) >= 3 && atoi(ae) <= 5 ? atoi(ae) : MK_ANS;
+    size_t att = dec_tc_smem_bytes(hd, G, 2 * (int)cdiv(nc, nkv), ans);
     size_t u = ((att > own ? att : own) + 127) / 128 * 128;
     long room = (long)optin - 1024 /* static shared memory */ - MK_HEAD - (long)u;
     int nst = room > 0 ? (int)(room / MK_CHUNK) : 0;
-    if (nst > MK_MAX_NST) nst = MK_MAX_NST;
+    const char *ns = getenv("KVSERVE_CUDA_MK_NST"); /* experiments: ring stages, 4 .. MK_MAX_NST */
+    int want = ns && atoi(ns) >= 4 && atoi(ns) <= MK_MAX_NST ? atoi(ns) : MK_NST;
+    if (nst > want) nst = want;
     if (nst < 4) return KV_OK;
     c->mk_nst = nst, c->mk_u_off = MK_HEAD + (unsigned)nst * MK_CHUNK, c->mk_part_off = (unsigned)xbb;
     c->mk_smem = c->mk_u_off + u;
-    void (*k)(const mk_params) = hd == 64 ? k_decode_mk<64, false> : k_decode_mk<128, false>;
-    void (*kp)(const mk_params) = hd == 64 ? k_decode_mk<64, true> : k_decode_mk<128, true>;
+    c->mk_ans = ans;
+    mk_kernel_t k = mk_kernel(hd, false, ans), kp = mk_kernel(hd, true, ans);
     CU_TRY(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)c->mk_smem), "megakernel setup");
     CU_TRY(cudaFuncSetAttribute(kp, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)c->mk_smem), "megakernel setup");
     int per_sm = 0;
@@ -78,7 +93,7 @@ kv_status mk_setup(struct cuda_ctx *c, char *err, size_t errlen) {
  * step's megakernel phase cycles, mean and max over the CTAs, on stderr. */
 void mk_prof_print(struct cuda_ctx *c) {
     static const char *const names[MK_NPROF] = {"norm", "load", "products", "(starved)", "epilogue", "grid barrier",
-                                                "attention", "all"};
+                                                "attention", "all", "qkv>", "attn>", "o>", "gu>", "down>"};
     long long *h = (long long *)malloc((size_t)c->n_sm * MK_NPROF * sizeof(long long));
     if (!h || kvc_memcpy_sync(h, c->mk_prof, (size_t)c->n_sm * MK_NPROF * sizeof(long long), cudaMemcpyDeviceToHost)) {
         free(h);
@@ -120,8 +135,7 @@ kv_status mk_launch(struct cuda_ctx *c, int split_len, int max_parts, const int3
     at[0].val.cooperative = 1;
     cf.attrs = at, cf.numAttrs = 1;
     kvc_launched();
-    void (*k)(const mk_params) = cfg->head_dim == 64 ? (c->mk_prof ? k_decode_mk<64, true> : k_decode_mk<64, false>)
-                                                      : (c->mk_prof ? k_decode_mk<128, true> : k_decode_mk<128, false>);
+    mk_kernel_t k = mk_kernel(cfg->head_dim, c->mk_prof != NULL, c->mk_ans);
     cudaError_t e = cudaLaunchKernelEx(&cf, k, P);
     if (e == cudaErrorCooperativeLaunchTooLarge) { /* the SMs are not all ours (MPS, a partition) */
         c->mk = false;

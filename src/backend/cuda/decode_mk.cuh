@@ -33,9 +33,9 @@
  * Data other CTAs wrote in this launch (x, qkv, a, the attention parts) is read with
  * ld.global.cg (L2), never through the SM's L1.
  *
- * H200, Llama-3-8B shape, batch 1 (docs/benchmarks.md, tenth session): 4.38 / 4.63 ms a step
- * at 512 / 4096 positions against 4.56 / 4.84 with eight kernels a layer. On by default
- * (MK_DEFAULT; KVSERVE_CUDA_MK=0 off).
+ * H200, Llama-3-8B shape, batch 1 (docs/benchmarks.md, eleventh session): 4.15 / 4.43 ms a
+ * step at 512 / 4096 positions (1.09x / 1.13x the HBM floor) against 4.57 / 4.83 with eight
+ * kernels a layer. On by default (MK_DEFAULT; KVSERVE_CUDA_MK=0 off).
  *
  * Not batch-invariant against the multi-row kernels (a different summation order than
  * k_gemv_bf16 / cuBLAS): the deterministic mode never runs it.
@@ -53,6 +53,12 @@
 #define MK_CHUNK (MK_PIECE * MK_PPW * MK_CW) /* bytes per ring stage (30 KiB) */
 #define MK_KQ 512                     /* elements per piece: K % MK_KQ == 0 */
 #define MK_MAX_NST 32
+/* ring stages (when shared memory has room) and the attention's K/V stages (dec_tc_run's NS):
+ * measured on the H200 (docs/benchmarks.md, eleventh session), 4 and 4 beat 5 and 3 (the
+ * stand-alone kernel's) by 35-55 us a step; KVSERVE_CUDA_MK_NST / _ANS change them
+ * (experiments) */
+#define MK_NST 4
+#define MK_ANS 4
 /* On unless KVSERVE_CUDA_MK=0: faster on the H200 (docs/benchmarks.md), and the whole device
  * suite (the server's e2e API tests, fault injection, det_serve, disagg) passes with it. */
 #ifndef MK_DEFAULT
@@ -86,12 +92,13 @@ struct mk_params {
     unsigned u_off;     /* byte offset of the region the attention and the x buffer share */
     unsigned part_off;  /* byte offset of the product slots in that region */
     int dbg;            /* timing experiments only (KVSERVE_CUDA_MK_DBG; results wrong): 1 no product math, 2 no
-                         * attention, 16 no weight stream (consumers reuse the ring) */
+                         * attention, 16 no weight stream (consumers reuse the ring); 32 (results right) the
+                         * weight stream without its L2 evict-first hint; 64 no grid barriers */
     long long *prof;    /* k_decode_mk<HD, true>: (gridDim.x, MK_NPROF) clock64 cycles per phase kind (KVSERVE_CUDA_MK_PROF) */
 };
 /* phase kinds of the profile: norms, activation loads, products (of which waiting for a
  * stage), epilogues, grid barriers, attention, the whole kernel */
-enum { MKP_NORM, MKP_LOAD, MKP_PROD, MKP_STARVE, MKP_EPI, MKP_GRID, MKP_ATTN, MKP_ALL, MK_NPROF };
+enum { MKP_NORM, MKP_LOAD, MKP_PROD, MKP_STARVE, MKP_EPI, MKP_GRID, MKP_ATTN, MKP_ALL, MKP_G0, MK_NPROF = MKP_G0 + 5 };
 
 __device__ __forceinline__ unsigned mk_sa(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ void mk_bar_init(uint64_t *b, unsigned n) {
@@ -116,6 +123,15 @@ __device__ __forceinline__ void mk_bulk(void *dst, const void *src, unsigned byt
                      mk_sa(dst)),
                  "l"(src), "r"(bytes), "r"(mk_sa(b))
                  : "memory");
+}
+/* the same, the global reads marked with L2 cache policy pol (createpolicy) */
+__device__ __forceinline__ void mk_bulk_ef(void *dst, const void *src, unsigned bytes, uint64_t *b, uint64_t pol) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(mk_sa(b)), "r"(bytes) : "memory");
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;\n" ::"r"(
+            mk_sa(dst)),
+        "l"(src), "r"(bytes), "r"(mk_sa(b)), "l"(pol)
+        : "memory");
 }
 /* the consumer warps' barrier (named barrier 2; the attention uses 1, the producer none) */
 __device__ __forceinline__ void mk_csync() { asm volatile("bar.sync 2, %0;\n" ::"n"(MK_CW * 32) : "memory"); }
@@ -189,7 +205,8 @@ __device__ __forceinline__ void mk_consume(const mk_seg *sg, int nseg, int K, co
     static_assert(MK_PPW == 2, "two pieces per warp and stage");
     const int ppr = K / MK_KQ; /* pieces per row = slots per row */
     const float4 *xa = (const float4 *)xs, *xb4 = xa + K / 8;
-    int rb = 0;
+    int rb = 0, R = 0; /* R: the rows of all runs (the slots are k-major: slot kp of row i at kp R + i) */
+    for (int si = 0; si < nseg; si++) R += sg[si].rows;
     for (int si = 0; si < nseg; si++) {
         const int npieces = sg[si].rows * ppr;
         /* piece j of this warp: index g[j] in the run, row[j] / kp[j] = g / ppr, g % ppr */
@@ -226,7 +243,7 @@ __device__ __forceinline__ void mk_consume(const mk_seg *sg, int nseg, int K, co
             for (int m = 8; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
             const bool hi = lane & 16; /* no dynamic index into g / row / kp: they stay in registers */
             const int gj = hi ? g[1] : g[0], rj = hi ? row[1] : row[0], kj = hi ? kp[1] : kp[0];
-            if ((lane & 15) == 0 && gj < npieces) slots[(size_t)(rb + rj) * ppr + kj] = v;
+            if ((lane & 15) == 0 && gj < npieces) slots[(size_t)kj * R + rb + rj] = v;
 #pragma unroll
             for (int jj = 0; jj < 2; jj++) {
                 g[jj] += MK_PPW * MK_CW, kp[jj] += dk, row[jj] += dr;
@@ -239,11 +256,12 @@ __device__ __forceinline__ void mk_consume(const mk_seg *sg, int nseg, int K, co
     mk_csync();
 }
 
-/* row i's output: its slots summed in k order */
-__device__ __forceinline__ float mk_row(const float *slots, int i, int ns) {
-    const float *p = slots + (size_t)i * ns;
+/* row i's output: its ns slots summed in k order (k-major slots of R rows: consecutive threads'
+ * rows in consecutive banks) */
+__device__ __forceinline__ float mk_row(const float *slots, int i, int ns, int R) {
+    const float *p = slots + i;
     float y = p[0];
-    for (int s = 1; s < ns; s++) y += p[s];
+    for (int s = 1; s < ns; s++) y += p[(size_t)s * R];
     return y;
 }
 
@@ -339,7 +357,7 @@ __device__ __forceinline__ void mk_cur_next(mk_cur *c, const mk_params &P, int h
 }
 /* grid = the SM count (every CTA resident: cooperative launch), block MK_THREADS, dynamic
  * shared memory MK_HEAD + nst * MK_CHUNK + the shared region (mk_smem_bytes in forward.cu). */
-template <int HD, bool PROF>
+template <int HD, bool PROF, int ANS>
 __global__ void __launch_bounds__(MK_THREADS, 1) k_decode_mk(const mk_params P) {
     extern __shared__ __align__(128) unsigned char mk_smem[];
     __shared__ double red[MK_CW];
@@ -358,11 +376,17 @@ __global__ void __launch_bounds__(MK_THREADS, 1) k_decode_mk(const mk_params P) 
         if (lane == 0 && !(P.dbg & 16)) {
             mk_cur ld;
             mk_cur_init(&ld, P, HD, cta, nc);
+            /* the weights are read once a step: marked evict-first they leave L2 to what is read
+             * again (x, the q/k/v and attention rows, the K/V just written; docs/benchmarks.md:
+             * 4-5% faster a step than without the hint) */
+            uint64_t pol;
+            asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
             for (unsigned q = 0; !ld.done; q++, mk_cur_next(&ld, P, HD, cta, nc)) {
                 const int s = (int)(q % (unsigned)nst);
                 if (q >= (unsigned)nst) mk_bar_wait(&empty[s], (q / (unsigned)nst - 1) & 1u);
-                mk_bulk(ring + (size_t)s * MK_CHUNK, (const unsigned char *)ld.sg[ld.si].w + ld.off, mk_cur_size(&ld),
-                        &full[s]);
+                const unsigned char *src = (const unsigned char *)ld.sg[ld.si].w + ld.off;
+                if (P.dbg & 32) mk_bulk(ring + (size_t)s * MK_CHUNK, src, mk_cur_size(&ld), &full[s]);
+                else mk_bulk_ef(ring + (size_t)s * MK_CHUNK, src, mk_cur_size(&ld), &full[s], pol);
             }
         }
         return;
@@ -387,8 +411,9 @@ __global__ void __launch_bounds__(MK_THREADS, 1) k_decode_mk(const mk_params P) 
         mk_consume(sg, nseg, K, ring, full, empty, nst, &q, xb, slots, warp, lane, starve, P.dbg & 1, P.dbg & 16);
         mark(MKP_PROD);
     };
-    auto grid = [&]() {
-        mk_grid(P.bar, ++nbar * nc);
+    auto grid = [&](int i) { /* i: which of the layer's barriers (the profile) */
+        if (!(P.dbg & 64)) mk_grid(P.bar, ++nbar * nc);
+        if (prof) pa[MKP_G0 + i] += clock64() - tp;
         mark(MKP_GRID);
     };
     for (int l = 0; l < P.n_layers; l++) {
@@ -397,9 +422,10 @@ __global__ void __launch_bounds__(MK_THREADS, 1) k_decode_mk(const mk_params P) 
         mk_norm(P.x, Ly.attn_norm, P.dim, P.eps, xb, red);
         mark(MKP_NORM);
         product(Ly, 0);
-        for (int i = threadIdx.x; i < sg[0].rows; i += MK_CW * 32) P.qkv[r0 + i] = mk_row(slots, i, K / MK_KQ);
+        for (int i = threadIdx.x; i < sg[0].rows; i += MK_CW * 32)
+            P.qkv[r0 + i] = mk_row(slots, i, K / MK_KQ, sg[0].rows);
         mark(MKP_EPI);
-        grid();
+        grid(0);
         /* 2: attention, (KV head, part) pairs over the CTAs */
         if (warp < DEC_THREADS / 32 && !(P.dbg & 2)) {
             const dec_qkv_t qp = {Ly.bqkv, Ly.q_norm, Ly.k_norm, P.inv_freq, P.eps, P.neox, 1};
@@ -409,14 +435,14 @@ __global__ void __launch_bounds__(MK_THREADS, 1) k_decode_mk(const mk_params P) 
                 sp.r = 0, sp.pos = pos, sp.p_begin = (v / P.nkv) * P.split_len;
                 if (sp.p_begin > pos) continue;
                 sp.p_end = min(pos + 1, sp.p_begin + P.split_len), sp.nparts = pos / P.split_len + 1;
-                dec_tc_run<HD, __nv_bfloat16>(sp, 0, v % P.nkv, v / P.nkv, threadIdx.x, U, P.qkv, qkvw, P.pool,
-                                              P.block_floats, l, P.nkv, P.tpb, P.G, P.row_bt, P.bt, P.max_parts,
-                                              P.sl2, P.part, P.part_ml, P.cnt, P.a, 0, qp);
+                dec_tc_run<HD, __nv_bfloat16, ANS>(sp, 0, v % P.nkv, v / P.nkv, threadIdx.x, U, P.qkv, qkvw,
+                                                   P.pool, P.block_floats, l, P.nkv, P.tpb, P.G, P.row_bt, P.bt,
+                                                   P.max_parts, P.sl2, P.part, P.part_ml, P.cnt, P.a, 0, qp);
                 dec_sync(); /* the region is reused by the next pair */
             }
         }
         mark(MKP_ATTN);
-        grid();
+        grid(1);
         /* 3: o, x += o */
         mk_load(P.a, P.nh * HD, xb);
         mark(MKP_LOAD);
@@ -424,28 +450,29 @@ __global__ void __launch_bounds__(MK_THREADS, 1) k_decode_mk(const mk_params P) 
         mk_segs(P, Ly, 1, HD, cta, nc, sg, &K, &r0);
         float xo = threadIdx.x < sg[0].rows ? __ldcg(P.x + r0 + threadIdx.x) : 0.f;
         product(Ly, 1);
-        if (threadIdx.x < sg[0].rows) P.x[r0 + threadIdx.x] = xo + mk_row(slots, threadIdx.x, K / MK_KQ);
+        if (threadIdx.x < sg[0].rows) P.x[r0 + threadIdx.x] = xo + mk_row(slots, threadIdx.x, K / MK_KQ, sg[0].rows);
         mark(MKP_EPI);
-        grid();
+        grid(2);
         /* 4: norm, gate / up, SwiGLU */
         mk_norm(P.x, Ly.ffn_norm, P.dim, P.eps, xb, red);
         mark(MKP_NORM);
         product(Ly, 2);
         for (int i = threadIdx.x; i < sg[0].rows; i += MK_CW * 32) {
-            float g = mk_row(slots, i, K / MK_KQ), u = mk_row(slots, sg[0].rows + i, K / MK_KQ);
+            const int R = 2 * sg[0].rows; /* gate rows, then up rows */
+            float g = mk_row(slots, i, K / MK_KQ, R), u = mk_row(slots, sg[0].rows + i, K / MK_KQ, R);
             P.a[r0 + i] = __float2bfloat16_rn(silu_mul(g, u));
         }
         mark(MKP_EPI);
-        grid();
+        grid(3);
         /* 5: down, x += down */
         mk_load(P.a, P.ffn, xb);
         mark(MKP_LOAD);
         mk_segs(P, Ly, 3, HD, cta, nc, sg, &K, &r0);
         xo = threadIdx.x < sg[0].rows ? __ldcg(P.x + r0 + threadIdx.x) : 0.f;
         product(Ly, 3);
-        if (threadIdx.x < sg[0].rows) P.x[r0 + threadIdx.x] = xo + mk_row(slots, threadIdx.x, K / MK_KQ);
+        if (threadIdx.x < sg[0].rows) P.x[r0 + threadIdx.x] = xo + mk_row(slots, threadIdx.x, K / MK_KQ, sg[0].rows);
         mark(MKP_EPI);
-        if (l + 1 < P.n_layers) grid();
+        if (l + 1 < P.n_layers) grid(4);
     }
     if (prof) {
         pa[MKP_ALL] = clock64() - t_start;
