@@ -112,6 +112,8 @@ struct oai_request {
     /* generation */
     struct sampling_params sp;
     int max_tokens;             /* -1 = until the context ends */
+    bool max_tokens_given;      /* max_tokens / max_completion_tokens was in the request: a prompt
+                                   that leaves less room is refused (400, as vLLM), not trimmed */
     char **stop;                /* owned (n_stop) */
     int n_stop;
     bool ignore_eos;

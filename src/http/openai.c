@@ -414,7 +414,7 @@ static kv_status parse_generation(json_t *o, const struct oai_limits *lim, struc
     if (r->kind == OAI_CHAT && field(o, "max_completion_tokens")) mt_name = "max_completion_tokens";
     r->max_tokens = r->kind == OAI_COMPLETION ? 16 : -1;
     if (get_int(o, mt_name, 1, hi, &present, &x, err)) return KV_EINVAL;
-    if (present) r->max_tokens = (int)x;
+    if (present) r->max_tokens = (int)x, r->max_tokens_given = true;
     if (oai_parse_sampling(o, lim, r, err)) return KV_EINVAL;
     if (get_bool(o, "ignore_eos", &r->ignore_eos, err)) return KV_EINVAL;
     if (get_bool(o, "return_tokens_as_token_ids", &r->tokens_as_ids, err)) return KV_EINVAL;

@@ -192,6 +192,17 @@ static void prepare(struct prep_job *j) {
                  "(at least 1 token must be left for the completion)", mml, j->n);
         fail(j, 400, "invalid_request_error", j->kind == OAI_CHAT ? "messages" : "prompt",
              "context_length_exceeded", msg);
+    } else if (mml > 0 && j->r.max_tokens_given && j->n + (size_t)j->r.max_tokens > (size_t)mml) {
+        /* vLLM refuses an explicit max_tokens that does not fit beside the prompt (its
+         * serving_engine's input validation; the message follows its wording) */
+        char msg[320];
+        snprintf(msg, sizeof msg,
+                 "This model's maximum context length is %d tokens. However, you requested %zu tokens "
+                 "(%zu in the %s, %d in the completion). Please reduce the length of the %s or completion.",
+                 mml, j->n + (size_t)j->r.max_tokens, j->n, j->kind == OAI_CHAT ? "messages" : "prompt",
+                 j->r.max_tokens, j->kind == OAI_CHAT ? "messages" : "prompt");
+        fail(j, 400, "invalid_request_error", j->kind == OAI_CHAT ? "messages" : "prompt",
+             "context_length_exceeded", msg);
     }
 }
 

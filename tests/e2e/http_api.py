@@ -341,6 +341,10 @@ def bad_cases():
         ("unknown model", "POST", P, {"prompt": "a", "model": "gpt-4"}, 404, "model"),
         ("invalid utf-8", "POST", P, b"{\"prompt\": \"abc\xff\xfe\"}", 400, None),
         ("prompt too long", "POST", P, {"prompt": long_prompt, "max_tokens": 4}, 400, "prompt"),
+        # an explicit max_tokens that does not fit beside the prompt: refused, as vLLM does
+        ("max_tokens too long beside the prompt", "POST", P, {"prompt": "a", "max_tokens": 512}, 400, "prompt"),
+        ("chat max_completion_tokens too long beside the messages", "POST", H,
+         {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 510}, 400, "messages"),
         ("chat empty messages", "POST", H, {"messages": []}, 400, "messages"),
         ("chat no messages", "POST", H, {"prompt": "a"}, 400, "messages"),
         # a field no parser reads is a 400 naming it, never a silent default (a typo here)
@@ -400,6 +404,22 @@ def test_bad_inputs(s):
                 check(False, "bad input %s: body is not OpenAI error JSON: %r" % (name, payload[:200]))
         st, resp, _ = s.post("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0})
         check(st == 200 and resp["choices"][0]["text"] == ", there was a", "normal request after bad input %s" % name)
+
+
+def test_context_fill(s):
+    """max_tokens that exactly fills max_model_len beside the prompt is served to the end
+    (one more token is the 400 of test_bad_inputs)."""
+    st, tk, _ = s.post("/tokenize", {"prompt": "a"})
+    check(st == 200, "tokenize 'a'")
+    if st != 200:
+        return
+    left = tk["max_model_len"] - tk["count"]
+    st, r, _ = s.post("/v1/completions", {"prompt": "a", "max_tokens": left, "ignore_eos": True})
+    check(st == 200 and r["usage"]["completion_tokens"] == left and r["choices"][0]["finish_reason"] == "length",
+          "max_tokens = max_model_len - prompt: %d tokens, finish length (%s)" % (left, str(r)[:200]))
+    st, r, _ = s.post("/v1/completions", {"prompt": "a", "max_tokens": left + 1})
+    check(st == 400 and r["error"]["code"] == "context_length_exceeded",
+          "max_tokens one past the context: 400 (%s)" % str(r)[:200])
 
 
 def test_text_offset(s):
@@ -621,7 +641,8 @@ def main():
     try:
         for name, fn in [("basics", test_basics), ("greedy", lambda s: test_greedy(s, "gguf")),
                          ("stream", test_stream), ("chat", test_chat), ("bad", test_bad_inputs),
-                         ("text_offset", test_text_offset), ("headers", test_header_limit),
+                         ("context_fill", test_context_fill), ("text_offset", test_text_offset),
+                         ("headers", test_header_limit),
                          ("concurrent", test_concurrent), ("disconnect", test_disconnects)]:
             if want(name):
                 t0 = time.time()
