@@ -409,11 +409,16 @@ static kv_status parse_generation(json_t *o, const struct oai_limits *lim, struc
         sp->has_seed = true;
         sp->seed = (uint64_t)x;
     }
-    int64_t hi = lim && lim->max_model_len > 0 ? lim->max_model_len : INT32_MAX;
+    /* any positive int: one that does not fit beside the prompt (max_model_len - prompt tokens)
+     * is refused after tokenizing, as context_length_exceeded (prep.c), as vLLM does */
     const char *mt_name = "max_tokens";
-    if (r->kind == OAI_CHAT && field(o, "max_completion_tokens")) mt_name = "max_completion_tokens";
+    if (r->kind == OAI_CHAT && field(o, "max_completion_tokens")) {
+        mt_name = "max_completion_tokens";
+        /* both given: max_completion_tokens wins (vLLM), but max_tokens must still be valid */
+        if (get_int(o, "max_tokens", 1, INT32_MAX, &present, &x, err)) return KV_EINVAL;
+    }
     r->max_tokens = r->kind == OAI_COMPLETION ? 16 : -1;
-    if (get_int(o, mt_name, 1, hi, &present, &x, err)) return KV_EINVAL;
+    if (get_int(o, mt_name, 1, INT32_MAX, &present, &x, err)) return KV_EINVAL;
     if (present) r->max_tokens = (int)x, r->max_tokens_given = true;
     if (oai_parse_sampling(o, lim, r, err)) return KV_EINVAL;
     if (get_bool(o, "ignore_eos", &r->ignore_eos, err)) return KV_EINVAL;

@@ -345,6 +345,10 @@ def bad_cases():
         ("max_tokens too long beside the prompt", "POST", P, {"prompt": "a", "max_tokens": 512}, 400, "prompt"),
         ("chat max_completion_tokens too long beside the messages", "POST", H,
          {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 510}, 400, "messages"),
+        ("max_tokens over max_model_len too long", "POST", P, {"prompt": "a", "max_tokens": 100000}, 400, "prompt"),
+        ("chat bad max_tokens beside max_completion_tokens", "POST", H,
+         {"messages": [{"role": "user", "content": "x"}], "max_tokens": "abc", "max_completion_tokens": 5}, 400,
+         "max_tokens"),
         ("chat empty messages", "POST", H, {"messages": []}, 400, "messages"),
         ("chat no messages", "POST", H, {"prompt": "a"}, 400, "messages"),
         # a field no parser reads is a 400 naming it, never a silent default (a typo here)
