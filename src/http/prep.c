@@ -86,13 +86,16 @@ static void fail(struct prep_job *j, int status, const char *type, const char *p
     oai_errf(&j->err, status, type, param, code, "%s", msg);
 }
 
-static bool too_long_early(struct prep_job *j, size_t bytes) {
-    if (!P.max_prompt_bytes || bytes <= P.max_prompt_bytes) return false;
-    char msg[300];
+/* bytes: the prompt's size; known false: rendering stopped at the bound (more than it) */
+static bool too_long_early(struct prep_job *j, size_t bytes, bool known) {
+    if (!P.max_prompt_bytes || (known && bytes <= P.max_prompt_bytes)) return false;
+    char msg[300], size[64];
+    if (known) snprintf(size, sizeof size, "%zu bytes", bytes);
+    else snprintf(size, sizeof size, "more than %zu bytes", P.max_prompt_bytes);
     snprintf(msg, sizeof msg,
-             "This model's maximum context length is %d tokens; the prompt has %zu bytes, more "
+             "This model's maximum context length is %d tokens; the prompt has %s, more "
              "than any prompt of that many tokens (refused before tokenization)",
-             srv.lim.max_model_len, bytes);
+             srv.lim.max_model_len, size);
     fail(j, 400, "invalid_request_error", j->kind == OAI_CHAT ? "messages" : "prompt",
          "context_length_exceeded", msg);
     return true;
@@ -150,14 +153,14 @@ static void prepare(struct prep_job *j) {
     /* /tokenize counts any text (clients use it to measure prompts); generation refuses what
      * cannot fit before tokenizing it */
     size_t bound = j->what == PREP_TOKENIZE ? 0 : P.max_prompt_bytes;
-    if (bound && r->has_text && too_long_early(j, r->text_len)) return;
+    if (bound && r->has_text && too_long_early(j, r->text_len, true)) return;
     char err[512] = "";
     struct prefix_cache *pc = srv.cfg ? srv.cfg->prefix_cache : NULL;
     bool add_special = j->what == PREP_TOKENIZE ? r->add_special : true;
     kv_status st = oai_prompt_ids_bounded(srv.t, pc, r, add_special, bound, &j->ids, &j->n, err,
                                           sizeof err);
     if (st == KV_ETOOLONG) {
-        too_long_early(j, P.max_prompt_bytes + 1);
+        too_long_early(j, 0, false); /* the rendered chat prompt passed the bound: its size is unknown */
         return;
     }
     if (st == KV_EINVAL) {
