@@ -206,6 +206,15 @@ static void prepare(struct prep_job *j) {
                  j->r.max_tokens, j->kind == OAI_CHAT ? "messages" : "prompt");
         fail(j, 400, "invalid_request_error", j->kind == OAI_CHAT ? "messages" : "prompt",
              "context_length_exceeded", msg);
+    } else if (mml > 0 && j->r.min_tokens > 0 && j->n + (size_t)j->r.min_tokens > (size_t)mml) {
+        /* min_tokens cannot be honoured: refused on both endpoints, naming it (a default
+         * max_tokens capped at the context would otherwise end the choice before it) */
+        char msg[320];
+        snprintf(msg, sizeof msg,
+                 "min_tokens (%d) does not fit beside the prompt: this model's maximum context length is "
+                 "%d tokens and the %s has %zu",
+                 j->r.min_tokens, mml, j->kind == OAI_CHAT ? "messages" : "prompt", j->n);
+        fail(j, 400, "invalid_request_error", "min_tokens", "context_length_exceeded", msg);
     }
 }
 

@@ -346,6 +346,11 @@ def bad_cases():
         ("chat max_completion_tokens too long beside the messages", "POST", H,
          {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 510}, 400, "messages"),
         ("max_tokens over max_model_len too long", "POST", P, {"prompt": "a", "max_tokens": 100000}, 400, "prompt"),
+        # 505 prompt ids leave 7 tokens: the default max_tokens (16) would be capped to 7, under min_tokens
+        ("min_tokens too long beside the prompt", "POST", P, {"prompt": [5] * 505, "min_tokens": 10}, 400,
+         "min_tokens"),
+        ("chat min_tokens too long beside the messages", "POST", H,
+         {"messages": [{"role": "user", "content": "x"}], "min_tokens": 510}, 400, "min_tokens"),
         ("chat bad max_tokens beside max_completion_tokens", "POST", H,
          {"messages": [{"role": "user", "content": "x"}], "max_tokens": "abc", "max_completion_tokens": 5}, 400,
          "max_tokens"),
