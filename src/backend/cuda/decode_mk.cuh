@@ -93,7 +93,8 @@ struct mk_params {
     unsigned part_off;  /* byte offset of the product slots in that region */
     int dbg;            /* timing experiments only (KVSERVE_CUDA_MK_DBG; results wrong): 1 no product math, 2 no
                          * attention, 16 no weight stream (consumers reuse the ring); 32 (results right) the
-                         * weight stream without its L2 evict-first hint; 64 no grid barriers */
+                         * weight stream without its L2 evict-first hint; 64 no grid barriers; 128 grid barriers without
+                         * release / acquire */
     long long *prof;    /* k_decode_mk<HD, true>: (gridDim.x, MK_NPROF) clock64 cycles per phase kind (KVSERVE_CUDA_MK_PROF) */
 };
 /* phase kinds of the profile: norms, activation loads, products (of which waiting for a
@@ -138,14 +139,21 @@ __device__ __forceinline__ void mk_csync() { asm volatile("bar.sync 2, %0;\n" ::
 /* every CTA's consumers reach the same barrier number (target = number x gridDim.x): thread 0
  * counts with release semantics (the CTA's writes, ordered before it by the bar.sync) and
  * polls with acquire semantics (the other CTAs' writes, for the threads after the bar.sync) */
-__device__ __forceinline__ void mk_grid(unsigned *bar, unsigned target) {
+__device__ __forceinline__ void mk_grid(unsigned *bar, unsigned target, int relaxed = 0) {
     mk_csync();
     if (threadIdx.x == 0) {
-        asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" ::"l"(bar) : "memory");
         unsigned v;
-        do {
-            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(bar) : "memory");
-        } while (v < target);
+        if (relaxed) { /* timing experiment (KVSERVE_CUDA_MK_DBG & 128): no release / acquire */
+            asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;\n" ::"l"(bar) : "memory");
+            do {
+                asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(bar) : "memory");
+            } while (v < target);
+        } else {
+            asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" ::"l"(bar) : "memory");
+            do {
+                asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(bar) : "memory");
+            } while (v < target);
+        }
     }
     mk_csync();
 }
@@ -265,24 +273,30 @@ __device__ __forceinline__ float mk_row(const float *slots, int i, int ns, int R
     return y;
 }
 
-/* xs (f32 planes, see mk_dot) = bf16(w * x / rms(x)) as f32, x read from L2 once (dim <= 4 x 4 x
- * threads; else twice); the same bits in every CTA */
+/* xs (f32 planes, see mk_dot) = bf16(w * x / rms(x)) as f32; the same bits in every CTA. For
+ * dim <= 4 x 4 x threads, x (L2) and w are read in one round trip (x parked in xs, w in
+ * registers, until the sum is known); else x is read twice. */
 #define MK_NV 4
 __device__ __forceinline__ void mk_norm(const float *x, const float *w, int dim, float eps, float *xs,
                                         double *red) {
     const int t = threadIdx.x, warp = t / 32, lane = t % 32, n4 = dim / 4;
     const bool cached = n4 <= MK_NV * MK_CW * 32;
-    float4 v[MK_NV];
+    auto at = [&](int i) -> float4 & { return ((float4 *)xs)[(i & 1) * (dim / 8) + i / 2]; }; /* elements 4 i .. + 3 */
+    float4 wv[MK_NV];
     double ss = 0;
     if (cached) {
+        float4 v[MK_NV];
 #pragma unroll
         for (int j = 0; j < MK_NV; j++) {
             const int i = t + j * MK_CW * 32;
             v[j] = i < n4 ? __ldcg((const float4 *)x + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+            wv[j] = i < n4 ? *((const float4 *)w + i) : make_float4(0.f, 0.f, 0.f, 0.f);
         }
 #pragma unroll
-        for (int j = 0; j < MK_NV; j++)
+        for (int j = 0; j < MK_NV; j++) {
             ss += (double)v[j].x * v[j].x + (double)v[j].y * v[j].y + (double)v[j].z * v[j].z + (double)v[j].w * v[j].w;
+            if (t + j * MK_CW * 32 < n4) at(t + j * MK_CW * 32) = v[j];
+        }
     } else {
         for (int i = t; i < n4; i += MK_CW * 32) {
             float4 a = __ldcg((const float4 *)x + i);
@@ -295,18 +309,16 @@ __device__ __forceinline__ void mk_norm(const float *x, const float *w, int dim,
     double tot = 0;
     for (int i = 0; i < MK_CW; i++) tot += red[i];
     const float inv = (float)(1.0 / sqrt(tot / dim + (double)eps));
-    auto put = [&](int i, float4 a) { /* elements 4 i .. 4 i + 3: plane i % 2, float4 index i / 2 */
-        float4 g = *((const float4 *)w + i);
+    auto put = [&](int i, float4 a, float4 g) {
         auto r = [](float f) { return __bfloat162float(__float2bfloat16_rn(f)); };
-        ((float4 *)xs)[(i & 1) * (dim / 8) + i / 2] =
-            make_float4(r(g.x * (a.x * inv)), r(g.y * (a.y * inv)), r(g.z * (a.z * inv)), r(g.w * (a.w * inv)));
+        at(i) = make_float4(r(g.x * (a.x * inv)), r(g.y * (a.y * inv)), r(g.z * (a.z * inv)), r(g.w * (a.w * inv)));
     };
     if (cached) {
 #pragma unroll
         for (int j = 0; j < MK_NV; j++)
-            if (t + j * MK_CW * 32 < n4) put(t + j * MK_CW * 32, v[j]);
+            if (t + j * MK_CW * 32 < n4) put(t + j * MK_CW * 32, at(t + j * MK_CW * 32), wv[j]);
     } else {
-        for (int i = t; i < n4; i += MK_CW * 32) put(i, __ldcg((const float4 *)x + i));
+        for (int i = t; i < n4; i += MK_CW * 32) put(i, __ldcg((const float4 *)x + i), *((const float4 *)w + i));
     }
     mk_csync();
 }
@@ -412,7 +424,7 @@ __global__ void __launch_bounds__(MK_THREADS, 1) k_decode_mk(const mk_params P) 
         mark(MKP_PROD);
     };
     auto grid = [&](int i) { /* i: which of the layer's barriers (the profile) */
-        if (!(P.dbg & 64)) mk_grid(P.bar, ++nbar * nc);
+        if (!(P.dbg & 64)) mk_grid(P.bar, ++nbar * nc, P.dbg & 128);
         if (prof) pa[MKP_G0 + i] += clock64() - tp;
         mark(MKP_GRID);
     };
