@@ -103,11 +103,11 @@ extern "C" {
  * KVSERVE_CUDA_MK=0 turns it off, 1 on (default on: MK_DEFAULT in decode_mk.cuh);
  * KVSERVE_CUDA_MK_PROF=1 (a timing tool: one blocking copy a step) prints each megakernel
  * step's phase times on stderr (the five grid barriers of a layer also one by one);
- * KVSERVE_CUDA_MK_NST=N ring stages (default 4, fewer where shared memory lacks room),
- * KVSERVE_CUDA_MK_ANS=3..5 the attention's K/V stages (default 4) (experiments);
- * KVSERVE_CUDA_MK_DBG=N (timing experiments, results wrong): bit 1 no product arithmetic,
- * 2 no attention, 16 no weight stream, 64 no grid barriers; 32 (results right) the weight
- * stream without its L2 evict-first hint. */
+ * KVSERVE_CUDA_MK_NST=N ring stages (default 4, fewer where shared memory lacks room; an
+ * experiment); KVSERVE_CUDA_MK_DBG=N (timing experiments, results wrong): bit 1 no product
+ * arithmetic, 2 no attention, 16 no weight stream, 64 no grid barriers, 128 grid barriers
+ * without release / acquire; 32 (results right) the weight stream without its L2
+ * evict-first hint. */
 struct backend_cuda_options {
     int device;       /* CUDA device ordinal */
     bool f32_weights; /* keep weights f32 (exact-ish reference mode); default bf16 */

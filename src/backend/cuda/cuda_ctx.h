@@ -71,7 +71,6 @@ struct cuda_ctx {
     unsigned mk_u_off, mk_part_off;
     void *mk_layers;             /* device array of struct mk_layer, n_layers */
     unsigned *mk_bar;            /* grid-barrier counter (zero between launches) */
-    int mk_ans;                  /* the megakernel attention's K/V stages */
     int mk_dbg;                  /* KVSERVE_CUDA_MK_DBG (timing experiments; results wrong) */
     long long *mk_prof;          /* KVSERVE_CUDA_MK_PROF=1 (timing tool): per-CTA phase cycles, printed per step */
     unsigned skip; /* timing only (KVSERVE_CUDA_SKIP, backend_cuda.h): stages left out, SKIP_* bits */

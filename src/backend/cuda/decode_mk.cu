@@ -13,14 +13,10 @@
 #include "decode_mk.cuh"
 
 typedef void (*mk_kernel_t)(const mk_params);
-template <bool PROF, int ANS> static mk_kernel_t mk_k2(int hd) {
-    return hd == 64 ? k_decode_mk<64, PROF, ANS> : k_decode_mk<128, PROF, ANS>;
-}
-/* the kernel for head_dim hd, the profile on or off, ans K/V stages in the attention */
-static mk_kernel_t mk_kernel(int hd, bool prof, int ans) {
-    if (ans == 3) return prof ? mk_k2<true, 3>(hd) : mk_k2<false, 3>(hd);
-    if (ans == 5) return prof ? mk_k2<true, 5>(hd) : mk_k2<false, 5>(hd);
-    return prof ? mk_k2<true, 4>(hd) : mk_k2<false, 4>(hd);
+/* the kernel for head_dim hd, the profile on or off */
+static mk_kernel_t mk_kernel(int hd, bool prof) {
+    if (prof) return hd == 64 ? k_decode_mk<64, true> : k_decode_mk<128, true>;
+    return hd == 64 ? k_decode_mk<64, false> : k_decode_mk<128, false>;
 }
 
 kv_status mk_setup(struct cuda_ctx *c, char *err, size_t errlen) {
@@ -48,9 +44,7 @@ kv_status mk_setup(struct cuda_ctx *c, char *err, size_t errlen) {
     if (ffn > xk) xk = ffn;
     size_t xbb = (size_t)xk * 4, own = xbb + (size_t)sl * sizeof(float);
     /* the attention's parts: at most 2 ceil(nc / nkv) after the graph's power-of-two rounding */
-    const char *ae = getenv("KVSERVE_CUDA_MK_ANS"); /* experiments: the attention's K/V stages, 3-5 */
-    int ans = ae && atoi(ae) >= 3 && atoi(ae) <= 5 ? atoi(ae) : MK_ANS;
-    size_t att = dec_tc_smem_bytes(hd, G, 2 * (int)cdiv(nc, nkv), ans);
+    size_t att = dec_tc_smem_bytes(hd, G, 2 * (int)cdiv(nc, nkv), MK_ANS);
     size_t u = ((att > own ? att : own) + 127) / 128 * 128;
     long room = (long)optin - 1024 /* static shared memory */ - MK_HEAD - (long)u;
     int nst = room > 0 ? (int)(room / MK_CHUNK) : 0;
@@ -60,8 +54,7 @@ kv_status mk_setup(struct cuda_ctx *c, char *err, size_t errlen) {
     if (nst < 4) return KV_OK;
     c->mk_nst = nst, c->mk_u_off = MK_HEAD + (unsigned)nst * MK_CHUNK, c->mk_part_off = (unsigned)xbb;
     c->mk_smem = c->mk_u_off + u;
-    c->mk_ans = ans;
-    mk_kernel_t k = mk_kernel(hd, false, ans), kp = mk_kernel(hd, true, ans);
+    mk_kernel_t k = mk_kernel(hd, false), kp = mk_kernel(hd, true);
     CU_TRY(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)c->mk_smem), "megakernel setup");
     CU_TRY(cudaFuncSetAttribute(kp, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)c->mk_smem), "megakernel setup");
     int per_sm = 0;
@@ -135,7 +128,7 @@ kv_status mk_launch(struct cuda_ctx *c, int split_len, int max_parts, const int3
     at[0].val.cooperative = 1;
     cf.attrs = at, cf.numAttrs = 1;
     kvc_launched();
-    mk_kernel_t k = mk_kernel(cfg->head_dim, c->mk_prof != NULL, c->mk_ans);
+    mk_kernel_t k = mk_kernel(cfg->head_dim, c->mk_prof != NULL);
     cudaError_t e = cudaLaunchKernelEx(&cf, k, P);
     if (e == cudaErrorCooperativeLaunchTooLarge) { /* the SMs are not all ours (MPS, a partition) */
         c->mk = false;

@@ -55,8 +55,8 @@
 #define MK_MAX_NST 32
 /* ring stages (when shared memory has room) and the attention's K/V stages (dec_tc_run's NS):
  * measured on the H200 (docs/benchmarks.md, eleventh session), 4 and 4 beat 5 and 3 (the
- * stand-alone kernel's) by 35-55 us a step; KVSERVE_CUDA_MK_NST / _ANS change them
- * (experiments) */
+ * stand-alone kernel's) by 35-55 us a step, and 4 and 5 equal; KVSERVE_CUDA_MK_NST changes
+ * the ring's (an experiment) */
 #define MK_NST 4
 #define MK_ANS 4
 /* On unless KVSERVE_CUDA_MK=0: faster on the H200 (docs/benchmarks.md), and the whole device
@@ -117,22 +117,21 @@ __device__ __forceinline__ void mk_bar_wait(uint64_t *b, unsigned parity) {
                      : "memory");
     } while (!ok);
 }
-/* bytes (a multiple of 16) from global src into shared dst; completion counted on mbarrier b */
-__device__ __forceinline__ void mk_bulk(void *dst, const void *src, unsigned bytes, uint64_t *b) {
+/* bytes (a multiple of 16) from global src into shared dst, completion counted on mbarrier b;
+ * with hint, the global reads marked with L2 cache policy pol (createpolicy) */
+__device__ __forceinline__ void mk_bulk(void *dst, const void *src, unsigned bytes, uint64_t *b, bool hint,
+                                        uint64_t pol) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(mk_sa(b)), "r"(bytes) : "memory");
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                     mk_sa(dst)),
-                 "l"(src), "r"(bytes), "r"(mk_sa(b))
-                 : "memory");
-}
-/* the same, the global reads marked with L2 cache policy pol (createpolicy) */
-__device__ __forceinline__ void mk_bulk_ef(void *dst, const void *src, unsigned bytes, uint64_t *b, uint64_t pol) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(mk_sa(b)), "r"(bytes) : "memory");
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;\n" ::"r"(
-            mk_sa(dst)),
-        "l"(src), "r"(bytes), "r"(mk_sa(b)), "l"(pol)
-        : "memory");
+    if (hint)
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, "
+                     "[%3], %4;\n" ::"r"(mk_sa(dst)),
+                     "l"(src), "r"(bytes), "r"(mk_sa(b)), "l"(pol)
+                     : "memory");
+    else
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                         mk_sa(dst)),
+                     "l"(src), "r"(bytes), "r"(mk_sa(b))
+                     : "memory");
 }
 /* the consumer warps' barrier (named barrier 2; the attention uses 1, the producer none) */
 __device__ __forceinline__ void mk_csync() { asm volatile("bar.sync 2, %0;\n" ::"n"(MK_CW * 32) : "memory"); }
@@ -369,7 +368,7 @@ __device__ __forceinline__ void mk_cur_next(mk_cur *c, const mk_params &P, int h
 }
 /* grid = the SM count (every CTA resident: cooperative launch), block MK_THREADS, dynamic
  * shared memory MK_HEAD + nst * MK_CHUNK + the shared region (mk_smem_bytes in forward.cu). */
-template <int HD, bool PROF, int ANS>
+template <int HD, bool PROF>
 __global__ void __launch_bounds__(MK_THREADS, 1) k_decode_mk(const mk_params P) {
     extern __shared__ __align__(128) unsigned char mk_smem[];
     __shared__ double red[MK_CW];
@@ -397,8 +396,7 @@ __global__ void __launch_bounds__(MK_THREADS, 1) k_decode_mk(const mk_params P) 
                 const int s = (int)(q % (unsigned)nst);
                 if (q >= (unsigned)nst) mk_bar_wait(&empty[s], (q / (unsigned)nst - 1) & 1u);
                 const unsigned char *src = (const unsigned char *)ld.sg[ld.si].w + ld.off;
-                if (P.dbg & 32) mk_bulk(ring + (size_t)s * MK_CHUNK, src, mk_cur_size(&ld), &full[s]);
-                else mk_bulk_ef(ring + (size_t)s * MK_CHUNK, src, mk_cur_size(&ld), &full[s], pol);
+                mk_bulk(ring + (size_t)s * MK_CHUNK, src, mk_cur_size(&ld), &full[s], !(P.dbg & 32), pol);
             }
         }
         return;
@@ -447,7 +445,7 @@ __global__ void __launch_bounds__(MK_THREADS, 1) k_decode_mk(const mk_params P) 
                 sp.r = 0, sp.pos = pos, sp.p_begin = (v / P.nkv) * P.split_len;
                 if (sp.p_begin > pos) continue;
                 sp.p_end = min(pos + 1, sp.p_begin + P.split_len), sp.nparts = pos / P.split_len + 1;
-                dec_tc_run<HD, __nv_bfloat16, ANS>(sp, 0, v % P.nkv, v / P.nkv, threadIdx.x, U, P.qkv, qkvw,
+                dec_tc_run<HD, __nv_bfloat16, MK_ANS>(sp, 0, v % P.nkv, v / P.nkv, threadIdx.x, U, P.qkv, qkvw,
                                                    P.pool, P.block_floats, l, P.nkv, P.tpb, P.G, P.row_bt, P.bt,
                                                    P.max_parts, P.sl2, P.part, P.part_ml, P.cnt, P.a, 0, qp);
                 dec_sync(); /* the region is reused by the next pair */
