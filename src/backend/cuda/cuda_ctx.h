@@ -71,6 +71,8 @@ struct cuda_ctx {
     unsigned mk_u_off, mk_part_off;
     void *mk_layers;             /* device array of struct mk_layer, n_layers */
     unsigned *mk_bar;            /* grid-barrier counter (zero between launches) */
+    bool mk_lm;                  /* the output head in the megakernel (KVSERVE_CUDA_MK_LM=0: after it) */
+    int mk_lm_rows;              /* mk_params.lm_rows */
     int mk_dbg;                  /* KVSERVE_CUDA_MK_DBG (timing experiments; results wrong) */
     long long *mk_prof;          /* KVSERVE_CUDA_MK_PROF=1 (timing tool): per-CTA phase cycles, printed per step */
     unsigned skip; /* timing only (KVSERVE_CUDA_SKIP, backend_cuda.h): stages left out, SKIP_* bits */
@@ -209,11 +211,12 @@ cudaError_t flash_setup(void);
 kv_status mk_setup(struct cuda_ctx *c, char *err, size_t errlen);
 /* Enqueues the megakernel for a one-row step (c->mk; its attention parts split_len positions
  * long, max_parts of them at most; the step's metadata at d_pos / d_bto / d_bt) on c->st:
- * every layer, c->x left holding the last residual. KV_EIO when the launch fails; when it
- * fails because the grid cannot be co-resident, c->mk is cleared first (later steps run the
- * eight-kernel layers). */
+ * every layer, c->x left holding the last residual, and with lm (only where c->mk_lm) the
+ * output head too: the row's logits in c->logits (n_vocab f32). KV_EIO when the launch fails;
+ * when it fails because the grid cannot be co-resident, c->mk is cleared first (later steps
+ * run the eight-kernel layers). */
 kv_status mk_launch(struct cuda_ctx *c, int split_len, int max_parts, const int32_t *d_pos, const int32_t *d_bto,
-                    const int32_t *d_bt, char *err, size_t errlen);
+                    const int32_t *d_bt, bool lm, char *err, size_t errlen);
 /* KVSERVE_CUDA_MK_PROF=1 only: the last megakernel step's phase times on stderr (one blocking
  * copy). */
 void mk_prof_print(struct cuda_ctx *c);

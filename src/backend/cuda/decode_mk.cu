@@ -52,6 +52,7 @@ kv_status mk_setup(struct cuda_ctx *c, char *err, size_t errlen) {
     int want = ns && atoi(ns) >= 4 && atoi(ns) <= MK_MAX_NST ? atoi(ns) : MK_NST;
     if (nst > want) nst = want;
     if (nst < 4) return KV_OK;
+    c->mk_lm_rows = (int)(sl / (dim / MK_KQ)); /* the output head's rows a run: what the slots hold */
     c->mk_nst = nst, c->mk_u_off = MK_HEAD + (unsigned)nst * MK_CHUNK, c->mk_part_off = (unsigned)xbb;
     c->mk_smem = c->mk_u_off + u;
     mk_kernel_t k = mk_kernel(hd, false), kp = mk_kernel(hd, true);
@@ -73,6 +74,8 @@ kv_status mk_setup(struct cuda_ctx *c, char *err, size_t errlen) {
     CU_TRY(ce, "megakernel layer table");
     CU_TRY(kvc_malloc((void **)&c->mk_bar, 16), "cudaMalloc (megakernel barrier)");
     CU_TRY(kvc_memset_async(c->mk_bar, 0, 16, c->st), "memset (megakernel barrier)");
+    const char *lme = getenv("KVSERVE_CUDA_MK_LM"); /* experiments: 0 the output head in two kernels after it */
+    c->mk_lm = !(lme && *lme == '0') && c->mk_lm_rows > 0;
     const char *dbg = getenv("KVSERVE_CUDA_MK_DBG");
     c->mk_dbg = dbg ? atoi(dbg) : 0;
     const char *pf = getenv("KVSERVE_CUDA_MK_PROF");
@@ -107,7 +110,7 @@ void mk_prof_print(struct cuda_ctx *c) {
 }
 
 kv_status mk_launch(struct cuda_ctx *c, int split_len, int max_parts, const int32_t *d_pos, const int32_t *d_bto,
-                    const int32_t *d_bt, char *err, size_t errlen) {
+                    const int32_t *d_bt, bool lm, char *err, size_t errlen) {
     const struct model_config *cfg = &c->m->cfg;
     mk_params P;
     memset(&P, 0, sizeof P);
@@ -121,6 +124,8 @@ kv_status mk_launch(struct cuda_ctx *c, int split_len, int max_parts, const int3
     P.part = c->part, P.part_ml = c->part_ml, P.cnt = c->dec_cnt, P.bar = c->mk_bar;
     P.nst = c->mk_nst, P.u_off = c->mk_u_off, P.part_off = c->mk_part_off, P.prof = c->mk_prof;
     P.dbg = c->mk_dbg;
+    P.wout = (const __nv_bfloat16 *)c->output, P.out_norm = c->out_norm, P.logits = c->logits;
+    P.vocab = cfg->n_vocab, P.lm = lm ? 1 : 0, P.lm_rows = c->mk_lm_rows;
     cudaLaunchConfig_t cf = {};
     cf.gridDim = dim3((unsigned)c->n_sm), cf.blockDim = dim3(MK_THREADS), cf.dynamicSmemBytes = c->mk_smem, cf.stream = c->st;
     cudaLaunchAttribute at[1] = {};

@@ -21,7 +21,9 @@
  *      the K/V store) for the (KV head, part) pairs of this CTA, by warps 0-3;
  *   3. its rows of o = W_o attn; x += o;
  *   4. RMSNorm of x; its j range of gate and up rows, a[j] = silu(gate_j) * up_j (bf16);
- *   5. its rows of down = W_down a; x += down.
+ *   5. its rows of down = W_down a; x += down;
+ * and after the last layer, when the step wants the row's logits, the output head: RMSNorm of
+ * x, its rows of logits = W_out xn (in runs of rows the product slots hold).
  * The products: CTA c owns rows [c N / C, (c + 1) N / C) of each (gate/up: the same j range of
  * both halves), contiguous in W, streamed in MK_CHUNK-byte stages. A stage is cut into
  * MK_PIECE-byte pieces (512 consecutive elements of one row: K % 512 == 0); warp i takes
@@ -86,6 +88,13 @@ struct mk_params {
     const int32_t *row_pos, *row_bt, *bt;
     int split_len, max_parts;
     float *part, *part_ml;
+    /* the output head, when lm (the step wants the row's logits): RMSNorm by out_norm, then
+     * logits (vocab, f32) = wout (vocab x dim, bf16) xn, a CTA's rows in runs of at most
+     * lm_rows (what the product slots hold) */
+    const __nv_bfloat16 *wout;
+    const float *out_norm;
+    float *logits;
+    int vocab, lm, lm_rows;
     unsigned *cnt;      /* k_attn_dec_tc's combine counters (zero, left zero) */
     unsigned *bar;      /* grid-barrier counter: zero before the launch, left zero */
     int nst;            /* ring stages */
@@ -162,11 +171,24 @@ struct mk_seg {
     const __nv_bfloat16 *w;
     int rows;
 };
-/* products: 0 qkv, 1 o, 2 gate/up, 3 down. Returns the run count; K and the first output row. */
+/* the output head's runs of CTA cta (mk_params.lm_rows rows at most; none when vocab < nc) */
+__device__ __forceinline__ int mk_lm_runs(const mk_params &P, int cta, int nc) {
+    const int rows = (int)((long)(cta + 1) * P.vocab / nc) - (int)((long)cta * P.vocab / nc);
+    return P.lm ? (rows + P.lm_rows - 1) / P.lm_rows : 0;
+}
+/* products: 0 qkv, 1 o, 2 gate/up, 3 down, 4 + j the output head's run j. Returns the run
+ * count; K and the first output row. */
 __device__ __forceinline__ int mk_segs(const mk_params &P, const mk_layer &Ly, int p, int hd, int cta, int nc,
                                        mk_seg s[2], int *K, int *row0) {
     int N, k;
     const __nv_bfloat16 *W;
+    if (p >= 4) {
+        const int v0 = (int)((long)cta * P.vocab / nc), v1 = (int)((long)(cta + 1) * P.vocab / nc);
+        const int r0 = v0 + (p - 4) * P.lm_rows, r1 = min(v1, r0 + P.lm_rows);
+        *K = P.dim, *row0 = r0;
+        s[0].w = P.wout + (size_t)r0 * P.dim, s[0].rows = r1 - r0;
+        return 1;
+    }
     if (p == 0) N = (P.nh + 2 * P.nkv) * hd, k = P.dim, W = Ly.wqkv;
     else if (p == 1) N = P.dim, k = P.nh * hd, W = Ly.wo;
     else if (p == 2) N = P.ffn, k = P.dim, W = Ly.wgu;
@@ -341,7 +363,7 @@ struct mk_cur {
     mk_seg sg[2];
 };
 __device__ __forceinline__ void mk_cur_load(mk_cur *c, const mk_params &P, int hd, int cta, int nc) {
-    c->nseg = mk_segs(P, P.layers[c->l], c->p, hd, cta, nc, c->sg, &c->K, &c->r0);
+    c->nseg = mk_segs(P, P.layers[c->l < P.n_layers ? c->l : 0], c->p, hd, cta, nc, c->sg, &c->K, &c->r0);
     c->si = 0, c->off = 0, c->bytes = (unsigned)c->sg[0].rows * (unsigned)c->K * 2u;
 }
 __device__ __forceinline__ void mk_cur_init(mk_cur *c, const mk_params &P, int hd, int cta, int nc) {
@@ -351,7 +373,8 @@ __device__ __forceinline__ void mk_cur_init(mk_cur *c, const mk_params &P, int h
 __device__ __forceinline__ unsigned mk_cur_size(const mk_cur *c) {
     return c->bytes - c->off < MK_CHUNK ? c->bytes - c->off : MK_CHUNK;
 }
-/* the next stage (the consumers' order: mk_consume); done past the last layer */
+/* the next stage (the consumers' order: mk_consume); done past the last layer and the output
+ * head's runs */
 __device__ __forceinline__ void mk_cur_next(mk_cur *c, const mk_params &P, int hd, int cta, int nc) {
     c->off += MK_CHUNK;
     if (c->off < c->bytes) return;
@@ -359,10 +382,18 @@ __device__ __forceinline__ void mk_cur_next(mk_cur *c, const mk_params &P, int h
         c->off = 0, c->bytes = (unsigned)c->sg[c->si].rows * (unsigned)c->K * 2u;
         return;
     }
+    if (c->p >= 4) { /* the output head (l == n_layers) */
+        if (++c->p - 4 >= mk_lm_runs(P, cta, nc)) c->done = true;
+        else mk_cur_load(c, P, hd, cta, nc);
+        return;
+    }
     if (++c->p == 4) c->p = 0, c->l++;
     if (c->l == P.n_layers) {
-        c->done = true;
-        return;
+        if (mk_lm_runs(P, cta, nc) == 0) {
+            c->done = true;
+            return;
+        }
+        c->p = 4;
     }
     mk_cur_load(c, P, hd, cta, nc);
 }
@@ -482,7 +513,18 @@ __global__ void __launch_bounds__(MK_THREADS, 1) k_decode_mk(const mk_params P) 
         product(Ly, 3);
         if (threadIdx.x < sg[0].rows) P.x[r0 + threadIdx.x] = xo + mk_row(slots, threadIdx.x, K / MK_KQ, sg[0].rows);
         mark(MKP_EPI);
-        if (l + 1 < P.n_layers) grid(4);
+        if (l + 1 < P.n_layers || P.lm) grid(4);
+    }
+    if (P.lm) { /* the output head: every CTA's rows of the last x are in */
+        mk_norm(P.x, P.out_norm, P.dim, P.eps, xb, red);
+        mark(MKP_NORM);
+        for (int j = 0, nr = mk_lm_runs(P, cta, nc); j < nr; j++) {
+            product(P.layers[0], 4 + j);
+            for (int i = threadIdx.x; i < sg[0].rows; i += MK_CW * 32)
+                P.logits[r0 + i] = mk_row(slots, i, K / MK_KQ, sg[0].rows);
+            mk_csync(); /* the slots are rewritten by the next run */
+            mark(MKP_EPI);
+        }
     }
     if (prof) {
         pa[MKP_ALL] = clock64() - t_start;

@@ -445,8 +445,9 @@ template <typename TA> static kv_status enqueue_step(struct cuda_ctx *c, const s
     k_embed<TA><<<T, 1024, 0, c->st>>>((const TA *)c->tok_embd, d_tok, c->x, dim);
     LAUNCHED("embed");
     if (ea->mk) { /* every layer in the megakernel; x then holds the last residual */
-        if ((st = mk_launch(c, ea->split_len, ea->max_parts, d_pos, d_bto, d_bt, err, errlen))) return st;
-        if (L > 0) {
+        if ((st = mk_launch(c, ea->split_len, ea->max_parts, d_pos, d_bto, d_bt, L > 0 && c->mk_lm, err, errlen)))
+            return st;
+        if (L > 0 && !c->mk_lm) {
             if ((st = launch_norm<TA>(c, c->x, NULL, c->out_norm, L, d_lr, 0, err, errlen))) return st;
             if ((st = gemm(c, c->a, L, dim, c->output, cfg->n_vocab, c->logits, err, errlen))) return st;
         }
