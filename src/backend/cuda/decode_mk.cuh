@@ -35,9 +35,9 @@
  * Data other CTAs wrote in this launch (x, qkv, a, the attention parts) is read with
  * ld.global.cg (L2), never through the SM's L1.
  *
- * H200, Llama-3-8B shape, batch 1 (docs/benchmarks.md, eleventh session): 4.15 / 4.43 ms a
- * step at 512 / 4096 positions (1.09x / 1.13x the HBM floor) against 4.57 / 4.83 with eight
- * kernels a layer. On by default (MK_DEFAULT; KVSERVE_CUDA_MK=0 off).
+ * H200, Llama-3-8B shape, batch 1 (docs/benchmarks.md, thirteenth session): 4.04-4.09 /
+ * 4.32 ms a step at 512 / 4096 positions (1.06-1.07x / 1.10x the HBM floor) against 4.55 / 4.82
+ * with eight kernels a layer. On by default (MK_DEFAULT; KVSERVE_CUDA_MK=0 off).
  *
  * Not batch-invariant against the multi-row kernels (a different summation order than
  * k_gemv_bf16 / cuBLAS): the deterministic mode never runs it.
