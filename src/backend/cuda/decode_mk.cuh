@@ -48,11 +48,14 @@
 #include "kernels.cuh"
 #include "attn_decode.cuh"
 
-#define MK_CW 15                      /* consumer warps (16 warps in all: <= 128 registers a thread) */
+/* consumer warps: 14 (15 warps in all: <= 136 registers a thread) ran 13-20 us a step faster
+ * than 15 (16 warps, <= 128 registers) on the H200 (docs/benchmarks.md, thirteenth session), and
+ * leave the kernel registers to spare */
+#define MK_CW 14
 #define MK_THREADS (32 * (MK_CW + 1)) /* + one producer warp */
 #define MK_PIECE 1024                 /* bytes of W per warp step */
 #define MK_PPW 2                      /* pieces per warp in a stage */
-#define MK_CHUNK (MK_PIECE * MK_PPW * MK_CW) /* bytes per ring stage (30 KiB) */
+#define MK_CHUNK (MK_PIECE * MK_PPW * MK_CW) /* bytes per ring stage (28 KiB) */
 #define MK_KQ 512                     /* elements per piece: K % MK_KQ == 0 */
 #define MK_MAX_NST 32
 /* ring stages (when shared memory has room) and the attention's K/V stages (dec_tc_run's NS):
