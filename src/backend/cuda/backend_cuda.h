@@ -105,10 +105,10 @@ extern "C" {
  * step's phase times on stderr (the five grid barriers of a layer also one by one);
  * KVSERVE_CUDA_MK_NST=N ring stages (default 4, fewer where shared memory lacks room; an
  * experiment); KVSERVE_CUDA_MK_LM=0 the output head (final norm, logits) in two kernels after
- * the megakernel instead of inside it (an experiment); KVSERVE_CUDA_MK_DBG=N (timing experiments, results wrong): bit 1 no product
- * arithmetic, 2 no attention, 16 no weight stream, 64 no grid barriers, 128 grid barriers
- * without release / acquire; 32 (results right) the weight stream without its L2
- * evict-first hint. */
+ * the megakernel instead of inside it (an experiment); KVSERVE_CUDA_MK_DBG=N (timing
+ * experiments, results wrong): bit 1 no product arithmetic, 2 no attention, 16 no weight
+ * stream, 64 no grid barriers, 128 grid barriers without release / acquire; 32 (results
+ * right) the weight stream without its L2 evict-first hint. */
 struct backend_cuda_options {
     int device;       /* CUDA device ordinal */
     bool f32_weights; /* keep weights f32 (exact-ish reference mode); default bf16 */
