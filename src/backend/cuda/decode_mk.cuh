@@ -48,9 +48,10 @@
 #include "kernels.cuh"
 #include "attn_decode.cuh"
 
-/* consumer warps: 14 (15 warps in all: <= 136 registers a thread) ran 13-20 us a step faster
- * than 15 (16 warps, <= 128 registers) on the H200 (docs/benchmarks.md, thirteenth session), and
- * leave the kernel registers to spare */
+/* consumer warps: 14 (15 warps in all) ran 13-20 us a step faster than 15 on the H200
+ * (docs/benchmarks.md, thirteenth session). Either way a thread has <= 128 registers: each of
+ * an SM's four sub-partitions holds 16K registers and up to 4 of the warps (11 consumer warps,
+ * 3 a sub-partition, would allow 168) */
 #define MK_CW 14
 #define MK_THREADS (32 * (MK_CW + 1)) /* + one producer warp */
 #define MK_PIECE 1024                 /* bytes of W per warp step */
