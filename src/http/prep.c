@@ -86,6 +86,9 @@ static void fail(struct prep_job *j, int status, const char *type, const char *p
     oai_errf(&j->err, status, type, param, code, "%s", msg);
 }
 
+/* the request field that holds the prompt: what a prompt error names */
+static const char *prompt_param(const struct prep_job *j) { return j->kind == OAI_CHAT ? "messages" : "prompt"; }
+
 /* bytes: the prompt's size; known false: rendering stopped at the bound (more than it) */
 static bool too_long_early(struct prep_job *j, size_t bytes, bool known) {
     if (!P.max_prompt_bytes || (known && bytes <= P.max_prompt_bytes)) return false;
@@ -96,7 +99,7 @@ static bool too_long_early(struct prep_job *j, size_t bytes, bool known) {
              "This model's maximum context length is %d tokens; the prompt has %s, more "
              "than any prompt of that many tokens (refused before tokenization)",
              srv.lim.max_model_len, size);
-    fail(j, 400, "invalid_request_error", j->kind == OAI_CHAT ? "messages" : "prompt",
+    fail(j, 400, "invalid_request_error", prompt_param(j),
          "context_length_exceeded", msg);
     return true;
 }
@@ -186,14 +189,14 @@ static void prepare(struct prep_job *j) {
     }
     int mml = srv.lim.max_model_len;
     if (j->n == 0) {
-        fail(j, 400, "invalid_request_error", j->kind == OAI_CHAT ? "messages" : "prompt", NULL,
+        fail(j, 400, "invalid_request_error", prompt_param(j), NULL,
              "the prompt is empty (no tokens)");
     } else if (mml > 0 && j->n >= (size_t)mml) {
         char msg[256];
         snprintf(msg, sizeof msg,
                  "This model's maximum context length is %d tokens; the prompt has %zu tokens "
                  "(at least 1 token must be left for the completion)", mml, j->n);
-        fail(j, 400, "invalid_request_error", j->kind == OAI_CHAT ? "messages" : "prompt",
+        fail(j, 400, "invalid_request_error", prompt_param(j),
              "context_length_exceeded", msg);
     } else if (mml > 0 && j->r.max_tokens_given && j->n + (size_t)j->r.max_tokens > (size_t)mml) {
         /* vLLM refuses an explicit max_tokens that does not fit beside the prompt (its
@@ -202,9 +205,9 @@ static void prepare(struct prep_job *j) {
         snprintf(msg, sizeof msg,
                  "This model's maximum context length is %d tokens. However, you requested %zu tokens "
                  "(%zu in the %s, %d in the completion). Please reduce the length of the %s or completion.",
-                 mml, j->n + (size_t)j->r.max_tokens, j->n, j->kind == OAI_CHAT ? "messages" : "prompt",
-                 j->r.max_tokens, j->kind == OAI_CHAT ? "messages" : "prompt");
-        fail(j, 400, "invalid_request_error", j->kind == OAI_CHAT ? "messages" : "prompt",
+                 mml, j->n + (size_t)j->r.max_tokens, j->n, prompt_param(j),
+                 j->r.max_tokens, prompt_param(j));
+        fail(j, 400, "invalid_request_error", prompt_param(j),
              "context_length_exceeded", msg);
     } else if (mml > 0 && j->r.min_tokens > 0 && j->n + (size_t)j->r.min_tokens > (size_t)mml) {
         /* min_tokens cannot be honoured: refused on both endpoints, naming it (a default
@@ -213,7 +216,7 @@ static void prepare(struct prep_job *j) {
         snprintf(msg, sizeof msg,
                  "min_tokens (%d) does not fit beside the prompt: this model's maximum context length is "
                  "%d tokens and the %s has %zu",
-                 j->r.min_tokens, mml, j->kind == OAI_CHAT ? "messages" : "prompt", j->n);
+                 j->r.min_tokens, mml, prompt_param(j), j->n);
         fail(j, 400, "invalid_request_error", "min_tokens", "context_length_exceeded", msg);
     }
 }
