@@ -79,8 +79,11 @@ kv_status mk_setup(struct cuda_ctx *c, char *err, size_t errlen) {
     const char *dbg = getenv("KVSERVE_CUDA_MK_DBG");
     c->mk_dbg = dbg ? atoi(dbg) : 0;
     const char *pf = getenv("KVSERVE_CUDA_MK_PROF");
-    if (pf && *pf == '1')
+    if (pf && *pf == '1') {
         CU_TRY(kvc_malloc((void **)&c->mk_prof, (size_t)c->n_sm * MK_NPROF * sizeof(long long)), "cudaMalloc (profile)");
+        /* (zero: with KVSERVE_CUDA_MK_DBG & 16 the producer writes none of its slots) */
+        CU_TRY(kvc_memset_async(c->mk_prof, 0, (size_t)c->n_sm * MK_NPROF * sizeof(long long), c->st), "memset (profile)");
+    }
     c->mk = true;
     return KV_OK;
 }
@@ -89,7 +92,8 @@ kv_status mk_setup(struct cuda_ctx *c, char *err, size_t errlen) {
  * step's megakernel phase cycles, mean and max over the CTAs, on stderr. */
 void mk_prof_print(struct cuda_ctx *c) {
     static const char *const names[MK_NPROF] = {"norm", "load", "products", "(starved)", "epilogue", "grid barrier",
-                                                "attention", "all", "qkv>", "attn>", "o>", "gu>", "down>"};
+                                                "attention", "all", "qkv>", "attn>", "o>", "gu>", "down>",
+                                                "idle@qkv", "@o", "@gu", "@down", "@head"};
     long long *h = (long long *)malloc((size_t)c->n_sm * MK_NPROF * sizeof(long long));
     if (!h || kvc_memcpy_sync(h, c->mk_prof, (size_t)c->n_sm * MK_NPROF * sizeof(long long), cudaMemcpyDeviceToHost)) {
         free(h);
@@ -98,7 +102,7 @@ void mk_prof_print(struct cuda_ctx *c) {
     int khz = 0;
     cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, c->dev);
     double us = khz > 0 ? 1e3 / khz : 0;
-    char line[512];
+    char line[1024];
     int o = snprintf(line, sizeof line, "mk prof (us, mean/max over CTAs):");
     for (int k = 0; k < MK_NPROF; k++) {
         double s = 0, mx = 0;

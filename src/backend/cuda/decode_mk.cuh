@@ -52,7 +52,9 @@
  * (docs/benchmarks.md, thirteenth session). Either way a thread has <= 128 registers: each of
  * an SM's four sub-partitions holds 16K registers and up to 4 of the warps (11 consumer warps,
  * 3 a sub-partition, would allow 168) */
+#ifndef MK_CW /* -DMK_CW=N: a variant for experiments (docs/patches/README.md) */
 #define MK_CW 14
+#endif
 #define MK_THREADS (32 * (MK_CW + 1)) /* + one producer warp */
 #define MK_PIECE 1024                 /* bytes of W per warp step */
 #define MK_PPW 2                      /* pieces per warp in a stage */
@@ -111,8 +113,12 @@ struct mk_params {
     long long *prof;    /* k_decode_mk<HD, true>: (gridDim.x, MK_NPROF) clock64 cycles per phase kind (KVSERVE_CUDA_MK_PROF) */
 };
 /* phase kinds of the profile: norms, activation loads, products (of which waiting for a
- * stage), epilogues, grid barriers, attention, the whole kernel */
-enum { MKP_NORM, MKP_LOAD, MKP_PROD, MKP_STARVE, MKP_EPI, MKP_GRID, MKP_ATTN, MKP_ALL, MKP_G0, MK_NPROF = MKP_G0 + 5 };
+ * stage), epilogues, grid barriers, attention, the whole kernel (thread 0's cycles), each of
+ * the five barriers of a layer (from MKP_G0), and the producer's idle cycles (every stage of
+ * the ring landed, none free: the CTA asks DRAM for nothing) while it held the next stage of
+ * product 0-3 or of the output head (from MKP_P0) */
+enum { MKP_NORM, MKP_LOAD, MKP_PROD, MKP_STARVE, MKP_EPI, MKP_GRID, MKP_ATTN, MKP_ALL, MKP_G0, MKP_P0 = MKP_G0 + 5,
+       MK_NPROF = MKP_P0 + 5 };
 
 __device__ __forceinline__ unsigned mk_sa(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ void mk_bar_init(uint64_t *b, unsigned n) {
@@ -129,6 +135,15 @@ __device__ __forceinline__ void mk_bar_wait(uint64_t *b, unsigned parity) {
                      : "r"(mk_sa(b)), "r"(parity)
                      : "memory");
     } while (!ok);
+}
+/* whether phase `parity` of b completed (no wait) */
+__device__ __forceinline__ bool mk_bar_test(uint64_t *b, unsigned parity) {
+    unsigned ok;
+    asm volatile("{\n .reg .pred p;\n mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(ok)
+                 : "r"(mk_sa(b)), "r"(parity)
+                 : "memory");
+    return ok;
 }
 /* bytes (a multiple of 16) from global src into shared dst, completion counted on mbarrier b;
  * with hint, the global reads marked with L2 cache policy pol (createpolicy) */
@@ -427,12 +442,28 @@ __global__ void __launch_bounds__(MK_THREADS, 1) k_decode_mk(const mk_params P) 
              * 4-5% faster a step than without the hint) */
             uint64_t pol;
             asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
+            long long ps[5] = {}; /* PROF: idle cycles by the product of the stage held */
             for (unsigned q = 0; !ld.done; q++, mk_cur_next(&ld, P, HD, cta, nc)) {
                 const int s = (int)(q % (unsigned)nst);
-                if (q >= (unsigned)nst) mk_bar_wait(&empty[s], (q / (unsigned)nst - 1) & 1u);
+                if (PROF && q >= (unsigned)nst) {
+                    /* idle: every stage of the ring landed and none consumed yet (the CTA asks
+                     * DRAM for nothing); not: waiting while copies are in flight */
+                    const int sl = (int)((q - 1) % (unsigned)nst);
+                    const unsigned pe = (q / (unsigned)nst - 1) & 1u, pl = ((q - 1) / (unsigned)nst) & 1u;
+                    long long tl = -1;
+                    for (;;) {
+                        if (mk_bar_test(&empty[s], pe)) break;
+                        if (tl < 0 && mk_bar_test(&full[sl], pl)) tl = clock64();
+                    }
+                    if (tl >= 0) ps[ld.p < 4 ? ld.p : 4] += clock64() - tl;
+                } else if (q >= (unsigned)nst) {
+                    mk_bar_wait(&empty[s], (q / (unsigned)nst - 1) & 1u);
+                }
                 const unsigned char *src = (const unsigned char *)ld.sg[ld.si].w + ld.off;
                 mk_bulk(ring + (size_t)s * MK_CHUNK, src, mk_cur_size(&ld), &full[s], !(P.dbg & 32), pol);
             }
+            if (PROF)
+                for (int i = 0; i < 5; i++) P.prof[(size_t)cta * MK_NPROF + MKP_P0 + i] = ps[i];
         }
         return;
     }
@@ -532,7 +563,7 @@ __global__ void __launch_bounds__(MK_THREADS, 1) k_decode_mk(const mk_params P) 
     }
     if (prof) {
         pa[MKP_ALL] = clock64() - t_start;
-        for (int i = 0; i < MK_NPROF; i++) P.prof[(size_t)cta * MK_NPROF + i] = pa[i];
+        for (int i = 0; i < MKP_P0; i++) P.prof[(size_t)cta * MK_NPROF + i] = pa[i];
     }
     /* leave the counter zero for the next launch: the last CTA to count resets it (no CTA
      * reads it after counting here) */
