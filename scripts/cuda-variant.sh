@@ -12,9 +12,9 @@ set -euo pipefail
 [ $# -ge 2 ] || { echo "usage: $0 OUTDIR \"NVCC FLAGS\" [BUILD]" >&2; exit 2; }
 out=$1 flags=$2 build=${3:-build-cuda}
 root=$(cd "$(dirname "$0")/.." && pwd)
-cd "$root/$build"
-[ -f libkv_backend_cuda.a ] && [ -f CMakeFiles/bench_cuda.dir/linkLibs.rsp ] ||
+[ -f "$root/$build/libkv_backend_cuda.a" ] && [ -f "$root/$build/CMakeFiles/bench_cuda.dir/linkLibs.rsp" ] ||
     { echo "$0: $build has no CUDA build (cmake -DKVSERVE_CUDA=ON; build bench_cuda test_cuda_ops)" >&2; exit 1; }
+cd "$root/$build"
 mkdir -p "$out/o"
 out=$(cd "$out" && pwd)
 cuda_flags=$(sed -n 's/^CUDA_FLAGS = //p' CMakeFiles/kv_backend_cuda.dir/flags.make)
