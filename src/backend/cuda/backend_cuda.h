@@ -102,7 +102,8 @@ extern "C" {
  * n_heads * head_dim and ffn_dim multiples of 512, not deterministic; kv_cuda_megakernel):
  * KVSERVE_CUDA_MK=0 turns it off, 1 on (default on: MK_DEFAULT in decode_mk.cuh);
  * KVSERVE_CUDA_MK_PROF=1 (a timing tool: one blocking copy a step) prints each megakernel
- * step's phase times on stderr (the five grid barriers of a layer also one by one, and the
+ * step's phase times on stderr (the five grid barriers of a layer also one by one, the
+ * attention pairs that hold the step's position apart from the others, and the
  * time each CTA's weight stream idled, its ring landed and full, by the product it waited to
  * stream next: the gaps where DRAM goes unused);
  * KVSERVE_CUDA_MK_NST=N ring stages (default 4, fewer where shared memory lacks room; an

@@ -92,7 +92,7 @@ kv_status mk_setup(struct cuda_ctx *c, char *err, size_t errlen) {
  * step's megakernel phase cycles, mean and max over the CTAs, on stderr. */
 void mk_prof_print(struct cuda_ctx *c) {
     static const char *const names[MK_NPROF] = {"norm", "load", "products", "(starved)", "epilogue", "grid barrier",
-                                                "attention", "all", "qkv>", "attn>", "o>", "gu>", "down>",
+                                                "attention", "all", "qkv>", "attn>", "o>", "gu>", "down>", "pairs@pos", "@other",
                                                 "idle@qkv", "@o", "@gu", "@down", "@head"};
     long long *h = (long long *)malloc((size_t)c->n_sm * MK_NPROF * sizeof(long long));
     if (!h || kvc_memcpy_sync(h, c->mk_prof, (size_t)c->n_sm * MK_NPROF * sizeof(long long), cudaMemcpyDeviceToHost)) {

@@ -114,11 +114,12 @@ struct mk_params {
 };
 /* phase kinds of the profile: norms, activation loads, products (of which waiting for a
  * stage), epilogues, grid barriers, attention, the whole kernel (thread 0's cycles), each of
- * the five barriers of a layer (from MKP_G0), and the producer's idle cycles (every stage of
+ * the five barriers of a layer (from MKP_G0), the attention pairs that hold the step's
+ * position and the others (MKP_APOS, + 1), and the producer's idle cycles (every stage of
  * the ring landed, none free: the CTA asks DRAM for nothing) while it held the next stage of
  * product 0-3 or of the output head (from MKP_P0) */
-enum { MKP_NORM, MKP_LOAD, MKP_PROD, MKP_STARVE, MKP_EPI, MKP_GRID, MKP_ATTN, MKP_ALL, MKP_G0, MKP_P0 = MKP_G0 + 5,
-       MK_NPROF = MKP_P0 + 5 };
+enum { MKP_NORM, MKP_LOAD, MKP_PROD, MKP_STARVE, MKP_EPI, MKP_GRID, MKP_ATTN, MKP_ALL, MKP_G0, MKP_APOS = MKP_G0 + 5,
+       MKP_P0 = MKP_APOS + 2, MK_NPROF = MKP_P0 + 5 };
 
 __device__ __forceinline__ unsigned mk_sa(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ void mk_bar_init(uint64_t *b, unsigned n) {
@@ -511,10 +512,12 @@ __global__ void __launch_bounds__(MK_THREADS, 1) k_decode_mk(const mk_params P) 
                 sp.r = 0, sp.pos = pos, sp.p_begin = (v / P.nkv) * P.split_len;
                 if (sp.p_begin > pos) continue;
                 sp.p_end = min(pos + 1, sp.p_begin + P.split_len), sp.nparts = pos / P.split_len + 1;
+                const long long ta = prof ? clock64() : 0;
                 dec_tc_run<HD, __nv_bfloat16, MK_ANS>(sp, 0, v % P.nkv, v / P.nkv, threadIdx.x, U, P.qkv, qkvw,
                                                    P.pool, P.block_floats, l, P.nkv, P.tpb, P.G, P.row_bt, P.bt,
                                                    P.max_parts, P.sl2, P.part, P.part_ml, P.cnt, P.a, 0, qp);
                 dec_sync(); /* the region is reused by the next pair */
+                if (prof) pa[sp.p_end == pos + 1 ? MKP_APOS : MKP_APOS + 1] += clock64() - ta;
             }
         }
         mark(MKP_ATTN);
