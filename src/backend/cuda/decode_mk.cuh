@@ -446,19 +446,17 @@ __global__ void __launch_bounds__(MK_THREADS, 1) k_decode_mk(const mk_params P) 
             long long ps[5] = {}; /* PROF: idle cycles by the product of the stage held */
             for (unsigned q = 0; !ld.done; q++, mk_cur_next(&ld, P, HD, cta, nc)) {
                 const int s = (int)(q % (unsigned)nst);
-                if (PROF && q >= (unsigned)nst) {
+                const unsigned pe = (q / (unsigned)nst - 1) & 1u; /* (q >= nst) */
+                if (q >= (unsigned)nst && !PROF) mk_bar_wait(&empty[s], pe);
+                if (q >= (unsigned)nst && PROF) {
                     /* idle: every stage of the ring landed and none consumed yet (the CTA asks
                      * DRAM for nothing); not: waiting while copies are in flight */
                     const int sl = (int)((q - 1) % (unsigned)nst);
-                    const unsigned pe = (q / (unsigned)nst - 1) & 1u, pl = ((q - 1) / (unsigned)nst) & 1u;
+                    const unsigned pl = ((q - 1) / (unsigned)nst) & 1u;
                     long long tl = -1;
-                    for (;;) {
-                        if (mk_bar_test(&empty[s], pe)) break;
+                    while (!mk_bar_test(&empty[s], pe))
                         if (tl < 0 && mk_bar_test(&full[sl], pl)) tl = clock64();
-                    }
                     if (tl >= 0) ps[ld.p < 4 ? ld.p : 4] += clock64() - tl;
-                } else if (q >= (unsigned)nst) {
-                    mk_bar_wait(&empty[s], (q / (unsigned)nst - 1) & 1u);
                 }
                 const unsigned char *src = (const unsigned char *)ld.sg[ld.si].w + ld.off;
                 mk_bulk(ring + (size_t)s * MK_CHUNK, src, mk_cur_size(&ld), &full[s], !(P.dbg & 32), pol);
