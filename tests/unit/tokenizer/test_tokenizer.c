@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "model/gguf.h"
 #include "test_util.h"
@@ -515,6 +516,48 @@ static void test_byte_vocab(void **st) {
     tok_free(t);
 }
 
+/* ---- tokenizer.json ids: a gap up to 65536 unused ids loads, a wider one is refused ---- */
+static kv_status load_json_text(const char *json, tokenizer_t **t, char *err, size_t errlen) {
+    char path[] = "/tmp/kvserve_test_tokXXXXXX.json";
+    int fd = mkstemps(path, 5);
+    assert_true(fd >= 0);
+    size_t len = strlen(json);
+    assert_int_equal(write(fd, json, len), (ssize_t)len);
+    close(fd);
+    kv_status st = tok_load(path, t, err, errlen);
+    unlink(path);
+    return st;
+}
+
+static void test_json_sparse_ids(void **st) {
+    (void)st;
+    static const char fmt[] =
+        "{\"added_tokens\": [{\"id\": %d, \"content\": \"<eos>\", \"special\": true}],"
+        " \"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \"b\": 1, \"ab\": %d}, \"merges\": [\"a b\"]}}";
+    char json[512], err[256];
+    tokenizer_t *t = NULL;
+    /* 4 entries (3 in the vocab, 1 added): the largest id may be at most 4 + 65536 - 1 */
+    snprintf(json, sizeof json, fmt, 65539, 2);
+    assert_int_equal(load_json_text(json, &t, err, sizeof err), KV_OK);
+    assert_int_equal(tok_n_vocab(t), 65540);
+    int32_t *ids;
+    size_t n;
+    assert_int_equal(tok_encode(t, "ab<eos>", 7, false, true, &ids, &n), KV_OK);
+    assert_int_equal(n, 2);
+    assert_int_equal(ids[0], 2);
+    assert_int_equal(ids[1], 65539);
+    free(ids);
+    tok_free(t);
+    t = NULL;
+    snprintf(json, sizeof json, fmt, 65540, 2);
+    assert_int_equal(load_json_text(json, &t, err, sizeof err), KV_EFORMAT);
+    assert_null(t);
+    assert_non_null(strstr(err, "sparse"));
+    snprintf(json, sizeof json, fmt, 3, 44444263); /* the fuzzer's input: one huge vocab id */
+    assert_int_equal(load_json_text(json, &t, err, sizeof err), KV_EFORMAT);
+    assert_null(t);
+}
+
 /* ---- streaming: multi-byte characters split over tokens, special tokens skipped ---- */
 static void test_stream_pieces(void **st) {
     (void)st;
@@ -560,6 +603,7 @@ int main(void) {
         cmocka_unit_test(test_chat_qwen3),       cmocka_unit_test(test_chat_llama3),
         cmocka_unit_test(test_chat_stories),     cmocka_unit_test(test_chat_errors),
         cmocka_unit_test(test_byte_vocab),       cmocka_unit_test(test_stream_pieces),
+        cmocka_unit_test(test_json_sparse_ids),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     for (int i = 0; i < T_N; i++) tok_free(g_tok[i]);
