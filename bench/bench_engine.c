@@ -7,7 +7,9 @@
  *   bench_engine --make-model OUT.gguf --vocab-from VOCAB.gguf [--layers 12 --dim 768 ...]
  *
  * Prefill: C requests with prompt_len random-but-valid token ids and max_tokens 1, submitted at
- * once; rate = C * prompt_len / wall time. Decode: C requests with a --depth-token prompt
+ * once; rate = C * prompt_len / wall time, of the second such batch (the first, other prompts,
+ * is a warm-up as llama-bench's: the KV pool's pages, the step scratch of prompt_len rows and
+ * the per-thread panels are faulted in by it, not by the measured run). Decode: C requests with a --depth-token prompt
  * (default 16; e.g. 8192 for decode at 8k context, as llama-bench -d) generating gen_len tokens
  * (ignore_eos); rate = tokens generated after each request's first token / (last finish -
  * earliest first token). Logs the kernel ISA (KVSERVE_CPU_ISA forces one),
@@ -440,6 +442,7 @@ int main(int argc, char **argv) {
     }
     for (const char *p = conc; *p;) {
         int c = atoi(p);
+        run_batch(e, c, prompt_len, 1, m->cfg.n_vocab, 3, &r); /* warm-up of the same size, other prompts */
         double tp = run_batch(e, c, prompt_len, 1, m->cfg.n_vocab, 1, &r);
         double prefill = tp > 0 ? (double)c * prompt_len / tp : 0;
         double td = run_batch(e, c, depth, gen_len, m->cfg.n_vocab, 2, &r);

@@ -352,6 +352,10 @@ AI void attn_v_tail(const struct kv_attn_args *a, const float *sc, float iv, flo
 }
 
 #ifdef KV_ATTN_X86
+/* Widest head_dim (its multiple of 16) whose K rows the vector families widen to f32 once per
+ * chunk (scores512 / scores256): 16 rows of it on the stack, 16 KiB. */
+#define KV_ATTN_WIDEN_MAX 256
+
 /* ---- AVX-512 ---- */
 #define T512 KV_T512
 
@@ -376,14 +380,12 @@ AI T512 void vacc512(const struct kv_attn_args *a, const float *sc, float inv, f
     _Pragma("GCC unroll 4") for (int u = 0; u < NV; u++) _mm512_storeu_ps(out + d0 + 16 * u, acc[u]);
 }
 
-/* Scores of positions [i0, i0 + 16) (at most ni of them; rows past n_last are never read)
- * for every row and head of the tile: one accumulator per position, the 16 trees at once. */
-AI T512 void scores512(const struct kv_attn_args *a, int i0, int ni, size_t rb, const int dt) {
+/* The score loop of scores512 over the rows and heads of the tile: the main part of each dot
+ * product reads K row t at km[t] as dtype dm (the pool's rows, or their f32 copy), the
+ * head_dim % 16 tail at kr[t] as the pool's dt. */
+AI T512 void scores512_rows(const struct kv_attn_args *a, int i0, int ni, const char *const *km, const int dm,
+                            const char *const *kr, const int dt) {
     const int hd = a->head_dim, hd16 = hd - hd % 16;
-    const char *kr[16];
-    rows_of(a, a->k_off, i0, ni, rb, kr);
-    for (int t = ni; t < 16; t++) kr[t] = kr[ni - 1];
-    prefetch_rows(a, a->k_off, i0 + 16, 16, a->n_pos + a->n_rows - 1, rb);
     for (int j = 0; j < a->n_rows; j++) {
         int cnt = a->n_pos + j - i0; /* positions of this chunk row j sees */
         if (cnt <= 0) continue;
@@ -395,11 +397,16 @@ AI T512 void scores512(const struct kv_attn_args *a, int i0, int ni, size_t rb, 
             for (int e = 0; e < hd16; e += 16) {
                 __m512 qv = _mm512_loadu_ps(q + e);
                 _Pragma("GCC unroll 16") for (int t = 0; t < 16; t++)
-                    acc[t] = _mm512_fmadd_ps(qv, ld512(kr[t], e, dt), acc[t]);
+                    acc[t] = _mm512_fmadd_ps(qv, ld512(km[t], e, dm), acc[t]);
+            }
+            float *sc = scores_of(a, j, g) + i0;
+            if (hd16 == hd) { /* no tail: the sums scaled and stored as one vector */
+                __m512 z = _mm512_mul_ps(kv_tree16_512v(acc), _mm512_set1_ps(a->scale));
+                _mm512_mask_storeu_ps(sc, (__mmask16)((1u << cnt) - 1), z);
+                continue;
             }
             float s[16];
             kv_tree16_512(acc, cnt, s);
-            float *sc = scores_of(a, j, g) + i0;
             for (int t = 0; t < cnt; t++) {
                 float v = s[t];
                 for (int e = hd16; e < hd; e++) v = __builtin_fmaf(q[e], elem(kr[t], e, dt), v);
@@ -407,6 +414,32 @@ AI T512 void scores512(const struct kv_attn_args *a, int i0, int ni, size_t rb, 
             }
         }
     }
+}
+
+/* Scores of positions [i0, i0 + 16) (at most ni of them; rows past n_last are never read)
+ * for every row and head of the tile: one accumulator per position, the 16 trees at once.
+ * In prefill tiles (more than one row) f16 / bf16 K rows are widened once into an f32 copy on
+ * the stack (exact: the same products follow), so the inner loop is loads and fmas only; a
+ * decode row reads the pool's rows directly (at long context its K reads are the cost, and
+ * the copy measured no better for a GQA group of 4). */
+AI T512 void scores512(const struct kv_attn_args *a, int i0, int ni, size_t rb, const int dt) {
+    const int hd = a->head_dim, hd16 = hd - hd % 16;
+    const char *kr[16];
+    rows_of(a, a->k_off, i0, ni, rb, kr);
+    for (int t = ni; t < 16; t++) kr[t] = kr[ni - 1];
+    prefetch_rows(a, a->k_off, i0 + 16, 16, a->n_pos + a->n_rows - 1, rb);
+    if (dt == KV_DTYPE_F32 || hd16 > KV_ATTN_WIDEN_MAX || a->n_rows < 2) {
+        scores512_rows(a, i0, ni, kr, dt, kr, dt);
+        return;
+    }
+    float kf[16 * KV_ATTN_WIDEN_MAX] __attribute__((aligned(64)));
+    const char *km[16];
+    for (int t = 0; t < 16; t++) {
+        float *d = kf + (size_t)t * hd16;
+        for (int e = 0; e < hd16; e += 16) _mm512_store_ps(d + e, ld512(kr[t], e, dt));
+        km[t] = (const char *)d;
+    }
+    scores512_rows(a, i0, ni, km, KV_DTYPE_F32, kr, dt);
 }
 
 /* vacc512 for NP (row, head) pairs at once over their common positions [p0, p1): the V
@@ -495,13 +528,10 @@ AI T256 void vacc256(const struct kv_attn_args *a, const float *sc, float inv, f
     _Pragma("GCC unroll 8") for (int u = 0; u < NV; u++) _mm256_storeu_ps(out + d0 + 8 * u, acc[u]);
 }
 
-/* As scores512 with 8 positions per chunk (16 lanes as two ymm halves per position). */
-AI T256 void scores256(const struct kv_attn_args *a, int i0, int ni, size_t rb, const int dt) {
+/* As scores512_rows with 8 positions per chunk (16 lanes as two ymm halves per position). */
+AI T256 void scores256_rows(const struct kv_attn_args *a, int i0, int ni, const char *const *km, const int dm,
+                            const char *const *kr, const int dt) {
     const int hd = a->head_dim, hd16 = hd - hd % 16;
-    const char *kr[8];
-    rows_of(a, a->k_off, i0, ni, rb, kr);
-    for (int t = ni; t < 8; t++) kr[t] = kr[ni - 1];
-    prefetch_rows(a, a->k_off, i0 + 8, 8, a->n_pos + a->n_rows - 1, rb);
     for (int j = 0; j < a->n_rows; j++) {
         int cnt = a->n_pos + j - i0;
         if (cnt <= 0) continue;
@@ -513,14 +543,20 @@ AI T256 void scores256(const struct kv_attn_args *a, int i0, int ni, size_t rb, 
             for (int e = 0; e < hd16; e += 16) {
                 __m256 ql = _mm256_loadu_ps(q + e), qh = _mm256_loadu_ps(q + e + 8);
                 _Pragma("GCC unroll 8") for (int t = 0; t < 8; t++) {
-                    lo[t] = _mm256_fmadd_ps(ql, ld256(kr[t], e, dt), lo[t]);
-                    hi[t] = _mm256_fmadd_ps(qh, ld256(kr[t], e + 8, dt), hi[t]);
+                    lo[t] = _mm256_fmadd_ps(ql, ld256(km[t], e, dm), lo[t]);
+                    hi[t] = _mm256_fmadd_ps(qh, ld256(km[t], e + 8, dm), hi[t]);
                 }
             }
             _Pragma("GCC unroll 8") for (int t = 0; t < 8; t++) lo[t] = _mm256_add_ps(lo[t], hi[t]); /* l8 */
+            float *sc = scores_of(a, j, g) + i0;
+            if (hd16 == hd) { /* no tail: the sums scaled and stored as one vector */
+                __m256 z = _mm256_mul_ps(kv_tree8_256v(lo), _mm256_set1_ps(a->scale));
+                const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+                _mm256_maskstore_ps(sc, _mm256_cmpgt_epi32(_mm256_set1_epi32(cnt), lane), z);
+                continue;
+            }
             float s[8];
             kv_tree8_256(lo, cnt, s);
-            float *sc = scores_of(a, j, g) + i0;
             for (int t = 0; t < cnt; t++) {
                 float v = s[t];
                 for (int e = hd16; e < hd; e++) v = __builtin_fmaf(q[e], elem(kr[t], e, dt), v);
@@ -528,6 +564,27 @@ AI T256 void scores256(const struct kv_attn_args *a, int i0, int ni, size_t rb, 
             }
         }
     }
+}
+
+/* As scores512 with 8 positions per chunk (the same f32 copy of K rows in prefill tiles). */
+AI T256 void scores256(const struct kv_attn_args *a, int i0, int ni, size_t rb, const int dt) {
+    const int hd = a->head_dim, hd16 = hd - hd % 16;
+    const char *kr[8];
+    rows_of(a, a->k_off, i0, ni, rb, kr);
+    for (int t = ni; t < 8; t++) kr[t] = kr[ni - 1];
+    prefetch_rows(a, a->k_off, i0 + 8, 8, a->n_pos + a->n_rows - 1, rb);
+    if (dt == KV_DTYPE_F32 || hd16 > KV_ATTN_WIDEN_MAX || a->n_rows < 2) {
+        scores256_rows(a, i0, ni, kr, dt, kr, dt);
+        return;
+    }
+    float kf[8 * KV_ATTN_WIDEN_MAX] __attribute__((aligned(32)));
+    const char *km[8];
+    for (int t = 0; t < 8; t++) {
+        float *d = kf + (size_t)t * hd16;
+        for (int e = 0; e < hd16; e += 8) _mm256_store_ps(d + e, ld256(kr[t], e, dt));
+        km[t] = (const char *)d;
+    }
+    scores256_rows(a, i0, ni, km, KV_DTYPE_F32, kr, dt);
 }
 
 /* As vaccm512 with 8-lane halves (NP * NV <= 8 accumulators). */

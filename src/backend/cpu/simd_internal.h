@@ -55,6 +55,25 @@ static inline __attribute__((always_inline)) KV_T512 void kv_tree16_512(const __
     for (int i = 0; i < n; i++) out[i] = t[4 * (i & 3) + (i >> 2)];
 }
 
+/* kv_tree16_512 of all 16 accumulators, the sums left in a vector in natural order (lane i:
+ * the sum of a[i]): the same additions, no store. */
+static inline __attribute__((always_inline)) KV_T512 __m512 kv_tree16_512v(const __m512 *v) {
+    __m512 p[8], q[4], r[2];
+    for (int i = 0; i < 8; i++)
+        p[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)
+        q[i] = _mm512_add_ps(_mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++)
+        r[i] = _mm512_add_ps(_mm512_shuffle_ps(q[2 * i], q[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(q[2 * i], q[2 * i + 1], 0xEE));
+    __m512 z = _mm512_add_ps(_mm512_shuffle_ps(r[0], r[1], 0x88), _mm512_shuffle_ps(r[0], r[1], 0xDD));
+    /* lane 4t + u holds the sum of v[4u + t]: lane i takes lane 4 (i & 3) + (i >> 2) */
+    const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(idx, z);
+}
+
 /* The tree from l8 (lanes j + lanes j+8, one ymm per output) for n <= 8 outputs at once. */
 static inline __attribute__((always_inline)) KV_T256 void kv_tree8_256(const __m256 *a, int n, float *out) {
     __m256 v[8], p[4], q[2];
@@ -70,6 +89,20 @@ static inline __attribute__((always_inline)) KV_T256 void kv_tree8_256(const __m
     float t[8] __attribute__((aligned(32)));
     _mm256_store_ps(t, z);
     for (int i = 0; i < n; i++) out[i] = t[4 * (i & 1) + (i >> 1)];
+}
+
+/* kv_tree8_256 of all 8 accumulators, the sums in natural order in a vector (see kv_tree16_512v). */
+static inline __attribute__((always_inline)) KV_T256 __m256 kv_tree8_256v(const __m256 *v) {
+    __m256 p[4], q[2];
+    for (int i = 0; i < 4; i++)
+        p[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20),
+                             _mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x31));
+    for (int i = 0; i < 2; i++)
+        q[i] = _mm256_add_ps(_mm256_shuffle_ps(p[2 * i], p[2 * i + 1], 0x44),
+                             _mm256_shuffle_ps(p[2 * i], p[2 * i + 1], 0xEE));
+    __m256 z = _mm256_add_ps(_mm256_shuffle_ps(q[0], q[1], 0x88), _mm256_shuffle_ps(q[0], q[1], 0xDD));
+    /* lane 4h + u holds the sum of v[2u + h]: lane i takes lane 4 (i & 1) + (i >> 1) */
+    return _mm256_permutevar8x32_ps(z, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
 #endif

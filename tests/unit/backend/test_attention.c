@@ -49,7 +49,7 @@ static void run_case(int hd, int G, int R, int n_pos, int dt) {
     char *pool = calloc((size_t)n_blocks, bb);
     int32_t *bt = malloc(sizeof(int32_t) * (size_t)n_blocks);
     for (int b = 0; b < n_blocks; b++) bt[b] = n_blocks - 1 - b; /* not in order */
-    float row[256];
+    float row[320];
     for (int p = 0; p < n_last; p++)
         for (int kv = 0; kv < 2; kv++) {
             for (int e = 0; e < hd; e++) row[e] = frand() * 2.0f;
@@ -125,6 +125,9 @@ static void test_large_group(void **st) {
     (void)st;
     run_case(16, 40, 8, 37, KV_DTYPE_F16);
     run_case(24, 33, 8, 5, KV_DTYPE_F32);
+    /* head_dim past what the vector families widen to f32 on the stack (256): K read in place */
+    run_case(272, 2, 3, 40, KV_DTYPE_F16);
+    run_case(320, 1, 3, 17, KV_DTYPE_BF16);
 }
 
 /* n_kv heads in one call (runs head_stride apart, block by block with the heads inside) give
