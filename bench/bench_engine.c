@@ -425,10 +425,11 @@ int main(int argc, char **argv) {
     printf("model %s: %d layers, dim %d, heads %d/%d, ffn %d, vocab %d\n", m->cfg.name, m->cfg.n_layers,
            m->cfg.dim, m->cfg.n_heads, m->cfg.n_kv_heads, m->cfg.ffn_dim, m->cfg.n_vocab);
     const char *fi = getenv("KVSERVE_CPU_ISA");
-    printf("kernel %s (KVSERVE_CPU_ISA=%s), quantized matmul %s (KVSERVE_CPU_QUANT_MATMUL), prefill %s, openblas core: %s "
-           "(OPENBLAS_CORETYPE=%s), threads %d, KV %s\n",
+    printf("kernel %s (KVSERVE_CPU_ISA=%s), quantized matmul %s (KVSERVE_CPU_QUANT_MATMUL), prefill %s, BF16 matmul %s "
+           "(%s, KVSERVE_CPU_BF16_MATMUL), openblas core: %s (OPENBLAS_CORETYPE=%s), threads %d, KV %s\n",
            kv_matmul_isa_name(), fi ? fi : "unset", kv_matmul_quant_name(kv_matmul_get_quant()), kv_q8_packed_name(),
-           openblas_get_corename(), ct ? ct : "unset", threads, kv_dtype_name(kv_dtype));
+           kv_matmul_bf16_name(kv_matmul_get_bf16()), kv_matmul_bf16_family_name(), openblas_get_corename(),
+           ct ? ct : "unset", threads, kv_dtype_name(kv_dtype));
     printf("%-12s %-12s %14s %14s\n", "concurrency", "prompt_len", "prefill tok/s", "decode tok/s");
     struct run r = {0};
     run_batch(e, 1, 32, 4, m->cfg.n_vocab, 99, &r); /* warm-up */

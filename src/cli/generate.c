@@ -36,6 +36,8 @@ static void usage(FILE *f) {
             "  --threads N           compute threads, 0 = all cores (default 0)\n"
             "  --quant-matmul int8|f32  how the CPU multiplies quantized weights (default int8;\n"
             "                        see kvserve serve --help)\n"
+            "  --bf16-matmul bf16|f32  how the CPU multiplies BF16 weights (default bf16;\n"
+            "                        see kvserve serve --help)\n"
             "  --ctx-size N          max prompt + generated tokens (default: the model's context)\n"
             "  --ignore-eos          keep generating after end-of-generation tokens\n"
             "  --verbose             print token ids and the finish reason to stderr\n"
@@ -115,6 +117,8 @@ int cmd_generate(int argc, char **argv) {
     enum backend_kind be_kind = BACKEND_KIND_CPU;
     enum kv_matmul_quant qmode = KV_MATMUL_QUANT_AUTO;
     bool qmode_set = false;
+    enum kv_matmul_bf16 bmode = KV_MATMUL_BF16_AUTO;
+    bool bmode_set = false;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -158,6 +162,14 @@ int cmd_generate(int argc, char **argv) {
             }
             qmode_set = true;
         }
+        else if (!strcmp(a, "--bf16-matmul")) {
+            char berr[160];
+            if (kv_matmul_bf16_parse(v, &bmode, berr, sizeof berr) != KV_OK) {
+                fprintf(stderr, "kvserve generate: --bf16-matmul needs bf16 or f32, got '%s'\n", v);
+                rc = -1;
+            }
+            bmode_set = true;
+        }
         else if (!strcmp(a, "--seed")) {
             int64_t s;
             if (kv_parse_i64(v, 0, INT64_MAX, &s) != KV_OK) {
@@ -190,6 +202,11 @@ int cmd_generate(int argc, char **argv) {
             return 2;
         }
         kv_matmul_set_quant(qmode);
+        if (bmode_set && be_kind == BACKEND_KIND_CUDA) {
+            fprintf(stderr, "kvserve generate: --bf16-matmul applies to the cpu backend only\n");
+            return 2;
+        }
+        kv_matmul_set_bf16(bmode);
     }
 
     char err[512] = "";

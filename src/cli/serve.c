@@ -88,6 +88,12 @@ static void serve_usage(FILE *f) {
             "                           of f32, docs/benchmarks.md); f32 multiplies the exactly\n"
             "                           dequantized weights (bitwise the dequant-F32 file's logits;\n"
             "                           slower). Both are batch-invariant. Env KVSERVE_CPU_QUANT_MATMUL\n"
+            "  --bf16-matmul bf16|f32   how the CPU multiplies BF16 weights: bf16 (default) rounds the\n"
+            "                           activations to bf16 and multiplies pairs (vdpbf16ps where the\n"
+            "                           CPU has AVX512_BF16, emulated bit for bit elsewhere; like\n"
+            "                           llama.cpp; logits within ~0.5%% of f32, docs/benchmarks.md);\n"
+            "                           f32 multiplies in f32 (bitwise the F32 file's logits; slower).\n"
+            "                           Both are batch-invariant. Env KVSERVE_CPU_BF16_MATMUL\n"
             "  --deterministic          batch-invariant mode: a sequence's tokens do not depend on what\n"
             "                           it is batched with or on cache hits (cuda: our fixed-order GEMM\n"
             "                           instead of cuBLAS, slower, see docs/benchmarks.md; cpu: always\n"
@@ -174,6 +180,8 @@ int cmd_serve(int argc, char **argv) {
     bool kv_mem_set = false, no_prefix_cache = false, deterministic = false, qmode_set = false;
     bool host_sampling = false;
     enum kv_matmul_quant qmode = KV_MATMUL_QUANT_AUTO;
+    enum kv_matmul_bf16 bmode = KV_MATMUL_BF16_AUTO;
+    bool bmode_set = false;
     int prefix_wait = -1; /* not given: the engine's scaled default */
     const char *hash_key_file = NULL, *tool_parser = NULL;
     struct serve_etcd se = {.prefix = ETCD_DEFAULT_PREFIX, .ttl_s = 5};
@@ -276,6 +284,11 @@ int cmd_serve(int argc, char **argv) {
             if (kv_matmul_quant_parse(v, &qmode, qerr, sizeof qerr) != KV_OK) rc = bad_opt(a, v, "expected int8 or f32");
             qmode_set = true;
         }
+        else if (!strcmp(a, "--bf16-matmul")) {
+            char berr[160];
+            if (kv_matmul_bf16_parse(v, &bmode, berr, sizeof berr) != KV_OK) rc = bad_opt(a, v, "expected bf16 or f32");
+            bmode_set = true;
+        }
         else if (!strcmp(a, "--prefix-wait-blocks")) rc = parse_int_opt(a, v, 0, 1 << 24, &prefix_wait);
         else if (!strcmp(a, "--hash-key-file")) hash_key_file = v;
         else if (!strcmp(a, "--etcd")) se.url = v;
@@ -333,6 +346,9 @@ int cmd_serve(int argc, char **argv) {
         if (qmode_set && be_kind == BACKEND_KIND_CUDA)
             return bad_opt("--quant-matmul", kv_matmul_quant_name(qmode), "applies to the cpu backend only");
         kv_matmul_set_quant(qmode); /* AUTO: KVSERVE_CPU_QUANT_MATMUL, else int8 */
+        if (bmode_set && be_kind == BACKEND_KIND_CUDA)
+            return bad_opt("--bf16-matmul", kv_matmul_bf16_name(bmode), "applies to the cpu backend only");
+        kv_matmul_set_bf16(bmode); /* AUTO: KVSERVE_CPU_BF16_MATMUL, else bf16 */
     }
     if (kv_dtype < 0) kv_dtype = KV_DTYPE_F32; /* cuda too: bf16 KV missed the test tolerance (see test_cuda.c) */
     else if (be_kind == BACKEND_KIND_CUDA && kv_dtype == KV_DTYPE_F16)

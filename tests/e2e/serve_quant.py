@@ -3,7 +3,7 @@
 F16, BF16, Q8_0, Q4_0, Q4_K_M, Q5_K_M, Q6_K quantizations of one random model) against the
 same server on the matching dequant-f32 file (llama.cpp's own dequantization to F32).
 
-- with --quant-matmul f32: greedy completions of the stories-vocabulary reference prompts give
+- with --quant-matmul f32 --bf16-matmul f32: greedy completions of the stories-vocabulary reference prompts give
   identical token ids and identical top-5 logprobs (the kernels compute with exactly the
   dequantized floats, so the documented tolerance is zero; see src/backend/cpu/matmul.h), also
   with --kv-cache-dtype f16 on both sides;
@@ -11,7 +11,8 @@ same server on the matching dequant-f32 file (llama.cpp's own dequantization to 
   the same greedy tokens as the dequant-f32 file wherever both still follow the same text, and
   the chosen token's logprob within INT8_LOGPROB_TOL of the f32 run (the documented tolerance);
   a divergence is allowed only where the f32 run's top two logprobs are within INT8_TIE of each
-  other (a near tie that 8-bit activations may flip);
+  other (a near tie that 8-bit activations may flip); the BF16 file in the default
+  --bf16-matmul bf16 (bf16 activations, src/backend/cpu/matmul_bf16.h) under the same rules;
 - memory: the server's RSS after serving is at most (file size + KV pool) x 1.15 + the
   fixed part (code, libraries -- libcublasLt alone is ~130 MiB in a CUDA build --, thread
   stacks, scratch), measured as the RSS of the same server (same arguments, same requests) on
@@ -109,7 +110,9 @@ def test_cli_env():
     cases = [({"KVSERVE_CPU_QUANT_MATMUL": "bogus"}, [], "KVSERVE_CPU_QUANT_MATMUL"),
              ({"KVSERVE_CPU_ISA": "bogus"}, [], "KVSERVE_CPU_ISA"),
              ({"KVSERVE_CPU_AMX": "no"}, [], "KVSERVE_CPU_AMX"),
-             ({}, ["--quant-matmul", "int4"], "--quant-matmul")]
+             ({"KVSERVE_CPU_BF16_MATMUL": "fp8"}, [], "KVSERVE_CPU_BF16_MATMUL"),
+             ({}, ["--quant-matmul", "int4"], "--quant-matmul"),
+             ({}, ["--bf16-matmul", "int8"], "--bf16-matmul")]
     for env, extra, name in cases:
         for cmd in (["serve", "--model", q, "--port", "0"], ["generate", "--model", q, "--prompt", "Once", "--max-tokens", "2"]):
             e = dict(os.environ, **env)
@@ -158,7 +161,8 @@ def check_int8(t, q, prompts, want):
     s8 = serve(q, ["--kv-cache-dtype", "f32"])
     try:
         got = completions(s8, prompts)
-        H.check("quantized weights: int8 matmul" in s8.logtext(), "%s: the log names the int8 mode" % t)
+        mode = "BF16 weights: bf16 matmul" if t == "BF16" else "quantized weights: int8 matmul"
+        H.check(mode in s8.logtext(), "%s: the log names the default mode (%s)" % (t, mode))
     finally:
         s8.stop()
     if got is None:
@@ -202,7 +206,7 @@ def main():
         for t in TYPES:
             q = os.path.join(QDIR, "tiny-%s.gguf" % t)
             f = os.path.join(QDIR, "tiny-%s.dequant-f32.gguf" % t)
-            sq = serve(q, ["--kv-cache-dtype", kv, "--quant-matmul", "f32"])
+            sq = serve(q, ["--kv-cache-dtype", kv, "--quant-matmul", "f32", "--bf16-matmul", "f32"])
             try:
                 got = completions(sq, prompts)
                 log = sq.logtext()
@@ -229,7 +233,7 @@ def main():
                 H.check(a[0] == b[0], "%s kv %s prompt %d: ids %s != dequant-f32 %s" % (t, kv, i, a[0][:8], b[0][:8]))
                 H.check(a[1] == b[1], "%s kv %s prompt %d: top-5 logprobs differ" % (t, kv, i))
             H.check(len(set(tuple(a[0]) for a in got)) > 1, "%s: outputs differ between prompts" % t)
-            if kv == "f32" and t not in ("F16", "BF16") and want is not None:
+            if kv == "f32" and t != "F16" and want is not None:
                 check_int8(t, q, prompts, want)
         print("kv %s: %d types ok so far (%d checks passed, %d failed)" % (kv, len(TYPES), H.passed, len(H.failures)),
               flush=True)

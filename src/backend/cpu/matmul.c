@@ -14,6 +14,7 @@
 #include "../../quant/q8.h"
 #include "../../quant/qdot.h"
 #include "../backend.h"
+#include "matmul_bf16.h"
 
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC optimize("fp-contract=off")
@@ -84,7 +85,7 @@ static void cols_generic(const struct cols_args *a) {
 /* ---- per-thread buffer of the tiles' saved 16-lane partial sums (between K blocks) ---- */
 
 static void *thread_buf(int which, size_t n); /* below, with the other per-thread buffers */
-enum { BUF_ACT, BUF_PANEL, BUF_SUMS, BUF_XPACK, BUF_N };
+enum { BUF_ACT, BUF_PANEL, BUF_SUMS, BUF_XPACK, BUF_BF16X, BUF_N };
 /* This thread's partial-sum buffer of at least n floats, 64-byte aligned. Out of memory
  * aborts: a few tens of KiB per thread. */
 static float *thread_sums(size_t n) {
@@ -482,6 +483,11 @@ struct plan {
     cols_fn fn;
     const struct kv_q8_act *q8[MAX_BATCH]; /* op i's quantized activations (integer path), or NULL */
     const float *xp[MAX_BATCH]; /* op i's X packed for an x86 family's float tiles (pack_x), or NULL */
+    /* BF16 mode (matmul_bf16.h): op i's BF16 weights take the bf16 tiles (bf[i]), with X packed
+     * for family bff at bxp[i] (NULL for the generic family) */
+    bool bf[MAX_BATCH];
+    const void *bxp[MAX_BATCH];
+    enum kv_bf16_family bff;
 };
 
 /* Y[m][n] += bias[n] for the columns n0 .. n1 - 1 of a decode product (the kernels there write
@@ -503,6 +509,16 @@ static void plan_task(void *p, int t, int th) {
     int n0 = (t - pl->first[i]) * pl->nb[i];
     int n1 = n0 + pl->nb[i] < W->rows ? n0 + pl->nb[i] : W->rows;
     size_t K = (size_t)W->cols;
+    if (pl->bf[i]) { /* BF16 mode: every M, straight from the stored rows (grouped or the file's) */
+        bool g = W->panel && kv_fgroup_ok(W->type, W->cols);
+        struct kv_bf16_w bw = {g ? (const char *)W->panel + (size_t)n0 * W->row_bytes
+                                 : (const char *)W->data + (size_t)n0 * W->row_bytes,
+                               W->row_bytes, g, n1 - n0};
+        float *sums = thread_sums(kv_bf16_sums_floats(pl->bff, op->M, (int)K, n1 - n0));
+        kv_bf16_cols(pl->bff, pl->bxp[i], op->X, K, op->M, (int)K, &bw, op->bias ? op->bias + n0 : NULL, op->Y + n0,
+                     (size_t)W->rows, sums);
+        return;
+    }
     if (W->type == KV_QTYPE_F32 && op->M > DECODE_ROWS) {
         struct cols_args ca = {op, pl->xp[i], (const float *)W->data + (size_t)n0 * K, K, n0, n1};
         pl->fn(&ca);
@@ -578,6 +594,44 @@ const char *kv_matmul_quant_name(enum kv_matmul_quant q) {
     return q == KV_MATMUL_QUANT_F32 ? "f32" : q == KV_MATMUL_QUANT_INT8 ? "int8" : "auto";
 }
 
+/* ---- BF16 mode (matmul_bf16.h) ---- */
+
+static _Atomic int g_bf16 = KV_MATMUL_BF16_AUTO;
+
+enum kv_matmul_bf16 kv_matmul_set_bf16(enum kv_matmul_bf16 m) {
+    if (m == KV_MATMUL_BF16_AUTO) {
+        const char *e = getenv("KVSERVE_CPU_BF16_MATMUL");
+        char err[160];
+        m = KV_MATMUL_BF16_DEFAULT;
+        if (e && *e && kv_matmul_bf16_parse(e, &m, err, sizeof err) != KV_OK) {
+            KV_WARN("KVSERVE_CPU_BF16_MATMUL: %s; using %s", err, kv_matmul_bf16_name(KV_MATMUL_BF16_DEFAULT));
+            m = KV_MATMUL_BF16_DEFAULT;
+        }
+    }
+    atomic_store(&g_bf16, (int)m);
+    return m;
+}
+
+enum kv_matmul_bf16 kv_matmul_get_bf16(void) {
+    int m = atomic_load_explicit(&g_bf16, memory_order_relaxed);
+    return m == KV_MATMUL_BF16_AUTO ? kv_matmul_set_bf16(KV_MATMUL_BF16_AUTO) : (enum kv_matmul_bf16)m;
+}
+
+const char *kv_matmul_bf16_name(enum kv_matmul_bf16 m) {
+    return m == KV_MATMUL_BF16_F32 ? "f32" : m == KV_MATMUL_BF16_BF16 ? "bf16" : "auto";
+}
+
+kv_status kv_matmul_bf16_parse(const char *s, enum kv_matmul_bf16 *out, char *err, size_t errlen) {
+    if (s && !strcasecmp(s, "bf16")) *out = KV_MATMUL_BF16_BF16;
+    else if (s && !strcasecmp(s, "f32")) *out = KV_MATMUL_BF16_F32;
+    else return kv_errf(KV_EINVAL, err, errlen, "'%s': expected bf16 or f32", s ? s : "");
+    return KV_OK;
+}
+
+static enum kv_bf16_family bf16_family(void) { return kv_bf16_family_for((int)kv_matmul_get_isa()); }
+
+const char *kv_matmul_bf16_family_name(void) { return kv_bf16_family_name(bf16_family()); }
+
 kv_status kv_cpu_env_check(char *err, size_t errlen) {
     enum kv_matmul_isa isa;
     enum kv_matmul_quant q;
@@ -586,6 +640,10 @@ kv_status kv_cpu_env_check(char *err, size_t errlen) {
     const char *e = getenv("KVSERVE_CPU_QUANT_MATMUL");
     if (e && *e && kv_matmul_quant_parse(e, &q, err, errlen) != KV_OK)
         return kv_errf(KV_EINVAL, err, errlen, "KVSERVE_CPU_QUANT_MATMUL=%s: expected int8 or f32", e);
+    enum kv_matmul_bf16 bm;
+    e = getenv("KVSERVE_CPU_BF16_MATMUL");
+    if (e && *e && kv_matmul_bf16_parse(e, &bm, err, errlen) != KV_OK)
+        return kv_errf(KV_EINVAL, err, errlen, "KVSERVE_CPU_BF16_MATMUL=%s: expected bf16 or f32", e);
     if (kv_q8_amx_env() < 0)
         return kv_errf(KV_EINVAL, err, errlen, "KVSERVE_CPU_AMX=%s: expected 0 (off) or 1", getenv("KVSERVE_CPU_AMX"));
     enum backend_cpu_float_layout fl;
@@ -649,6 +707,39 @@ static void plan_q8(struct plan *pl, struct kv_q8_act *acts) {
         if (src[i] >= 0) pl->q8[i] = &acts[src[i]];
 }
 
+/* BF16 mode: marks the ops with BF16 weights (pl->bf) and packs their X once per distinct X
+ * for the bf16 family (pl->bxp; the generic family reads X in place). */
+static void plan_bf16(struct plan *pl) {
+    for (int i = 0; i < pl->n_ops; i++) {
+        pl->bf[i] = false;
+        pl->bxp[i] = NULL;
+    }
+    if (kv_matmul_get_bf16() != KV_MATMUL_BF16_BF16) return;
+    pl->bff = bf16_family();
+    size_t off[MAX_BATCH], total = 0;
+    int src[MAX_BATCH];
+    for (int i = 0; i < pl->n_ops; i++) {
+        const struct kv_matmul_op *op = &pl->ops[i];
+        src[i] = -1;
+        if (op->W->type != KV_QTYPE_BF16 || op->M < 1 || op->W->cols < 1 || op->W->rows < 1) continue;
+        pl->bf[i] = true;
+        src[i] = i;
+        for (int j = 0; j < i; j++)
+            if (src[j] == j && same_x(&pl->ops[j], op)) src[i] = j;
+        if (src[i] == i) {
+            off[i] = total;
+            total += (kv_bf16_xpack_bytes(pl->bff, op->M, op->W->cols) + 63) & ~(size_t)63;
+        }
+    }
+    if (!total) return;
+    char *buf = thread_buf(BUF_BF16X, total);
+    if (!buf) abort(); /* M x K x 2-4 bytes, like the activations: out of memory here is fatal */
+    for (int i = 0; i < pl->n_ops; i++)
+        if (src[i] == i) kv_bf16_pack_x(pl->bff, pl->ops[i].X, (size_t)pl->ops[i].W->cols, pl->ops[i].M, pl->ops[i].W->cols, buf + off[i]);
+    for (int i = 0; i < pl->n_ops; i++)
+        if (src[i] >= 0) pl->bxp[i] = buf + off[src[i]];
+}
+
 /* Packs the X of every op that runs on an x86 family's float tiles (M > DECODE_ROWS, not the
  * integer path) once, in the caller's buffer; ops with the same X share it. */
 static void plan_xpack(struct plan *pl) {
@@ -660,7 +751,7 @@ static void plan_xpack(struct plan *pl) {
     for (int i = 0; i < pl->n_ops; i++) {
         const struct kv_matmul_op *op = &pl->ops[i];
         src[i] = -1;
-        if (pl->q8[i] || op->M <= DECODE_ROWS || op->W->cols < 0 || op->W->rows < 1) continue;
+        if (pl->q8[i] || pl->bf[i] || op->M <= DECODE_ROWS || op->W->cols < 0 || op->W->rows < 1) continue;
         src[i] = i;
         for (int j = 0; j < i; j++)
             if (src[j] == j && same_x(&pl->ops[j], op))
@@ -687,6 +778,7 @@ static void run_batch(const struct kv_matmul_op *ops, int n_ops, kv_threadpool_t
     struct plan pl = {.ops = ops, .n_ops = n_ops, .fn = current_fn()};
     struct kv_q8_act acts[MAX_BATCH];
     if (kv_matmul_get_quant() == KV_MATMUL_QUANT_INT8) plan_q8(&pl, acts);
+    plan_bf16(&pl);
     plan_xpack(&pl);
     long total_rows = 0, macs = 0;
     for (int i = 0; i < n_ops; i++) {
@@ -710,7 +802,7 @@ static void run_batch(const struct kv_matmul_op *ops, int n_ops, kv_threadpool_t
             /* the float tiles take 3 W rows at a time (C512, C256): a task of a multiple of 24
              * rows has no 1- or 2-row remainder tile (a 16-row task, K = 5632 in f32, ran one
              * of its 6 tiles with a third of the work at the full cost) */
-            if (op->M > DECODE_ROWS && !pl.q8[i] && nb >= 16) nb = (nb + 12) / 24 * 24;
+            if (op->M > DECODE_ROWS && !pl.q8[i] && !pl.bf[i] && nb >= 16) nb = (nb + 12) / 24 * 24;
             /* tasks start at a row group of a q8 panel (16 rows; the grouped F16/BF16 layout's
              * 4-row groups divide every nb here) */
             if (op->W->panel && !kv_fgroup_ok(op->W->type, op->W->cols)) nb = (nb + 15) & ~15;

@@ -23,10 +23,12 @@
  * in IEEE single precision, round-to-nearest, fma = one rounding (C fmaf). Because w is
  * exactly the dequantized float, a quantized model gives the same bits as the F32 model
  * that holds its dequantization (llama.cpp's `llama-quantize ... F32` output): tested. This
- * holds for F32/F16/BF16 weights always and for the quantized types in the F32 quantized-matmul
- * mode; the default INT8 mode (kv_matmul_set_quant below) multiplies quantized weights with
- * 8-bit activations under src/quant/q8.h's contract instead -- equally batch- and
- * ISA-invariant, within a tolerance of this one.
+ * holds for F32/F16 weights always, for BF16 weights in the F32 BF16-matmul mode and for the
+ * quantized types in the F32 quantized-matmul mode; the default INT8 mode (kv_matmul_set_quant
+ * below) multiplies quantized weights with 8-bit activations under src/quant/q8.h's contract
+ * instead, and the default BF16 mode (kv_matmul_set_bf16) BF16 weights with bf16 activations
+ * under matmul_bf16.h's -- both equally batch- and ISA-invariant, within a tolerance of this
+ * one.
  * kv_matmul_reference() is a scalar transcription of this order, used by the unit test.
  *
  * Kernels (one per ISA, each doing exactly the arithmetic above), for M > 4 (prefill): register
@@ -124,8 +126,31 @@ enum kv_matmul_quant kv_matmul_set_quant(enum kv_matmul_quant q);
 enum kv_matmul_quant kv_matmul_get_quant(void);
 /* "int8" / "f32". */
 const char *kv_matmul_quant_name(enum kv_matmul_quant q);
+/* How BF16 weights are multiplied (F32/F16 weights always follow the INVARIANCE CONTRACT above):
+ *   BF16: the activations are rounded to bf16 and multiplied in pairs, llama.cpp's arithmetic
+ *     class for BF16 files (its vec_dot_type): one `vdpbf16ps` does 32 products where an f32
+ *     FMA does 16. Contract in matmul_bf16.h: batch-, thread- and ISA-invariant (the AVX2 and
+ *     generic families emulate the instruction bit for bit), within the activations' rounding
+ *     (relative 2^-9 a product) of the f32 product.
+ *   F32: the contract above on the exactly widened weights (bitwise the F32 twin's results).
+ * AUTO resolves to KVSERVE_CPU_BF16_MATMUL=bf16|f32 when set (read at first use), else
+ * KV_MATMUL_BF16_DEFAULT. Process-wide; set it before work starts. Returns the mode now in
+ * effect. */
+enum kv_matmul_bf16 { KV_MATMUL_BF16_AUTO = 0, KV_MATMUL_BF16_BF16, KV_MATMUL_BF16_F32 };
+#define KV_MATMUL_BF16_DEFAULT KV_MATMUL_BF16_BF16
+enum kv_matmul_bf16 kv_matmul_set_bf16(enum kv_matmul_bf16 m);
+/* The mode in effect (never AUTO). */
+enum kv_matmul_bf16 kv_matmul_get_bf16(void);
+/* "bf16" / "f32". */
+const char *kv_matmul_bf16_name(enum kv_matmul_bf16 m);
+/* Parses "bf16" / "f32" (any case): KV_EINVAL with a message naming s otherwise. */
+kv_status kv_matmul_bf16_parse(const char *s, enum kv_matmul_bf16 *out, char *err, size_t errlen);
+/* The kernel family BF16 mode runs on now: "avx512-bf16" (vdpbf16ps), "avx2-emul" (AVX2, or an
+ * AVX-512 CPU without AVX512_BF16), "generic". */
+const char *kv_matmul_bf16_family_name(void);
+
 /* Checks the CPU kernel environment variables a CLI honours -- KVSERVE_CPU_ISA (kv_cpu_isa_env),
- * KVSERVE_CPU_QUANT_MATMUL (int8|f32), KVSERVE_CPU_AMX (0|1), KVSERVE_CPU_PREPACK,
+ * KVSERVE_CPU_QUANT_MATMUL (int8|f32), KVSERVE_CPU_BF16_MATMUL (bf16|f32), KVSERVE_CPU_AMX (0|1), KVSERVE_CPU_PREPACK,
  * KVSERVE_CPU_THP and KVSERVE_CPU_PANEL_THP (0|1), KVSERVE_CPU_FLOAT_LAYOUT (rows|grouped; backend.h)
  * -- so that `kvserve serve`,
  * `generate` and bench_engine refuse a typo at start instead of running other kernels than

@@ -167,6 +167,7 @@ static void test_isas_identical(void **st) {
  * tiles): every ISA gives the bits of the reference on the widened weights. */
 static void test_isas_identical_f16_panel(void **st) {
     (void)st;
+    kv_matmul_set_bf16(KV_MATMUL_BF16_F32); /* the f32 contract (BF16 mode: test_matmul_bf16.c) */
     kv_threadpool_t *tp = kv_threadpool_new(2);
     int M = 21, N = 50, K = 1040; /* 65 steps: 2 K blocks */
     float *X = rnd_buf((size_t)M * K), *Wf = rnd_buf((size_t)N * K), *ref = malloc((size_t)M * N * sizeof(float));
@@ -192,6 +193,7 @@ static void test_isas_identical_f16_panel(void **st) {
         }
     }
     kv_matmul_set_isa(KV_MATMUL_ISA_AUTO);
+    kv_matmul_set_bf16(KV_MATMUL_BF16_AUTO);
     free(X), free(Wf), free(ref), free(Y), free(h);
     kv_threadpool_free(tp);
 }
