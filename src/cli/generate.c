@@ -230,6 +230,11 @@ int cmd_generate(int argc, char **argv) {
         fprintf(stderr, "kvserve generate: %s\n", err);
         goto out;
     }
+    if (tok_n_vocab(t) > m->cfg.n_vocab) { /* as serve: ids the embedding has no row for */
+        fprintf(stderr, "kvserve generate: %s: the tokenizer has %d tokens but the model's embedding only %d rows\n",
+                model_path, tok_n_vocab(t), m->cfg.n_vocab);
+        goto out;
+    }
     struct backend_options bopt = {.kind = be_kind, .n_threads = threads};
     if (backend_create(m, &bopt, &be, err, sizeof err) != KV_OK) {
         fprintf(stderr, "kvserve generate: %s\n", err);

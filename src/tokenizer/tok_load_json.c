@@ -247,6 +247,10 @@ static kv_status parse_post(tokenizer_t *t, const json_t *n, const char *path, c
             int32_t *arr = after ? t->suffix_ids : t->prefix_ids;
             int *cnt = after ? &t->n_suffix : &t->n_prefix;
             if (*cnt >= 4) return kv_errf(KV_EUNSUPPORTED, err, errlen, "%s: template too long", path);
+            /* checked here: an id outside the vocabulary would fail every request later */
+            if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) >= t->n_tok)
+                return kv_errf(KV_EFORMAT, err, errlen, "%s: post_processor special token %s: id outside the vocabulary "
+                               "(%d tokens)", path, name, t->n_tok);
             arr[(*cnt)++] = (int32_t)json_integer_value(v);
         }
     }
@@ -281,11 +285,14 @@ static kv_status load_model(tokenizer_t *t, const json_t *root, const char *path
     }
     size_t i;
     json_array_foreach(added, i, v) {
-        json_int_t id = json_integer_value(json_object_get(v, "id"));
-        if (id < 0 || id > 50000000 || !jstr(v, "content"))
-            return kv_errf(KV_EFORMAT, err, errlen, "%s: added token %zu malformed", path, i);
+        const json_t *jid = json_object_get(v, "id");
+        json_int_t id = json_integer_value(jid);
+        if (!json_is_integer(jid) || id < 0 || id > 50000000 || !jstr(v, "content"))
+            return kv_errf(KV_EFORMAT, err, errlen, "%s: added token %zu malformed (needs an integer id >= 0 and a "
+                           "content string)", path, i);
         if (id > max_id) max_id = id;
     }
+    if (max_id < 0) return kv_errf(KV_EFORMAT, err, errlen, "%s: the vocabulary is empty", path);
     /* The vocabulary is one dense array indexed by id, so a file whose ids leave a wide gap
      * (one entry with id 44,444,263 in a 14 KB file, found by the fuzzer) would cost gigabytes;
      * real tokenizers number their entries densely. */

@@ -28,4 +28,23 @@ for bad in '1 x 2' '99999999' '[1, 2' '-3'; do
 done
 if printf 'x' | "$bin" tokenize --tokenizer /nonexistent >/dev/null 2>&1; then fail "accepted a missing tokenizer"; fi
 if printf 'not json\n' | "$bin" tokenize --tokenizer "$tok" --lines >/dev/null 2>&1; then fail "accepted a non-JSON line"; fi
+# a tokenizer with more tokens than the model's embedding rows: serve and generate both refuse it
+hf="$data/models/stories260K/hf"
+if [[ -d "$hf" ]]; then
+  big=$(mktemp -d)
+  trap 'rm -rf "$big"' EXIT
+  cp "$hf"/* "$big"/
+  node -e 'const f=process.argv[1], j=JSON.parse(require("fs").readFileSync(f));
+    j.added_tokens.push({id: 600, content: "<extra>", special: true, single_word: false, lstrip: false, rstrip: false, normalized: false});
+    require("fs").writeFileSync(f, JSON.stringify(j));' "$big/tokenizer.json"
+  for cmd in "generate --prompt Once --max-tokens 2" "serve --port 0"; do
+    set +e
+    out=$(timeout 60 "$bin" $cmd --model "$big" 2>&1)
+    rc=$?
+    set -e
+    [[ $rc -ne 0 && $rc -ne 124 && "$out" == *"embedding only 512 rows"* ]] || fail "$cmd with a 601-token tokenizer: rc $rc: ${out: -300}"
+  done
+else
+  echo "SKIP part: $hf not found"
+fi
 echo "OK: tokenize/detokenize CLI"

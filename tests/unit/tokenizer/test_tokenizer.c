@@ -558,6 +558,48 @@ static void test_json_sparse_ids(void **st) {
     assert_null(t);
 }
 
+/* Malformed ids are refused at load with a message, not left to fail requests later: an added
+ * token whose id is a string, a float or missing; an empty vocabulary; a post-processor special
+ * token outside the vocabulary. */
+static void test_json_bad_ids(void **st) {
+    (void)st;
+    static const char *const bad[] = {
+        "{\"added_tokens\": [{\"id\": \"2\", \"content\": \"<eos>\"}],"
+        " \"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \"b\": 1}, \"merges\": []}}",
+        "{\"added_tokens\": [{\"id\": 2.0, \"content\": \"<eos>\"}],"
+        " \"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \"b\": 1}, \"merges\": []}}",
+        "{\"added_tokens\": [{\"content\": \"<eos>\"}],"
+        " \"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \"b\": 1}, \"merges\": []}}",
+        "{\"added_tokens\": [], \"model\": {\"type\": \"BPE\", \"vocab\": {}, \"merges\": []}}",
+        "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \"b\": 1}, \"merges\": []},"
+        " \"post_processor\": {\"type\": \"TemplateProcessing\", \"single\": [{\"SpecialToken\": {\"id\": \"<s>\"}},"
+        " {\"Sequence\": {\"id\": \"A\"}}], \"special_tokens\": {\"<s>\": {\"ids\": [7]}}}}",
+    };
+    const char *want[] = {"added token 0", "added token 0", "added token 0", "empty", "outside the vocabulary"};
+    char err[256];
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        tokenizer_t *t = NULL;
+        err[0] = 0;
+        assert_int_equal(load_json_text(bad[i], &t, err, sizeof err), KV_EFORMAT);
+        assert_null(t);
+        if (!strstr(err, want[i])) fail_msg("case %zu: error '%s' lacks '%s'", i, err, want[i]);
+    }
+    /* the same post-processor with an id inside the vocabulary loads and prefixes it */
+    tokenizer_t *t = NULL;
+    const char *ok = "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \"b\": 1}, \"merges\": []},"
+                     " \"post_processor\": {\"type\": \"TemplateProcessing\", \"single\": [{\"SpecialToken\": {\"id\": \"<s>\"}},"
+                     " {\"Sequence\": {\"id\": \"A\"}}], \"special_tokens\": {\"<s>\": {\"ids\": [1]}}}}";
+    assert_int_equal(load_json_text(ok, &t, err, sizeof err), KV_OK);
+    int32_t *ids;
+    size_t n;
+    assert_int_equal(tok_encode(t, "a", 1, true, false, &ids, &n), KV_OK);
+    assert_int_equal(n, 2);
+    assert_int_equal(ids[0], 1);
+    assert_int_equal(ids[1], 0);
+    free(ids);
+    tok_free(t);
+}
+
 /* ---- streaming: multi-byte characters split over tokens, special tokens skipped ---- */
 static void test_stream_pieces(void **st) {
     (void)st;
@@ -604,6 +646,7 @@ int main(void) {
         cmocka_unit_test(test_chat_stories),     cmocka_unit_test(test_chat_errors),
         cmocka_unit_test(test_byte_vocab),       cmocka_unit_test(test_stream_pieces),
         cmocka_unit_test(test_json_sparse_ids),
+        cmocka_unit_test(test_json_bad_ids),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     for (int i = 0; i < T_N; i++) tok_free(g_tok[i]);
