@@ -36,7 +36,7 @@ static void usage(FILE *f) {
             "  --threads N           compute threads, 0 = all cores (default 0)\n"
             "  --quant-matmul int8|f32  how the CPU multiplies quantized weights (default int8;\n"
             "                        see kvserve serve --help)\n"
-            "  --bf16-matmul bf16|f32  how the CPU multiplies BF16 weights (default bf16;\n"
+            "  --bf16-matmul auto|bf16|f32  how the CPU multiplies BF16 weights (default auto;\n"
             "                        see kvserve serve --help)\n"
             "  --ctx-size N          max prompt + generated tokens (default: the model's context)\n"
             "  --ignore-eos          keep generating after end-of-generation tokens\n"
@@ -165,7 +165,7 @@ int cmd_generate(int argc, char **argv) {
         else if (!strcmp(a, "--bf16-matmul")) {
             char berr[160];
             if (kv_matmul_bf16_parse(v, &bmode, berr, sizeof berr) != KV_OK) {
-                fprintf(stderr, "kvserve generate: --bf16-matmul needs bf16 or f32, got '%s'\n", v);
+                fprintf(stderr, "kvserve generate: --bf16-matmul needs auto, bf16 or f32, got '%s'\n", v);
                 rc = -1;
             }
             bmode_set = true;

@@ -88,12 +88,14 @@ static void serve_usage(FILE *f) {
             "                           of f32, docs/benchmarks.md); f32 multiplies the exactly\n"
             "                           dequantized weights (bitwise the dequant-F32 file's logits;\n"
             "                           slower). Both are batch-invariant. Env KVSERVE_CPU_QUANT_MATMUL\n"
-            "  --bf16-matmul bf16|f32   how the CPU multiplies BF16 weights: bf16 (default) rounds the\n"
+            "  --bf16-matmul auto|bf16|f32  how the CPU multiplies BF16 weights: bf16 rounds the\n"
             "                           activations to bf16 and multiplies pairs (vdpbf16ps where the\n"
             "                           CPU has AVX512_BF16, emulated bit for bit elsewhere; like\n"
             "                           llama.cpp; logits within ~0.5%% of f32, docs/benchmarks.md);\n"
-            "                           f32 multiplies in f32 (bitwise the F32 file's logits; slower).\n"
-            "                           Both are batch-invariant. Env KVSERVE_CPU_BF16_MATMUL\n"
+            "                           f32 multiplies in f32 (bitwise the F32 file's logits). auto\n"
+            "                           (default): bf16 on AMD CPUs with AVX512_BF16 (Zen 4/5: 1.6x\n"
+            "                           prefill), f32 elsewhere (faster there). Both are batch-\n"
+            "                           invariant. Env KVSERVE_CPU_BF16_MATMUL\n"
             "  --deterministic          batch-invariant mode: a sequence's tokens do not depend on what\n"
             "                           it is batched with or on cache hits (cuda: our fixed-order GEMM\n"
             "                           instead of cuBLAS, slower, see docs/benchmarks.md; cpu: always\n"
@@ -286,7 +288,7 @@ int cmd_serve(int argc, char **argv) {
         }
         else if (!strcmp(a, "--bf16-matmul")) {
             char berr[160];
-            if (kv_matmul_bf16_parse(v, &bmode, berr, sizeof berr) != KV_OK) rc = bad_opt(a, v, "expected bf16 or f32");
+            if (kv_matmul_bf16_parse(v, &bmode, berr, sizeof berr) != KV_OK) rc = bad_opt(a, v, "expected auto, bf16 or f32");
             bmode_set = true;
         }
         else if (!strcmp(a, "--prefix-wait-blocks")) rc = parse_int_opt(a, v, 0, 1 << 24, &prefix_wait);

@@ -598,15 +598,24 @@ const char *kv_matmul_quant_name(enum kv_matmul_quant q) {
 
 static _Atomic int g_bf16 = KV_MATMUL_BF16_AUTO;
 
+enum kv_matmul_bf16 kv_matmul_bf16_default(void) {
+#ifdef KV_MATMUL_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_is("amd") && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw"))
+        return KV_MATMUL_BF16_BF16;
+#endif
+    return KV_MATMUL_BF16_F32;
+}
+
 enum kv_matmul_bf16 kv_matmul_set_bf16(enum kv_matmul_bf16 m) {
     if (m == KV_MATMUL_BF16_AUTO) {
         const char *e = getenv("KVSERVE_CPU_BF16_MATMUL");
         char err[160];
-        m = KV_MATMUL_BF16_DEFAULT;
         if (e && *e && kv_matmul_bf16_parse(e, &m, err, sizeof err) != KV_OK) {
-            KV_WARN("KVSERVE_CPU_BF16_MATMUL: %s; using %s", err, kv_matmul_bf16_name(KV_MATMUL_BF16_DEFAULT));
-            m = KV_MATMUL_BF16_DEFAULT;
+            KV_WARN("KVSERVE_CPU_BF16_MATMUL: %s; using auto", err);
+            m = KV_MATMUL_BF16_AUTO;
         }
+        if (m == KV_MATMUL_BF16_AUTO) m = kv_matmul_bf16_default();
     }
     atomic_store(&g_bf16, (int)m);
     return m;
@@ -624,7 +633,8 @@ const char *kv_matmul_bf16_name(enum kv_matmul_bf16 m) {
 kv_status kv_matmul_bf16_parse(const char *s, enum kv_matmul_bf16 *out, char *err, size_t errlen) {
     if (s && !strcasecmp(s, "bf16")) *out = KV_MATMUL_BF16_BF16;
     else if (s && !strcasecmp(s, "f32")) *out = KV_MATMUL_BF16_F32;
-    else return kv_errf(KV_EINVAL, err, errlen, "'%s': expected bf16 or f32", s ? s : "");
+    else if (s && !strcasecmp(s, "auto")) *out = KV_MATMUL_BF16_AUTO;
+    else return kv_errf(KV_EINVAL, err, errlen, "'%s': expected auto, bf16 or f32", s ? s : "");
     return KV_OK;
 }
 
@@ -643,7 +653,7 @@ kv_status kv_cpu_env_check(char *err, size_t errlen) {
     enum kv_matmul_bf16 bm;
     e = getenv("KVSERVE_CPU_BF16_MATMUL");
     if (e && *e && kv_matmul_bf16_parse(e, &bm, err, errlen) != KV_OK)
-        return kv_errf(KV_EINVAL, err, errlen, "KVSERVE_CPU_BF16_MATMUL=%s: expected bf16 or f32", e);
+        return kv_errf(KV_EINVAL, err, errlen, "KVSERVE_CPU_BF16_MATMUL=%s: expected auto, bf16 or f32", e);
     if (kv_q8_amx_env() < 0)
         return kv_errf(KV_EINVAL, err, errlen, "KVSERVE_CPU_AMX=%s: expected 0 (off) or 1", getenv("KVSERVE_CPU_AMX"));
     enum backend_cpu_float_layout fl;

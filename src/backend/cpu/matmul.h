@@ -133,24 +133,29 @@ const char *kv_matmul_quant_name(enum kv_matmul_quant q);
  *     generic families emulate the instruction bit for bit), within the activations' rounding
  *     (relative 2^-9 a product) of the f32 product.
  *   F32: the contract above on the exactly widened weights (bitwise the F32 twin's results).
- * AUTO resolves to KVSERVE_CPU_BF16_MATMUL=bf16|f32 when set (read at first use), else
- * KV_MATMUL_BF16_DEFAULT. Process-wide; set it before work starts. Returns the mode now in
+ * AUTO resolves to KVSERVE_CPU_BF16_MATMUL=bf16|f32 when set (read at first use), else to
+ * kv_matmul_bf16_default(). Process-wide; set it before work starts. Returns the mode now in
  * effect. */
 enum kv_matmul_bf16 { KV_MATMUL_BF16_AUTO = 0, KV_MATMUL_BF16_BF16, KV_MATMUL_BF16_F32 };
-#define KV_MATMUL_BF16_DEFAULT KV_MATMUL_BF16_BF16
 enum kv_matmul_bf16 kv_matmul_set_bf16(enum kv_matmul_bf16 m);
+/* The mode AUTO picks on this CPU: BF16 where `vdpbf16ps` runs at twice the f32 FMA's products
+ * (AMD CPUs with AVX512_BF16: Zen 4 / Zen 5), F32 elsewhere. Measured (docs/benchmarks.md): on a
+ * Zen 5 the BF16 mode's products run 1.5-1.8x faster than f32, on an Intel Xeon with
+ * AVX512_BF16 + AMX (Sapphire Rapids class) 0.6x (its vdpbf16ps does not outrun two FMAs), and
+ * the AVX2 emulation is 0.9-1.0x of f32 on both (so AVX2-only CPUs keep F32). */
+enum kv_matmul_bf16 kv_matmul_bf16_default(void);
 /* The mode in effect (never AUTO). */
 enum kv_matmul_bf16 kv_matmul_get_bf16(void);
 /* "bf16" / "f32". */
 const char *kv_matmul_bf16_name(enum kv_matmul_bf16 m);
-/* Parses "bf16" / "f32" (any case): KV_EINVAL with a message naming s otherwise. */
+/* Parses "auto" / "bf16" / "f32" (any case): KV_EINVAL with a message naming s otherwise. */
 kv_status kv_matmul_bf16_parse(const char *s, enum kv_matmul_bf16 *out, char *err, size_t errlen);
 /* The kernel family BF16 mode runs on now: "avx512-bf16" (vdpbf16ps), "avx2-emul" (AVX2, or an
  * AVX-512 CPU without AVX512_BF16), "generic". */
 const char *kv_matmul_bf16_family_name(void);
 
 /* Checks the CPU kernel environment variables a CLI honours -- KVSERVE_CPU_ISA (kv_cpu_isa_env),
- * KVSERVE_CPU_QUANT_MATMUL (int8|f32), KVSERVE_CPU_BF16_MATMUL (bf16|f32), KVSERVE_CPU_AMX (0|1), KVSERVE_CPU_PREPACK,
+ * KVSERVE_CPU_QUANT_MATMUL (int8|f32), KVSERVE_CPU_BF16_MATMUL (auto|bf16|f32), KVSERVE_CPU_AMX (0|1), KVSERVE_CPU_PREPACK,
  * KVSERVE_CPU_THP and KVSERVE_CPU_PANEL_THP (0|1), KVSERVE_CPU_FLOAT_LAYOUT (rows|grouped; backend.h)
  * -- so that `kvserve serve`,
  * `generate` and bench_engine refuse a typo at start instead of running other kernels than

@@ -349,8 +349,8 @@ static void test_quant_equals_dequant_f32(void **st) {
 
 /* The int8 mode (the default; src/quant/q8.h) stays within the documented tolerance of the
  * dequant-f32 model: per position ||d|| / ||ref|| over the logits, mean and worst, and the
- * same argmax at (nearly) every position. So does the BF16 file in the bf16 matmul mode (also
- * the default; matmul_bf16.h). F16 files have neither: bitwise. */
+ * same argmax at (nearly) every position. So does the BF16 file in the bf16 matmul mode (the
+ * default on AMD CPUs with AVX512_BF16; matmul_bf16.h). F16 files have neither: bitwise. */
 static void test_quant_int8_close_to_f32(void **st) {
     (void)st;
     char p1[4096], rel[256], err[256];

@@ -245,6 +245,8 @@ static void test_mode_parse(void **st) {
     assert_int_equal(m, KV_MATMUL_BF16_BF16);
     assert_int_equal(kv_matmul_bf16_parse("f32", &m, err, sizeof err), KV_OK);
     assert_int_equal(m, KV_MATMUL_BF16_F32);
+    assert_int_equal(kv_matmul_bf16_parse("auto", &m, err, sizeof err), KV_OK);
+    assert_int_equal(m, KV_MATMUL_BF16_AUTO);
     assert_int_equal(kv_matmul_bf16_parse("int8", &m, err, sizeof err), KV_EINVAL);
     assert_non_null(strstr(err, "int8"));
     setenv("KVSERVE_CPU_BF16_MATMUL", "fp8", 1);
@@ -253,8 +255,15 @@ static void test_mode_parse(void **st) {
     setenv("KVSERVE_CPU_BF16_MATMUL", "f32", 1);
     assert_int_equal(kv_cpu_env_check(err, sizeof err), KV_OK);
     assert_int_equal(kv_matmul_set_bf16(KV_MATMUL_BF16_AUTO), KV_MATMUL_BF16_F32);
+    setenv("KVSERVE_CPU_BF16_MATMUL", "auto", 1);
+    assert_int_equal(kv_cpu_env_check(err, sizeof err), KV_OK);
+    assert_int_equal(kv_matmul_set_bf16(KV_MATMUL_BF16_AUTO), kv_matmul_bf16_default());
     unsetenv("KVSERVE_CPU_BF16_MATMUL");
-    assert_int_equal(kv_matmul_set_bf16(KV_MATMUL_BF16_AUTO), KV_MATMUL_BF16_DEFAULT);
+    assert_int_equal(kv_matmul_set_bf16(KV_MATMUL_BF16_AUTO), kv_matmul_bf16_default());
+    /* the default is the fast mode only where vdpbf16ps exists */
+    if (kv_matmul_bf16_default() == KV_MATMUL_BF16_BF16)
+        assert_int_equal(kv_bf16_family_for(KV_MATMUL_ISA_AVX512), KV_BF16_AVX512);
+    printf("note: this CPU's BF16-matmul default: %s\n", kv_matmul_bf16_name(kv_matmul_bf16_default()));
 }
 
 int main(void) {
