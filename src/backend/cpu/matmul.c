@@ -596,34 +596,49 @@ const char *kv_matmul_quant_name(enum kv_matmul_quant q) {
 
 /* ---- BF16 mode (matmul_bf16.h) ---- */
 
-static _Atomic int g_bf16 = KV_MATMUL_BF16_AUTO;
+static _Atomic int g_bf16 = KV_MATMUL_BF16_AUTO;     /* the mode asked for (AUTO: below) */
+static _Atomic int g_bf16_env = -1;                  /* KVSERVE_CPU_BF16_MATMUL, parsed once */
 
 enum kv_matmul_bf16 kv_matmul_bf16_default(void) {
 #ifdef KV_MATMUL_X86
-    __builtin_cpu_init();
-    if (__builtin_cpu_is("amd") && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw"))
-        return KV_MATMUL_BF16_BF16;
+    static _Atomic int amd = -1;
+    int a = atomic_load_explicit(&amd, memory_order_relaxed);
+    if (a < 0) {
+        __builtin_cpu_init();
+        a = __builtin_cpu_is("amd") ? 1 : 0;
+        atomic_store_explicit(&amd, a, memory_order_relaxed);
+    }
+    if (a && kv_bf16_family_for((int)kv_matmul_get_isa()) == KV_BF16_AVX512) return KV_MATMUL_BF16_BF16;
 #endif
     return KV_MATMUL_BF16_F32;
 }
 
-enum kv_matmul_bf16 kv_matmul_set_bf16(enum kv_matmul_bf16 m) {
-    if (m == KV_MATMUL_BF16_AUTO) {
-        const char *e = getenv("KVSERVE_CPU_BF16_MATMUL");
+/* AUTO resolved: the environment's choice, else the default for the ISA family in effect now. */
+static enum kv_matmul_bf16 resolve_bf16(enum kv_matmul_bf16 m) {
+    if (m != KV_MATMUL_BF16_AUTO) return m;
+    int e = atomic_load_explicit(&g_bf16_env, memory_order_relaxed);
+    if (e < 0) {
+        const char *v = getenv("KVSERVE_CPU_BF16_MATMUL");
         char err[160];
-        if (e && *e && kv_matmul_bf16_parse(e, &m, err, sizeof err) != KV_OK) {
+        enum kv_matmul_bf16 p = KV_MATMUL_BF16_AUTO;
+        if (v && *v && kv_matmul_bf16_parse(v, &p, err, sizeof err) != KV_OK) {
             KV_WARN("KVSERVE_CPU_BF16_MATMUL: %s; using auto", err);
-            m = KV_MATMUL_BF16_AUTO;
+            p = KV_MATMUL_BF16_AUTO;
         }
-        if (m == KV_MATMUL_BF16_AUTO) m = kv_matmul_bf16_default();
+        e = (int)p;
+        atomic_store_explicit(&g_bf16_env, e, memory_order_relaxed);
     }
+    return e != KV_MATMUL_BF16_AUTO ? (enum kv_matmul_bf16)e : kv_matmul_bf16_default();
+}
+
+enum kv_matmul_bf16 kv_matmul_set_bf16(enum kv_matmul_bf16 m) {
+    if (m == KV_MATMUL_BF16_AUTO) atomic_store(&g_bf16_env, -1); /* read the environment again */
     atomic_store(&g_bf16, (int)m);
-    return m;
+    return resolve_bf16(m);
 }
 
 enum kv_matmul_bf16 kv_matmul_get_bf16(void) {
-    int m = atomic_load_explicit(&g_bf16, memory_order_relaxed);
-    return m == KV_MATMUL_BF16_AUTO ? kv_matmul_set_bf16(KV_MATMUL_BF16_AUTO) : (enum kv_matmul_bf16)m;
+    return resolve_bf16((enum kv_matmul_bf16)atomic_load_explicit(&g_bf16, memory_order_relaxed));
 }
 
 const char *kv_matmul_bf16_name(enum kv_matmul_bf16 m) {

@@ -134,15 +134,17 @@ const char *kv_matmul_quant_name(enum kv_matmul_quant q);
  *     (relative 2^-9 a product) of the f32 product.
  *   F32: the contract above on the exactly widened weights (bitwise the F32 twin's results).
  * AUTO resolves to KVSERVE_CPU_BF16_MATMUL=bf16|f32 when set (read at first use), else to
- * kv_matmul_bf16_default(). Process-wide; set it before work starts. Returns the mode now in
- * effect. */
+ * kv_matmul_bf16_default() for the ISA family in effect at each product (so forcing
+ * KVSERVE_CPU_ISA=avx2 on a Zen 5 runs what an AVX2 machine runs). Process-wide; set it before
+ * work starts. Returns the mode now in effect. */
 enum kv_matmul_bf16 { KV_MATMUL_BF16_AUTO = 0, KV_MATMUL_BF16_BF16, KV_MATMUL_BF16_F32 };
 enum kv_matmul_bf16 kv_matmul_set_bf16(enum kv_matmul_bf16 m);
-/* The mode AUTO picks on this CPU: BF16 where `vdpbf16ps` runs at twice the f32 FMA's products
- * (AMD CPUs with AVX512_BF16: Zen 4 / Zen 5), F32 elsewhere. Measured (docs/benchmarks.md): on a
- * Zen 5 the BF16 mode's products run 1.5-1.8x faster than f32, on an Intel Xeon with
- * AVX512_BF16 + AMX (Sapphire Rapids class) 0.6x (its vdpbf16ps does not outrun two FMAs), and
- * the AVX2 emulation is 0.9-1.0x of f32 on both (so AVX2-only CPUs keep F32). */
+/* The mode AUTO picks now: BF16 where the kernels in effect run `vdpbf16ps` at twice the f32
+ * FMA's products (the AVX-512 family on AMD CPUs with AVX512_BF16: Zen 4 / Zen 5), F32
+ * elsewhere. Measured (docs/benchmarks.md): on a Zen 5 the BF16 mode's products run 1.5-1.8x
+ * faster than f32; on an Intel Xeon with AVX512_BF16 + AMX (Sapphire Rapids class) prefill ran
+ * at 0.6x (its vdpbf16ps does not outrun two FMAs); the AVX2 emulation runs prefill at 0.9x of
+ * f32 and decode of a 768-wide model at 0.75x (its lanes' two dependent FMAs a step). */
 enum kv_matmul_bf16 kv_matmul_bf16_default(void);
 /* The mode in effect (never AUTO). */
 enum kv_matmul_bf16 kv_matmul_get_bf16(void);

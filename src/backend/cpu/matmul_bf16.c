@@ -27,8 +27,9 @@ AI float daz(float x) {
     if (!(v.u & 0x7f800000u)) v.u &= 0x80000000u;
     return v.f;
 }
-/* one lane step: ftz(fmaf(daz(a), daz(b), daz(c))) */
+/* one lane step: ftz(fmaf(daz(a), daz(b), daz(c))); an addition under the same rule */
 AI float lane_step(float a, float b, float c) { return daz(fmaf(daz(a), daz(b), daz(c))); }
+AI float add_z(float a, float b) { return daz(daz(a) + daz(b)); }
 
 /* Weight k of row r of a task (either layout). */
 AI uint16_t w_at(const struct kv_bf16_w *w, int K, int r, int k) {
@@ -53,10 +54,11 @@ AI uint16_t w_at(const struct kv_bf16_w *w, int K, int r, int k) {
                 lane_[j] = lane_step(bf16_f(kv_bf16_round((xrow)[k_])), bf16_f(WK(k_)), lane_[j]); \
             }                                                                                      \
         float l8_[8], l4_[4];                                                                      \
-        for (int j = 0; j < 8; j++) l8_[j] = lane_[j] + lane_[j + 8];                              \
-        for (int j = 0; j < 4; j++) l4_[j] = l8_[j] + l8_[j + 4];                                  \
-        float s_ = (l4_[0] + l4_[2]) + (l4_[1] + l4_[3]);                                          \
-        for (int k_ = K32_; k_ < (K); k_++) s_ = fmaf(bf16_f(kv_bf16_round((xrow)[k_])), bf16_f(WK(k_)), s_); \
+        for (int j = 0; j < 8; j++) l8_[j] = add_z(lane_[j], lane_[j + 8]);                         \
+        for (int j = 0; j < 4; j++) l4_[j] = add_z(l8_[j], l8_[j + 4]);                             \
+        float s_ = add_z(add_z(l4_[0], l4_[2]), add_z(l4_[1], l4_[3]));                            \
+        for (int k_ = K32_; k_ < (K); k_++)                                                        \
+            s_ = lane_step(bf16_f(kv_bf16_round((xrow)[k_])), bf16_f(WK(k_)), s_);                 \
         (out) = s_;                                                                                \
     } while (0)
 
@@ -69,7 +71,7 @@ static void cols_generic(const float *X, size_t ldx, int M, int K, const struct 
 #define WK_G(k) w_at(w, K, r, k)
             DOT_SCALAR(x, WK_G, K, s);
 #undef WK_G
-            if (bias) s = s + bias[r];
+            if (bias) s = add_z(s, bias[r]);
             Y[(size_t)m * ldy + r] = s;
         }
 }
@@ -84,7 +86,7 @@ void kv_bf16_reference(const float *X, size_t ldx, int M, int K, const uint16_t 
 #define WK_R(k) wr[k]
             DOT_SCALAR(x, WK_R, K, s);
 #undef WK_R
-            if (bias) s = s + bias[n];
+            if (bias) s = add_z(s, bias[n]);
             Y[(size_t)m * ldy + n] = s;
         }
 }
@@ -121,7 +123,8 @@ static int w_tiles(const struct kv_bf16_w *w, int K, struct wtile *t, int cap) {
     return n;
 }
 
-/* The K % 32 tail (file layout only), the bias, the store: one output from its tree sum. */
+/* The K % 32 tail (file layout only), the bias, the store: one output from its tree sum (under
+ * the caller's MXCSR.DAZ|FTZ, as everything in the SIMD families). */
 AI float finish(float s, const float *x, const uint16_t *wt, int nt, const float *bias) {
     for (int k = 0; k < nt; k++) s = fmaf(bf16_f(kv_bf16_round(x[k])), bf16_f(wt[k]), s);
     if (bias) s = s + *bias;
@@ -142,6 +145,19 @@ struct tile_job {
 };
 
 #ifdef KV_CPU_X86
+
+/* MXCSR.DAZ|FTZ on the calling thread for one kv_bf16_cols call (the SIMD families' whole
+ * arithmetic runs under it), then the caller's MXCSR back. The "memory" clobbers keep every load
+ * of the operands after the switch and every store of Y before the undo. ldmxcsr costs tens of
+ * cycles: once per call, not per tile (per tile cost the AVX2 decode of a 768-wide model 25%). */
+static inline unsigned csr_enter(void) {
+    unsigned c, n;
+    __asm__ volatile("stmxcsr %0" : "=m"(c)::"memory");
+    n = c | 0x8040u; /* FTZ (bit 15) | DAZ (bit 6) */
+    __asm__ volatile("ldmxcsr %0" ::"m"(n) : "memory");
+    return c;
+}
+static inline void csr_leave(unsigned c) { __asm__ volatile("ldmxcsr %0" ::"m"(c) : "memory"); }
 
 #define T512BF __attribute__((target("avx512f,avx512bw,avx512bf16,fma")))
 
@@ -223,14 +239,6 @@ static T512BF void run_tile512(const struct tile_job *j, int R, int C) { TILE_SW
 
 #define T256E KV_T256
 
-AI T256E unsigned csr_enter(void) {
-    unsigned c, n;
-    __asm__ volatile("stmxcsr %0" : "=m"(c)::"memory");
-    n = c | 0x8040u; /* FTZ (bit 15) | DAZ (bit 6) */
-    __asm__ volatile("ldmxcsr %0" ::"m"(n) : "memory");
-    return c;
-}
-AI T256E void csr_leave(unsigned c) { __asm__ volatile("ldmxcsr %0" ::"m"(c) : "memory"); }
 
 AI T256E void tile_bf256(const struct tile_job *j, const int R, const int C) {
     (void)R; /* always 1 */
@@ -241,10 +249,6 @@ AI T256E void tile_bf256(const struct tile_job *j, const int R, const int C) {
         int h = i / C, c = i % C;
         acc[i] = j->first ? _mm256_setzero_ps() : _mm256_load_ps(j->buf + 16 * c + 8 * h);
     }
-    unsigned csr = csr_enter();
-    /* the accumulators enter the products after the MXCSR change and leave before its undo
-     * (volatile asm keeps its order; the barriers tie the values to it) */
-    _Pragma("GCC unroll 8") for (int i = 0; i < 2 * C; i++) __asm__ volatile("" : "+x"(acc[i]));
     const float *X = (const float *)j->xt;
     const char *W = j->wt->base + (size_t)j->s0 * cs;
     for (int s = 0; s < j->steps; s++, X += 32, W += cs) {
@@ -260,9 +264,6 @@ AI T256E void tile_bf256(const struct tile_job *j, const int R, const int C) {
                 acc[h * C + c] = _mm256_fmadd_ps(x, _mm256_castsi256_ps(_mm256_slli_epi32(w[c], 16)), acc[h * C + c]);
         }
     }
-    _Pragma("GCC unroll 8") for (int i = 0; i < 2 * C; i++) __asm__ volatile("" : "+x"(acc[i]));
-    csr_leave(csr);
-    _Pragma("GCC unroll 8") for (int i = 0; i < 2 * C; i++) __asm__ volatile("" : "+x"(acc[i]));
     if (!j->last) {
         _Pragma("GCC unroll 8") for (int i = 0; i < 2 * C; i++) {
             int h = i / C, c = i % C;
@@ -340,8 +341,6 @@ AI T256E void ptile256(const struct ptile_job *j, const int R, const int C) {
     _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
         _Pragma("GCC unroll 12") for (int i = 0; i < R * C; i++)
             acc[i] = j->first ? _mm256_setzero_ps() : _mm256_load_ps(j->buf + 16 * i + 8 * h);
-        unsigned csr = csr_enter();
-        _Pragma("GCC unroll 12") for (int i = 0; i < R * C; i++) __asm__ volatile("" : "+x"(acc[i]));
         const float *X = j->xt + 16 * h, *W = j->wp + 16 * h;
         for (int s = 0; s < j->steps; s++, X += R * 32, W += 32) {
             _Pragma("GCC unroll 2") for (int e = 0; e < 2; e++) { /* odd, then even */
@@ -354,9 +353,6 @@ AI T256E void ptile256(const struct ptile_job *j, const int R, const int C) {
                 }
             }
         }
-        _Pragma("GCC unroll 12") for (int i = 0; i < R * C; i++) __asm__ volatile("" : "+x"(acc[i]));
-        csr_leave(csr);
-        _Pragma("GCC unroll 12") for (int i = 0; i < R * C; i++) __asm__ volatile("" : "+x"(acc[i]));
         if (!j->last || h == 0) {
             _Pragma("GCC unroll 12") for (int i = 0; i < R * C; i++) _mm256_store_ps(j->buf + 16 * i + 8 * h, acc[i]);
         }
@@ -502,9 +498,11 @@ void kv_bf16_cols(enum kv_bf16_family f, const void *xp, const float *X, size_t 
         return;
     }
 #ifdef KV_CPU_X86
+    unsigned csr = csr_enter();
     if (f == KV_BF16_AVX2 && M > 4) {
         size_t ns = (size_t)(w->n_rows / 3 + 1) * RP256 * CMAX * 16;
         cols_panel256(xp, X, ldx, M, K, w, bias, Y, ldy, sums, sums + ((ns + 15) & ~(size_t)15));
+        csr_leave(csr);
         return;
     }
     const int K32 = K - K % 32, steps = K32 / 32;
@@ -543,6 +541,7 @@ void kv_bf16_cols(enum kv_bf16_family f, const void *xp, const float *X, size_t 
             }
         }
     }
+    csr_leave(csr);
 #else
     (void)sums;
 #endif

@@ -9,18 +9,19 @@
  *   lane[j] = +0 (j < 16); for k0 = 0, 32, ..., < K32 (increasing):
  *       lane[j] = F(xb[k0 + 2j + 1], w[k0 + 2j + 1], lane[j])
  *       lane[j] = F(xb[k0 + 2j],     w[k0 + 2j],     lane[j])
- *   s = tree(lane)                       matmul.h's fixed tree, plain IEEE additions
- *   for k = K32 .. K-1:  s = fmaf(xb[k], w[k], s)      (plain IEEE)
- *   if (bias) s = s + bias[n];   Y[m][n] = s
- * where w is the BF16 row widened exactly, and F(a, b, c) = ftz(fmaf(daz(a), daz(b), daz(c)))
- * (daz / ftz: a subnormal input / result becomes a zero of the same sign; the product of two
- * bf16 values is exact in binary32, so F rounds once). F is what one step of `vdpbf16ps`
- * does (Intel SDM, VDPBF16PS: "FP32 FMA with daz in, ftz out and RNE rounding", the odd pair
- * first), so the AVX-512 BF16 family runs it in hardware: one instruction does 32 products of
- * a row pair, twice the f32 FMA's 16. The other families emulate it bit for bit: AVX2 (and
- * AVX-512 CPUs without AVX512_BF16) with vfmadd231ps under MXCSR.DAZ|FTZ (set and restored
- * around each tile's products, on the running thread only), generic with explicit daz/ftz
- * around fmaf. Checked against the instruction on an AMD Zen 5 (48 M random lanes, subnormals
+ *   s = tree(lane)                       matmul.h's fixed tree, each addition A(a, b)
+ *   for k = K32 .. K-1:  s = F(xb[k], w[k], s)
+ *   if (bias) s = A(s, bias[n]);   Y[m][n] = s
+ * where w is the BF16 row widened exactly, F(a, b, c) = ftz(fmaf(daz(a), daz(b), daz(c))) and
+ * A(a, b) = ftz(daz(a) + daz(b)) (daz / ftz: a subnormal input / result becomes a zero of the
+ * same sign; the product of two bf16 values is exact in binary32, so F rounds once): every
+ * operation of the mode flushes subnormals. F is what one step of `vdpbf16ps` does (Intel SDM,
+ * VDPBF16PS: "FP32 FMA with daz in, ftz out and RNE rounding", the odd pair first), so the
+ * AVX-512 BF16 family runs it in hardware: one instruction does 32 products of a row pair,
+ * twice the f32 FMA's 16. The SIMD families run a whole call under MXCSR.DAZ|FTZ (set and
+ * restored on the calling thread), so their tree, tail and bias follow A and F, and the AVX2
+ * family (also what AVX-512 CPUs without AVX512_BF16 run) emulates the instruction with
+ * vfmadd231ps; generic applies daz / ftz explicitly around fmaf and +. Checked against the instruction on an AMD Zen 5 (48 M random lanes, subnormals
  * and mixed exponents: all equal; NaN payloads may differ, as elsewhere in matmul.h) and by
  * tests/unit/backend/test_matmul_bf16.c on every family the machine has.
  * So Y[m][n] depends on X[m], the row W[n], bias[n] and K only: not on M, the row's position,
