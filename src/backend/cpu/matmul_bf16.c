@@ -131,6 +131,17 @@ AI float finish(float s, const float *x, const uint16_t *wt, int nt, const float
     return s;
 }
 
+/* Every output of an R x C tile from its tree sums s[r C + c]: finish() with X row r's tail
+ * (X + r ldx + K32) and W row c's (w + c wld + K32, elements; NULL when K % 32 == 0). */
+AI void finish_tile(const float *s, const int R, const int C, const float *X, size_t ldx, const uint16_t *w,
+                    size_t wld, int K, const float *bias, float *Y, size_t ldy) {
+    const int K32 = K - K % 32, nt = K % 32;
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++)
+            Y[r * ldy + c] = finish(s[r * C + c], X + r * ldx + K32, w ? w + c * wld + K32 : NULL, nt,
+                                    bias ? bias + c : NULL);
+}
+
 struct tile_job {
     const void *xt;          /* the X tile at the block's first step */
     const float *X;          /* f32 row m0 (tails) */
@@ -188,11 +199,7 @@ AI T512BF void tile_bf512(const struct tile_job *j, const int R, const int C) {
     float s[RB512 * CMAX];
     kv_tree16_512(acc, R * C < 16 ? R * C : 16, s);
     if (R * C > 16) kv_tree16_512(acc + 16, R * C - 16, s + 16);
-    const int K32 = j->K - j->K % 32, nt = j->K % 32;
-    _Pragma("GCC unroll 6") for (int r = 0; r < R; r++)
-        _Pragma("GCC unroll 4") for (int c = 0; c < C; c++)
-            j->Y[r * j->ldy + c] = finish(s[r * C + c], j->X + r * j->ldx + K32,
-                                          (const uint16_t *)(j->wt->base + c * rs) + K32, nt, j->bias ? j->bias + c : NULL);
+    finish_tile(s, R, C, j->X, j->ldx, (const uint16_t *)j->wt->base, rs / 2, j->K, j->bias, j->Y, j->ldy);
 }
 
 #define TILE_SWITCH(FN, R, C, j)                        \
@@ -275,9 +282,7 @@ AI T256E void tile_bf256(const struct tile_job *j, const int R, const int C) {
     _Pragma("GCC unroll 4") for (int c = 0; c < C; c++) l8[c] = _mm256_add_ps(acc[c], acc[C + c]);
     float s[CMAX];
     kv_tree8_256(l8, C, s);
-    const int K32 = j->K - j->K % 32, nt = j->K % 32;
-    _Pragma("GCC unroll 4") for (int c = 0; c < C; c++)
-        j->Y[c] = finish(s[c], j->X + K32, (const uint16_t *)(j->wt->base + c * rs) + K32, nt, j->bias ? j->bias + c : NULL);
+    finish_tile(s, 1, C, j->X, j->ldx, (const uint16_t *)j->wt->base, rs / 2, j->K, j->bias, j->Y, j->ldy);
 }
 
 static T256E void run_tile256(const struct tile_job *j, int R, int C) {
@@ -362,12 +367,7 @@ AI T256E void ptile256(const struct ptile_job *j, const int R, const int C) {
     float s[RP256 * CP256];
     kv_tree8_256(acc, R * C < 8 ? R * C : 8, s);
     if (R * C > 8) kv_tree8_256(acc + 8, R * C - 8, s + 8);
-    const int K32 = j->K - j->K % 32, nt = j->K % 32;
-    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)
-        _Pragma("GCC unroll 3") for (int c = 0; c < C; c++)
-            j->Y[r * j->ldy + c] = finish(s[r * C + c], j->X + r * j->ldx + K32,
-                                          j->wtail ? j->wtail + c * j->wtail_ld + K32 : NULL, nt,
-                                          j->bias ? j->bias + c : NULL);
+    finish_tile(s, R, C, j->X, j->ldx, j->wtail, j->wtail_ld, j->K, j->bias, j->Y, j->ldy);
 }
 
 static T256E void run_ptile256(const struct ptile_job *j, int R, int C) {
