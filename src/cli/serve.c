@@ -91,11 +91,11 @@ static void serve_usage(FILE *f) {
             "  --bf16-matmul auto|bf16|f32  how the CPU multiplies BF16 weights: bf16 rounds the\n"
             "                           activations to bf16 and multiplies pairs (vdpbf16ps where the\n"
             "                           CPU has AVX512_BF16, emulated bit for bit elsewhere; like\n"
-            "                           llama.cpp; logits within ~0.5%% of f32, docs/benchmarks.md);\n"
+            "                           llama.cpp; logits within ~0.4%% of f32, docs/benchmarks.md);\n"
             "                           f32 multiplies in f32 (bitwise the F32 file's logits). auto\n"
-            "                           (default): bf16 on AMD CPUs with AVX512_BF16 (Zen 4/5: 1.6x\n"
-            "                           prefill), f32 elsewhere (faster there). Both are batch-\n"
-            "                           invariant. Env KVSERVE_CPU_BF16_MATMUL\n"
+            "                           (default): KVSERVE_CPU_BF16_MATMUL when set, else bf16 on AMD\n"
+            "                           CPUs with AVX512_BF16 (Zen 4/5: 1.6x prefill) and f32\n"
+            "                           elsewhere (faster there). Both are batch-invariant.\n"
             "  --deterministic          batch-invariant mode: a sequence's tokens do not depend on what\n"
             "                           it is batched with or on cache hits (cuda: our fixed-order GEMM\n"
             "                           instead of cuBLAS, slower, see docs/benchmarks.md; cpu: always\n"
@@ -345,12 +345,16 @@ int cmd_serve(int argc, char **argv) {
             fprintf(stderr, "kvserve serve: %s\n", ierr);
             return 2;
         }
-        if (qmode_set && be_kind == BACKEND_KIND_CUDA)
-            return bad_opt("--quant-matmul", kv_matmul_quant_name(qmode), "applies to the cpu backend only");
+        if (qmode_set && be_kind == BACKEND_KIND_CUDA) {
+            fprintf(stderr, "kvserve serve: --quant-matmul applies to the cpu backend only\n");
+            return 2;
+        }
         kv_matmul_set_quant(qmode); /* AUTO: KVSERVE_CPU_QUANT_MATMUL, else int8 */
-        if (bmode_set && be_kind == BACKEND_KIND_CUDA)
-            return bad_opt("--bf16-matmul", kv_matmul_bf16_name(bmode), "applies to the cpu backend only");
-        kv_matmul_set_bf16(bmode); /* AUTO: KVSERVE_CPU_BF16_MATMUL, else bf16 */
+        if (bmode_set && be_kind == BACKEND_KIND_CUDA) {
+            fprintf(stderr, "kvserve serve: --bf16-matmul applies to the cpu backend only\n");
+            return 2;
+        }
+        kv_matmul_set_bf16(bmode); /* AUTO: KVSERVE_CPU_BF16_MATMUL, else per CPU */
     }
     if (kv_dtype < 0) kv_dtype = KV_DTYPE_F32; /* cuda too: bf16 KV missed the test tolerance (see test_cuda.c) */
     else if (be_kind == BACKEND_KIND_CUDA && kv_dtype == KV_DTYPE_F16)

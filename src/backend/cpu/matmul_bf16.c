@@ -27,8 +27,22 @@ AI float daz(float x) {
     if (!(v.u & 0x7f800000u)) v.u &= 0x80000000u;
     return v.f;
 }
-/* one lane step: ftz(fmaf(daz(a), daz(b), daz(c))); an addition under the same rule */
-AI float lane_step(float a, float b, float c) { return daz(fmaf(daz(a), daz(b), daz(c))); }
+/* one lane step: ftz(fmaf(daz(a), daz(b), daz(c))), where ftz flushes a result that is tiny in
+ * x86's sense: detected AFTER rounding, i.e. the exact value rounded to 24 bits with an unbounded
+ * exponent is below 2^-126. fmaf rounds with gradual underflow, so an exact value in
+ * [2^-126 - 2^-151, 2^-126) comes back as the normal 2^-126 although the hardware (vdpbf16ps,
+ * vfmadd under MXCSR.FTZ) flushes it: that one case is checked on the exact value, in double
+ * (a b is exact there, c is normal or zero, and the sum's rounding cannot cross the threshold,
+ * which lies 2^-151 from every multiple of 2^-149). Found by the tester with a lane of
+ * 2^-126 + 2^-149 - 3 * 2^-150. */
+AI float lane_step(float a, float b, float c) {
+    a = daz(a), b = daz(b), c = daz(c);
+    float r = fmaf(a, b, c);
+    if (fabsf(r) == 0x1p-126f && fabs((double)a * (double)b + (double)c) < 0x1p-126 - 0x1p-151) return copysignf(0.0f, r);
+    return daz(r);
+}
+/* an addition under the same rule (the exact sum of two normal floats below 2^-126 is a multiple
+ * of 2^-149, representable: daz of the rounded sum is exact) */
 AI float add_z(float a, float b) { return daz(daz(a) + daz(b)); }
 
 /* Weight k of row r of a task (either layout). */

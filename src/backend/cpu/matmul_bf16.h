@@ -13,9 +13,10 @@
  *   for k = K32 .. K-1:  s = F(xb[k], w[k], s)
  *   if (bias) s = A(s, bias[n]);   Y[m][n] = s
  * where w is the BF16 row widened exactly, F(a, b, c) = ftz(fmaf(daz(a), daz(b), daz(c))) and
- * A(a, b) = ftz(daz(a) + daz(b)) (daz / ftz: a subnormal input / result becomes a zero of the
- * same sign; the product of two bf16 values is exact in binary32, so F rounds once): every
- * operation of the mode flushes subnormals. F is what one step of `vdpbf16ps` does (Intel SDM,
+ * A(a, b) = ftz(daz(a) + daz(b)) (daz: a subnormal input becomes a zero of the same sign; ftz: a
+ * tiny result does, tininess detected after rounding as x86 does, so an exact value just below
+ * 2^-126 that rounds up to it is flushed too; F rounds once): every operation of the mode
+ * flushes subnormals. F is what one step of `vdpbf16ps` does (Intel SDM,
  * VDPBF16PS: "FP32 FMA with daz in, ftz out and RNE rounding", the odd pair first), so the
  * AVX-512 BF16 family runs it in hardware: one instruction does 32 products of a row pair,
  * twice the f32 FMA's 16. The SIMD families run a whole call under MXCSR.DAZ|FTZ (set and

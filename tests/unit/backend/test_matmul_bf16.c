@@ -176,6 +176,43 @@ static void test_families_equal_reference(void **st) {
         if (!tested[f]) printf("note: family %s not on this CPU: not tested here\n", kv_bf16_family_name((enum kv_bf16_family)f));
 }
 
+/* The flush's tininess is decided after rounding (x86): a lane whose exact value 2^-126 - 2^-150
+ * rounds up to 2^-126 with gradual underflow is flushed to zero by the hardware; every family
+ * and the reference agree (the tester's case: odd k = 1 gives 2^-126, even k = 0 adds 2^-149,
+ * odd k = 33 adds -3 * 2^-150), in a step, through the M > 4 panel form, and in the K % 32 tail. */
+static void test_tininess_after_rounding(void **st) {
+    (void)st;
+    const int Ks[] = {64, 33};
+    for (int ki = 0; ki < 2; ki++) {
+        const int K = Ks[ki], kl = K == 64 ? 33 : 32, M = 5;
+        float X[5 * 64] = {0}, ref[5], Y[5];
+        uint16_t W[64] = {0};
+        for (int m = 0; m < M; m++) {
+            X[m * K + 1] = ldexpf(1, -63), X[m * K + 0] = ldexpf(1, -75), X[m * K + kl] = -3 * ldexpf(1, -75);
+        }
+        W[1] = kv_bf16_round(ldexpf(1, -63)), W[0] = kv_bf16_round(ldexpf(1, -74)), W[kl] = kv_bf16_round(ldexpf(1, -75));
+        kv_bf16_reference(X, K, M, K, W, K, 1, NULL, ref, 1);
+        for (int m = 0; m < M; m++) assert_int_equal(bits(ref[m]), 0); /* flushed (+0: the lanes' sum) */
+        for (int f = 0; f < 3; f++) {
+            if ((int)kv_bf16_family_for(f + 1) != f) continue;
+            for (int Mi = 1; Mi <= M; Mi += M - 1) {
+                size_t xb = kv_bf16_xpack_bytes((enum kv_bf16_family)f, Mi, K);
+                void *xp = xb ? aligned_alloc(64, (xb + 63) & ~(size_t)63) : NULL;
+                size_t ns = kv_bf16_sums_floats((enum kv_bf16_family)f, Mi, K, 1);
+                float *sums = aligned_alloc(64, (ns * sizeof(float) + 63) & ~(size_t)63);
+                if (xp) kv_bf16_pack_x((enum kv_bf16_family)f, X, K, Mi, K, xp);
+                struct kv_bf16_w w = {W, (size_t)K * 2, 0, 1};
+                kv_bf16_cols((enum kv_bf16_family)f, xp, X, K, Mi, K, &w, NULL, Y, 1, sums);
+                for (int m = 0; m < Mi; m++)
+                    if (bits(Y[m]) != bits(ref[m]))
+                        fail_msg("family %s, K %d, M %d: %08x, reference %08x", kv_bf16_family_name((enum kv_bf16_family)f),
+                                 K, Mi, (unsigned)bits(Y[m]), (unsigned)bits(ref[m]));
+                free(xp), free(sums);
+            }
+        }
+    }
+}
+
 /* Through kv_matmul: every ISA, threads, batching; close to the f32 mode. */
 static void test_matmul_mode(void **st) {
     (void)st;
@@ -273,6 +310,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_lane_step_matches_instruction),
         cmocka_unit_test(test_families_equal_reference),
+        cmocka_unit_test(test_tininess_after_rounding),
         cmocka_unit_test(test_matmul_mode),
         cmocka_unit_test(test_mode_parse),
     };
