@@ -429,7 +429,7 @@ int main(int argc, char **argv) {
            "(%s, KVSERVE_CPU_BF16_MATMUL), openblas core: %s (OPENBLAS_CORETYPE=%s), threads %d, KV %s\n",
            kv_matmul_isa_name(), fi ? fi : "unset", kv_matmul_quant_name(kv_matmul_get_quant()), kv_q8_packed_name(),
            kv_matmul_bf16_name(kv_matmul_get_bf16()),
-           kv_matmul_get_bf16() == KV_MATMUL_BF16_BF16 ? kv_matmul_bf16_family_name() : "f32 kernels", openblas_get_corename(),
+           kv_matmul_bf16_family_name(), openblas_get_corename(),
            ct ? ct : "unset", threads, kv_dtype_name(kv_dtype));
     printf("%-12s %-12s %14s %14s\n", "concurrency", "prompt_len", "prefill tok/s", "decode tok/s");
     struct run r = {0};

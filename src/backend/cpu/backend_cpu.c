@@ -805,7 +805,7 @@ kv_status backend_cpu_new_ex(const model_t *m, const struct backend_cpu_options 
                 kv_matmul_quant_name(kv_matmul_get_quant()),
                 kv_matmul_get_quant() == KV_MATMUL_QUANT_INT8 ? kv_q8_packed_name() : "f32 kernels",
                 kv_matmul_bf16_name(kv_matmul_get_bf16()),
-                kv_matmul_get_bf16() == KV_MATMUL_BF16_BF16 ? kv_matmul_bf16_family_name() : "f32 kernels",
+                kv_matmul_bf16_family_name(),
                 openblas_get_corename());
     else
         KV_INFO("cpu backend: %d threads, gemm openblas (core %s; NOT batch-invariant)", n_threads,

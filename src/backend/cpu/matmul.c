@@ -655,7 +655,9 @@ kv_status kv_matmul_bf16_parse(const char *s, enum kv_matmul_bf16 *out, char *er
 
 static enum kv_bf16_family bf16_family(void) { return kv_bf16_family_for((int)kv_matmul_get_isa()); }
 
-const char *kv_matmul_bf16_family_name(void) { return kv_bf16_family_name(bf16_family()); }
+const char *kv_matmul_bf16_family_name(void) {
+    return kv_matmul_get_bf16() == KV_MATMUL_BF16_BF16 ? kv_bf16_family_name(bf16_family()) : "f32 kernels";
+}
 
 kv_status kv_cpu_env_check(char *err, size_t errlen) {
     enum kv_matmul_isa isa;
@@ -732,6 +734,26 @@ static void plan_q8(struct plan *pl, struct kv_q8_act *acts) {
         if (src[i] >= 0) pl->q8[i] = &acts[src[i]];
 }
 
+/* Shares one packed copy of X among the ops that read the same X: need[i] = the bytes op i's
+ * copy takes (0: op i takes none). On return src[i] = the op whose copy op i reads (the first
+ * with the same X; -1 for none) and off[i] = a copy's byte offset (64-byte aligned) in a buffer
+ * of the returned size. */
+static size_t share_x(const struct plan *pl, const size_t *need, int *src, size_t *off) {
+    size_t total = 0;
+    for (int i = 0; i < pl->n_ops; i++) {
+        src[i] = -1;
+        if (!need[i]) continue;
+        src[i] = i;
+        for (int j = 0; j < i; j++)
+            if (src[j] == j && same_x(&pl->ops[j], &pl->ops[i])) src[i] = j;
+        if (src[i] == i) {
+            off[i] = total;
+            total += (need[i] + 63) & ~(size_t)63;
+        }
+    }
+    return total;
+}
+
 /* BF16 mode: marks the ops with BF16 weights (pl->bf) and packs their X once per distinct X
  * for the bf16 family (pl->bxp; the generic family reads X in place). */
 static void plan_bf16(struct plan *pl) {
@@ -741,21 +763,14 @@ static void plan_bf16(struct plan *pl) {
     }
     if (kv_matmul_get_bf16() != KV_MATMUL_BF16_BF16) return;
     pl->bff = bf16_family();
-    size_t off[MAX_BATCH], total = 0;
+    size_t need[MAX_BATCH], off[MAX_BATCH];
     int src[MAX_BATCH];
     for (int i = 0; i < pl->n_ops; i++) {
         const struct kv_matmul_op *op = &pl->ops[i];
-        src[i] = -1;
-        if (op->W->type != KV_QTYPE_BF16 || op->M < 1 || op->W->cols < 1 || op->W->rows < 1) continue;
-        pl->bf[i] = true;
-        src[i] = i;
-        for (int j = 0; j < i; j++)
-            if (src[j] == j && same_x(&pl->ops[j], op)) src[i] = j;
-        if (src[i] == i) {
-            off[i] = total;
-            total += (kv_bf16_xpack_bytes(pl->bff, op->M, op->W->cols) + 63) & ~(size_t)63;
-        }
+        pl->bf[i] = op->W->type == KV_QTYPE_BF16 && op->M >= 1 && op->W->cols >= 1 && op->W->rows >= 1;
+        need[i] = pl->bf[i] ? kv_bf16_xpack_bytes(pl->bff, op->M, op->W->cols) : 0;
     }
+    size_t total = share_x(pl, need, src, off);
     if (!total) return;
     char *buf = thread_buf(BUF_BF16X, total);
     if (!buf) abort(); /* M x K x 2-4 bytes, like the activations: out of memory here is fatal */
@@ -771,28 +786,22 @@ static void plan_xpack(struct plan *pl) {
 #ifdef KV_MATMUL_X86
     int R = pl->fn == cols_avx512 ? R512 : pl->fn == cols_avx2 ? R256 : 0;
     if (!R) return;
-    size_t off[MAX_BATCH], total = 0;
+    size_t need[MAX_BATCH], off[MAX_BATCH];
     int src[MAX_BATCH];
     for (int i = 0; i < pl->n_ops; i++) {
         const struct kv_matmul_op *op = &pl->ops[i];
-        src[i] = -1;
-        if (pl->q8[i] || pl->bf[i] || op->M <= DECODE_ROWS || op->W->cols < 0 || op->W->rows < 1) continue;
-        src[i] = i;
-        for (int j = 0; j < i; j++)
-            if (src[j] == j && same_x(&pl->ops[j], op))
-                src[i] = j;
-        if (src[i] == i) {
-            off[i] = total;
-            total += ((size_t)op->M * (size_t)(op->W->cols - op->W->cols % 16) + 16 + 15) & ~(size_t)15; /* >= 16: a K < 16 op still gets a (never read) buffer */
-        }
+        bool take = !pl->q8[i] && !pl->bf[i] && op->M > DECODE_ROWS && op->W->cols >= 0 && op->W->rows >= 1;
+        /* + 16 floats: a K < 16 op still gets a (never read) buffer */
+        need[i] = take ? ((size_t)op->M * (size_t)(op->W->cols - op->W->cols % 16) + 16) * sizeof(float) : 0;
     }
+    size_t total = share_x(pl, need, src, off);
     if (!total) return;
-    float *buf = thread_buf(BUF_XPACK, total * sizeof(float));
+    char *buf = thread_buf(BUF_XPACK, total);
     if (!buf) abort(); /* M x K floats, like the activations: out of memory here is fatal */
     for (int i = 0; i < pl->n_ops; i++)
-        if (src[i] == i) pack_x(pl->ops[i].X, pl->ops[i].M, pl->ops[i].W->cols, R, buf + off[i]);
+        if (src[i] == i) pack_x(pl->ops[i].X, pl->ops[i].M, pl->ops[i].W->cols, R, (float *)(buf + off[i]));
     for (int i = 0; i < pl->n_ops; i++)
-        if (src[i] >= 0) pl->xp[i] = buf + off[src[i]];
+        if (src[i] >= 0) pl->xp[i] = (const float *)(buf + off[src[i]]);
 #else
     (void)pl;
 #endif

@@ -152,8 +152,9 @@ enum kv_matmul_bf16 kv_matmul_get_bf16(void);
 const char *kv_matmul_bf16_name(enum kv_matmul_bf16 m);
 /* Parses "auto" / "bf16" / "f32" (any case): KV_EINVAL with a message naming s otherwise. */
 kv_status kv_matmul_bf16_parse(const char *s, enum kv_matmul_bf16 *out, char *err, size_t errlen);
-/* The kernel family BF16 mode runs on now: "avx512-bf16" (vdpbf16ps), "avx2-emul" (AVX2, or an
- * AVX-512 CPU without AVX512_BF16), "generic". */
+/* The kernels BF16 weights run on now: in BF16 mode its family, "avx512-bf16" (vdpbf16ps),
+ * "avx2-emul" (AVX2, or an AVX-512 CPU without AVX512_BF16) or "generic"; in F32 mode
+ * "f32 kernels" (the float tiles named by kv_matmul_isa_name). */
 const char *kv_matmul_bf16_family_name(void);
 
 /* Checks the CPU kernel environment variables a CLI honours -- KVSERVE_CPU_ISA (kv_cpu_isa_env),

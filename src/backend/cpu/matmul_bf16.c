@@ -45,11 +45,23 @@ AI float lane_step(float a, float b, float c) {
  * of 2^-149, representable: daz of the rounded sum is exact) */
 AI float add_z(float a, float b) { return daz(daz(a) + daz(b)); }
 
+/* Row r of a task's rows (either layout): its first 64-byte chunk (32 weights); chunk s is
+ * *cs bytes further. The file's rows: consecutive chunks; the grouped layout: the rows of r's
+ * group (4, or fewer in the last group) interleave chunk by chunk. */
+static inline const char *w_row(const struct kv_bf16_w *w, int K, int r, size_t *cs) {
+    if (!w->grouped) {
+        *cs = 64;
+        return (const char *)w->w + (size_t)r * w->row_bytes;
+    }
+    int g = r / 4, nr = w->n_rows - 4 * g < 4 ? w->n_rows - 4 * g : 4;
+    *cs = (size_t)nr * 64;
+    return (const char *)w->w + (size_t)g * 4 * (size_t)K * 2 + (size_t)(r % 4) * 64;
+}
+
 /* Weight k of row r of a task (either layout). */
 AI uint16_t w_at(const struct kv_bf16_w *w, int K, int r, int k) {
-    if (!w->grouped) return ((const uint16_t *)((const char *)w->w + (size_t)r * w->row_bytes))[k];
-    int g = r / 4, i = r % 4, nr = w->n_rows - 4 * g < 4 ? w->n_rows - 4 * g : 4;
-    const char *p = (const char *)w->w + (size_t)g * 4 * (size_t)K * 2 + ((size_t)(k / 32) * nr + i) * 64;
+    size_t cs;
+    const char *p = w_row(w, K, r, &cs) + (size_t)(k / 32) * cs;
     return ((const uint16_t *)p)[k % 32];
 }
 
@@ -121,21 +133,20 @@ static int k_bound(int steps, int nkb, int b) { return (int)((long)steps * b / n
 struct wtile {
     const char *base;
     size_t rs, cs;
-    int r0, C;
+    int C;
 };
 
-/* The task's W tiles in order; returns the count written to t (at most n_rows / 4 + 1). */
-static int w_tiles(const struct kv_bf16_w *w, int K, struct wtile *t, int cap) {
-    int n = 0;
-    for (int r0 = 0; r0 < w->n_rows && n < cap; r0 += 4, n++) {
-        int C = w->n_rows - r0 < 4 ? w->n_rows - r0 : 4;
-        if (w->grouped)
-            t[n] = (struct wtile){(const char *)w->w + (size_t)r0 * (size_t)K * 2, 64, (size_t)C * 64, r0, C};
-        else
-            t[n] = (struct wtile){(const char *)w->w + (size_t)r0 * w->row_bytes, w->row_bytes, 64, r0, C};
-    }
-    return n;
+/* The task's W tile of rows r0 .. r0 + 3 (fewer at the end; r0 a multiple of 4, so in the
+ * grouped layout the tile is one group). */
+static struct wtile w_tile(const struct kv_bf16_w *w, int K, int r0) {
+    struct wtile t = {NULL, w->grouped ? 64 : w->row_bytes, 0, w->n_rows - r0 < 4 ? w->n_rows - r0 : 4};
+    t.base = w_row(w, K, r0, &t.cs);
+    return t;
 }
+
+/* Floats of saved lanes for the tiles of n_rows rows, R X rows a tile (at most 4 W rows a tile,
+ * the AVX2 panel form's 3 included). */
+static size_t lane_floats(int R, int n_rows) { return (size_t)(n_rows / 3 + 1) * (size_t)R * CMAX * 16; }
 
 /* The K % 32 tail (file layout only), the bias, the store: one output from its tree sum (under
  * the caller's MXCSR.DAZ|FTZ, as everything in the SIMD families). */
@@ -321,16 +332,8 @@ static T256E void run_tile256(const struct tile_job *j, int R, int C) {
 /* Row i of the task's rows (either layout) as planes: K32 floats at d. */
 static T256E void split_row(const struct kv_bf16_w *w, int K, int i, float *d) {
     const int steps = K / 32;
-    const char *p;
     size_t cs;
-    if (w->grouped) {
-        int g = i / 4, nr = w->n_rows - 4 * g < 4 ? w->n_rows - 4 * g : 4;
-        p = (const char *)w->w + (size_t)g * 4 * (size_t)K * 2 + (size_t)(i % 4) * 64;
-        cs = (size_t)nr * 64;
-    } else {
-        p = (const char *)w->w + (size_t)i * w->row_bytes;
-        cs = 64;
-    }
+    const char *p = w_row(w, K, i, &cs);
     const __m256i mask = _mm256_set1_epi32((int)0xffff0000u);
     for (int s = 0; s < steps; s++, p += cs, d += 32)
         for (int h = 0; h < 2; h++) {
@@ -498,7 +501,7 @@ void kv_bf16_pack_x(enum kv_bf16_family f, const float *X, size_t ldx, int M, in
 
 size_t kv_bf16_sums_floats(enum kv_bf16_family f, int M, int K, int n_rows) {
     int R = fam_rows(f, M);
-    size_t n = (size_t)(n_rows / 3 + 1) * (size_t)(R ? R : 1) * CMAX * 16;
+    size_t n = lane_floats(R ? R : 1, n_rows);
     /* the AVX2 panel form: its planes after the sums, 64-byte aligned */
     if (f == KV_BF16_AVX2 && M > 4) n = ((n + 15) & ~(size_t)15) + (size_t)n_rows * (size_t)(K - K % 32);
     return n;
@@ -514,44 +517,35 @@ void kv_bf16_cols(enum kv_bf16_family f, const void *xp, const float *X, size_t 
 #ifdef KV_CPU_X86
     unsigned csr = csr_enter();
     if (f == KV_BF16_AVX2 && M > 4) {
-        size_t ns = (size_t)(w->n_rows / 3 + 1) * RP256 * CMAX * 16;
-        cols_panel256(xp, X, ldx, M, K, w, bias, Y, ldy, sums, sums + ((ns + 15) & ~(size_t)15));
+        cols_panel256(xp, X, ldx, M, K, w, bias, Y, ldy, sums, sums + ((lane_floats(RP256, w->n_rows) + 15) & ~(size_t)15));
         csr_leave(csr);
         return;
     }
     const int K32 = K - K % 32, steps = K32 / 32;
     const size_t esz = f == KV_BF16_AVX512 ? 2 : 4;
-    struct wtile tiles[64];
     const int nkb = k_blocks(steps, M <= R);
-    for (int r0 = 0; r0 < w->n_rows; r0 += 64 * 4) {
-        /* the task's W tiles, 64 at a time (a task rarely has more than 64 x 4 rows) */
-        struct kv_bf16_w sub = *w;
-        sub.w = (const char *)w->w + (w->grouped ? (size_t)r0 * (size_t)K * 2 : (size_t)r0 * w->row_bytes);
-        sub.n_rows = w->n_rows - r0 < 64 * 4 ? w->n_rows - r0 : 64 * 4;
-        int nt = w_tiles(&sub, K, tiles, 64);
-        for (int m0 = 0; m0 < M; m0 += R) {
-            int Rt = M - m0 < R ? M - m0 : R;
-            const char *xt = (const char *)xp + (size_t)m0 * K32 * esz;
-            for (int kb = 0; kb < nkb; kb++) {
-                int s0 = k_bound(steps, nkb, kb), s1 = k_bound(steps, nkb, kb + 1);
-                for (int t = 0; t < nt; t++) {
-                    const struct wtile *wt = &tiles[t];
-                    struct tile_job j = {xt + (size_t)s0 * Rt * 32 * esz,
-                                         X + (size_t)m0 * ldx,
-                                         ldx,
-                                         wt,
-                                         s0,
-                                         s1 - s0,
-                                         K,
-                                         kb == 0,
-                                         kb == nkb - 1,
-                                         sums + (size_t)t * R * CMAX * 16,
-                                         bias ? bias + r0 + wt->r0 : NULL,
-                                         Y + (size_t)m0 * ldy + r0 + wt->r0,
-                                         ldy};
-                    if (f == KV_BF16_AVX512) run_tile512(&j, Rt, wt->C);
-                    else run_tile256(&j, Rt, wt->C);
-                }
+    for (int m0 = 0; m0 < M; m0 += R) {
+        int Rt = M - m0 < R ? M - m0 : R;
+        const char *xt = (const char *)xp + (size_t)m0 * K32 * esz;
+        for (int kb = 0; kb < nkb; kb++) {
+            int s0 = k_bound(steps, nkb, kb), s1 = k_bound(steps, nkb, kb + 1);
+            for (int r0 = 0; r0 < w->n_rows; r0 += 4) {
+                const struct wtile wt = w_tile(w, K, r0);
+                struct tile_job j = {xt + (size_t)s0 * Rt * 32 * esz,
+                                     X + (size_t)m0 * ldx,
+                                     ldx,
+                                     &wt,
+                                     s0,
+                                     s1 - s0,
+                                     K,
+                                     kb == 0,
+                                     kb == nkb - 1,
+                                     sums + (size_t)(r0 / 4) * R * CMAX * 16,
+                                     bias ? bias + r0 : NULL,
+                                     Y + (size_t)m0 * ldy + r0,
+                                     ldy};
+                if (f == KV_BF16_AVX512) run_tile512(&j, Rt, wt.C);
+                else run_tile256(&j, Rt, wt.C);
             }
         }
     }
