@@ -10,8 +10,13 @@
  * median of --runs (default 5) runs of >= --ms (default 100) ms. For F32/F16/BF16 also the same
  * rows in the grouped layout (kv_fgroup_pack, kv_qdot_grouped: what the CPU backend reads
  * after repacking F16/BF16 at load).
+ * --int8: instead, the integer path of the quantized types (kv_q8_dot_rows over the file's rows,
+ * activations quantized by kv_q8_quantize: what decode runs in the default --quant-matmul int8)
+ * in ns per weight and GB/s of weights read. --rows N: rows per call (default 64; the CPU matmul's
+ * decode tasks are 64 rows at K = 2048 and 16 at K = 5632).
  *
  *   bench_qdot [--k 4096] [--runs 5] [--ms 100] [--hot] [--types Q8_0,Q4_K,...] [--isa avx512]
+ *              [--int8] [--rows 64]
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -20,6 +25,7 @@
 
 #include "base/base.h"
 #include "bench_util.h"
+#include "quant/q8.h"
 #include "quant/qdot.h"
 
 static uint64_t g_rng = 88172645463325252ull;
@@ -48,7 +54,7 @@ static void fill(int type, uint8_t *p, size_t bytes) {
     }
 }
 
-#define GROUP 64 /* rows per call */
+static int GROUP = 64; /* rows per call */
 
 struct ctx {
     int type, K, M;
@@ -57,6 +63,7 @@ struct ctx {
     const uint8_t *g; /* the same rows in the grouped layout (kv_fgroup_pack), or NULL */
     const float *X;
     float *Y, *panel;
+    const struct kv_q8_act *qa; /* X quantized for the integer path (--int8), or NULL */
 };
 
 /* the old way: per 4 rows, kv_dequant_row into the panel, then the f32 tile */
@@ -76,11 +83,16 @@ static void fused_group(const struct ctx *c, size_t row) {
     kv_qdot_rows(c->type, c->w + row * c->rb, c->rb, GROUP, c->K, c->X, (size_t)c->K, c->M, c->Y, GROUP);
 }
 
+static void int8_group(const struct ctx *c, size_t row) {
+    kv_q8_dot_rows(c->type, c->w + row * c->rb, c->rb, GROUP, c->qa, 0, c->M, c->Y, (size_t)GROUP);
+}
+
 static void grouped_group(const struct ctx *c, size_t row) {
     kv_qdot_grouped(c->type, c->g + row * c->rb, GROUP, c->K, c->X, (size_t)c->K, c->M, c->Y, GROUP);
 }
 
-/* median ns per weight; way: 0 the old panel path, 1 fused (kv_qdot_rows), 2 grouped */
+/* median ns per weight; way: 0 the old panel path, 1 fused (kv_qdot_rows), 2 grouped, 3 the
+ * integer path (kv_q8_dot_rows) */
 static double measure(const struct ctx *c, int way, int runs, int ms) {
     double t[101];
     size_t row = 0;
@@ -91,9 +103,10 @@ static double measure(const struct ctx *c, int way, int runs, int ms) {
             for (int j = 0; j < 8; j++) {
                 if (way == 1) fused_group(c, row);
                 else if (way == 2) grouped_group(c, row);
+                else if (way == 3) int8_group(c, row);
                 else panel_group(c, row);
-                row += GROUP;
-                if (row + GROUP > c->nrows) row = 0;
+                row += (size_t)GROUP;
+                if (row + (size_t)GROUP > c->nrows) row = 0;
             }
             groups += 8;
             el = kv_now_s() - t0;
@@ -107,7 +120,7 @@ static double measure(const struct ctx *c, int way, int runs, int ms) {
 
 int main(int argc, char **argv) {
     int K = 4096, runs = 5, ms = 100;
-    bool hot_only = false;
+    bool hot_only = false, int8 = false;
     const char *types_arg = NULL, *isa_arg = NULL;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--k") && i + 1 < argc) K = atoi(argv[++i]);
@@ -116,14 +129,18 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--hot")) hot_only = true;
         else if (!strcmp(argv[i], "--types") && i + 1 < argc) types_arg = argv[++i];
         else if (!strcmp(argv[i], "--isa") && i + 1 < argc) isa_arg = argv[++i];
+        else if (!strcmp(argv[i], "--int8")) int8 = true;
+        else if (!strcmp(argv[i], "--rows") && i + 1 < argc) GROUP = atoi(argv[++i]);
         else {
-            fprintf(stderr, "usage: %s [--k 4096] [--runs 5] [--ms 100] [--hot] [--types Q8_0,Q4_K,...] [--isa avx512]\n",
+            fprintf(stderr,
+                    "usage: %s [--k 4096] [--runs 5] [--ms 100] [--hot] [--types Q8_0,Q4_K,...] [--isa avx512] [--int8] "
+                    "[--rows 64]\n",
                     argv[0]);
             return 2;
         }
     }
-    if (K <= 0 || K % 256 || runs < 1 || runs > 101 || ms < 1) {
-        fprintf(stderr, "--k must be a positive multiple of 256; --runs 1..101; --ms >= 1\n");
+    if (K <= 0 || K % 256 || runs < 1 || runs > 101 || ms < 1 || GROUP < 1 || GROUP > 4096) {
+        fprintf(stderr, "--k must be a positive multiple of 256; --runs 1..101; --ms >= 1; --rows 1..4096\n");
         return 2;
     }
     static const int types[] = {KV_QTYPE_F32,  KV_QTYPE_F16,  KV_QTYPE_BF16, KV_QTYPE_Q8_0,
@@ -137,7 +154,7 @@ int main(int argc, char **argv) {
            "gain", "fused GB/s", "grouped ns/w", "grouped GB/s");
     const size_t stream_bytes = (size_t)320 << 20, hot_bytes = (size_t)512 << 10;
     uint8_t *src = malloc(stream_bytes), *grp = malloc(stream_bytes);
-    float *X = aligned_alloc(64, sizeof(float) * 4 * (size_t)K), *Y = aligned_alloc(64, sizeof(float) * 4 * GROUP);
+    float *X = aligned_alloc(64, sizeof(float) * 4 * (size_t)K), *Y = aligned_alloc(64, sizeof(float) * 4 * (size_t)GROUP);
     float *panel = aligned_alloc(64, sizeof(float) * 4 * (size_t)K);
     if (!src || !grp || !X || !Y || !panel) {
         fprintf(stderr, "out of memory\n");
@@ -157,8 +174,8 @@ int main(int argc, char **argv) {
             size_t rb = kv_qtype_row_bytes(type, K);
             for (int mode = 0; mode < (hot_only ? 1 : 2); mode++) {
                 size_t span = mode ? stream_bytes : hot_bytes;
-                size_t nrows = span / rb / GROUP * GROUP;
-                if (nrows < GROUP) nrows = GROUP;
+                size_t nrows = span / rb / (size_t)GROUP * (size_t)GROUP;
+                if (nrows < (size_t)GROUP) nrows = (size_t)GROUP;
                 if (nrows * rb > stream_bytes) {
                     fprintf(stderr, "--k too large\n");
                     return 2;
@@ -167,7 +184,26 @@ int main(int argc, char **argv) {
                 bool grouped = kv_fgroup_ok(type, K);
                 if (grouped) kv_fgroup_pack(type, src, rb, (int)nrows, K, grp);
                 for (int M = 1; M <= 4; M += 3) {
-                    struct ctx c = {type, K, M, rb, nrows, src, grouped ? grp : NULL, X, Y, panel};
+                    struct ctx c = {type, K, M, rb, nrows, src, grouped ? grp : NULL, X, Y, panel, NULL};
+                    if (int8) {
+                        int gs = kv_q8_group(type);
+                        if (!gs) break;
+                        struct kv_q8_act qa;
+                        void *qb = aligned_alloc(64, (kv_q8_act_bytes(M, K, gs) + 63) / 64 * 64);
+                        if (!qb || kv_q8_act_init(&qa, qb, M, K, gs)) {
+                            fprintf(stderr, "out of memory\n");
+                            return 1;
+                        }
+                        kv_q8_quantize(&qa, 0, M, X, (size_t)K);
+                        c.qa = &qa;
+                        double q = measure(&c, 3, runs, ms);
+                        printf("%-8s %-6s %2d %-7s %10s %10s %8s %10s %12s %12s   int8 %.4f ns/w %.2f GB/s\n",
+                               kv_quant_isa_name(isa), kv_qtype_name(type), M, mode ? "stream" : "hot", "-", "-", "-",
+                               "-", "-", "-", q, (double)rb / K / q);
+                        fflush(stdout);
+                        free(qb);
+                        continue;
+                    }
                     double f = measure(&c, 1, runs, ms), p = measure(&c, 0, runs, ms);
                     double g = grouped ? measure(&c, 2, runs, ms) : 0;
                     printf("%-8s %-6s %2d %-7s %10.4f %10.4f %7.2fx %10.2f", kv_quant_isa_name(isa), kv_qtype_name(type),

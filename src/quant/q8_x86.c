@@ -753,6 +753,15 @@ AVX2 static ALWAYS __m256 gather_h8(const uint8_t *w, size_t rb, int nr, size_t 
     return _mm256_cvtph_ps(h);
 }
 
+/* gather_h8's result by scalar loads (rows >= nr: 0). Where the rows stream from DRAM the gather
+ * waits for all eight lines before anything after it issues; the loads do not (K-quant decode,
+ * bench_qdot --int8 stream, AVX2 Q4_K: 0.041 -> 0.032 ns a weight on Zen 5, Q6_K level). */
+AVX2 static ALWAYS __m256 load_h8(const uint8_t *w, size_t rb, int nr, size_t off) {
+    short h[8];
+    _Pragma("GCC unroll 8") for (int r = 0; r < 8; r++) h[r] = r < nr ? (short)kv_quant_ld16(w + (size_t)r * rb + off) : 0;
+    return _mm256_cvtph_ps(_mm_setr_epi16(h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]));
+}
+
 AVX2 static ALWAYS void store8(float *Y, int nr, __m256 v) {
     if (nr == 8) {
         _mm256_storeu_ps(Y, v);
@@ -842,7 +851,84 @@ AVX2 static ALWAYS __m256i kq_scv256(int type, const short scs[16], int c2) {
                                  : _mm256_set1_epi16(scs[c2]);
 }
 
-/* K-quants: nr <= 8 weight rows x MR <= 4 activation rows. Per super-block each row's quants
+/* The sub-block scales of a K-quant super-block as 16 int16 lanes laid out for kq_dec256's
+ * per-chunk vpshufb: chunk c2 (32 elements) takes int16 element c2 of each 128-bit lane. Q4_K /
+ * Q5_K: the 8 scales (one a chunk) in both lanes; Q6_K: the even-numbered of its 16 scales in
+ * the low lane, the odd in the high one (chunk c2's low half is sub-block 2 c2, its high half
+ * 2 c2 + 1). *mins: Q4_K / Q5_K's 8 mins as int16 (low 128 bits). */
+AVX2 static ALWAYS __m256i kq_dec_scales(int type, const uint8_t *b, __m128i *mins) {
+    if (type == KV_QTYPE_Q6_K) {
+        const __m128i eo = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+        return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(b + 192)), eo));
+    }
+    uint32_t sc[2], mn[2];
+    kv_quant_scales_k4(b + 4, sc, mn);
+    *mins = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)mn[1], (int)mn[0]));
+    return _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)sc[1], (int)sc[0])));
+}
+
+/* K-quants, one activation row (decode): nr <= 8 weight rows. Each row's super-block is
+ * unpacked in registers, its scales decoded once into one vector (kq_dec_scales) and picked per
+ * chunk by vpshufb; the rows are unrolled (a short last tile re-reads row 0 for the missing rows,
+ * whose lanes are never stored), so the 8 row sums stay in registers; the activation's 32-element
+ * sums for the mins and Q6_K's 32 * x term are made once per super-block, not once per row. The
+ * integer sums are exact and the float steps are kq_tile256's, in its order: the same bits. */
+AVX2 static ALWAYS void kq_dec256(int type, const uint8_t *w, size_t rb, int nr, const struct kv_q8_act *a, int m,
+                                  float *Y, const int PF) {
+    const int K = a->K, ns = K / 256;
+    const size_t bb = kv_qtype_block_bytes(type);
+    const int mins = type != KV_QTYPE_Q6_K;
+    const __m256i k32 = _mm256_set1_epi8(32);
+    __m256 acc = _mm256_setzero_ps(), mn = _mm256_setzero_ps();
+    __m256i x32[8]; /* Q6_K: 32 * x as vpmaddubsw pairs, per chunk */
+    for (int s = 0; s < ns; s++) {
+        if (PF) prefetch_share(w + (size_t)8 * rb, (size_t)8 * rb, s, ns);
+        const int8_t *qx = a->q + (size_t)m * K + 256 * (size_t)s;
+        const int16_t *s16 = a->s16 + (size_t)m * (K / 16) + 16 * (size_t)s;
+        __m128i s32 = _mm_setzero_si128(); /* the 8 sums of 32 activations, int16 */
+        if (mins) {
+            const __m128i o = _mm_set1_epi16(1);
+            s32 = _mm_packs_epi32(_mm_madd_epi16(_mm_loadu_si128((const __m128i *)s16), o),
+                                  _mm_madd_epi16(_mm_loadu_si128((const __m128i *)(s16 + 8)), o));
+        } else {
+            _Pragma("GCC unroll 8") for (int c2 = 0; c2 < 8; c2++)
+                x32[c2] = _mm256_maddubs_epi16(k32, _mm256_loadu_si256((const __m256i *)(qx + 32 * c2)));
+        }
+        __m256i R[8];
+        __m128i Q[8];
+        /* a loop, not unrolled: unrolled, GCC interleaved the 8 rows' 64 chunk products and
+         * kept them on the stack */
+        _Pragma("GCC unroll 1") for (int r = 0; r < 8; r++) {
+            const uint8_t *b = w + (size_t)(r < nr ? r : 0) * rb + (size_t)s * bb;
+            __m128i mv = _mm_setzero_si128();
+            const __m256i t = kq_dec_scales(type, b, &mv);
+            __m256i P = _mm256_setzero_si256();
+            _Pragma("GCC unroll 8") for (int c2 = 0; c2 < 8; c2++) {
+                const __m256i bi = _mm256_set1_epi16((short)(0x0100 * (2 * c2 + 1) + 2 * c2));
+                __m256i pr = _mm256_maddubs_epi16(kq_chunk256(type, b, c2), _mm256_loadu_si256((const __m256i *)(qx + 32 * c2)));
+                if (type == KV_QTYPE_Q6_K) pr = _mm256_sub_epi16(pr, x32[c2]);
+                P = _mm256_add_epi32(P, _mm256_madd_epi16(pr, _mm256_shuffle_epi8(t, bi)));
+            }
+            R[r] = P;
+            Q[r] = mins ? _mm_madd_epi16(mv, s32) : _mm_setzero_si128();
+        }
+        const size_t doff = type == KV_QTYPE_Q6_K ? 208 : 0;
+        const __m256 dw = load_h8(w, rb, nr, (size_t)s * bb + doff);
+        const float dx = a->d[(size_t)m * ns + s];
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tred256(R)), _mm256_mul_ps(dw, _mm256_set1_ps(dx)), acc);
+        if (mins) {
+            /* rows' mins sums: Q[r] holds 4 int32 pairs of row r; two hadd levels give rows 0-3 and 4-7 */
+            __m128i q01 = _mm_hadd_epi32(Q[0], Q[1]), q23 = _mm_hadd_epi32(Q[2], Q[3]);
+            __m128i q45 = _mm_hadd_epi32(Q[4], Q[5]), q67 = _mm_hadd_epi32(Q[6], Q[7]);
+            __m256i mi = _mm256_set_m128i(_mm_hadd_epi32(q45, q67), _mm_hadd_epi32(q01, q23));
+            const __m256 dmw = load_h8(w, rb, nr, (size_t)s * bb + 2);
+            mn = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mi), _mm256_mul_ps(dmw, _mm256_set1_ps(dx)), mn);
+        }
+    }
+    store8(Y, nr, mins ? _mm256_sub_ps(acc, mn) : acc);
+}
+
+/* K-quants: nr <= 8 weight rows x MR <= 4 activation rows (MR = 1: kq_dec256). Per super-block each row's quants
  * are unpacked once into a stack buffer and its scales into int16 vectors, then every
  * activation row reads them from L1. */
 AVX2 static ALWAYS void kq_tile256(int type, const uint8_t *w, size_t rb, int nr, const struct kv_q8_act *a, int m0,
@@ -850,13 +936,17 @@ AVX2 static ALWAYS void kq_tile256(int type, const uint8_t *w, size_t rb, int nr
     const int K = a->K, ns = K / 256;
     const size_t bb = kv_qtype_block_bytes(type);
     const int mins = type != KV_QTYPE_Q6_K;
+    if (MR == 1) { /* decode */
+        kq_dec256(type, w, rb, nr, a, m0, Y, PF);
+        return;
+    }
     const __m256i k32 = _mm256_set1_epi8(32);
     __m256 acc[4], mn[4];
     _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++) acc[m] = mn[m] = _mm256_setzero_ps();
     __m256i ub[8][8], scv[8][8]; /* [row][chunk]: unpacked quants, int16 scales */
     for (int s = 0; s < ns; s++) {
         if (PF) prefetch_share(w + (size_t)8 * rb, (size_t)8 * rb, s, ns);
-        for (int r = 0; r < nr && MR > 1; r++) {
+        for (int r = 0; r < nr; r++) {
             const uint8_t *b = w + (size_t)r * rb + (size_t)s * bb;
             short scs[16];
             kq_scales16(type, b, scs);
@@ -875,27 +965,13 @@ AVX2 static ALWAYS void kq_tile256(int type, const uint8_t *w, size_t rb, int nr
             __m256i R[8];
             int32_t mi[8] = {0};
             _Pragma("GCC unroll 8") for (int r = 0; r < 8; r++) R[r] = _mm256_setzero_si256();
-            if (MR == 1) { /* decode: unpack in registers, nothing staged */
+            _Pragma("GCC unroll 8") for (int c2 = 0; c2 < 8; c2++) {
+                __m256i x = _mm256_loadu_si256((const __m256i *)(qx + 32 * c2));
+                __m256i x32 = type == KV_QTYPE_Q6_K ? _mm256_maddubs_epi16(k32, x) : _mm256_setzero_si256();
                 for (int r = 0; r < nr; r++) {
-                    const uint8_t *b = w + (size_t)r * rb + (size_t)s * bb;
-                    short scs[16];
-                    kq_scales16(type, b, scs);
-                    _Pragma("GCC unroll 8") for (int c2 = 0; c2 < 8; c2++) {
-                        __m256i x = _mm256_loadu_si256((const __m256i *)(qx + 32 * c2));
-                        __m256i pr = _mm256_maddubs_epi16(kq_chunk256(type, b, c2), x);
-                        if (type == KV_QTYPE_Q6_K) pr = _mm256_sub_epi16(pr, _mm256_maddubs_epi16(k32, x));
-                        R[r] = _mm256_add_epi32(R[r], _mm256_madd_epi16(pr, kq_scv256(type, scs, c2)));
-                    }
-                }
-            } else {
-                _Pragma("GCC unroll 8") for (int c2 = 0; c2 < 8; c2++) {
-                    __m256i x = _mm256_loadu_si256((const __m256i *)(qx + 32 * c2));
-                    __m256i x32 = type == KV_QTYPE_Q6_K ? _mm256_maddubs_epi16(k32, x) : _mm256_setzero_si256();
-                    for (int r = 0; r < nr; r++) {
-                        __m256i pr = _mm256_maddubs_epi16(ub[r][c2], x);
-                        if (type == KV_QTYPE_Q6_K) pr = _mm256_sub_epi16(pr, x32);
-                        R[r] = _mm256_add_epi32(R[r], _mm256_madd_epi16(pr, scv[r][c2]));
-                    }
+                    __m256i pr = _mm256_maddubs_epi16(ub[r][c2], x);
+                    if (type == KV_QTYPE_Q6_K) pr = _mm256_sub_epi16(pr, x32);
+                    R[r] = _mm256_add_epi32(R[r], _mm256_madd_epi16(pr, scv[r][c2]));
                 }
             }
             if (mins)
