@@ -115,7 +115,8 @@ static int on_event(void *ud, const char *data, size_t len) {
         return 0;
     }
     json_error_t je;
-    json_t *j = json_loads(data, 0, &je);
+    /* JSON_ALLOW_NUL: a text chunk may be U+0000 (a <0x00> byte token; valid JSON) */
+    json_t *j = json_loads(data, JSON_ALLOW_NUL, &je);
     if (!j) {
         char m[200];
         snprintf(m, sizeof m, "unparsable SSE data: %.120s", data);
@@ -130,10 +131,11 @@ static int on_event(void *ud, const char *data, size_t len) {
     }
     json_t *ch = json_array_get(json_object_get(j, "choices"), 0);
     if (ch) {
-        const char *txt = q->run->c->api == BENCH_API_CHAT
-                              ? json_string_value(json_object_get(json_object_get(ch, "delta"), "content"))
-                              : json_string_value(json_object_get(ch, "text"));
-        if (txt && *txt) {
+        const json_t *tj = q->run->c->api == BENCH_API_CHAT ? json_object_get(json_object_get(ch, "delta"), "content")
+                                                             : json_object_get(ch, "text");
+        const char *txt = json_string_value(tj);
+        const size_t tl = json_string_length(tj);
+        if (txt && tl) {
             double ts = (double)(clk(q->run) - q->t0_ns) * 1e-9;
             if (q->rec.n_chunks == q->chunk_cap) {
                 size_t nc = q->chunk_cap ? q->chunk_cap * 2 : 64;
@@ -144,9 +146,12 @@ static int on_event(void *ud, const char *data, size_t len) {
             }
             q->rec.chunk_s[q->rec.n_chunks++] = ts;
             if (q->rec.ttft_s < 0) q->rec.ttft_s = ts;
-            size_t tl = strlen(txt);
             q->rec.output_chars += tl;
-            if (kv_buf_append(&q->reply, txt, tl)) { json_decref(j); q->run->oom = true; return -1; }
+            /* the reply returns in the next turn's prompt, where servers refuse U+0000: kept without NULs */
+            for (size_t i0 = 0, i1; i0 < tl; i0 = i1 + 1) {
+                for (i1 = i0; i1 < tl && txt[i1]; i1++) {}
+                if (i1 > i0 && kv_buf_append(&q->reply, txt + i0, i1 - i0)) { json_decref(j); q->run->oom = true; return -1; }
+            }
             if (q->run->c->on_chunk) q->run->c->on_chunk(q->run->c->observer_arg);
         }
     }

@@ -459,7 +459,8 @@ static void handle_event(struct gen *g, const struct engine_event *ev) {
 /* Context leg: adds choices[0].disaggregated_params (docs/disaggregation.md) to the body.
  * Returns a new heap string, or NULL on ENOMEM. */
 static char *ctx_response_add_params(const struct gen *g, const char *body, bool offered) {
-    json_t *o = json_loads(body, 0, NULL);
+    /* JSON_ALLOW_NUL: the text may hold U+0000 (a <0x00> byte token), which our JSON carries */
+    json_t *o = json_loads(body, JSON_ALLOW_NUL, NULL);
     json_t *ch = o ? json_array_get(json_object_get(o, "choices"), 0) : NULL;
     json_t *d = json_object();
     json_t *ids = json_array();

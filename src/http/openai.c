@@ -740,6 +740,9 @@ kv_status oai_parse(enum oai_kind kind, const char *body, size_t len,
     memset(err, 0, sizeof *err);
     json_error_t je;
     json_t *o = json_loadb(body ? body : "", len, JSON_REJECT_DUPLICATES, &je);
+    if (!o && strstr(je.text, "\\u0000")) /* jansson refuses U+0000 unless JSON_ALLOW_NUL */
+        return BAD(NULL, "request body holds the character U+0000 (\\u0000) in a string (line %d, column %d): "
+                   "not supported", je.line, je.column);
     if (!o)
         return BAD(NULL, "request body is not valid JSON (line %d, column %d: %s)", je.line,
                    je.column, je.text);

@@ -91,7 +91,7 @@ char *tools_rewrite_body(gram_tool_stream_t *ts, const char *body, int index, co
     if (gram_tool_stream_push(ts, text ? text : "", len, &content, &a, &na) ||
         gram_tool_stream_finish(ts, &content, &b, &nb))
         goto done;
-    o = json_loads(body, 0, NULL);
+    o = json_loads(body, JSON_ALLOW_NUL, NULL); /* the text may hold U+0000 (a <0x00> byte token) */
     json_t *ch = o ? json_array_get(json_object_get(o, "choices"), (size_t)index) : NULL;
     json_t *msg = ch ? json_object_get(ch, "message") : NULL;
     if (!msg) goto done;

@@ -220,7 +220,7 @@ void rtq_fail_client(struct rreq *q, int status, const char *type, const char *c
 static void relay_upstream_error(struct rreq *q, struct upx *u, long status) {
     struct router *r = q->r;
     enum outcome oc = status < 500 ? OUT_CLIENT_ERROR : OUT_UPSTREAM_ERROR;
-    json_t *j = json_loadb(u->resp.data ? u->resp.data : "", u->resp.len, 0, NULL);
+    json_t *j = json_loadb(u->resp.data ? u->resp.data : "", u->resp.len, JSON_ALLOW_NUL, NULL);
     bool ok = json_is_object(json_object_get(j, "error"));
     json_decref(j);
     if (q->headers_sent || !ok) {
@@ -597,7 +597,8 @@ static void on_ctx_done(struct upx *u, const struct rt_outcome *o, CURLcode rc) 
     }
     char err[300];
     json_error_t je;
-    json_t *resp = json_loadb(u->resp.data ? u->resp.data : "", u->resp.len, 0, &je);
+    /* JSON_ALLOW_NUL: the first token's text may be U+0000 (a <0x00> byte token) */
+    json_t *resp = json_loadb(u->resp.data ? u->resp.data : "", u->resp.len, JSON_ALLOW_NUL, &je);
     upx_free(u);
     const json_t *dp = resp ? rt_context_check(resp, err, sizeof err) : NULL;
     if (!resp) snprintf(err, sizeof err, "the context response is not JSON: %s", je.text);

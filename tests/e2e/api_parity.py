@@ -123,6 +123,20 @@ def test_sampling(s):
     for bad in ({"512": 1}, {"5": 101}, {"x": 1}, [1]):
         st, r, _ = post(s, P, dict(g, logit_bias=bad))
         check(st == 400 and r["error"]["param"] == "logit_bias", "logit_bias %s -> 400" % (bad,))
+    # token 3 is <0x00>: its text U+0000 goes out as \u0000, streamed, not streamed and through
+    # the tool-call parser (which re-reads the answer; so does a context worker, tests/e2e/disagg.py)
+    nul = {"max_tokens": 3, "temperature": 0, "logit_bias": {"3": 100}}
+    st, r, _ = post(s, P, dict(nul, prompt="Once upon a time"))
+    check(st == 200 and r["choices"][0]["text"] == "\x00" * 3, "U+0000 text, not streamed (%s)" % str(r)[:200])
+    st, ev, _ = s.stream(P, dict(nul, prompt="Once upon a time", stream=True))
+    check(st == 200 and "".join(c["text"] for e in ev[:-1] for c in e["choices"]) == "\x00" * 3,
+          "U+0000 text, streamed")
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    st, r, _ = post(s, C, dict(nul, messages=[{"role": "user", "content": "Hi"}], tools=[tool]))
+    check(st == 200 and r["choices"][0]["message"]["content"] == "\x00" * 3,
+          "U+0000 text through the tool-call parser (%s %s)" % (st, str(r)[:200]))
+    st, r, _ = post(s, P, dict(nul, prompt="a\x00b"))
+    check(st == 400 and "U+0000" in r["error"]["message"], "a prompt holding U+0000: 400 naming it (%s)" % str(r)[:200])
     t = ids[8]
     k = ids.index(t)
     st, r, _ = post(s, P, dict(g, stop_token_ids=[t]))

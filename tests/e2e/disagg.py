@@ -728,7 +728,14 @@ def test_edges(agg, recs):
         long_ids = (recs[-1]["prompt_ids"] * 4)[:511]
         cases = [("max_tokens 1", dict(prompt="Once upon a time", max_tokens=1, temperature=0)),
                  ("stop at the first token", dict(prompt="Once upon a time", max_tokens=8, temperature=0, stop=[","])),
-                 ("room for one token", dict(prompt=long_ids, max_tokens=5, temperature=0))]
+                 ("room for one token", dict(prompt=long_ids, max_tokens=5, temperature=0)),
+                 # token 3 is <0x00>: the text is U+0000, which the answer carries as \u0000 (a
+                 # context worker ending the request at its first token re-read its own answer
+                 # and failed it with "out of memory")
+                 ("a <0x00> byte token, max_tokens 1", dict(prompt="Once upon a time", max_tokens=1, temperature=0,
+                                                            logit_bias={"3": 100})),
+                 ("<0x00> byte tokens, max_tokens 3", dict(prompt="Once upon a time", max_tokens=3, temperature=0,
+                                                           logit_bias={"3": 100}))]
         for style in ("context_first", "generation_first"):
             rt = router([ctx], [gen], ["--schedule-style", style])
             try:

@@ -331,7 +331,9 @@ static void fake_tick(evutil_socket_t fd, short what, void *arg) {
     fake_stream *fs = arg;
     char buf[256];
     if (fs->sent < fs->n) {
-        snprintf(buf, sizeof buf, "{\"choices\":[{\"index\":0,\"delta\":{\"content\":\"t%d \"}}]}", fs->sent);
+        /* each chunk holds a U+0000 (a <0x00> byte token's text; valid JSON, which jansson
+         * reads only with JSON_ALLOW_NUL) */
+        snprintf(buf, sizeof buf, "{\"choices\":[{\"index\":0,\"delta\":{\"content\":\"t%d\\u0000 \"}}]}", fs->sent);
         if (fs->k < 256 && fs->sent < FAKE_MAX_CHUNKS) fk.sent_ns[fs->k][fs->sent] = fake_now();
         send_data(fs->req, buf);
         fs->sent++;
@@ -624,7 +626,10 @@ static void test_fake_multiturn_history(void **st) {
     assert_int_equal(bench_run(&c, &t, &r, err, sizeof err), KV_OK);
     assert_int_equal(r.n_records, 6);
     assert_int_equal(r.sessions_completed, 2);
-    /* the third turn of each session carries both earlier replies as assistant messages */
+    for (size_t i = 0; i < r.n_records; i++) /* "tK\0 ": 4 bytes a chunk, NUL counted */
+        assert_int_equal(r.records[i].output_chars, 4 * r.records[i].n_chunks);
+    /* the third turn of each session carries both earlier replies as assistant messages (their
+     * NULs dropped: servers refuse U+0000 in a prompt) */
     int seen = 0;
     for (int k = 0; k < fk.n_requests; k++) {
         json_t *j = json_loads(fk.bodies[k], 0, NULL);
