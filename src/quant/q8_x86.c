@@ -835,22 +835,6 @@ AVX2 static ALWAYS __m256i kq_chunk256(int type, const uint8_t *b, int c2) {
     return v;
 }
 
-/* the integer sub-block scales of a K-quant super-block as int16 (Q4_K/Q5_K: 8, Q6_K: 16) */
-AVX2 static ALWAYS void kq_scales16(int type, const uint8_t *b, short scs[16]) {
-    if (type == KV_QTYPE_Q6_K) {
-        _Pragma("GCC unroll 16") for (int j = 0; j < 16; j++) scs[j] = (int8_t)b[192 + j];
-    } else {
-        uint32_t sc[2], mn2[2];
-        kv_quant_scales_k4(b + 4, sc, mn2);
-        _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) scs[j] = (short)kv_quant_k4_byte(sc, j);
-    }
-}
-/* the int16 scale of each pair of chunk c2 (Q6_K: 16-element sub-blocks, two per chunk) */
-AVX2 static ALWAYS __m256i kq_scv256(int type, const short scs[16], int c2) {
-    return type == KV_QTYPE_Q6_K ? _mm256_set_m128i(_mm_set1_epi16(scs[2 * c2 + 1]), _mm_set1_epi16(scs[2 * c2]))
-                                 : _mm256_set1_epi16(scs[c2]);
-}
-
 /* The sub-block scales of a K-quant super-block as 16 int16 lanes laid out for kq_dec256's
  * per-chunk vpshufb: chunk c2 (32 elements) takes int16 element c2 of each 128-bit lane. Q4_K /
  * Q5_K: the 8 scales (one a chunk) in both lanes; Q6_K: the even-numbered of its 16 scales in
@@ -865,6 +849,26 @@ AVX2 static ALWAYS __m256i kq_dec_scales(int type, const uint8_t *b, __m128i *mi
     kv_quant_scales_k4(b + 4, sc, mn);
     *mins = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)mn[1], (int)mn[0]));
     return _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)sc[1], (int)sc[0])));
+}
+
+/* Q4_K/Q5_K's mins term of 8 rows, sum_j m_j * s32_j each, as 8 int32 lanes. With s16 (the
+ * activation's 16 sums of 16 of the super-block) V[r] are the rows' 8 int16 mins: the 32-element
+ * sums are made here; with s16 NULL, V[r] are already madd(mins, sums) (4 int32 pairs a row).
+ * Exact integer sums, as min_dot's. */
+AVX2 static ALWAYS __m256i kq_mins8(const __m128i V[8], const int16_t *s16) {
+    __m128i Q[8];
+    if (s16) {
+        const __m128i o = _mm_set1_epi16(1);
+        const __m128i s32 = _mm_packs_epi32(_mm_madd_epi16(_mm_loadu_si128((const __m128i *)s16), o),
+                                            _mm_madd_epi16(_mm_loadu_si128((const __m128i *)(s16 + 8)), o));
+        _Pragma("GCC unroll 8") for (int r = 0; r < 8; r++) Q[r] = _mm_madd_epi16(V[r], s32);
+    } else {
+        _Pragma("GCC unroll 8") for (int r = 0; r < 8; r++) Q[r] = V[r];
+    }
+    /* two hadd levels: rows 0-3, rows 4-7 */
+    const __m128i q01 = _mm_hadd_epi32(Q[0], Q[1]), q23 = _mm_hadd_epi32(Q[2], Q[3]);
+    const __m128i q45 = _mm_hadd_epi32(Q[4], Q[5]), q67 = _mm_hadd_epi32(Q[6], Q[7]);
+    return _mm256_set_m128i(_mm_hadd_epi32(q45, q67), _mm_hadd_epi32(q01, q23));
 }
 
 /* K-quants, one activation row (decode): nr <= 8 weight rows. Each row's super-block is
@@ -910,17 +914,14 @@ AVX2 static ALWAYS void kq_dec256(int type, const uint8_t *w, size_t rb, int nr,
                 P = _mm256_add_epi32(P, _mm256_madd_epi16(pr, _mm256_shuffle_epi8(t, bi)));
             }
             R[r] = P;
-            Q[r] = mins ? _mm_madd_epi16(mv, s32) : _mm_setzero_si128();
+            Q[r] = mins ? _mm_madd_epi16(mv, s32) : _mm_setzero_si128(); /* mins x sums, 4 pairs */
         }
         const size_t doff = type == KV_QTYPE_Q6_K ? 208 : 0;
         const __m256 dw = load_h8(w, rb, nr, (size_t)s * bb + doff);
         const float dx = a->d[(size_t)m * ns + s];
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tred256(R)), _mm256_mul_ps(dw, _mm256_set1_ps(dx)), acc);
         if (mins) {
-            /* rows' mins sums: Q[r] holds 4 int32 pairs of row r; two hadd levels give rows 0-3 and 4-7 */
-            __m128i q01 = _mm_hadd_epi32(Q[0], Q[1]), q23 = _mm_hadd_epi32(Q[2], Q[3]);
-            __m128i q45 = _mm_hadd_epi32(Q[4], Q[5]), q67 = _mm_hadd_epi32(Q[6], Q[7]);
-            __m256i mi = _mm256_set_m128i(_mm_hadd_epi32(q45, q67), _mm_hadd_epi32(q01, q23));
+            const __m256i mi = kq_mins8(Q, NULL);
             const __m256 dmw = load_h8(w, rb, nr, (size_t)s * bb + 2);
             mn = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mi), _mm256_mul_ps(dmw, _mm256_set1_ps(dx)), mn);
         }
@@ -944,15 +945,17 @@ AVX2 static ALWAYS void kq_tile256(int type, const uint8_t *w, size_t rb, int nr
     __m256 acc[4], mn[4];
     _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++) acc[m] = mn[m] = _mm256_setzero_ps();
     __m256i ub[8][8], scv[8][8]; /* [row][chunk]: unpacked quants, int16 scales */
+    __m128i mvs[8];              /* [row]: Q4_K/Q5_K's 8 mins as int16 */
     for (int s = 0; s < ns; s++) {
         if (PF) prefetch_share(w + (size_t)8 * rb, (size_t)8 * rb, s, ns);
-        for (int r = 0; r < nr; r++) {
+        for (int r = 0; r < 8; r++) {
+            mvs[r] = _mm_setzero_si128();
+            if (r >= nr) continue;
             const uint8_t *b = w + (size_t)r * rb + (size_t)s * bb;
-            short scs[16];
-            kq_scales16(type, b, scs);
+            const __m256i t = kq_dec_scales(type, b, &mvs[r]); /* scales decoded once a row (kq_dec256) */
             _Pragma("GCC unroll 8") for (int c2 = 0; c2 < 8; c2++) {
                 ub[r][c2] = kq_chunk256(type, b, c2);
-                scv[r][c2] = kq_scv256(type, scs, c2);
+                scv[r][c2] = _mm256_shuffle_epi8(t, _mm256_set1_epi16((short)(0x0100 * (2 * c2 + 1) + 2 * c2)));
             }
         }
         const size_t doff = type == KV_QTYPE_Q6_K ? 208 : 0;
@@ -963,7 +966,6 @@ AVX2 static ALWAYS void kq_tile256(int type, const uint8_t *w, size_t rb, int nr
             const int8_t *qx = a->q + (size_t)(m0 + m) * K + 256 * (size_t)s;
             const int16_t *s16 = a->s16 + (size_t)(m0 + m) * (K / 16) + 16 * (size_t)s;
             __m256i R[8];
-            int32_t mi[8] = {0};
             _Pragma("GCC unroll 8") for (int r = 0; r < 8; r++) R[r] = _mm256_setzero_si256();
             _Pragma("GCC unroll 8") for (int c2 = 0; c2 < 8; c2++) {
                 __m256i x = _mm256_loadu_si256((const __m256i *)(qx + 32 * c2));
@@ -974,13 +976,11 @@ AVX2 static ALWAYS void kq_tile256(int type, const uint8_t *w, size_t rb, int nr
                     R[r] = _mm256_add_epi32(R[r], _mm256_madd_epi16(pr, scv[r][c2]));
                 }
             }
-            if (mins)
-                for (int r = 0; r < nr; r++) mi[r] = min_dot(w + (size_t)r * rb + (size_t)s * bb, s16);
             const float dx = a->d[(size_t)(m0 + m) * ns + s];
             acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tred256(R)), _mm256_mul_ps(dw, _mm256_set1_ps(dx)), acc[m]);
-            if (mins)
-                mn[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)mi)),
-                                        _mm256_mul_ps(dmw, _mm256_set1_ps(dx)), mn[m]);
+            if (mins) /* the rows' mins sums from the staged mins (was a scalar decode a row here) */
+                mn[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(kq_mins8(mvs, s16)), _mm256_mul_ps(dmw, _mm256_set1_ps(dx)),
+                                        mn[m]);
         }
     }
     _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++)
