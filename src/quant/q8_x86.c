@@ -851,20 +851,15 @@ AVX2 static ALWAYS __m256i kq_dec_scales(int type, const uint8_t *b, __m128i *mi
     return _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)sc[1], (int)sc[0])));
 }
 
-/* Q4_K/Q5_K's mins term of 8 rows, sum_j m_j * s32_j each, as 8 int32 lanes. With s16 (the
- * activation's 16 sums of 16 of the super-block) V[r] are the rows' 8 int16 mins: the 32-element
- * sums are made here; with s16 NULL, V[r] are already madd(mins, sums) (4 int32 pairs a row).
- * Exact integer sums, as min_dot's. */
+/* Q4_K/Q5_K's mins term of 8 rows, sum_j m_j * s32_j each, as 8 int32 lanes: V[r] are the rows'
+ * 8 int16 mins, s16 the activation's 16 sums of 16 of the super-block (the 32-element sums are
+ * made here). Exact integer sums, as min_dot's. */
 AVX2 static ALWAYS __m256i kq_mins8(const __m128i V[8], const int16_t *s16) {
     __m128i Q[8];
-    if (s16) {
-        const __m128i o = _mm_set1_epi16(1);
-        const __m128i s32 = _mm_packs_epi32(_mm_madd_epi16(_mm_loadu_si128((const __m128i *)s16), o),
-                                            _mm_madd_epi16(_mm_loadu_si128((const __m128i *)(s16 + 8)), o));
-        _Pragma("GCC unroll 8") for (int r = 0; r < 8; r++) Q[r] = _mm_madd_epi16(V[r], s32);
-    } else {
-        _Pragma("GCC unroll 8") for (int r = 0; r < 8; r++) Q[r] = V[r];
-    }
+    const __m128i o = _mm_set1_epi16(1);
+    const __m128i s32 = _mm_packs_epi32(_mm_madd_epi16(_mm_loadu_si128((const __m128i *)s16), o),
+                                        _mm_madd_epi16(_mm_loadu_si128((const __m128i *)(s16 + 8)), o));
+    _Pragma("GCC unroll 8") for (int r = 0; r < 8; r++) Q[r] = _mm_madd_epi16(V[r], s32);
     /* two hadd levels: rows 0-3, rows 4-7 */
     const __m128i q01 = _mm_hadd_epi32(Q[0], Q[1]), q23 = _mm_hadd_epi32(Q[2], Q[3]);
     const __m128i q45 = _mm_hadd_epi32(Q[4], Q[5]), q67 = _mm_hadd_epi32(Q[6], Q[7]);
@@ -889,12 +884,7 @@ AVX2 static ALWAYS void kq_dec256(int type, const uint8_t *w, size_t rb, int nr,
         if (PF) prefetch_share(w + (size_t)8 * rb, (size_t)8 * rb, s, ns);
         const int8_t *qx = a->q + (size_t)m * K + 256 * (size_t)s;
         const int16_t *s16 = a->s16 + (size_t)m * (K / 16) + 16 * (size_t)s;
-        __m128i s32 = _mm_setzero_si128(); /* the 8 sums of 32 activations, int16 */
-        if (mins) {
-            const __m128i o = _mm_set1_epi16(1);
-            s32 = _mm_packs_epi32(_mm_madd_epi16(_mm_loadu_si128((const __m128i *)s16), o),
-                                  _mm_madd_epi16(_mm_loadu_si128((const __m128i *)(s16 + 8)), o));
-        } else {
+        if (!mins) {
             _Pragma("GCC unroll 8") for (int c2 = 0; c2 < 8; c2++)
                 x32[c2] = _mm256_maddubs_epi16(k32, _mm256_loadu_si256((const __m256i *)(qx + 32 * c2)));
         }
@@ -914,14 +904,14 @@ AVX2 static ALWAYS void kq_dec256(int type, const uint8_t *w, size_t rb, int nr,
                 P = _mm256_add_epi32(P, _mm256_madd_epi16(pr, _mm256_shuffle_epi8(t, bi)));
             }
             R[r] = P;
-            Q[r] = mins ? _mm_madd_epi16(mv, s32) : _mm_setzero_si128(); /* mins x sums, 4 pairs */
+            Q[r] = mv; /* the row's mins (zero for Q6_K) */
         }
         const size_t doff = type == KV_QTYPE_Q6_K ? 208 : 0;
         const __m256 dw = load_h8(w, rb, nr, (size_t)s * bb + doff);
         const float dx = a->d[(size_t)m * ns + s];
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tred256(R)), _mm256_mul_ps(dw, _mm256_set1_ps(dx)), acc);
         if (mins) {
-            const __m256i mi = kq_mins8(Q, NULL);
+            const __m256i mi = kq_mins8(Q, s16);
             const __m256 dmw = load_h8(w, rb, nr, (size_t)s * bb + 2);
             mn = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mi), _mm256_mul_ps(dmw, _mm256_set1_ps(dx)), mn);
         }
