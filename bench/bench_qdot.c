@@ -13,10 +13,12 @@
  * --int8: instead, the integer path of the quantized types (kv_q8_dot_rows over the file's rows,
  * activations quantized by kv_q8_quantize: what decode runs in the default --quant-matmul int8)
  * in ns per weight and GB/s of weights read. --rows N: rows per call (default 64; the CPU matmul's
- * decode tasks are 64 rows at K = 2048 and 16 at K = 5632).
+ * decode tasks are 64 rows at K = 2048 and 16 at K = 5632). --m LIST: the activation row counts
+ * of --int8 (default 1,4; at most 512); for M > 4 also "pack", what the CPU matmul ran for such M before the
+ * rows path served it: each call's rows repacked (kv_q8_pack) then kv_q8_dot_packed.
  *
  *   bench_qdot [--k 4096] [--runs 5] [--ms 100] [--hot] [--types Q8_0,Q4_K,...] [--isa avx512]
- *              [--int8] [--rows 64]
+ *              [--int8] [--rows 64] [--m 1,4]
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -64,6 +66,7 @@ struct ctx {
     const float *X;
     float *Y, *panel;
     const struct kv_q8_act *qa; /* X quantized for the integer path (--int8), or NULL */
+    void *pk;                   /* the repack's panel (way 4) */
 };
 
 /* the old way: per 4 rows, kv_dequant_row into the panel, then the f32 tile */
@@ -87,12 +90,17 @@ static void int8_group(const struct ctx *c, size_t row) {
     kv_q8_dot_rows(c->type, c->w + row * c->rb, c->rb, GROUP, c->qa, 0, c->M, c->Y, (size_t)GROUP);
 }
 
+static void pack_group(const struct ctx *c, size_t row) {
+    kv_q8_pack(c->type, c->w + row * c->rb, c->rb, GROUP, c->K, c->pk);
+    kv_q8_dot_packed(c->type, c->pk, GROUP, c->qa, 0, c->M, c->Y, (size_t)GROUP);
+}
+
 static void grouped_group(const struct ctx *c, size_t row) {
     kv_qdot_grouped(c->type, c->g + row * c->rb, GROUP, c->K, c->X, (size_t)c->K, c->M, c->Y, GROUP);
 }
 
 /* median ns per weight; way: 0 the old panel path, 1 fused (kv_qdot_rows), 2 grouped, 3 the
- * integer path (kv_q8_dot_rows) */
+ * integer path (kv_q8_dot_rows), 4 the integer path's repack + packed product */
 static double measure(const struct ctx *c, int way, int runs, int ms) {
     double t[101];
     size_t row = 0;
@@ -104,6 +112,7 @@ static double measure(const struct ctx *c, int way, int runs, int ms) {
                 if (way == 1) fused_group(c, row);
                 else if (way == 2) grouped_group(c, row);
                 else if (way == 3) int8_group(c, row);
+                else if (way == 4) pack_group(c, row);
                 else panel_group(c, row);
                 row += (size_t)GROUP;
                 if (row + (size_t)GROUP > c->nrows) row = 0;
@@ -121,7 +130,7 @@ static double measure(const struct ctx *c, int way, int runs, int ms) {
 int main(int argc, char **argv) {
     int K = 4096, runs = 5, ms = 100;
     bool hot_only = false, int8 = false;
-    const char *types_arg = NULL, *isa_arg = NULL;
+    const char *types_arg = NULL, *isa_arg = NULL, *m_arg = NULL;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--k") && i + 1 < argc) K = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--runs") && i + 1 < argc) runs = atoi(argv[++i]);
@@ -131,16 +140,33 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--isa") && i + 1 < argc) isa_arg = argv[++i];
         else if (!strcmp(argv[i], "--int8")) int8 = true;
         else if (!strcmp(argv[i], "--rows") && i + 1 < argc) GROUP = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--m") && i + 1 < argc) m_arg = argv[++i];
         else {
             fprintf(stderr,
                     "usage: %s [--k 4096] [--runs 5] [--ms 100] [--hot] [--types Q8_0,Q4_K,...] [--isa avx512] [--int8] "
-                    "[--rows 64]\n",
+                    "[--rows 64] [--m 1,4]\n",
                     argv[0]);
             return 2;
         }
     }
-    if (K <= 0 || K % 256 || runs < 1 || runs > 101 || ms < 1 || GROUP < 1 || GROUP > 4096) {
-        fprintf(stderr, "--k must be a positive multiple of 256; --runs 1..101; --ms >= 1; --rows 1..4096\n");
+    enum { MAXM = 512 };
+    int ms_list[16] = {1, 4}, n_m = 2;
+    if (m_arg) {
+        n_m = 0;
+        for (const char *q = m_arg; *q && n_m < 16;) {
+            char *end;
+            long v = strtol(q, &end, 10);
+            if (end == q || v < 1 || v > MAXM || (*end && *end != ',')) {
+                n_m = -1;
+                break;
+            }
+            ms_list[n_m++] = (int)v;
+            q = *end ? end + 1 : end;
+        }
+    }
+    if (K <= 0 || K % 256 || runs < 1 || runs > 101 || ms < 1 || GROUP < 1 || GROUP > 4096 || n_m < 1) {
+        fprintf(stderr, "--k must be a positive multiple of 256; --runs 1..101; --ms >= 1; --rows 1..4096; "
+                        "--m: a list of 1..512\n");
         return 2;
     }
     static const int types[] = {KV_QTYPE_F32,  KV_QTYPE_F16,  KV_QTYPE_BF16, KV_QTYPE_Q8_0,
@@ -154,13 +180,13 @@ int main(int argc, char **argv) {
            "gain", "fused GB/s", "grouped ns/w", "grouped GB/s");
     const size_t stream_bytes = (size_t)320 << 20, hot_bytes = (size_t)512 << 10;
     uint8_t *src = malloc(stream_bytes), *grp = malloc(stream_bytes);
-    float *X = aligned_alloc(64, sizeof(float) * 4 * (size_t)K), *Y = aligned_alloc(64, sizeof(float) * 4 * (size_t)GROUP);
+    float *X = aligned_alloc(64, sizeof(float) * MAXM * (size_t)K), *Y = aligned_alloc(64, sizeof(float) * MAXM * (size_t)GROUP);
     float *panel = aligned_alloc(64, sizeof(float) * 4 * (size_t)K);
     if (!src || !grp || !X || !Y || !panel) {
         fprintf(stderr, "out of memory\n");
         return 1;
     }
-    for (int i = 0; i < 4 * K; i++) X[i] = (float)((int)(rnd() % 2001) - 1000) * 1e-3f;
+    for (int i = 0; i < MAXM * K; i++) X[i] = (float)((int)(rnd() % 2001) - 1000) * 1e-3f;
     for (int ii = KV_QUANT_ISA_GENERIC; ii <= KV_QUANT_ISA_AVX512; ii++) {
         enum kv_quant_isa isa = (enum kv_quant_isa)ii;
         if (isa_arg && strcmp(isa_arg, kv_quant_isa_name(isa))) continue;
@@ -183,8 +209,9 @@ int main(int argc, char **argv) {
                 fill(type, src, nrows * rb);
                 bool grouped = kv_fgroup_ok(type, K);
                 if (grouped) kv_fgroup_pack(type, src, rb, (int)nrows, K, grp);
-                for (int M = 1; M <= 4; M += 3) {
-                    struct ctx c = {type, K, M, rb, nrows, src, grouped ? grp : NULL, X, Y, panel, NULL};
+                for (int mi = 0; mi < n_m; mi++) {
+                    const int M = ms_list[mi];
+                    struct ctx c = {type, K, M, rb, nrows, src, grouped ? grp : NULL, X, Y, panel, NULL, NULL};
                     if (int8) {
                         int gs = kv_q8_group(type);
                         if (!gs) break;
@@ -196,10 +223,21 @@ int main(int argc, char **argv) {
                         }
                         kv_q8_quantize(&qa, 0, M, X, (size_t)K);
                         c.qa = &qa;
-                        double q = measure(&c, 3, runs, ms);
-                        printf("%-8s %-6s %2d %-7s %10s %10s %8s %10s %12s %12s   int8 %.4f ns/w %.2f GB/s\n",
+                        double q = measure(&c, 3, runs, ms), pq = 0;
+                        if (M > 4 && kv_q8_packed_fast(type)) {
+                            c.pk = aligned_alloc(64, (kv_q8_pack_bytes(type, GROUP, K) + 63) / 64 * 64);
+                            if (!c.pk) {
+                                fprintf(stderr, "out of memory\n");
+                                return 1;
+                            }
+                            pq = measure(&c, 4, runs, ms);
+                            free(c.pk);
+                        }
+                        printf("%-8s %-6s %2d %-7s %10s %10s %8s %10s %12s %12s   int8 %.4f ns/w %.2f GB/s",
                                kv_quant_isa_name(isa), kv_qtype_name(type), M, mode ? "stream" : "hot", "-", "-", "-",
                                "-", "-", "-", q, (double)rb / K / q);
+                        if (pq > 0) printf("   pack %.4f ns/w (%.2fx)", pq, pq / q);
+                        printf("\n");
                         fflush(stdout);
                         free(qb);
                         continue;

@@ -353,6 +353,16 @@ int kv_q8_packed_fast(int type) {
     return 0;
 }
 
+int kv_q8_rows_preferred(int type, int M) {
+#ifdef KV_QUANT_X86
+    if (kv_quant_get_isa() == KV_QUANT_ISA_AVX2)
+        return (type == KV_QTYPE_Q4_K || type == KV_QTYPE_Q5_K || type == KV_QTYPE_Q6_K) && M <= KV_Q8_ROWS_MAX_M;
+#endif
+    (void)type;
+    (void)M;
+    return 0;
+}
+
 const char *kv_q8_packed_name(void) {
 #ifdef KV_QUANT_X86
     if (kv_quant_get_isa() == KV_QUANT_ISA_AVX512) {

@@ -104,6 +104,15 @@ void kv_q8_dot_packed(int type, const void *panel, int n_rows, const struct kv_q
  * many rows (AMX, AVX512-VNNI, AVX2: every type); elsewhere
  * kv_q8_dot_packed runs scalar C and callers should not pack. */
 int kv_q8_packed_fast(int type);
+/* True when, for M activation rows of `type`, kv_q8_dot_rows over the stored rows beats
+ * repacking them (kv_q8_pack) and running kv_q8_dot_packed in the ISA in effect, counting the
+ * repack (the CPU matmul repacks a task's rows every call unless the matrix was repacked at
+ * load). AVX2 K-quants up to KV_Q8_ROWS_MAX_M rows: their rows tile stages each super-block's
+ * quants and scales once for all M rows (bench_qdot --int8 --m, the "pack" column). Same bits
+ * either way (the contract above). */
+#define KV_Q8_ROWS_MAX_M 64
+int kv_q8_rows_preferred(int type, int M);
+
 /* The prefill kernel kv_q8_dot_packed uses now: "amx", "avx512-vnni", "avx2" or
  * "none" (scalar C; kv_q8_dot_rows serves all M then). Static string. */
 const char *kv_q8_packed_name(void);

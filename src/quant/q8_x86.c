@@ -871,7 +871,7 @@ AVX2 static ALWAYS __m256i kq_mins8(const __m128i V[8], const int16_t *s16) {
  * chunk by vpshufb; the rows are unrolled (a short last tile re-reads row 0 for the missing rows,
  * whose lanes are never stored), so the 8 row sums stay in registers; the activation's 32-element
  * sums for the mins and Q6_K's 32 * x term are made once per super-block, not once per row. The
- * integer sums are exact and the float steps are kq_tile256's, in its order: the same bits. */
+ * integer sums are exact and the float steps are the contract's (q8.h), in its order: the same bits. */
 AVX2 static ALWAYS void kq_dec256(int type, const uint8_t *w, size_t rb, int nr, const struct kv_q8_act *a, int m,
                                   float *Y, const int PF) {
     const int K = a->K, ns = K / 256;
@@ -919,62 +919,79 @@ AVX2 static ALWAYS void kq_dec256(int type, const uint8_t *w, size_t rb, int nr,
     store8(Y, nr, mins ? _mm256_sub_ps(acc, mn) : acc);
 }
 
-/* K-quants: nr <= 8 weight rows x MR <= 4 activation rows (MR = 1: kq_dec256). Per super-block each row's quants
- * are unpacked once into a stack buffer and its scales into int16 vectors, then every
- * activation row reads them from L1. */
-AVX2 static ALWAYS void kq_tile256(int type, const uint8_t *w, size_t rb, int nr, const struct kv_q8_act *a, int m0,
-                                   float *Y, size_t ldy, const int MR, const int PF) {
+/* K-quants, two or more activation rows (a decode step of several sequences, prefills): nr <=
+ * 8 weight rows x M <= KQ_MT activation rows. Per super-block the 8 rows' quants and scales are
+ * staged once and every one of the M rows runs on them, so the staging and the weights' reads
+ * are shared by all M rows; the rows' float sums
+ * wait in a stack array between super-blocks. A short tile stages row 0 for the missing rows
+ * (their lanes are never stored). The integer sums are exact and the float steps are
+ * kq_dec256's, in its order, for each (weight row, activation row): the same bits, without the
+ * per-step repack (kv_q8_pack) the panels need. */
+#define KQ_MT 64
+AVX2 static ALWAYS void kq_tilem256(int type, const uint8_t *w, size_t rb, int nr, const struct kv_q8_act *a, int m0,
+                                    int M, float *Y, size_t ldy, const int PF) {
     const int K = a->K, ns = K / 256;
     const size_t bb = kv_qtype_block_bytes(type);
     const int mins = type != KV_QTYPE_Q6_K;
-    if (MR == 1) { /* decode */
-        kq_dec256(type, w, rb, nr, a, m0, Y, PF);
-        return;
-    }
     const __m256i k32 = _mm256_set1_epi8(32);
-    __m256 acc[4], mn[4];
-    _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++) acc[m] = mn[m] = _mm256_setzero_ps();
+    __m256 acc[KQ_MT], mn[KQ_MT];
+    for (int m = 0; m < M; m++) acc[m] = mn[m] = _mm256_setzero_ps();
     __m256i ub[8][8], scv[8][8]; /* [row][chunk]: unpacked quants, int16 scales */
     __m128i mvs[8];              /* [row]: Q4_K/Q5_K's 8 mins as int16 */
     for (int s = 0; s < ns; s++) {
         if (PF) prefetch_share(w + (size_t)8 * rb, (size_t)8 * rb, s, ns);
-        for (int r = 0; r < 8; r++) {
+        _Pragma("GCC unroll 1") for (int r = 0; r < 8; r++) {
+            const uint8_t *b = w + (size_t)(r < nr ? r : 0) * rb + (size_t)s * bb;
             mvs[r] = _mm_setzero_si128();
-            if (r >= nr) continue;
-            const uint8_t *b = w + (size_t)r * rb + (size_t)s * bb;
-            const __m256i t = kq_dec_scales(type, b, &mvs[r]); /* scales decoded once a row (kq_dec256) */
+            const __m256i t = kq_dec_scales(type, b, &mvs[r]);
             _Pragma("GCC unroll 8") for (int c2 = 0; c2 < 8; c2++) {
                 ub[r][c2] = kq_chunk256(type, b, c2);
                 scv[r][c2] = _mm256_shuffle_epi8(t, _mm256_set1_epi16((short)(0x0100 * (2 * c2 + 1) + 2 * c2)));
             }
         }
         const size_t doff = type == KV_QTYPE_Q6_K ? 208 : 0;
-        const __m256 dw = gather_h8(w, rb, nr, (size_t)s * bb + doff, type == KV_QTYPE_Q6_K);
-        __m256 dmw = _mm256_setzero_ps();
-        if (mins) dmw = gather_h8(w, rb, nr, (size_t)s * bb + 2, 0);
-        _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++) {
+        const __m256 dw = load_h8(w, rb, nr, (size_t)s * bb + doff);
+        const __m256 dmw = mins ? load_h8(w, rb, nr, (size_t)s * bb + 2) : _mm256_setzero_ps();
+        _Pragma("GCC unroll 1") for (int m = 0; m < M; m++) {
             const int8_t *qx = a->q + (size_t)(m0 + m) * K + 256 * (size_t)s;
-            const int16_t *s16 = a->s16 + (size_t)(m0 + m) * (K / 16) + 16 * (size_t)s;
             __m256i R[8];
             _Pragma("GCC unroll 8") for (int r = 0; r < 8; r++) R[r] = _mm256_setzero_si256();
-            _Pragma("GCC unroll 8") for (int c2 = 0; c2 < 8; c2++) {
-                __m256i x = _mm256_loadu_si256((const __m256i *)(qx + 32 * c2));
-                __m256i x32 = type == KV_QTYPE_Q6_K ? _mm256_maddubs_epi16(k32, x) : _mm256_setzero_si256();
-                for (int r = 0; r < nr; r++) {
+            /* chunks in a loop, not unrolled: unrolled, GCC made all 64 products first and kept
+             * them on the stack (as in kq_dec256) */
+            _Pragma("GCC unroll 1") for (int c2 = 0; c2 < 8; c2++) {
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(qx + 32 * c2));
+                const __m256i x32 = type == KV_QTYPE_Q6_K ? _mm256_maddubs_epi16(k32, x) : _mm256_setzero_si256();
+                _Pragma("GCC unroll 8") for (int r = 0; r < 8; r++) {
                     __m256i pr = _mm256_maddubs_epi16(ub[r][c2], x);
                     if (type == KV_QTYPE_Q6_K) pr = _mm256_sub_epi16(pr, x32);
                     R[r] = _mm256_add_epi32(R[r], _mm256_madd_epi16(pr, scv[r][c2]));
                 }
             }
-            const float dx = a->d[(size_t)(m0 + m) * ns + s];
-            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tred256(R)), _mm256_mul_ps(dw, _mm256_set1_ps(dx)), acc[m]);
-            if (mins) /* the rows' mins sums from the staged mins (was a scalar decode a row here) */
-                mn[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(kq_mins8(mvs, s16)), _mm256_mul_ps(dmw, _mm256_set1_ps(dx)),
-                                        mn[m]);
+            const __m256 dx = _mm256_set1_ps(a->d[(size_t)(m0 + m) * ns + s]);
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tred256(R)), _mm256_mul_ps(dw, dx), acc[m]);
+            if (mins) {
+                const int16_t *s16 = a->s16 + (size_t)(m0 + m) * (K / 16) + 16 * (size_t)s;
+                mn[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(kq_mins8(mvs, s16)), _mm256_mul_ps(dmw, dx), mn[m]);
+            }
         }
     }
-    _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++)
-        store8(Y + (size_t)m * ldy, nr, mins ? _mm256_sub_ps(acc[m], mn[m]) : acc[m]);
+    for (int m = 0; m < M; m++) store8(Y + (size_t)m * ldy, nr, mins ? _mm256_sub_ps(acc[m], mn[m]) : acc[m]);
+}
+
+/* K-quants, M >= 2: kq_tilem256 over 8-row tiles, KQ_MT activation rows at a time; at M <= 4
+ * the next tile's rows are asked for while this one runs (from DRAM a tile of 2-3 activation
+ * rows is otherwise latency-bound: bench_qdot --int8 --m 2 stream, AVX2 Q4_K, Zen 5: without it
+ * 0.063 ns a weight against 0.046 for two one-row passes) */
+AVX2 static ALWAYS void kq_rows_many256(int type, const uint8_t *w8, size_t rb, int n_rows, const struct kv_q8_act *a,
+                                        int m0, int M, float *Y, size_t ldy) {
+    for (int m = 0; m < M; m += KQ_MT) {
+        const int mm = M - m < KQ_MT ? M - m : KQ_MT;
+        for (int r = 0; r < n_rows; r += 8) {
+            const int nr = n_rows - r < 8 ? n_rows - r : 8;
+            if (M <= 4) kq_tilem256(type, w8 + (size_t)r * rb, rb, nr, a, m0 + m, mm, Y + (size_t)m * ldy + r, ldy, 1);
+            else kq_tilem256(type, w8 + (size_t)r * rb, rb, nr, a, m0 + m, mm, Y + (size_t)m * ldy + r, ldy, 0);
+        }
+    }
 }
 
 #define TILES256(FN, T)                                                                                   \
@@ -1185,9 +1202,18 @@ AVX2 void kv_q8_dot_avx2(int type, const void *w, size_t rb, int n_rows, const s
     switch (type) {
     case KV_QTYPE_Q8_0: TILES256(g32_tile256, KV_QTYPE_Q8_0); break;
     case KV_QTYPE_Q4_0: TILES256(g32_tile256, KV_QTYPE_Q4_0); break;
-    case KV_QTYPE_Q4_K: TILES256(kq_tile256, KV_QTYPE_Q4_K); break;
-    case KV_QTYPE_Q5_K: TILES256(kq_tile256, KV_QTYPE_Q5_K); break;
-    default: TILES256(kq_tile256, KV_QTYPE_Q6_K); break;
+    case KV_QTYPE_Q4_K:
+        if (M > 1) kq_rows_many256(KV_QTYPE_Q4_K, w8, rb, n_rows, a, m0, M, Y, ldy);
+        else for (int r = 0; r < n_rows; r += 8) kq_dec256(KV_QTYPE_Q4_K, w8 + (size_t)r * rb, rb, n_rows - r < 8 ? n_rows - r : 8, a, m0, Y + r, 1);
+        break;
+    case KV_QTYPE_Q5_K:
+        if (M > 1) kq_rows_many256(KV_QTYPE_Q5_K, w8, rb, n_rows, a, m0, M, Y, ldy);
+        else for (int r = 0; r < n_rows; r += 8) kq_dec256(KV_QTYPE_Q5_K, w8 + (size_t)r * rb, rb, n_rows - r < 8 ? n_rows - r : 8, a, m0, Y + r, 1);
+        break;
+    default:
+        if (M > 1) kq_rows_many256(KV_QTYPE_Q6_K, w8, rb, n_rows, a, m0, M, Y, ldy);
+        else for (int r = 0; r < n_rows; r += 8) kq_dec256(KV_QTYPE_Q6_K, w8 + (size_t)r * rb, rb, n_rows - r < 8 ? n_rows - r : 8, a, m0, Y + r, 1);
+        break;
     }
 }
 

@@ -538,8 +538,10 @@ static void plan_task(void *p, int t, int th) {
             size_t gb = kv_q8_pack_bytes(W->type, 16, (int)K);
             kv_q8_dot_packed(W->type, (const char *)W->panel + (size_t)(n0 / 16) * gb, n1 - n0, pl->q8[i], 0, op->M,
                              op->Y + n0, (size_t)W->rows);
-        } else if (pl->q8[i] && op->M > DECODE_ROWS && kv_q8_packed_fast(W->type)) {
-            /* prefill: repack the task's rows once (VNNI order), then outer products for all M */
+        } else if (pl->q8[i] && op->M > DECODE_ROWS && kv_q8_packed_fast(W->type) &&
+                   !kv_q8_rows_preferred(W->type, op->M)) {
+            /* prefill: repack the task's rows once (VNNI order), then outer products for all M
+             * (not where the rows path is faster even so: AVX2 K-quants at many-sequence decode) */
             size_t pb = kv_q8_pack_bytes(W->type, n1 - n0, (int)K);
             void *panel = thread_buf(BUF_PANEL, pb);
             if (!panel) abort(); /* ~1.3 bytes per weight of one task: out of memory here is fatal */
