@@ -355,8 +355,13 @@ int kv_q8_packed_fast(int type) {
 
 int kv_q8_rows_preferred(int type, int M) {
 #ifdef KV_QUANT_X86
-    if (kv_quant_get_isa() == KV_QUANT_ISA_AVX2)
-        return (type == KV_QTYPE_Q4_K || type == KV_QTYPE_Q5_K || type == KV_QTYPE_Q6_K) && M <= KV_Q8_ROWS_MAX_M;
+    const int kq = type == KV_QTYPE_Q4_K || type == KV_QTYPE_Q5_K || type == KV_QTYPE_Q6_K;
+    switch (kv_quant_get_isa()) {
+    case KV_QUANT_ISA_AVX2: return kq && M <= KV_Q8_ROWS_MAX_M;
+    case KV_QUANT_ISA_AVX512: /* against AMX tiles the repack pays off sooner: not measured, keep it */
+        return kq && M <= KV_Q8_ROWS_MAX_M_512 && !(!(limits() & 2) && kv_q8_cpu_has_amx());
+    default: break;
+    }
 #endif
     (void)type;
     (void)M;

@@ -107,10 +107,12 @@ int kv_q8_packed_fast(int type);
 /* True when, for M activation rows of `type`, kv_q8_dot_rows over the stored rows beats
  * repacking them (kv_q8_pack) and running kv_q8_dot_packed in the ISA in effect, counting the
  * repack (the CPU matmul repacks a task's rows every call unless the matrix was repacked at
- * load). AVX2 K-quants up to KV_Q8_ROWS_MAX_M rows: their rows tile stages each super-block's
- * quants and scales once for all M rows (bench_qdot --int8 --m, the "pack" column). Same bits
- * either way (the contract above). */
+ * load): K-quants up to KV_Q8_ROWS_MAX_M rows on AVX2 and KV_Q8_ROWS_MAX_M_512 on AVX-512
+ * without AMX, whose rows tiles stage each super-block's quants and scales once for all M rows
+ * (bench_qdot --int8 --m, the "pack" column: Zen 5, K = 2048, AVX2 rows ahead up to M = 64,
+ * AVX-512 VNNI up to 16). Same bits either way (the contract above). */
 #define KV_Q8_ROWS_MAX_M 64
+#define KV_Q8_ROWS_MAX_M_512 16
 int kv_q8_rows_preferred(int type, int M);
 
 /* The prefill kernel kv_q8_dot_packed uses now: "amx", "avx512-vnni", "avx2" or

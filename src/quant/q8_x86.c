@@ -294,6 +294,77 @@ AVX2 static ALWAYS int32_t min_dot(const uint8_t *b, const int16_t *s16) {
     return _mm_cvtsi128_si32(p);
 }
 
+/* Activation rows per call of the many-row K-quant tiles (kq_tilem512, kq_tilem256): their
+ * float sums wait on the stack between super-blocks */
+#define KQ_MT 64
+AVX2 static ALWAYS __m256i kq_mins8(const __m128i V[8], const int16_t *s16); /* AVX2 section */
+
+/* Q4_K/Q5_K's 8 mins of one row's super-block as int16 (low 128 bits), for kq_mins8 */
+AVX2 static ALWAYS __m128i kq_mins16(const uint8_t *b) {
+    uint32_t sc[2], mn[2];
+    kv_quant_scales_k4(b + 4, sc, mn);
+    return _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)mn[1], (int)mn[0]));
+}
+
+/* K-quants, AVX-512, 2..KQ_MT activation rows: nr <= 16 weight rows x M activation rows. Per
+ * super-block the 16 rows' quants (kq_chunk512) and int16 scales are staged once and every one
+ * of the M rows runs on them (kq_row512 decodes them again for each activation row and reads
+ * the rows again from memory); the rows' mins sums by kq_mins8 on the staged mins. A short tile
+ * stages row 0 for the missing rows (their lanes are never stored). Exact integer sums, and the
+ * float steps of kq_row512 in its order: the same bits. */
+AVX512 static ALWAYS void kq_tilem512(int type, const uint8_t *w, size_t rb, int nr, const struct kv_q8_act *a, int m0,
+                                      int M, float *Y, size_t ldy, const int VN, const int PF) {
+    const int K = a->K, ns = K / 256;
+    const size_t bb = kv_qtype_block_bytes(type);
+    const int mins = type != KV_QTYPE_Q6_K;
+    const __m512i k32 = _mm512_set1_epi8(32);
+    __m512 acc[KQ_MT], mn[KQ_MT];
+    for (int m = 0; m < M; m++) acc[m] = mn[m] = _mm512_setzero_ps();
+    __m512i ub[16][4], scv[16][4]; /* [row][chunk]: unpacked quants, int16 scales */
+    __m128i mvs[16];               /* [row]: Q4_K/Q5_K's 8 mins as int16 */
+    for (int s = 0; s < ns; s++) {
+        if (PF) prefetch_share(w + (size_t)16 * rb, (size_t)16 * rb, s, ns);
+        _Pragma("GCC unroll 1") for (int r = 0; r < 16; r++) {
+            const uint8_t *b = w + (size_t)(r < nr ? r : 0) * rb + (size_t)s * bb;
+            const __m512i sc = kq_scales512(type, b);
+            _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {
+                ub[r][c] = kq_chunk512(type, b, c);
+                scv[r][c] = _mm512_permutexvar_epi16(kq_idx512(type, c), sc);
+            }
+            mvs[r] = mins ? kq_mins16(b) : _mm_setzero_si128();
+        }
+        const size_t doff = type == KV_QTYPE_Q6_K ? 208 : 0;
+        const __m512 dw = gather_h(w, rb, nr, (size_t)s * bb + doff, type == KV_QTYPE_Q6_K);
+        const __m512 dmw = mins ? gather_h(w, rb, nr, (size_t)s * bb + 2, 0) : _mm512_setzero_ps();
+        _Pragma("GCC unroll 1") for (int m = 0; m < M; m++) {
+            const int8_t *qx = a->q + (size_t)(m0 + m) * K + 256 * (size_t)s;
+            __m512i R[16];
+            _Pragma("GCC unroll 16") for (int r = 0; r < 16; r++) R[r] = _mm512_setzero_si512();
+            /* chunks in a loop, not unrolled (as kq_tilem256: unrolled, GCC keeps the products) */
+            _Pragma("GCC unroll 1") for (int c = 0; c < 4; c++) {
+                const __m512i x = _mm512_loadu_si512((const void *)(qx + 64 * c));
+                const __m512i x32 = type == KV_QTYPE_Q6_K ? _mm512_maddubs_epi16(k32, x) : _mm512_setzero_si512();
+                _Pragma("GCC unroll 16") for (int r = 0; r < 16; r++) {
+                    __m512i pr = _mm512_maddubs_epi16(ub[r][c], x);
+                    if (type == KV_QTYPE_Q6_K) pr = _mm512_sub_epi16(pr, x32);
+                    R[r] = VN ? _mm512_dpwssd_epi32(R[r], pr, scv[r][c]) : _mm512_add_epi32(R[r], _mm512_madd_epi16(pr, scv[r][c]));
+                }
+            }
+            __m512i va, vb;
+            tred512(R, &va, &vb);
+            const __m512 dx = _mm512_set1_ps(a->d[(size_t)(m0 + m) * ns + s]);
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(va, vb)), _mm512_mul_ps(dw, dx), acc[m]);
+            if (mins) {
+                const int16_t *s16 = a->s16 + (size_t)(m0 + m) * (K / 16) + 16 * (size_t)s;
+                const __m512i mi = _mm512_inserti64x4(_mm512_castsi256_si512(kq_mins8(mvs, s16)), kq_mins8(mvs + 8, s16), 1);
+                mn[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mi), _mm512_mul_ps(dmw, dx), mn[m]);
+            }
+        }
+    }
+    for (int m = 0; m < M; m++)
+        _mm512_mask_storeu_ps(Y + (size_t)m * ldy, (__mmask16)((1u << nr) - 1), mins ? _mm512_sub_ps(acc[m], mn[m]) : acc[m]);
+}
+
 AVX512 static ALWAYS void kq_row512(int type, const uint8_t *w, size_t rb, int nr, const struct kv_q8_act *a, int m,
                                     float *Y, const int VN, const int PF) {
     const int K = a->K, ns = K / 256;
@@ -354,14 +425,54 @@ AVX512 static ALWAYS void kq_row512(int type, const uint8_t *w, size_t rb, int n
             }                                                                                             \
     } while (0)
 
+/* K-quants, M >= 2: kq_tilem512 over 16-row tiles, KQ_MT activation rows at a time (at M <= 4
+ * asking for the next tile's rows meanwhile, as kq_row512 does). Functions of their own (not
+ * inlined into the one-row dispatch: inlined there, the one-row Q4_K decode streamed 20% slower,
+ * bench_qdot --int8 stream, Zen 5) */
+#define MANY512(T, VN) many512_##VN(T, w8, rb, n_rows, a, m0, M, Y, ldy)
+#define MANY512_FN(VN)                                                                                     \
+    AVX512 __attribute__((noinline)) static void many512_##VN(int type, const uint8_t *w8, size_t rb, int n_rows, \
+                                                              const struct kv_q8_act *a, int m0, int M, float *Y,  \
+                                                              size_t ldy) {                                        \
+        switch (type) {                                                                                   \
+        case KV_QTYPE_Q4_K: MANY512_T(KV_QTYPE_Q4_K, VN); break;                                          \
+        case KV_QTYPE_Q5_K: MANY512_T(KV_QTYPE_Q5_K, VN); break;                                          \
+        default: MANY512_T(KV_QTYPE_Q6_K, VN); break;                                                     \
+        }                                                                                                 \
+    }
+#define MANY512_T(T, VN)                                                                                   \
+    do {                                                                                                  \
+        for (int m = 0; m < M; m += KQ_MT) {                                                              \
+            const int mm = M - m < KQ_MT ? M - m : KQ_MT;                                                 \
+            for (int r = 0; r < n_rows; r += 16) {                                                        \
+                const int nr = n_rows - r < 16 ? n_rows - r : 16;                                         \
+                float *y = Y + (size_t)m * ldy + r;                                                       \
+                if (M <= 4) kq_tilem512(T, w8 + (size_t)r * rb, rb, nr, a, m0 + m, mm, y, ldy, VN, 1);    \
+                else kq_tilem512(T, w8 + (size_t)r * rb, rb, nr, a, m0 + m, mm, y, ldy, VN, 0);           \
+            }                                                                                             \
+        }                                                                                                 \
+    } while (0)
+
 #define DISPATCH512(VN)                                                                                    \
     switch (type) {                                                                                       \
     case KV_QTYPE_Q8_0: ROWS_LOOP(g32_row512, KV_QTYPE_Q8_0, VN, 16); break;                               \
     case KV_QTYPE_Q4_0: ROWS_LOOP(g32_row512, KV_QTYPE_Q4_0, VN, 16); break;                               \
-    case KV_QTYPE_Q4_K: ROWS_LOOP(kq_row512, KV_QTYPE_Q4_K, VN, 16); break;                                \
-    case KV_QTYPE_Q5_K: ROWS_LOOP(kq_row512, KV_QTYPE_Q5_K, VN, 16); break;                                \
-    default: ROWS_LOOP(kq_row512, KV_QTYPE_Q6_K, VN, 16); break;                                           \
+    case KV_QTYPE_Q4_K:                                                                                   \
+        if (M > 1) MANY512(KV_QTYPE_Q4_K, VN);                                                            \
+        else ROWS_LOOP(kq_row512, KV_QTYPE_Q4_K, VN, 16);                                                 \
+        break;                                                                                            \
+    case KV_QTYPE_Q5_K:                                                                                   \
+        if (M > 1) MANY512(KV_QTYPE_Q5_K, VN);                                                            \
+        else ROWS_LOOP(kq_row512, KV_QTYPE_Q5_K, VN, 16);                                                 \
+        break;                                                                                            \
+    default:                                                                                              \
+        if (M > 1) MANY512(KV_QTYPE_Q6_K, VN);                                                            \
+        else ROWS_LOOP(kq_row512, KV_QTYPE_Q6_K, VN, 16);                                                 \
+        break;                                                                                            \
     }
+
+MANY512_FN(1)
+MANY512_FN(0)
 
 AVX512 static void dot512_vnni(int type, const uint8_t *w8, size_t rb, int n_rows, const struct kv_q8_act *a, int m0,
                                int M, float *Y, size_t ldy) {
@@ -927,7 +1038,6 @@ AVX2 static ALWAYS void kq_dec256(int type, const uint8_t *w, size_t rb, int nr,
  * (their lanes are never stored). The integer sums are exact and the float steps are
  * kq_dec256's, in its order, for each (weight row, activation row): the same bits, without the
  * per-step repack (kv_q8_pack) the panels need. */
-#define KQ_MT 64
 AVX2 static ALWAYS void kq_tilem256(int type, const uint8_t *w, size_t rb, int nr, const struct kv_q8_act *a, int m0,
                                     int M, float *Y, size_t ldy, const int PF) {
     const int K = a->K, ns = K / 256;
@@ -982,8 +1092,8 @@ AVX2 static ALWAYS void kq_tilem256(int type, const uint8_t *w, size_t rb, int n
  * the next tile's rows are asked for while this one runs (from DRAM a tile of 2-3 activation
  * rows is otherwise latency-bound: bench_qdot --int8 --m 2 stream, AVX2 Q4_K, Zen 5: without it
  * 0.063 ns a weight against 0.046 for two one-row passes) */
-AVX2 static ALWAYS void kq_rows_many256(int type, const uint8_t *w8, size_t rb, int n_rows, const struct kv_q8_act *a,
-                                        int m0, int M, float *Y, size_t ldy) {
+AVX2 static ALWAYS void kq_rows_many256_t(int type, const uint8_t *w8, size_t rb, int n_rows, const struct kv_q8_act *a,
+                                          int m0, int M, float *Y, size_t ldy) {
     for (int m = 0; m < M; m += KQ_MT) {
         const int mm = M - m < KQ_MT ? M - m : KQ_MT;
         for (int r = 0; r < n_rows; r += 8) {
@@ -992,6 +1102,34 @@ AVX2 static ALWAYS void kq_rows_many256(int type, const uint8_t *w8, size_t rb, 
             else kq_tilem256(type, w8 + (size_t)r * rb, rb, nr, a, m0 + m, mm, Y + (size_t)m * ldy + r, ldy, 0);
         }
     }
+}
+
+/* A function of its own, as many512_1 (not inlined into kv_q8_dot_avx2's one-row decode) */
+AVX2 __attribute__((noinline)) static void kq_rows_many256(int type, const uint8_t *w8, size_t rb, int n_rows,
+                                                           const struct kv_q8_act *a, int m0, int M, float *Y,
+                                                           size_t ldy) {
+    switch (type) {
+    case KV_QTYPE_Q4_K: kq_rows_many256_t(KV_QTYPE_Q4_K, w8, rb, n_rows, a, m0, M, Y, ldy); break;
+    case KV_QTYPE_Q5_K: kq_rows_many256_t(KV_QTYPE_Q5_K, w8, rb, n_rows, a, m0, M, Y, ldy); break;
+    default: kq_rows_many256_t(KV_QTYPE_Q6_K, w8, rb, n_rows, a, m0, M, Y, ldy); break;
+    }
+}
+
+/* K-quants, one activation row: kq_dec256 over 8-row tiles. A function of its own per type:
+ * compiled inside kv_q8_dot_avx2 beside the other tiles, its register allocation changed with
+ * theirs (Q4_K decode 6% slower after kq_tilem256 came, bench_qdot --int8 --m 1, Zen 5) */
+#define KQ_DEC_ROWS(NAME, T)                                                                                \
+    AVX2 __attribute__((noinline)) static void NAME(const uint8_t *w8, size_t rb, int n_rows, const struct kv_q8_act *a, \
+                                                    int m0, float *Y) {                                     \
+        for (int r = 0; r < n_rows; r += 8) kq_dec256(T, w8 + (size_t)r * rb, rb, n_rows - r < 8 ? n_rows - r : 8, a, m0, Y + r, 1); \
+    }
+KQ_DEC_ROWS(kq_dec_rows_q4k, KV_QTYPE_Q4_K)
+KQ_DEC_ROWS(kq_dec_rows_q5k, KV_QTYPE_Q5_K)
+KQ_DEC_ROWS(kq_dec_rows_q6k, KV_QTYPE_Q6_K)
+static void kq_dec_rows256(int type, const uint8_t *w8, size_t rb, int n_rows, const struct kv_q8_act *a, int m0, float *Y) {
+    if (type == KV_QTYPE_Q4_K) kq_dec_rows_q4k(w8, rb, n_rows, a, m0, Y);
+    else if (type == KV_QTYPE_Q5_K) kq_dec_rows_q5k(w8, rb, n_rows, a, m0, Y);
+    else kq_dec_rows_q6k(w8, rb, n_rows, a, m0, Y);
 }
 
 #define TILES256(FN, T)                                                                                   \
@@ -1204,15 +1342,15 @@ AVX2 void kv_q8_dot_avx2(int type, const void *w, size_t rb, int n_rows, const s
     case KV_QTYPE_Q4_0: TILES256(g32_tile256, KV_QTYPE_Q4_0); break;
     case KV_QTYPE_Q4_K:
         if (M > 1) kq_rows_many256(KV_QTYPE_Q4_K, w8, rb, n_rows, a, m0, M, Y, ldy);
-        else for (int r = 0; r < n_rows; r += 8) kq_dec256(KV_QTYPE_Q4_K, w8 + (size_t)r * rb, rb, n_rows - r < 8 ? n_rows - r : 8, a, m0, Y + r, 1);
+        else kq_dec_rows256(KV_QTYPE_Q4_K, w8, rb, n_rows, a, m0, Y);
         break;
     case KV_QTYPE_Q5_K:
         if (M > 1) kq_rows_many256(KV_QTYPE_Q5_K, w8, rb, n_rows, a, m0, M, Y, ldy);
-        else for (int r = 0; r < n_rows; r += 8) kq_dec256(KV_QTYPE_Q5_K, w8 + (size_t)r * rb, rb, n_rows - r < 8 ? n_rows - r : 8, a, m0, Y + r, 1);
+        else kq_dec_rows256(KV_QTYPE_Q5_K, w8, rb, n_rows, a, m0, Y);
         break;
     default:
         if (M > 1) kq_rows_many256(KV_QTYPE_Q6_K, w8, rb, n_rows, a, m0, M, Y, ldy);
-        else for (int r = 0; r < n_rows; r += 8) kq_dec256(KV_QTYPE_Q6_K, w8 + (size_t)r * rb, rb, n_rows - r < 8 ? n_rows - r : 8, a, m0, Y + r, 1);
+        else kq_dec_rows256(KV_QTYPE_Q6_K, w8, rb, n_rows, a, m0, Y);
         break;
     }
 }
