@@ -13,9 +13,11 @@
  * --int8: instead, the integer path of the quantized types (kv_q8_dot_rows over the file's rows,
  * activations quantized by kv_q8_quantize: what decode runs in the default --quant-matmul int8)
  * in ns per weight and GB/s of weights read. --rows N: rows per call (default 64; the CPU matmul's
- * decode tasks are 64 rows at K = 2048 and 16 at K = 5632). --m LIST: the activation row counts
- * of --int8 (default 1,4; at most 512); for M > 4 also "pack", what the CPU matmul ran for such M before the
- * rows path served it: each call's rows repacked (kv_q8_pack) then kv_q8_dot_packed.
+ * decode tasks are 64 rows at K = 2048 and 16 at K = 5632; a multiple of 4 without --int8, whose
+ * panel path writes 4 rows at a time). --m LIST: the activation row counts (default 1,4; up to 16
+ * numbers of 1..512); with --int8 and M > 4 also "pack", what the CPU matmul runs for such M where
+ * the rows path is not preferred (kv_q8_rows_preferred): each call's rows repacked (kv_q8_pack)
+ * then kv_q8_dot_packed.
  *
  *   bench_qdot [--k 4096] [--runs 5] [--ms 100] [--hot] [--types Q8_0,Q4_K,...] [--isa avx512]
  *              [--int8] [--rows 64] [--m 1,4]
@@ -149,26 +151,32 @@ int main(int argc, char **argv) {
             return 2;
         }
     }
-    enum { MAXM = 512 };
-    int ms_list[16] = {1, 4}, n_m = 2;
-    if (m_arg) {
+    enum { MAXM = 512, MAXL = 16 };
+    int ms_list[MAXL] = {1, 4}, n_m = 2;
+    if (m_arg) { /* numbers 1..MAXM separated by single commas, at most MAXL of them */
         n_m = 0;
-        for (const char *q = m_arg; *q && n_m < 16;) {
+        for (const char *q = m_arg;;) {
             char *end;
             long v = strtol(q, &end, 10);
-            if (end == q || v < 1 || v > MAXM || (*end && *end != ',')) {
+            if (end == q || *q < '0' || *q > '9' || v < 1 || v > MAXM || (*end && *end != ',') || n_m == MAXL) {
                 n_m = -1;
                 break;
             }
             ms_list[n_m++] = (int)v;
-            q = *end ? end + 1 : end;
+            if (!*end) break;
+            q = end + 1;
         }
     }
-    if (K <= 0 || K % 256 || runs < 1 || runs > 101 || ms < 1 || GROUP < 1 || GROUP > 4096 || n_m < 1) {
-        fprintf(stderr, "--k must be a positive multiple of 256; --runs 1..101; --ms >= 1; --rows 1..4096; "
-                        "--m: a list of 1..512\n");
+    const size_t stream_bytes = (size_t)320 << 20, hot_bytes = (size_t)512 << 10;
+    if (K <= 0 || K % 256 || runs < 1 || runs > 101 || ms < 1 || GROUP < 1 || GROUP > 4096 || n_m < 1 ||
+        (!int8 && GROUP % 4) || (size_t)GROUP * sizeof(float) * (size_t)K > stream_bytes) {
+        fprintf(stderr, "--k must be a positive multiple of 256 with --rows x 4 x K <= 320 MiB; --runs 1..101; "
+                        "--ms >= 1; --rows 1..4096 (a multiple of 4 without --int8); --m: a list of at most 16 "
+                        "numbers 1..512\n");
         return 2;
     }
+    int max_m = 1;
+    for (int i = 0; i < n_m; i++) max_m = ms_list[i] > max_m ? ms_list[i] : max_m;
     static const int types[] = {KV_QTYPE_F32,  KV_QTYPE_F16,  KV_QTYPE_BF16, KV_QTYPE_Q8_0,
                                 KV_QTYPE_Q4_0, KV_QTYPE_Q4_K, KV_QTYPE_Q5_K, KV_QTYPE_Q6_K};
     enum kv_quant_isa auto_isa = kv_quant_set_isa(KV_QUANT_ISA_AUTO);
@@ -178,15 +186,15 @@ int main(int argc, char **argv) {
            K, GROUP, runs, ms, kv_quant_isa_name(auto_isa));
     printf("%-8s %-6s %2s %-7s %10s %10s %8s %10s %12s %12s\n", "isa", "type", "M", "mode", "fused ns/w", "panel ns/w",
            "gain", "fused GB/s", "grouped ns/w", "grouped GB/s");
-    const size_t stream_bytes = (size_t)320 << 20, hot_bytes = (size_t)512 << 10;
     uint8_t *src = malloc(stream_bytes), *grp = malloc(stream_bytes);
-    float *X = aligned_alloc(64, sizeof(float) * MAXM * (size_t)K), *Y = aligned_alloc(64, sizeof(float) * MAXM * (size_t)GROUP);
+    const size_t nx = (size_t)max_m * (size_t)K, ny = ((size_t)max_m * (size_t)GROUP + 15) / 16 * 16;
+    float *X = aligned_alloc(64, sizeof(float) * nx), *Y = aligned_alloc(64, sizeof(float) * ny);
     float *panel = aligned_alloc(64, sizeof(float) * 4 * (size_t)K);
     if (!src || !grp || !X || !Y || !panel) {
         fprintf(stderr, "out of memory\n");
         return 1;
     }
-    for (int i = 0; i < MAXM * K; i++) X[i] = (float)((int)(rnd() % 2001) - 1000) * 1e-3f;
+    for (size_t i = 0; i < nx; i++) X[i] = (float)((int)(rnd() % 2001) - 1000) * 1e-3f;
     for (int ii = KV_QUANT_ISA_GENERIC; ii <= KV_QUANT_ISA_AVX512; ii++) {
         enum kv_quant_isa isa = (enum kv_quant_isa)ii;
         if (isa_arg && strcmp(isa_arg, kv_quant_isa_name(isa))) continue;
