@@ -429,7 +429,7 @@ AVX512 static ALWAYS void kq_row512(int type, const uint8_t *w, size_t rb, int n
  * asking for the next tile's rows meanwhile, as kq_row512 does). Functions of their own (not
  * inlined into the one-row dispatch: inlined there, the one-row Q4_K decode streamed 20% slower,
  * bench_qdot --int8 stream, Zen 5) */
-#define MANY512(T, VN) many512_##VN(T, w8, rb, n_rows, a, m0, M, Y, ldy)
+#define MANY512(VN) many512_##VN(type, w8, rb, n_rows, a, m0, M, Y, ldy)
 #define MANY512_FN(VN)                                                                                     \
     AVX512 __attribute__((noinline)) static void many512_##VN(int type, const uint8_t *w8, size_t rb, int n_rows, \
                                                               const struct kv_q8_act *a, int m0, int M, float *Y,  \
@@ -454,21 +454,16 @@ AVX512 static ALWAYS void kq_row512(int type, const uint8_t *w, size_t rb, int n
     } while (0)
 
 #define DISPATCH512(VN)                                                                                    \
+    if (M > 1 && type != KV_QTYPE_Q8_0 && type != KV_QTYPE_Q4_0) { /* K-quants, 2+ rows */                  \
+        MANY512(VN);                                                                                      \
+        return;                                                                                           \
+    }                                                                                                     \
     switch (type) {                                                                                       \
     case KV_QTYPE_Q8_0: ROWS_LOOP(g32_row512, KV_QTYPE_Q8_0, VN, 16); break;                               \
     case KV_QTYPE_Q4_0: ROWS_LOOP(g32_row512, KV_QTYPE_Q4_0, VN, 16); break;                               \
-    case KV_QTYPE_Q4_K:                                                                                   \
-        if (M > 1) MANY512(KV_QTYPE_Q4_K, VN);                                                            \
-        else ROWS_LOOP(kq_row512, KV_QTYPE_Q4_K, VN, 16);                                                 \
-        break;                                                                                            \
-    case KV_QTYPE_Q5_K:                                                                                   \
-        if (M > 1) MANY512(KV_QTYPE_Q5_K, VN);                                                            \
-        else ROWS_LOOP(kq_row512, KV_QTYPE_Q5_K, VN, 16);                                                 \
-        break;                                                                                            \
-    default:                                                                                              \
-        if (M > 1) MANY512(KV_QTYPE_Q6_K, VN);                                                            \
-        else ROWS_LOOP(kq_row512, KV_QTYPE_Q6_K, VN, 16);                                                 \
-        break;                                                                                            \
+    case KV_QTYPE_Q4_K: ROWS_LOOP(kq_row512, KV_QTYPE_Q4_K, VN, 16); break;                                \
+    case KV_QTYPE_Q5_K: ROWS_LOOP(kq_row512, KV_QTYPE_Q5_K, VN, 16); break;                                \
+    default: ROWS_LOOP(kq_row512, KV_QTYPE_Q6_K, VN, 16); break;                                           \
     }
 
 MANY512_FN(1)
@@ -1340,17 +1335,9 @@ AVX2 void kv_q8_dot_avx2(int type, const void *w, size_t rb, int n_rows, const s
     switch (type) {
     case KV_QTYPE_Q8_0: TILES256(g32_tile256, KV_QTYPE_Q8_0); break;
     case KV_QTYPE_Q4_0: TILES256(g32_tile256, KV_QTYPE_Q4_0); break;
-    case KV_QTYPE_Q4_K:
-        if (M > 1) kq_rows_many256(KV_QTYPE_Q4_K, w8, rb, n_rows, a, m0, M, Y, ldy);
-        else kq_dec_rows256(KV_QTYPE_Q4_K, w8, rb, n_rows, a, m0, Y);
-        break;
-    case KV_QTYPE_Q5_K:
-        if (M > 1) kq_rows_many256(KV_QTYPE_Q5_K, w8, rb, n_rows, a, m0, M, Y, ldy);
-        else kq_dec_rows256(KV_QTYPE_Q5_K, w8, rb, n_rows, a, m0, Y);
-        break;
-    default:
-        if (M > 1) kq_rows_many256(KV_QTYPE_Q6_K, w8, rb, n_rows, a, m0, M, Y, ldy);
-        else kq_dec_rows256(KV_QTYPE_Q6_K, w8, rb, n_rows, a, m0, Y);
+    default: /* K-quants: each helper picks its type's instantiation */
+        if (M > 1) kq_rows_many256(type, w8, rb, n_rows, a, m0, M, Y, ldy);
+        else kq_dec_rows256(type, w8, rb, n_rows, a, m0, Y);
         break;
     }
 }
