@@ -11,11 +11,19 @@
  * skips the OpenBLAS methods. --cpu-time times with the process's CPU time instead of the wall
  * clock (for tuning kernels on a shared machine: the figure then ignores time the process spent
  * waiting for a core; meaningful with --threads 1, where no pool thread spins).
+ * --peak first measures the kernel family's fused multiply-add peak on one thread (12
+ * independent accumulators, no loads: the most the family's f32 arithmetic can do on this core)
+ * and adds each inv row's share of it per thread (column "peak%"), so "near the peak" is a
+ * measurement, not an estimate.
  *
  *   bench_matmul [--threads 1,2] [--m 1,4,16,64,256] [--hot] [--runs 5] [--shapes 2048x768,...]
- *                [--type f32|f16|bf16] [--inv-only] [--cpu-time]
+ *                [--type f32|f16|bf16] [--inv-only] [--cpu-time] [--peak]
  */
 #include <cblas.h>
+#include <math.h>
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,6 +32,7 @@
 #include "base/base.h"
 #include "bench_util.h"
 #include "backend/cpu/matmul.h"
+#include "quant/qdot.h"
 #include "quant/quant.h"
 
 static int parse_list(const char *s, int *out, int cap) {
@@ -43,6 +52,71 @@ static double now(void) {
     struct timespec ts;
     clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* GFLOP/s of n_iter turns of 12 independent fmas of the kernel family's width (16 floats for
+ * avx512, 8 for avx2, 1 for generic), timed with now(); the sums are printed into sink so the
+ * compiler keeps them. */
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx512f"))) static double peak512(long n_iter, float *sink) {
+    __m512 a[12], x = _mm512_set1_ps(0.999f), y = _mm512_set1_ps(1e-4f);
+    for (int i = 0; i < 12; i++) a[i] = _mm512_set1_ps(0.001f * (float)i);
+    double t0 = now();
+    for (long n = 0; n < n_iter; n++) {
+#pragma GCC unroll 12
+        for (int i = 0; i < 12; i++) a[i] = _mm512_fmadd_ps(a[i], x, y);
+        __asm__("" : "+v"(x)); /* x opaque: the loop is not folded */
+    }
+    double dt = now() - t0;
+    for (int i = 0; i < 12; i++) *sink += _mm512_reduce_add_ps(a[i]);
+    return (double)n_iter * 12 * 32 / dt * 1e-9;
+}
+__attribute__((target("avx2,fma"))) static double peak256(long n_iter, float *sink) {
+    __m256 a[12], x = _mm256_set1_ps(0.999f), y = _mm256_set1_ps(1e-4f);
+    for (int i = 0; i < 12; i++) a[i] = _mm256_set1_ps(0.001f * (float)i);
+    double t0 = now();
+    for (long n = 0; n < n_iter; n++) {
+#pragma GCC unroll 12
+        for (int i = 0; i < 12; i++) a[i] = _mm256_fmadd_ps(a[i], x, y);
+        __asm__("" : "+x"(x));
+    }
+    double dt = now() - t0;
+    float t[8];
+    for (int i = 0; i < 12; i++) {
+        _mm256_storeu_ps(t, a[i]);
+        *sink += t[0];
+    }
+    return (double)n_iter * 12 * 16 / dt * 1e-9;
+}
+#endif
+static double peak_generic(long n_iter, float *sink) {
+    volatile float x = 0.999f;
+    float a[12];
+    for (int i = 0; i < 12; i++) a[i] = 0.001f * (float)i;
+    double t0 = now();
+    for (long n = 0; n < n_iter; n++)
+#pragma GCC unroll 12
+        for (int i = 0; i < 12; i++) a[i] = fmaf(a[i], x, 1e-4f);
+    double dt = now() - t0;
+    for (int i = 0; i < 12; i++) *sink += a[i];
+    return (double)n_iter * 12 * 2 / dt * 1e-9;
+}
+/* The best of 5 runs of ~0.1 s: the family's fma peak on this thread, GFLOP/s. */
+static double fma_peak(const char *isa) {
+    double best = 0;
+    float sink = 0;
+    for (int r = 0; r < 5; r++) {
+        double g;
+#if defined(__x86_64__) && defined(__GNUC__)
+        if (!strcmp(isa, "avx512")) g = peak512(10000000, &sink);
+        else if (!strcmp(isa, "avx2")) g = peak256(10000000, &sink);
+        else
+#endif
+            g = peak_generic(4000000, &sink);
+        if (g > best) best = g;
+    }
+    if (sink == 12345.0f) printf("#\n"); /* keeps the sums */
+    return best;
 }
 
 enum method { M_INV, M_BLAS, M_TILE16 };
@@ -77,7 +151,8 @@ static void run_once(struct ctx *c, enum method m) {
 }
 
 int main(int argc, char **argv) {
-    int threads[4] = {1, 2}, n_threads = 2, Ms[16] = {1, 4, 16, 64, 256}, n_m = 5, runs = 5, hot = 0, inv_only = 0;
+    int threads[4] = {1, 2}, n_threads = 2, Ms[16] = {1, 4, 16, 64, 256}, n_m = 5, runs = 5, hot = 0, inv_only = 0,
+        peak = 0;
     int shapes[16][2] = {{2048, 768}, {768, 768}, {768, 2048}, {32000, 768}}, n_shapes = 4; /* N x K */
     int wtype = KV_QTYPE_F32;
     for (int i = 1; i < argc; i++) {
@@ -87,6 +162,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--hot")) hot = 1;
         else if (!strcmp(argv[i], "--inv-only")) inv_only = 1;
         else if (!strcmp(argv[i], "--cpu-time")) cpu_time = 1;
+        else if (!strcmp(argv[i], "--peak")) peak = 1;
         else if (!strcmp(argv[i], "--type") && i + 1 < argc) {
             const char *t = argv[++i];
             wtype = !strcmp(t, "f32") ? KV_QTYPE_F32 : !strcmp(t, "f16") ? KV_QTYPE_F16 : !strcmp(t, "bf16") ? KV_QTYPE_BF16 : -1;
@@ -110,7 +186,7 @@ int main(int argc, char **argv) {
         }
         else {
             fprintf(stderr, "usage: bench_matmul [--threads 1,2] [--m 1,4,16,64,256] [--hot] [--runs 5] "
-                            "[--shapes NxK,...] [--type f32|f16|bf16] [--inv-only] [--cpu-time]\n");
+                            "[--shapes NxK,...] [--type f32|f16|bf16] [--inv-only] [--cpu-time] [--peak]\n");
             return 2;
         }
     }
@@ -123,8 +199,14 @@ int main(int argc, char **argv) {
     printf("# openblas core %s (OPENBLAS_CORETYPE=%s), kernel isa %s, weights %s %s, median of %d runs, %s\n",
            openblas_get_corename(), ct ? ct : "unset", kv_matmul_isa_name(), kv_qtype_name(wtype),
            hot ? "hot (one copy)" : "cold (copies > 64 MiB cycled)", runs, cpu_time ? "process CPU time" : "wall clock");
-    printf("%-7s %5s %5s %4s %3s | %9s %9s %9s | %6s %6s\n", "method", "N", "K", "M", "thr", "GFLOP/s", "ms/call",
-           "GB/s(W)", "vsblas", "vstile");
+    double pk = 0;
+    if (peak) {
+        pk = fma_peak(kv_matmul_isa_name());
+        printf("# fma peak of the %s family, one thread: %.1f GFLOP/s (%s)\n", kv_matmul_isa_name(), pk,
+               cpu_time ? "process CPU time" : "wall clock");
+    }
+    printf("%-7s %5s %5s %4s %3s | %9s %9s %9s | %6s %6s%s\n", "method", "N", "K", "M", "thr", "GFLOP/s", "ms/call",
+           "GB/s(W)", "vsblas", "vstile", peak ? " | peak%" : "");
     srand(1);
     for (int s = 0; s < n_shapes; s++) {
         int N = shapes[s][0], K = shapes[s][1];
@@ -151,7 +233,15 @@ int main(int argc, char **argv) {
                     memcpy(&u, &f, 4);
                     h[k] = wtype == KV_QTYPE_F16 ? kv_f32_to_f16(f) : (uint16_t)(u >> 16);
                 }
-                c.Wm[i] = (struct kv_wmat){c.W[i], wtype, N, K, kv_qtype_row_bytes(wtype, K), NULL};
+                size_t rb = kv_qtype_row_bytes(wtype, K);
+                c.Wm[i] = (struct kv_wmat){c.W[i], wtype, N, K, rb, NULL};
+                /* the CPU backend's layout: 16-bit rows grouped at load (qdot.h), in the f32
+                 * buffer's second half */
+                if (kv_fgroup_ok(wtype, K)) {
+                    char *g = (char *)c.W[i] + (size_t)N * rb;
+                    kv_fgroup_pack(wtype, c.W[i], rb, N, K, g);
+                    c.Wm[i].panel = g;
+                }
             }
         }
         for (size_t k = 0; k < (size_t)maxM * K; k++) c.X[k] = (float)rand() / RAND_MAX - 0.5f;
@@ -179,7 +269,9 @@ int main(int argc, char **argv) {
                     gf[meth] = 2.0 * c.M * N * K / med * 1e-9;
                     printf("%-7s %5d %5d %4d %3d | %9.2f %9.4f %9.2f |", method_name[meth], N, K, c.M, threads[ti],
                            gf[meth], med * 1e3, wbytes / med * 1e-9);
-                    if (meth == M_INV) printf("\n");
+                    if (meth == M_INV && peak)
+                        printf(" %6s %6s | %5.1f\n", "", "", 100.0 * gf[meth] / threads[ti] / pk);
+                    else if (meth == M_INV) printf("\n");
                     else if (meth == M_BLAS) printf(" %6.2f\n", gf[M_INV] / gf[M_BLAS]);
                     else printf(" %6.2f %6.2f\n", gf[M_INV] / gf[M_BLAS], gf[M_INV] / gf[M_TILE16]);
                 }

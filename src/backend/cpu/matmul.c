@@ -307,6 +307,124 @@ static T256 void cols_avx2(const struct cols_args *a) {
     }
 }
 
+/* ---- AVX-512: F16/BF16 rows in the grouped layout, widened in registers ----
+ * A step of a few sequences (DECODE_ROWS < M <= HTILE_MAX_M) used to widen each task's 16-bit
+ * rows into an f32 panel (kv_fgroup_rows) and run tile512 over it, a cost amortised over only
+ * M rows. These tiles read the grouped layout (qdot.h: rows in groups of KV_FGROUP_ROWS = 4,
+ * interleaved in 64-byte chunks, so row i of a full group has chunk c at i * 64 + c * 256
+ * bytes from its group's start), widen each W vector as they load it, exactly (vcvtph2ps;
+ * bf16: the bits shifted up 16), and do tile512's fmas in tile512's order on the same packed
+ * X: the same bits as the panel path (test_matmul). One chunk holds two 16-float steps, so
+ * the K blocks here end on even steps (hk_bound); the blocking changes no bit. Only for
+ * matrices whose every group is full (rows % 4 == 0: every Llama/Qwen shape). */
+#define HCHUNK 256 /* bytes from a row's chunk to its next in a full group: 4 rows x 64 */
+
+/* Bounds of K block b of nkb over K16 floats, on a chunk (32-float) boundary. */
+static inline int hk_bound(int K16, int nkb, int b) { return (int)((long)(K16 / 32) * b / nkb) * 32; }
+
+/* Byte address of element k (a multiple of 16) of row n of a grouped matrix at g (rows n in
+ * full groups), rb bytes a row. */
+static inline const uint8_t *hrow_at(const uint8_t *g, size_t rb, int n, int k) {
+    return g + (size_t)(n & ~3) * rb + (size_t)(n & 3) * 64 + (size_t)(k / 32) * HCHUNK + (size_t)(k % 32) * 2;
+}
+
+/* AVX-512: 16 consecutive 16-bit weights at p widened to f32 */
+AI T512 __m512 h16_512(const uint8_t *p, const int bf) {
+    __m256i v = _mm256_loadu_si256((const __m256i *)p);
+    if (bf) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+    return _mm512_cvtph_ps(v);
+}
+
+/* One R x C tile over `chunks` chunks (2 steps each) of the grouped rows Wr[c]; buf: the
+ * tile's R*C*16 saved lanes (tile512's scheme). */
+AI T512 void htile512(const float *Xt, const uint8_t *const *Wr, int chunks, float *buf, int first, int last,
+                      const float *bias, float *Y, size_t ldy, const int R, const int C, const int bf) {
+    __m512 acc[R512 * C512];
+    _Pragma("GCC unroll 24") for (int i = 0; i < R * C; i++)
+        acc[i] = first ? _mm512_setzero_ps() : _mm512_load_ps(buf + 16 * i);
+    const float *X = Xt;
+    const uint8_t *wp[C512];
+    _Pragma("GCC unroll 3") for (int c = 0; c < C; c++) wp[c] = Wr[c];
+    for (int ch = 0; ch < chunks; ch++) {
+        _Pragma("GCC unroll 2") for (int j = 0; j < 2; j++, X += R * 16) {
+            __m512 w[C512];
+            _Pragma("GCC unroll 3") for (int c = 0; c < C; c++) w[c] = h16_512(wp[c] + 32 * j, bf);
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {
+                __m512 x = _mm512_loadu_ps(X + r * 16);
+                __asm__("" : "+v"(x)); /* one load per X vector (tile512) */
+                _Pragma("GCC unroll 3") for (int c = 0; c < C; c++) acc[r * C + c] = _mm512_fmadd_ps(x, w[c], acc[r * C + c]);
+            }
+        }
+        _Pragma("GCC unroll 3") for (int c = 0; c < C; c++) wp[c] += HCHUNK;
+    }
+    if (!last) {
+        _Pragma("GCC unroll 24") for (int i = 0; i < R * C; i++) _mm512_store_ps(buf + 16 * i, acc[i]);
+        return;
+    }
+    float s[R512 * C512];
+    kv_tree16_512(acc, R * C < 16 ? R * C : 16, s);
+    if (R * C > 16) kv_tree16_512(acc + 16, R * C - 16, s + 16);
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)
+        _Pragma("GCC unroll 3") for (int c = 0; c < C; c++) Y[r * ldy + c] = bias ? s[r * C + c] + bias[c] : s[r * C + c];
+}
+
+/* ROWS_FN's loop nest for the grouped tiles: R X rows from row m against the task's columns
+ * (rows n0.. of the grouped matrix at g), every K block. */
+AI T512 void hrows512(const struct cols_args *a, const uint8_t *g, int m, float *buf, const int R, const int bf) {
+    const struct kv_matmul_op *op = a->op;
+    const size_t K = (size_t)op->W->cols, N = (size_t)op->W->rows, rb = op->W->row_bytes;
+    const int K16 = (int)K, nkb = k_blocks(K16), n0 = a->n0, n1 = a->n1; /* kv_fgroup_ok: K % 32 == 0 */
+    const float *b = op->bias;
+    float *y = op->Y + m * N;
+    for (int kb = 0; kb < nkb; kb++) {
+        int k0 = hk_bound(K16, nkb, kb), k1 = hk_bound(K16, nkb, kb + 1), first = kb == 0, last = kb == nkb - 1;
+        const float *Xt = a->Xp + (size_t)m * K16 + (size_t)(k0 / 16) * R * 16;
+        float *tb = buf;
+        for (int n = n0; n < n1; n += C512, tb += 16 * R512 * C512) {
+            const uint8_t *wr[C512];
+            for (int c = 0; c < C512; c++) wr[c] = hrow_at(g, rb, n + c < n1 ? n + c : n, k0);
+            const float *bn = b ? b + n : NULL;
+            if (n1 - n >= C512) htile512(Xt, wr, (k1 - k0) / 32, tb, first, last, bn, y + n, N, R, C512, bf);
+            else if (n1 - n == 2) htile512(Xt, wr, (k1 - k0) / 32, tb, first, last, bn, y + n, N, R, 2, bf);
+            else htile512(Xt, wr, (k1 - k0) / 32, tb, first, last, bn, y + n, N, R, 1, bf);
+        }
+    }
+}
+
+/* All M rows of the task a against its grouped F16 (bf = 0) / BF16 (bf = 1) rows at g (the
+ * matrix's grouped panel; a->Xp packed for R512 rows a tile, as for tile512). */
+#define HCASE(k) \
+    case k: hrows512(a, g, m, buf, k, bf); break;
+AI T512 void hcols512(const struct cols_args *a, const uint8_t *g, const int bf) {
+    const struct kv_matmul_op *op = a->op;
+    float *buf = thread_sums((size_t)16 * R512 * C512 * ((a->n1 - a->n0) / C512 + 1));
+    int m = 0;
+    for (; m + R512 <= op->M; m += R512) hrows512(a, g, m, buf, R512, bf);
+    switch (op->M - m) {
+        HCASE(7) HCASE(6) HCASE(5) HCASE(4) HCASE(3) HCASE(2) HCASE(1)
+    default: break;
+    }
+}
+#undef HCASE
+static T512 void hcols512_f16(const struct cols_args *a, const uint8_t *g) { hcols512(a, g, 0); }
+static T512 void hcols512_bf16(const struct cols_args *a, const uint8_t *g) { hcols512(a, g, 1); }
+
+/* Most rows for which the grouped tiles beat widening the task's rows into an f32 panel once
+ * (kv_fgroup_rows + tile512): each W vector is widened once per 8 X rows here. Zen 5,
+ * bench_matmul --type f16 --cpu-time, five alternated pairs, grouped / panel GFLOP/s:
+ * M = 8: 1.23 (2048 x 2048), 1.34 (K = 5632); 16: 1.15, 1.23; 24-48: 0.98-1.06; 64: 0.97,
+ * 1.02; 512: 0.92, 0.97. The AVX2 family keeps the panel: its grouped tiles (4 x 3, and 6 x 2
+ * per 8-lane half) ran 0.83-0.98x the panel at every M from 8 to 512 (vcvtph2ps ymm costs
+ * about an fma slot on Zen 5, and a W vector serves only 4-6 fmas there). */
+#define HTILE_MAX_M 32
+
+typedef void (*hcols_fn)(const struct cols_args *a, const uint8_t *g);
+/* The grouped tiles for an op of M rows of this type on family fn, or NULL (the panel). */
+static hcols_fn hcols_for(cols_fn fn, int type, int M) {
+    if (fn != cols_avx512 || M > HTILE_MAX_M) return NULL;
+    return type == KV_QTYPE_F16 ? hcols512_f16 : type == KV_QTYPE_BF16 ? hcols512_bf16 : NULL;
+}
+
 /* Packs rows [0, M) of X (K floats apart) in the layout above for tiles of R rows: M * K16
  * floats at Xp. */
 static void pack_x(const float *X, int M, int K, int R, float *Xp) {
@@ -483,6 +601,9 @@ struct plan {
     cols_fn fn;
     const struct kv_q8_act *q8[MAX_BATCH]; /* op i's quantized activations (integer path), or NULL */
     const float *xp[MAX_BATCH]; /* op i's X packed for an x86 family's float tiles (pack_x), or NULL */
+#ifdef KV_MATMUL_X86
+    hcols_fn hf[MAX_BATCH]; /* op i's grouped 16-bit tiles (reading xp[i]), or NULL */
+#endif
     /* BF16 mode (matmul_bf16.h): op i's BF16 weights take the bf16 tiles (bf[i]), with X packed
      * for family bff at bxp[i] (NULL for the generic family) */
     bool bf[MAX_BATCH];
@@ -556,6 +677,14 @@ static void plan_task(void *p, int t, int th) {
         add_bias(op, n0, n1);
         return;
     }
+#ifdef KV_MATMUL_X86
+    /* F16/BF16 grouped rows: widened in registers by the grouped tiles (every group full) */
+    if (pl->hf[i]) {
+        struct cols_args ca = {op, pl->xp[i], NULL, K, n0, n1};
+        pl->hf[i](&ca, (const uint8_t *)W->panel);
+        return;
+    }
+#endif
     /* the task's rows dequantized to f32 */
     float *pn = thread_buf(BUF_PANEL, (size_t)(n1 - n0) * (K ? K : 1) * sizeof(float));
     if (!pn) abort(); /* about block_bytes() per thread: out of memory here is fatal */
@@ -783,7 +912,8 @@ static void plan_bf16(struct plan *pl) {
 }
 
 /* Packs the X of every op that runs on an x86 family's float tiles (M > DECODE_ROWS, not the
- * integer path) once, in the caller's buffer; ops with the same X share it. */
+ * integer path) once, in the caller's buffer; ops with the same X share it. Marks the ops whose
+ * 16-bit grouped rows take the grouped tiles (pl->hf; same packing). */
 static void plan_xpack(struct plan *pl) {
 #ifdef KV_MATMUL_X86
     int R = pl->fn == cols_avx512 ? R512 : pl->fn == cols_avx2 ? R256 : 0;
@@ -792,9 +922,13 @@ static void plan_xpack(struct plan *pl) {
     int src[MAX_BATCH];
     for (int i = 0; i < pl->n_ops; i++) {
         const struct kv_matmul_op *op = &pl->ops[i];
-        bool take = !pl->q8[i] && !pl->bf[i] && op->M > DECODE_ROWS && op->W->cols >= 0 && op->W->rows >= 1;
+        const struct kv_wmat *W = op->W;
+        bool take = !pl->q8[i] && !pl->bf[i] && op->M > DECODE_ROWS && W->cols >= 0 && W->rows >= 1;
+        /* F16/BF16 grouped at load, every group full */
+        bool grouped = W->panel && kv_fgroup_ok(W->type, W->cols) && W->rows % KV_FGROUP_ROWS == 0;
+        pl->hf[i] = take && grouped ? hcols_for(pl->fn, W->type, op->M) : NULL;
         /* + 16 floats: a K < 16 op still gets a (never read) buffer */
-        need[i] = take ? ((size_t)op->M * (size_t)(op->W->cols - op->W->cols % 16) + 16) * sizeof(float) : 0;
+        need[i] = take ? ((size_t)op->M * (size_t)(W->cols - W->cols % 16) + 16) * sizeof(float) : 0;
     }
     size_t total = share_x(pl, need, src, off);
     if (!total) return;

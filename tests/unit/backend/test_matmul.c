@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "backend/cpu/matmul.h"
+#include "quant/qdot.h"
 #include "quant/quant.h"
 
 static uint64_t g_rng = 88172645463325252ull;
@@ -198,12 +199,67 @@ static void test_isas_identical_f16_panel(void **st) {
     kv_threadpool_free(tp);
 }
 
+/* Weights stored as F16 / BF16 in the CPU backend's grouped layout (qdot.h: what the backend
+ * repacks them into at load): M <= 4 runs the grouped decode tiles, 5..32 rows on AVX-512 the
+ * grouped tiles that widen the weights in registers, the rest (and N % 4 != 0) the f32 panel.
+ * M from 1 to 23 and a few larger, K of 1, 2 and 3 K blocks (K 1056: 33 chunks, blocks of an
+ * odd chunk count), N a multiple of 4 or not, with and without bias, one and two threads:
+ * every ISA gives the bits of the reference on the widened weights. */
+static void test_isas_identical_grouped(void **st) {
+    (void)st;
+    kv_matmul_set_bf16(KV_MATMUL_BF16_F32);
+    kv_threadpool_t *tp = kv_threadpool_new(2);
+    static const int shapes[][2] = {/* N, K */ {52, 1056}, {30, 2048}, {20, 64}, {9, 96}};
+    static const int Ms[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 19, 21, 22, 23, 33, 35, 70};
+    enum kv_matmul_isa isas[] = {KV_MATMUL_ISA_GENERIC, KV_MATMUL_ISA_AVX2, KV_MATMUL_ISA_AVX512};
+    int tested = 0;
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        int N = shapes[si][0], K = shapes[si][1], Mmax = 70;
+        float *X = rnd_buf((size_t)Mmax * K), *Wf = rnd_buf((size_t)N * K), *b = si % 2 ? NULL : rnd_buf((size_t)N);
+        float *ref = malloc((size_t)Mmax * N * sizeof(float)), *Y = malloc((size_t)Mmax * N * sizeof(float));
+        uint16_t *h = malloc((size_t)N * K * sizeof(uint16_t)), *g = malloc((size_t)N * K * sizeof(uint16_t));
+        for (int type = 0; type < 2; type++) {
+            for (size_t i = 0; i < (size_t)N * K; i++) {
+                uint32_t u;
+                memcpy(&u, &Wf[i], 4);
+                h[i] = type == 0 ? kv_f32_to_f16(Wf[i]) : (uint16_t)(u >> 16);
+                Wf[i] = type == 0 ? kv_f16_to_f32(h[i]) : kv_bf16_to_f32(h[i]);
+            }
+            int qt = type == 0 ? KV_QTYPE_F16 : KV_QTYPE_BF16;
+            size_t rb = kv_qtype_row_bytes(qt, K);
+            assert_true(kv_fgroup_ok(qt, K));
+            kv_fgroup_pack(qt, h, rb, N, K, g);
+            struct kv_wmat w = {h, qt, N, K, rb, g};
+            kv_matmul_reference(X, Mmax, K, Wf, N, b, ref);
+            for (int i = 0; i < 3; i++) {
+                if (kv_matmul_set_isa(isas[i]) != isas[i]) continue;
+                for (size_t mi = 0; mi < sizeof Ms / sizeof Ms[0]; mi++)
+                    for (int pool = 0; pool < 2; pool++) {
+                        int M = Ms[mi];
+                        memset(Y, 0, (size_t)M * N * sizeof(float));
+                        kv_matmul_w(X, M, &w, b, Y, pool ? tp : NULL);
+                        if (memcmp(Y, ref, (size_t)M * N * sizeof(float)))
+                            fail_msg("%s grouped, ISA %s, M %d N %d K %d, pool %d: differs from the reference",
+                                     type == 0 ? "F16" : "BF16", kv_matmul_isa_name(), M, N, K, pool);
+                    }
+                tested++;
+            }
+        }
+        free(X), free(Wf), free(b), free(ref), free(Y), free(h), free(g);
+    }
+    kv_matmul_set_isa(KV_MATMUL_ISA_AUTO);
+    kv_matmul_set_bf16(KV_MATMUL_BF16_AUTO);
+    assert_true(tested >= 8);
+    kv_threadpool_free(tp);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_rows_equal_alone),
         cmocka_unit_test(test_batch_equals_single),
         cmocka_unit_test(test_isas_identical),
         cmocka_unit_test(test_isas_identical_f16_panel),
+        cmocka_unit_test(test_isas_identical_grouped),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
