@@ -416,7 +416,9 @@ static T512 void hcols512_bf16(const struct cols_args *a, const uint8_t *g) { hc
  * 1.02; 512: 0.92, 0.97. The AVX2 family keeps the panel: its grouped tiles (4 x 3, and 6 x 2
  * per 8-lane half) ran 0.83-0.98x the panel at every M from 8 to 512 (vcvtph2ps ymm costs
  * about an fma slot on Zen 5, and a W vector serves only 4-6 fmas there). */
+#ifndef HTILE_MAX_M /* -DHTILE_MAX_M=0 builds the panel-only variant, for A/B runs */
 #define HTILE_MAX_M 32
+#endif
 
 typedef void (*hcols_fn)(const struct cols_args *a, const uint8_t *g);
 /* The grouped tiles for an op of M rows of this type on family fn, or NULL (the panel). */
