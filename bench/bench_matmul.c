@@ -14,7 +14,8 @@
  * --peak first measures the kernel family's fused multiply-add peak on one thread (12
  * independent accumulators, no loads: the most the family's f32 arithmetic can do on this core)
  * and adds each inv row's share of it per thread (column "peak%"), so "near the peak" is a
- * measurement, not an estimate.
+ * measurement, not an estimate (not for BF16 weights in the bf16 mode, whose dpbf16ps does two
+ * products a lane). GB/s(W) counts the stored weight bytes (2 a weight for f16/bf16).
  *
  *   bench_matmul [--threads 1,2] [--m 1,4,16,64,256] [--hot] [--runs 5] [--shapes 2048x768,...]
  *                [--type f32|f16|bf16] [--inv-only] [--cpu-time] [--peak]
@@ -35,15 +36,22 @@
 #include "quant/qdot.h"
 #include "quant/quant.h"
 
-static int parse_list(const char *s, int *out, int cap) {
+/* Parses a comma-separated list of integers in [lo, hi] into out (at most cap): the count, or
+ * -1 (message printed) for an empty list, a value out of range, trailing junk or too many. */
+static int parse_list(const char *opt, const char *s, int *out, int cap, long lo, long hi) {
     int n = 0;
-    while (*s && n < cap) {
-        out[n++] = atoi(s);
-        const char *c = strchr(s, ',');
-        if (!c) break;
-        s = c + 1;
+    for (;;) {
+        char *end;
+        long v = strtol(s, &end, 10);
+        if (end == s || (*end && *end != ',') || v < lo || v > hi || n == cap) {
+            fprintf(stderr, "bench_matmul: %s: expected up to %d comma-separated integers in [%ld, %ld]\n", opt, cap,
+                    lo, hi);
+            return -1;
+        }
+        out[n++] = (int)v;
+        if (!*end) return n;
+        s = end + 1;
     }
-    return n;
 }
 
 static int cpu_time; /* --cpu-time */
@@ -101,11 +109,11 @@ static double peak_generic(long n_iter, float *sink) {
     for (int i = 0; i < 12; i++) *sink += a[i];
     return (double)n_iter * 12 * 2 / dt * 1e-9;
 }
-/* The best of 5 runs of ~0.1 s: the family's fma peak on this thread, GFLOP/s. */
+/* The best of 10 runs of ~0.1 s: the family's fma peak on this thread, GFLOP/s. */
 static double fma_peak(const char *isa) {
     double best = 0;
     float sink = 0;
-    for (int r = 0; r < 5; r++) {
+    for (int r = 0; r < 10; r++) {
         double g;
 #if defined(__x86_64__) && defined(__GNUC__)
         if (!strcmp(isa, "avx512")) g = peak512(10000000, &sink);
@@ -156,10 +164,15 @@ int main(int argc, char **argv) {
     int shapes[16][2] = {{2048, 768}, {768, 768}, {768, 2048}, {32000, 768}}, n_shapes = 4; /* N x K */
     int wtype = KV_QTYPE_F32;
     for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--threads") && i + 1 < argc) n_threads = parse_list(argv[++i], threads, 4);
-        else if (!strcmp(argv[i], "--m") && i + 1 < argc) n_m = parse_list(argv[++i], Ms, 16);
-        else if (!strcmp(argv[i], "--runs") && i + 1 < argc) runs = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--hot")) hot = 1;
+        if (!strcmp(argv[i], "--threads") && i + 1 < argc) {
+            if ((n_threads = parse_list("--threads", argv[++i], threads, 4, 1, 256)) < 0) return 2;
+        } else if (!strcmp(argv[i], "--m") && i + 1 < argc) {
+            if ((n_m = parse_list("--m", argv[++i], Ms, 16, 1, 65536)) < 0) return 2;
+        } else if (!strcmp(argv[i], "--runs") && i + 1 < argc) {
+            int r[1];
+            if (parse_list("--runs", argv[++i], r, 1, 1, 64) < 0) return 2;
+            runs = r[0];
+        } else if (!strcmp(argv[i], "--hot")) hot = 1;
         else if (!strcmp(argv[i], "--inv-only")) inv_only = 1;
         else if (!strcmp(argv[i], "--cpu-time")) cpu_time = 1;
         else if (!strcmp(argv[i], "--peak")) peak = 1;
@@ -172,16 +185,17 @@ int main(int argc, char **argv) {
             }
         } else if (!strcmp(argv[i], "--shapes") && i + 1 < argc) {
             n_shapes = 0;
-            for (const char *p = argv[++i]; *p && n_shapes < 16;) {
-                if (sscanf(p, "%dx%d", &shapes[n_shapes][0], &shapes[n_shapes][1]) != 2 || shapes[n_shapes][0] < 1 ||
-                    shapes[n_shapes][1] < 1) {
-                    fprintf(stderr, "bench_matmul: --shapes: expected NxK,... (e.g. 2048x768)\n");
+            for (const char *p = argv[++i];;) {
+                char *e1, *e2;
+                long n = strtol(p, &e1, 10), k = *e1 == 'x' ? strtol(e1 + 1, &e2, 10) : 0;
+                if (*e1 != 'x' || e2 == e1 + 1 || (*e2 && *e2 != ',') || n < 1 || k < 1 || n > 1 << 20 || k > 1 << 20 ||
+                    n_shapes == 16) {
+                    fprintf(stderr, "bench_matmul: --shapes: expected up to 16 NxK,... (e.g. 2048x768)\n");
                     return 2;
                 }
-                n_shapes++;
-                p = strchr(p, ',');
-                if (!p) break;
-                p++;
+                shapes[n_shapes][0] = (int)n, shapes[n_shapes][1] = (int)k, n_shapes++;
+                if (!*e2) break;
+                p = e2 + 1;
             }
         }
         else {
@@ -190,20 +204,23 @@ int main(int argc, char **argv) {
             return 2;
         }
     }
-    if (runs < 1 || runs > 64) runs = 5;
     if (wtype != KV_QTYPE_F32) inv_only = 1; /* OpenBLAS takes f32 only */
     int maxM = 0;
     for (int i = 0; i < n_m; i++) maxM = Ms[i] > maxM ? Ms[i] : maxM;
-    if (maxM < 1) return 2;
     const char *ct = getenv("OPENBLAS_CORETYPE");
     printf("# openblas core %s (OPENBLAS_CORETYPE=%s), kernel isa %s, weights %s %s, median of %d runs, %s\n",
            openblas_get_corename(), ct ? ct : "unset", kv_matmul_isa_name(), kv_qtype_name(wtype),
            hot ? "hot (one copy)" : "cold (copies > 64 MiB cycled)", runs, cpu_time ? "process CPU time" : "wall clock");
     double pk = 0;
-    if (peak) {
+    if (peak && wtype == KV_QTYPE_BF16 && kv_matmul_get_bf16() == KV_MATMUL_BF16_BF16) {
+        /* dpbf16ps does two products a lane: the f32 fma peak is not this kernel's ceiling */
+        printf("# no peak%%: BF16 weights run the bf16 kernels (KVSERVE_CPU_BF16_MATMUL=f32 for the f32 ones)\n");
+        peak = 0;
+    } else if (peak) {
         pk = fma_peak(kv_matmul_isa_name());
-        printf("# fma peak of the %s family, one thread: %.1f GFLOP/s (%s)\n", kv_matmul_isa_name(), pk,
-               cpu_time ? "process CPU time" : "wall clock");
+        printf("# fma peak of the %s family, one thread: %.1f GFLOP/s (%s; the best of 10 runs: a busy sibling "
+               "hyperthread or a throttled core lowers it, so compare peak%% within one run)\n",
+               kv_matmul_isa_name(), pk, cpu_time ? "process CPU time" : "wall clock");
     }
     printf("%-7s %5s %5s %4s %3s | %9s %9s %9s | %6s %6s%s\n", "method", "N", "K", "M", "thr", "GFLOP/s", "ms/call",
            "GB/s(W)", "vsblas", "vstile", peak ? " | peak%" : "");
@@ -268,7 +285,7 @@ int main(int argc, char **argv) {
                     double med = t[runs / 2];
                     gf[meth] = 2.0 * c.M * N * K / med * 1e-9;
                     printf("%-7s %5d %5d %4d %3d | %9.2f %9.4f %9.2f |", method_name[meth], N, K, c.M, threads[ti],
-                           gf[meth], med * 1e3, wbytes / med * 1e-9);
+                           gf[meth], med * 1e3, (double)N * kv_qtype_row_bytes(wtype, K) / med * 1e-9);
                     if (meth == M_INV && peak)
                         printf(" %6s %6s | %5.1f\n", "", "", 100.0 * gf[meth] / threads[ti] / pk);
                     else if (meth == M_INV) printf("\n");

@@ -125,7 +125,9 @@ static float *thread_sums(size_t n) {
  * (Packing W per task in groups of C rows as well measured no better, 0-10% worse: not done.)
  * Both the packed X and the task's W panel sit on 2 MiB pages (thread_buf); on 4 KiB pages the
  * packed tiles gained less than half as much (nested page walks on the VM measured). */
+#ifndef KC_STEPS
 #define KC_STEPS 48 /* K block of at most 48 x 16 floats: an 8-row X tile of 24 KiB stays in L1 */
+#endif
 
 /* Number of K blocks and the bounds of block b (in floats; multiples of 16 below K16). */
 static inline int k_blocks(int K16) {
