@@ -169,6 +169,18 @@ AI void tile_at(const struct cols_args *a, int m, int R, int n, int k0, struct t
 #define R512 8 /* X rows per tile */
 #define C512 3 /* W rows per tile: 24 accumulators + 3 W + 1 X of the 32 zmm */
 
+/* The end of a tile's K block (tile512, htile512): the n = R*C accumulators saved to buf
+ * (not the last block: returns false), or their trees into s (the last: returns true). */
+AI T512 bool end512(const __m512 *acc, float *buf, int last, const int n, float *s) {
+    if (!last) {
+        _Pragma("GCC unroll 24") for (int i = 0; i < n; i++) _mm512_store_ps(buf + 16 * i, acc[i]);
+        return false;
+    }
+    kv_tree16_512(acc, n < 16 ? n : 16, s);
+    if (n > 16) kv_tree16_512(acc + 16, n - 16, s + 16);
+    return true;
+}
+
 /* One R x C tile over a K block of `steps` steps of 16: see the loop nest above. buf: the
  * tile's R*C*16 saved lanes. */
 AI T512 void tile512(const struct tile_src *src, int steps, float *buf, int first, int last, int K, const float *bias,
@@ -188,13 +200,8 @@ AI T512 void tile512(const struct tile_src *src, int steps, float *buf, int firs
             _Pragma("GCC unroll 3") for (int c = 0; c < C; c++) acc[r * C + c] = _mm512_fmadd_ps(x, w[c], acc[r * C + c]);
         }
     }
-    if (!last) {
-        _Pragma("GCC unroll 24") for (int i = 0; i < R * C; i++) _mm512_store_ps(buf + 16 * i, acc[i]);
-        return;
-    }
     float s[R512 * C512];
-    kv_tree16_512(acc, R * C < 16 ? R * C : 16, s);
-    if (R * C > 16) kv_tree16_512(acc + 16, R * C - 16, s + 16);
+    if (!end512(acc, buf, last, R * C, s)) return;
     int nt = K % 16;
     _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)
         _Pragma("GCC unroll 3") for (int c = 0; c < C; c++)
@@ -359,13 +366,8 @@ AI T512 void htile512(const float *Xt, const uint8_t *const *Wr, int chunks, flo
         }
         _Pragma("GCC unroll 3") for (int c = 0; c < C; c++) wp[c] += HCHUNK;
     }
-    if (!last) {
-        _Pragma("GCC unroll 24") for (int i = 0; i < R * C; i++) _mm512_store_ps(buf + 16 * i, acc[i]);
-        return;
-    }
     float s[R512 * C512];
-    kv_tree16_512(acc, R * C < 16 ? R * C : 16, s);
-    if (R * C > 16) kv_tree16_512(acc + 16, R * C - 16, s + 16);
+    if (!end512(acc, buf, last, R * C, s)) return;
     _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)
         _Pragma("GCC unroll 3") for (int c = 0; c < C; c++) Y[r * ldy + c] = bias ? s[r * C + c] + bias[c] : s[r * C + c];
 }
