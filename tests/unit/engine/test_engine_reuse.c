@@ -167,6 +167,23 @@ static void fill_random(int32_t *out, int n, uint64_t seed) {
     for (int i = 0; i < n; i++) out[i] = 3 + (int32_t)(kv_rng_next(&r) % 509);
 }
 
+/* The integers of the JSON array after key (e.g. "\"prompt_ids\"") in line, at most cap of
+ * them into out: their count (0 when the key is absent). */
+static int json_ids(const char *line, const char *key, int32_t *out, int cap) {
+    const char *p = strstr(line, key);
+    if (!p || !(p = strchr(p, '['))) return 0;
+    int n = 0;
+    for (p++; *p && *p != ']' && n < cap;) {
+        char *end;
+        long v = strtol(p, &end, 10);
+        if (end == p) break;
+        out[n++] = (int32_t)v;
+        p = end;
+        while (*p == ',' || *p == ' ') p++;
+    }
+    return n;
+}
+
 /* ---------------------------------------------------------------- 1. hit == cold */
 
 static void test_hits_identical_reference_prompts(void **st) {
@@ -175,30 +192,41 @@ static void test_hits_identical_reference_prompts(void **st) {
     char rpath[4096];
     if (!test_data_path(rpath, sizeof rpath, "references/stories260K/llamacpp_greedy.public.jsonl"))
         skip();
-    static int32_t prompts[32][512];
-    int n_prompt[32], n = 0;
+    static int32_t prompts[32][512], outs[32][32];
+    int n_prompt[32], n_out[32], n = 0;
     FILE *f = fopen(rpath, "r");
     assert_non_null(f);
     char *line = NULL;
     size_t cap = 0;
     while (getline(&line, &cap, f) > 0 && n < 32) {
-        /* "prompt_ids": [1, 2, ...] */
-        char *p = strstr(line, "\"prompt_ids\"");
-        if (!p || !(p = strchr(p, '['))) continue;
-        n_prompt[n] = 0;
-        for (p++; *p && *p != ']';) {
-            char *end;
-            long v = strtol(p, &end, 10);
-            if (end == p) break;
-            if (n_prompt[n] < 512) prompts[n][n_prompt[n]++] = (int32_t)v;
-            p = end;
-            while (*p == ',' || *p == ' ') p++;
-        }
+        /* "prompt_ids": [1, 2, ...] and llama.cpp's greedy "completion_ids" (the first 32) */
+        n_prompt[n] = json_ids(line, "\"prompt_ids\"", prompts[n], 512);
+        n_out[n] = json_ids(line, "\"completion_ids\"", outs[n], 32);
         if (n_prompt[n] > 0) n++;
     }
     free(line);
     fclose(f);
     assert_true(n >= 10);
+    /* Round 0 is cold unless a prompt begins with the blocks another one fills while the round
+     * runs: prompt + greedy output of prompts 0 and 1 of this file are the first 17 tokens of
+     * prompt 9, so whether prompt 9 finds that block depends on when its first chunk runs
+     * against their decode steps. cold_max[i]: the most tokens prompt i may legitimately find in
+     * round 0 (whole blocks of the longest prefix it shares with another prompt's prompt +
+     * output, at most its own cacheable blocks). */
+    int cold_max[32];
+    for (int i = 0; i < n; i++) {
+        int best = 0;
+        for (int j = 0; j < n; j++) {
+            if (j == i) continue;
+            int k = 0;
+            while (k < n_prompt[i] && k < n_prompt[j] + n_out[j] &&
+                   prompts[i][k] == (k < n_prompt[j] ? prompts[j][k] : outs[j][k - n_prompt[j]]))
+                k++;
+            if (k > best) best = k;
+        }
+        int own = ((n_prompt[i] - 1) / 16) * 16;
+        cold_max[i] = best / 16 * 16 < own ? best / 16 * 16 : own;
+    }
 
     struct job *jobs = calloc(2 * 3 * (size_t)n, sizeof *jobs); /* [cache][round][prompt] */
     for (int c = 0; c < 2; c++) {
@@ -216,9 +244,11 @@ static void test_hits_identical_reference_prompts(void **st) {
             run_jobs(e, js, n);
             for (int i = 0; i < n; i++) {
                 int want = (c == 0 && round > 0) ? ((n_prompt[i] - 1) / 16) * 16 : 0;
-                if (js[i].cached != want)
-                    fail_msg("cache %d round %d prompt %d (%d tokens): cached %d, want %d", c, round,
-                             i, n_prompt[i], js[i].cached, want);
+                bool ok = js[i].cached == want ||
+                          (c == 0 && round == 0 && js[i].cached % 16 == 0 && js[i].cached <= cold_max[i]);
+                if (!ok)
+                    fail_msg("cache %d round %d prompt %d (%d tokens): cached %d, want %d (round 0: up to %d)", c,
+                             round, i, n_prompt[i], js[i].cached, want, cold_max[i]);
                 same_output(&js[i], &jobs[i]); /* every run equals the first cold run */
             }
         }
