@@ -148,6 +148,19 @@ static void on_signal(evutil_socket_t sig, short what, void *arg) {
     begin_stop(l);
 }
 
+/* The SIGINT/SIGTERM disposition under libevent's: libevent saves the disposition it finds
+ * when a signal event is added and restores it when the event is freed. Had it found the
+ * default action (terminate), a signal repeated while the server tears down (process managers,
+ * `timeout` and shells send several) could land between that restore and anything we set
+ * after it, and kill the process with a signal status instead of exit 0 (seen: the e2e
+ * "repeated SIGTERM" check, one exit of -15 in a loaded run). So http_listener_new installs
+ * this handler first: it only records the signal. One arriving in the microseconds before
+ * libevent's handler is in place is raised again right after (not lost); after the events are
+ * freed a stopping server swallows repeats, and a listener freed without a signal puts the
+ * default action back. */
+static volatile sig_atomic_t g_early_sig;
+static void early_sig(int sig) { g_early_sig = sig; }
+
 static void on_stop_ev(evutil_socket_t fd, short what, void *arg) {
     (void)fd;
     (void)what;
@@ -185,6 +198,12 @@ kv_status http_listener_start(struct event_base *base, const struct http_listene
     l->stop_ev = event_new(base, -1, 0, on_stop_ev, l);
     l->accept_timer = evtimer_new(base, on_accept_resume, l);
     if (cfg->handle_signals) {
+        struct sigaction sa;
+        memset(&sa, 0, sizeof sa);
+        sa.sa_handler = early_sig;
+        sigemptyset(&sa.sa_mask);
+        sigaction(SIGINT, &sa, NULL);
+        sigaction(SIGTERM, &sa, NULL);
         l->sigint = evsignal_new(base, SIGINT, on_signal, l);
         l->sigterm = evsignal_new(base, SIGTERM, on_signal, l);
     }
@@ -195,6 +214,11 @@ kv_status http_listener_start(struct event_base *base, const struct http_listene
     }
     if (l->sigint) evsignal_add(l->sigint, NULL);
     if (l->sigterm) evsignal_add(l->sigterm, NULL);
+    if (cfg->handle_signals && g_early_sig) { /* caught by early_sig before the events were added */
+        int sig = g_early_sig;
+        g_early_sig = 0;
+        raise(sig);
+    }
     /* The gates enforce the limits and answer with JSON; libevent's own (HTML) limits are
      * set above them and are never reached by a request that passed a gate. */
     struct http_gate_limits gl = {.max_head_bytes = HTTP_MAX_HEADERS_BYTES,
@@ -266,14 +290,15 @@ void http_listener_free(struct http_listener *l) {
     if (l->http) evhttp_free(l->http);
     http_gates_release(l->gates); /* connections freed later by libevent still find it */
     if (l->accept_timer) event_free(l->accept_timer);
+    bool handled = l->sigint || l->sigterm;
     if (l->sigint) event_free(l->sigint);
     if (l->sigterm) event_free(l->sigterm);
-    /* Freeing the signal events restored the default action (terminate). Once a signal has
-     * asked us to stop, a repeated SIGINT/SIGTERM (process managers, `timeout` and shells
-     * send several) must not kill the process mid-teardown with a signal status. */
-    if (l->signalled) {
-        signal(SIGINT, SIG_IGN);
-        signal(SIGTERM, SIG_IGN);
+    /* Freeing the signal events restored early_sig (above): once a signal has asked us to
+     * stop, repeats are swallowed until the process exits; without one, the default action
+     * comes back. */
+    if (handled && !l->signalled) {
+        signal(SIGINT, SIG_DFL);
+        signal(SIGTERM, SIG_DFL);
     }
     pthread_mutex_lock(&l->mu);
     if (l->stop_ev) event_free(l->stop_ev);
