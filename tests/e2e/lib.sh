@@ -9,6 +9,10 @@
 #   need_node_module NAME...  missing_dep for each package not in tests/e2e/node_modules (the
 #                     e2e_npm_install test, a ctest fixture, installs them once before the
 #                     tests that need them).
+# And how it says it failed:
+#   fail MSG          prints "FAIL: MSG" and exits 1.
+#   expect_usage_error CMD...  CMD must exit 2 with a message on stderr (a usage error); its
+#                     stdout and stderr are left in $usage_out and $usage_err.
 skip_test() { echo "SKIP: $*"; exit 77; }
 missing_dep() {
   if [[ "${KVSERVE_TESTS_REQUIRED:-0}" == 1 ]]; then
@@ -20,4 +24,12 @@ need_cmd() { local c; for c in "$@"; do command -v "$c" >/dev/null 2>&1 || missi
 need_node_module() {
   local d m; d="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/node_modules"
   for m in "$@"; do [[ -d "$d/$m" ]] || missing_dep "node module $m missing in $d (npm install in tests/e2e)"; done
+}
+fail() { echo "FAIL: $*"; exit 1; }
+expect_usage_error() {
+  local rc=0 e; e=$(mktemp)
+  usage_out=$("$@" 2>"$e") || rc=$?
+  usage_err=$(cat "$e"); rm -f "$e"
+  [[ $rc == 2 ]] || fail "expected exit 2 from: $* (got $rc; $usage_err)"
+  [[ -n $usage_err ]] || fail "no message from: $*"
 }

@@ -12,7 +12,6 @@ tmp=$(mktemp -d)
 srv_pid=""
 cleanup() { [[ -n "$srv_pid" ]] && kill "$srv_pid" 2>/dev/null; wait 2>/dev/null; rm -rf "$tmp"; }
 trap cleanup EXIT
-fail() { echo "FAIL: $*"; exit 1; }
 source "$here/lib.sh"
 need_cmd jq
 

@@ -9,14 +9,10 @@ bin="$build/bench_qdot"
 [[ -x $bin ]] || skip_test "$bin not built"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-fail() { echo "FAIL: $*"; exit 1; }
 
 expect2() {
-  local rc=0
-  "$bin" "$@" >"$tmp/out" 2>"$tmp/err" || rc=$?
-  [[ $rc == 2 ]] || fail "expected exit 2 from: bench_qdot $* (got $rc)"
-  [[ -s $tmp/err ]] || fail "no message from: bench_qdot $*"
-  ! grep -q "ns/w" "$tmp/out" || fail "a table was printed before refusing: bench_qdot $*"
+  expect_usage_error "$bin" "$@"
+  [[ $usage_out != *"ns/w"* ]] || fail "a table was printed before refusing: bench_qdot $*"
 }
 expect2 --m 0
 expect2 --m 513

@@ -15,23 +15,16 @@ need_cmd jq curl python3
 [[ -f $model ]] || skip_test "$model missing"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-fail() { echo "FAIL: $*"; exit 1; }
 
 # 1. usage errors: exit 2 with a message, nothing started
-expect2() {
-  local rc=0
-  "$@" >"$tmp/out" 2>"$tmp/err" || rc=$?
-  [[ $rc == 2 ]] || fail "expected exit 2 from: $* (got $rc; $(cat "$tmp/err"))"
-  [[ -s $tmp/err ]] || fail "no message from: $*"
-}
-expect2 bash "$script" --kvserve "$bin"
-expect2 bash "$script" --kvserve "$bin" --bogus "$model"
-expect2 bash "$script" --kvserve "$bin" --isa sse2 --skip-llama "$model"
-expect2 bash "$script" --kvserve "$bin" --threads x --skip-llama "$model"
-expect2 bash "$script" --kvserve "$bin" --kv-dtype f8 --skip-llama "$model"
-expect2 bash "$script" --kvserve "$bin" --skip-llama "$tmp/no-such.gguf"
-LLAMA_SERVER="" expect2 bash "$script" --kvserve "$bin" "$model"
-grep -q "llama-server not found" "$tmp/err" || fail "missing llama-server: $(cat "$tmp/err")"
+expect_usage_error bash "$script" --kvserve "$bin"
+expect_usage_error bash "$script" --kvserve "$bin" --bogus "$model"
+expect_usage_error bash "$script" --kvserve "$bin" --isa sse2 --skip-llama "$model"
+expect_usage_error bash "$script" --kvserve "$bin" --threads x --skip-llama "$model"
+expect_usage_error bash "$script" --kvserve "$bin" --kv-dtype f8 --skip-llama "$model"
+expect_usage_error bash "$script" --kvserve "$bin" --skip-llama "$tmp/no-such.gguf"
+LLAMA_SERVER="" expect_usage_error bash "$script" --kvserve "$bin" "$model"
+[[ $usage_err == *"llama-server not found"* ]] || fail "missing llama-server: $usage_err"
 echo "ok: usage errors"
 
 # 2. a stand-in llama-server: llama-server's flags mapped onto kvserve serve

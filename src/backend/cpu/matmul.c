@@ -125,16 +125,15 @@ static float *thread_sums(size_t n) {
  * (Packing W per task in groups of C rows as well measured no better, 0-10% worse: not done.)
  * Both the packed X and the task's W panel sit on 2 MiB pages (thread_buf); on 4 KiB pages the
  * packed tiles gained less than half as much (nested page walks on the VM measured). */
-#ifndef KC_STEPS
 #define KC_STEPS 48 /* K block of at most 48 x 16 floats: an 8-row X tile of 24 KiB stays in L1 */
-#endif
 
-/* Number of K blocks and the bounds of block b (in floats; multiples of 16 below K16). */
+/* Number of K blocks and the bounds of block b (in floats; multiples of the granule g, 16 for
+ * the f32 tiles, 32 for the grouped ones, below K16). */
 static inline int k_blocks(int K16) {
     int steps = K16 / 16;
     return steps > KC_STEPS ? (steps + KC_STEPS - 1) / KC_STEPS : 1;
 }
-static inline int k_bound(int K16, int nkb, int b) { return (int)((long)(K16 / 16) * b / nkb) * 16; }
+static inline int k_bound(int K16, int nkb, int b, int g) { return (int)((long)(K16 / g) * b / nkb) * g; }
 
 /* Finishes one output from its tree sum s: the K % 16 tail in fma (x, w: the tails, nt
  * floats), then the bias. */
@@ -220,7 +219,8 @@ AI T512 void tile512(const struct tile_src *src, int steps, float *buf, int firs
         float *y = op->Y + m * N;                                                                                  \
         struct tile_src src;                                                                                       \
         for (int kb = 0; kb < nkb; kb++) {                                                                         \
-            int k0 = k_bound(K16, nkb, kb), k1 = k_bound(K16, nkb, kb + 1), first = kb == 0, last = kb == nkb - 1; \
+            int k0 = k_bound(K16, nkb, kb, 16), k1 = k_bound(K16, nkb, kb + 1, 16);                                \
+            int first = kb == 0, last = kb == nkb - 1;                                                             \
             int steps = (k1 - k0) / 16;                                                                            \
             float *tb = buf;                                                                                       \
             int n = n0;                                                                                            \
@@ -324,12 +324,9 @@ static T256 void cols_avx2(const struct cols_args *a) {
  * bytes from its group's start), widen each W vector as they load it, exactly (vcvtph2ps;
  * bf16: the bits shifted up 16), and do tile512's fmas in tile512's order on the same packed
  * X: the same bits as the panel path (test_matmul). One chunk holds two 16-float steps, so
- * the K blocks here end on even steps (hk_bound); the blocking changes no bit. Only for
+ * the K blocks here end on even steps (k_bound's granule 32); the blocking changes no bit. Only for
  * matrices whose every group is full (rows % 4 == 0: every Llama/Qwen shape). */
 #define HCHUNK 256 /* bytes from a row's chunk to its next in a full group: 4 rows x 64 */
-
-/* Bounds of K block b of nkb over K16 floats, on a chunk (32-float) boundary. */
-static inline int hk_bound(int K16, int nkb, int b) { return (int)((long)(K16 / 32) * b / nkb) * 32; }
 
 /* Byte address of element k (a multiple of 16) of row n of a grouped matrix at g (rows n in
  * full groups), rb bytes a row. */
@@ -381,7 +378,8 @@ AI T512 void hrows512(const struct cols_args *a, const uint8_t *g, int m, float 
     const float *b = op->bias;
     float *y = op->Y + m * N;
     for (int kb = 0; kb < nkb; kb++) {
-        int k0 = hk_bound(K16, nkb, kb), k1 = hk_bound(K16, nkb, kb + 1), first = kb == 0, last = kb == nkb - 1;
+        int k0 = k_bound(K16, nkb, kb, 32), k1 = k_bound(K16, nkb, kb + 1, 32);
+        int first = kb == 0, last = kb == nkb - 1;
         const float *Xt = a->Xp + (size_t)m * K16 + (size_t)(k0 / 16) * R * 16;
         float *tb = buf;
         for (int n = n0; n < n1; n += C512, tb += 16 * R512 * C512) {

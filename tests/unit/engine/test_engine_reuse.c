@@ -15,6 +15,7 @@
 #include <time.h>
 
 #include <cmocka.h>
+#include <jansson.h>
 
 #include "engine/engine.h"
 #include "support/fault_backend.h"
@@ -167,23 +168,6 @@ static void fill_random(int32_t *out, int n, uint64_t seed) {
     for (int i = 0; i < n; i++) out[i] = 3 + (int32_t)(kv_rng_next(&r) % 509);
 }
 
-/* The integers of the JSON array after key (e.g. "\"prompt_ids\"") in line, at most cap of
- * them into out: their count (0 when the key is absent). */
-static int json_ids(const char *line, const char *key, int32_t *out, int cap) {
-    const char *p = strstr(line, key);
-    if (!p || !(p = strchr(p, '['))) return 0;
-    int n = 0;
-    for (p++; *p && *p != ']' && n < cap;) {
-        char *end;
-        long v = strtol(p, &end, 10);
-        if (end == p) break;
-        out[n++] = (int32_t)v;
-        p = end;
-        while (*p == ',' || *p == ' ') p++;
-    }
-    return n;
-}
-
 /* ---------------------------------------------------------------- 1. hit == cold */
 
 static void test_hits_identical_reference_prompts(void **st) {
@@ -199,9 +183,19 @@ static void test_hits_identical_reference_prompts(void **st) {
     char *line = NULL;
     size_t cap = 0;
     while (getline(&line, &cap, f) > 0 && n < 32) {
-        /* "prompt_ids": [1, 2, ...] and llama.cpp's greedy "completion_ids" (the first 32) */
-        n_prompt[n] = json_ids(line, "\"prompt_ids\"", prompts[n], 512);
-        n_out[n] = json_ids(line, "\"completion_ids\"", outs[n], 32);
+        /* "prompt_ids" and llama.cpp's greedy "completion_ids" (the first 32) */
+        json_error_t je;
+        json_t *o = json_loads(line, 0, &je), *v;
+        if (!o) continue;
+        size_t k;
+        n_prompt[n] = n_out[n] = 0;
+        json_array_foreach(json_object_get(o, "prompt_ids"), k, v) {
+            if (k < 512) prompts[n][n_prompt[n]++] = (int32_t)json_integer_value(v);
+        }
+        json_array_foreach(json_object_get(o, "completion_ids"), k, v) {
+            if (k < 32) outs[n][n_out[n]++] = (int32_t)json_integer_value(v);
+        }
+        json_decref(o);
         if (n_prompt[n] > 0) n++;
     }
     free(line);
