@@ -28,6 +28,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 
 #include "base/base.h"
@@ -238,8 +239,14 @@ int main(int argc, char **argv) {
         c.Y = malloc((size_t)Mp * N * sizeof(float));
         if (!c.W || !c.X || !c.Xpad || !c.Y) return 1;
         for (int i = 0; i < n_copies; i++) {
-            c.W[i] = malloc(wbytes);
+            /* on transparent huge pages, as the backend's weight panels (backend_cpu.c): on 4 KiB
+             * pages a cold decode step pays nested page walks the server does not */
+            size_t huge = (size_t)2 << 20, alloc = (wbytes + huge - 1) / huge * huge;
+            c.W[i] = aligned_alloc(huge, alloc);
             if (!c.W[i]) return 1;
+#ifdef MADV_HUGEPAGE
+            (void)madvise(c.W[i], alloc, MADV_HUGEPAGE); /* advisory */
+#endif
             for (size_t k = 0; k < (size_t)N * K; k++) c.W[i][k] = (float)rand() / RAND_MAX - 0.5f;
             c.Wm[i] = kv_wmat_from_f32(c.W[i], N, K);
             if (wtype != KV_QTYPE_F32) { /* 16-bit copy in place: the first half of the f32 buffer */

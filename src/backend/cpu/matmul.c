@@ -124,7 +124,13 @@ static float *thread_sums(size_t n) {
  * The K % 16 tail elements are read in place. Same products in the same order: no bit changes.
  * (Packing W per task in groups of C rows as well measured no better, 0-10% worse: not done.)
  * Both the packed X and the task's W panel sit on 2 MiB pages (thread_buf); on 4 KiB pages the
- * packed tiles gained less than half as much (nested page walks on the VM measured). */
+ * packed tiles gained less than half as much (nested page walks on the VM measured).
+ *
+ * The next X block (the tile's next K block, or the next row tile's first: the packed X runs on
+ * in memory) comes from L3 when its first tile starts; the AVX-512 tiles prefetch it into L2, a
+ * share per W tile of the current block (struct tile_src.pf). Zen 5, bench_matmul --type f16
+ * --cpu-time, alternated pairs: M = 512 2048 x 5632 1.11x, other 1B shapes 0.98-1.03x; the AVX2
+ * tile gained nothing from it (0.95-1.0x) and does not. */
 #define KC_STEPS 48 /* K block of at most 48 x 16 floats: an 8-row X tile of 24 KiB stays in L1 */
 
 /* Number of K blocks and the bounds of block b (in floats; multiples of the granule g, 16 for
@@ -149,6 +155,8 @@ AI float finish(float s, const float *x, const float *w, int nt, const float *bi
 struct tile_src {
     const float *Xt, *Xtl, *Wt, *Wtl;
     size_t ldx, ldw;
+    const char *pf; /* npf 64-byte lines of the next X block to prefetch (ROWS_FN), one a step */
+    int npf;
 };
 
 /* Sets src for the tile of X rows m.. (R of them, m a multiple of the family's R) and W rows
@@ -190,6 +198,8 @@ AI T512 void tile512(const struct tile_src *src, int steps, float *buf, int firs
     const float *X = src->Xt, *W = src->Wt;
     const size_t wr = src->ldw;
     for (int s = 0; s < steps; s++, X += R * 16, W += 16) {
+        if (s < src->npf) _mm_prefetch(src->pf + 64 * s, _MM_HINT_T1);
+        if (s + steps < src->npf) _mm_prefetch(src->pf + 64 * (s + steps), _MM_HINT_T1);
         __m512 w[C512];
         _Pragma("GCC unroll 3") for (int c = 0; c < C; c++) w[c] = _mm512_loadu_ps(W + c * wr);
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {
@@ -224,16 +234,23 @@ AI T512 void tile512(const struct tile_src *src, int steps, float *buf, int firs
             int steps = (k1 - k0) / 16;                                                                            \
             float *tb = buf;                                                                                       \
             int n = n0;                                                                                            \
-            for (; n + (CMAX) <= n1; n += (CMAX), tb += 16 * (RMAX) * (CMAX)) {                                    \
-                tile_at(a, m, R, n, k0, &src);                                                         \
+            /* the next X block (this row tile's next K block, or the next row tile's first: the */               \
+            /* packed X runs on in memory) is prefetched a share per tile, about as long as this one */           \
+            const char *nx = (const char *)(a->Xp + (size_t)m * K16 + (size_t)k1 * R);                             \
+            int ntl = (n1 - n0 + (CMAX)-1) / (CMAX), per = (steps * R + ntl - 1) / ntl;                            \
+            for (; n + (CMAX) <= n1; n += (CMAX), tb += 16 * (RMAX) * (CMAX), nx += 64 * per) {                   \
+                tile_at(a, m, R, n, k0, &src);                                                                     \
+                src.pf = nx, src.npf = per;                                                                        \
                 TILE(&src, steps, tb, first, last, (int)K, b ? b + n : NULL, y + n, N, R, CMAX);                   \
             }                                                                                                      \
             if (n1 - n == 2) {                                                                                     \
-                tile_at(a, m, R, n, k0, &src);                                                            \
+                tile_at(a, m, R, n, k0, &src);                                                                     \
+                src.pf = nx, src.npf = per;                                                                        \
                 TILE(&src, steps, tb, first, last, (int)K, b ? b + n : NULL, y + n, N, R, 2);                      \
             }                                                                                                      \
             if (n1 - n == 1) {                                                                                     \
-                tile_at(a, m, R, n, k0, &src);                                                            \
+                tile_at(a, m, R, n, k0, &src);                                                                     \
+                src.pf = nx, src.npf = per;                                                                        \
                 TILE(&src, steps, tb, first, last, (int)K, b ? b + n : NULL, y + n, N, R, 1);                      \
             }                                                                                                      \
         }                                                                                                          \
@@ -317,15 +334,23 @@ static T256 void cols_avx2(const struct cols_args *a) {
 }
 
 /* ---- AVX-512: F16/BF16 rows in the grouped layout, widened in registers ----
- * A step of a few sequences (DECODE_ROWS < M <= HTILE_MAX_M) used to widen each task's 16-bit
- * rows into an f32 panel (kv_fgroup_rows) and run tile512 over it, a cost amortised over only
- * M rows. These tiles read the grouped layout (qdot.h: rows in groups of KV_FGROUP_ROWS = 4,
- * interleaved in 64-byte chunks, so row i of a full group has chunk c at i * 64 + c * 256
- * bytes from its group's start), widen each W vector as they load it, exactly (vcvtph2ps;
- * bf16: the bits shifted up 16), and do tile512's fmas in tile512's order on the same packed
- * X: the same bits as the panel path (test_matmul). One chunk holds two 16-float steps, so
- * the K blocks here end on even steps (k_bound's granule 32); the blocking changes no bit. Only for
- * matrices whose every group is full (rows % 4 == 0: every Llama/Qwen shape). */
+ * Steps of DECODE_ROWS < M <= HTILE_MAX_M rows with F16/BF16 weights in f32 arithmetic (decode
+ * of many sequences, short prefill chunks). The panel path widens each task's 16-bit rows into
+ * an f32 panel (kv_fgroup_rows) and runs tile512 over it. These tiles read the grouped layout (qdot.h: rows in
+ * groups of KV_FGROUP_ROWS = 4, interleaved in 64-byte chunks, so row i of a full group has chunk
+ * c at i * 64 + c * 256 bytes from its group's start), widen each W vector as they load it,
+ * exactly (vcvtph2ps; bf16: the bits shifted up 16), and do tile512's fmas in tile512's order on
+ * the same packed X: the same bits as the panel path (test_matmul). One chunk holds two 16-float
+ * steps, so the K blocks here end on even steps (k_bound's granule 32); the blocking changes no
+ * bit. Only for matrices whose every group is full (rows % 4 == 0: every Llama/Qwen shape).
+ *
+ * Prefetch: the weights come from DRAM once a step (the first row tile of a task) and the
+ * hardware prefetchers do not follow the grouped pattern (3 rows of a 4-row group, 256 bytes
+ * apart): each tile prefetches, line for line, the rows of the tile HPF_TILES ahead over the
+ * same chunks (past the task's last row: the next K block's first tiles), and a share of the
+ * next X block into L2 as tile512 does. Zen 5, bench_matmul --type f16 --cpu-time, weights on
+ * huge pages beyond the caches, alternated pairs, prefetch / none: M = 8 1.71-1.74x, 16
+ * 1.24-1.37x, 32 1.08-1.20x (1B shapes); 1 or 4 tiles ahead instead of 2: 0.91-1.0x. */
 #define HCHUNK 256 /* bytes from a row's chunk to its next in a full group: 4 rows x 64 */
 
 /* Byte address of element k (a multiple of 16) of row n of a grouped matrix at g (rows n in
@@ -343,8 +368,9 @@ AI T512 __m512 h16_512(const uint8_t *p, const int bf) {
 
 /* One R x C tile over `chunks` chunks (2 steps each) of the grouped rows Wr[c]; buf: the
  * tile's R*C*16 saved lanes (tile512's scheme). */
-AI T512 void htile512(const float *Xt, const uint8_t *const *Wr, int chunks, float *buf, int first, int last,
-                      const float *bias, float *Y, size_t ldy, const int R, const int C, const int bf) {
+AI T512 void htile512(const float *Xt, const uint8_t *const *Wr, const uint8_t *const *Pf, const char *px, int npx,
+                      int chunks, float *buf, int first, int last, const float *bias, float *Y, size_t ldy, const int R,
+                      const int C, const int bf) {
     __m512 acc[R512 * C512];
     _Pragma("GCC unroll 24") for (int i = 0; i < R * C; i++)
         acc[i] = first ? _mm512_setzero_ps() : _mm512_load_ps(buf + 16 * i);
@@ -352,6 +378,10 @@ AI T512 void htile512(const float *Xt, const uint8_t *const *Wr, int chunks, flo
     const uint8_t *wp[C512];
     _Pragma("GCC unroll 3") for (int c = 0; c < C; c++) wp[c] = Wr[c];
     for (int ch = 0; ch < chunks; ch++) {
+        if (2 * ch < npx) {
+            _mm_prefetch(px + 128 * ch, _MM_HINT_T1);
+            _mm_prefetch(px + 128 * ch + 64, _MM_HINT_T1);
+        }
         _Pragma("GCC unroll 2") for (int j = 0; j < 2; j++, X += R * 16) {
             __m512 w[C512];
             _Pragma("GCC unroll 3") for (int c = 0; c < C; c++) w[c] = h16_512(wp[c] + 32 * j, bf);
@@ -361,7 +391,10 @@ AI T512 void htile512(const float *Xt, const uint8_t *const *Wr, int chunks, flo
                 _Pragma("GCC unroll 3") for (int c = 0; c < C; c++) acc[r * C + c] = _mm512_fmadd_ps(x, w[c], acc[r * C + c]);
             }
         }
-        _Pragma("GCC unroll 3") for (int c = 0; c < C; c++) wp[c] += HCHUNK;
+        _Pragma("GCC unroll 3") for (int c = 0; c < C; c++) {
+            wp[c] += HCHUNK;
+            _mm_prefetch((const char *)Pf[c] + (size_t)ch * HCHUNK, _MM_HINT_T0);
+        }
     }
     float s[R512 * C512];
     if (!end512(acc, buf, last, R * C, s)) return;
@@ -369,6 +402,9 @@ AI T512 void htile512(const float *Xt, const uint8_t *const *Wr, int chunks, flo
         _Pragma("GCC unroll 3") for (int c = 0; c < C; c++) Y[r * ldy + c] = bias ? s[r * C + c] + bias[c] : s[r * C + c];
 }
 
+#ifndef HPF_TILES
+#define HPF_TILES 2
+#endif
 /* ROWS_FN's loop nest for the grouped tiles: R X rows from row m against the task's columns
  * (rows n0.. of the grouped matrix at g), every K block. */
 AI T512 void hrows512(const struct cols_args *a, const uint8_t *g, int m, float *buf, const int R, const int bf) {
@@ -382,13 +418,26 @@ AI T512 void hrows512(const struct cols_args *a, const uint8_t *g, int m, float 
         int first = kb == 0, last = kb == nkb - 1;
         const float *Xt = a->Xp + (size_t)m * K16 + (size_t)(k0 / 16) * R * 16;
         float *tb = buf;
-        for (int n = n0; n < n1; n += C512, tb += 16 * R512 * C512) {
-            const uint8_t *wr[C512];
+        /* the next X block, a share a tile (ROWS_FN; past the last one, lines after the packed X:
+         * a prefetch never faults) */
+        const char *nx = (const char *)(a->Xp + (size_t)m * K16 + (size_t)k1 * R);
+        int ntl = (n1 - n0 + C512 - 1) / C512, per = ((k1 - k0) / 16 * R + ntl - 1) / ntl;
+        for (int n = n0; n < n1; n += C512, tb += 16 * R512 * C512, nx += 64 * per) {
+            const uint8_t *wr[C512], *pf[C512];
             for (int c = 0; c < C512; c++) wr[c] = hrow_at(g, rb, n + c < n1 ? n + c : n, k0);
+            /* the rows HPF_TILES tiles ahead (in the next K block past the task's last row;
+             * the tile's own rows after the last block) */
+            int pn = n + HPF_TILES * C512, pk = k0;
+            if (pn >= n1) {
+                pn = n0 + (pn - n1), pk = k1;
+                if (kb + 1 >= nkb || pn >= n1) pn = n, pk = k0;
+            }
+            for (int c = 0; c < C512; c++) pf[c] = hrow_at(g, rb, pn + c < n1 ? pn + c : pn, pk);
             const float *bn = b ? b + n : NULL;
-            if (n1 - n >= C512) htile512(Xt, wr, (k1 - k0) / 32, tb, first, last, bn, y + n, N, R, C512, bf);
-            else if (n1 - n == 2) htile512(Xt, wr, (k1 - k0) / 32, tb, first, last, bn, y + n, N, R, 2, bf);
-            else htile512(Xt, wr, (k1 - k0) / 32, tb, first, last, bn, y + n, N, R, 1, bf);
+            int ch = (k1 - k0) / 32;
+            if (n1 - n >= C512) htile512(Xt, wr, pf, nx, per, ch, tb, first, last, bn, y + n, N, R, C512, bf);
+            else if (n1 - n == 2) htile512(Xt, wr, pf, nx, per, ch, tb, first, last, bn, y + n, N, R, 2, bf);
+            else htile512(Xt, wr, pf, nx, per, ch, tb, first, last, bn, y + n, N, R, 1, bf);
         }
     }
 }
@@ -411,15 +460,19 @@ AI T512 void hcols512(const struct cols_args *a, const uint8_t *g, const int bf)
 static T512 void hcols512_f16(const struct cols_args *a, const uint8_t *g) { hcols512(a, g, 0); }
 static T512 void hcols512_bf16(const struct cols_args *a, const uint8_t *g) { hcols512(a, g, 1); }
 
-/* Most rows for which the grouped tiles beat widening the task's rows into an f32 panel once
- * (kv_fgroup_rows + tile512): each W vector is widened once per 8 X rows here. Zen 5,
- * bench_matmul --type f16 --cpu-time, five alternated pairs, grouped / panel GFLOP/s:
- * M = 8: 1.23 (2048 x 2048), 1.34 (K = 5632); 16: 1.15, 1.23; 24-48: 0.98-1.06; 64: 0.97,
- * 1.02; 512: 0.92, 0.97. The AVX2 family keeps the panel: its grouped tiles (4 x 3, and 6 x 2
- * per 8-lane half) ran 0.83-0.98x the panel at every M from 8 to 512 (vcvtph2ps ymm costs
- * about an fma slot on Zen 5, and a W vector serves only 4-6 fmas there). */
+/* Most rows for which the grouped tiles run instead of widening the task's rows into an f32
+ * panel once (kv_fgroup_rows + tile512, which costs no conversion per X row tile). Zen 5,
+ * bench_matmul --type f16 --cpu-time, weights on huge pages, alternated pairs on the 1B shapes
+ * (2048 x 2048, 2048 x 5632, 5632 x 2048), grouped / panel GFLOP/s, both with their
+ * prefetches: M = 40 1.00-1.07, 64 1.03-1.09 (6 pairs), 128 0.91-1.11, 512 0.94-0.97 (6 pairs;
+ * 1.00-1.05 in a quieter run); bench_engine 1B F16, 16 x 128-token prompts, no difference in
+ * prefill (4 pairs). Without the prefetch the grouped tiles lost from M = 24 on. On Intel cores
+ * vcvtph2ps takes an fma port, which favours the panel at large M further. The AVX2 family
+ * keeps the panel: its grouped tiles (4 x 3, and 6 x 2 per 8-lane half) ran 0.83-0.98x the panel
+ * at every M from 8 to 512 before the prefetch (vcvtph2ps ymm costs about an fma slot on Zen 5,
+ * and a W vector serves only 4-6 fmas there). */
 #ifndef HTILE_MAX_M /* -DHTILE_MAX_M=0 builds the panel-only variant, for A/B runs */
-#define HTILE_MAX_M 32
+#define HTILE_MAX_M 64
 #endif
 
 typedef void (*hcols_fn)(const struct cols_args *a, const uint8_t *g);

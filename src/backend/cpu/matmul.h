@@ -50,9 +50,9 @@
  * repacked whole at load (struct kv_wmat.panel, Q8_0) goes to kv_q8_dot_packed for every M,
  * its tasks cut at 16-row groups. An F16/BF16 matrix the CPU backend repacked at load into
  * qdot.h's grouped layout (struct kv_wmat.panel) goes to kv_qdot_grouped when M <= 4, to the
- * AVX-512 family's grouped tiles (the weights widened in registers, tile512's order) when
- * M <= 32 and the matrix's rows are a multiple of 4, and is converted to the task's f32 panel
- * by kv_fgroup_rows otherwise. Otherwise, when M <= 4
+ * AVX-512 family's grouped tiles (the weights widened in registers, tile512's order; 4 < M <=
+ * 64) when the matrix's rows are a multiple of 4, and is converted to the task's f32 panel
+ * by kv_fgroup_rows otherwise (more rows, the AVX2 and generic families, other row counts). Otherwise, when M <= 4
  * (decode; every weight type, F32 included) the task calls kv_qdot_rows (src/quant/qdot.h),
  * which dequantizes 16 weights at a time into registers and FMAs them at once (nothing
  * written but Y); for larger M and non-F32 weights the task dequantizes its block into a
