@@ -155,9 +155,36 @@ AI float finish(float s, const float *x, const float *w, int nt, const float *bi
 struct tile_src {
     const float *Xt, *Xtl, *Wt, *Wtl;
     size_t ldx, ldw;
-    const char *pf; /* npf 64-byte lines of the next X block to prefetch (ROWS_FN), one a step */
+    const char *pf; /* npf 64-byte lines of the next X block to prefetch (x_share) */
     int npf;
 };
+
+/* The next packed X block after rows m.. over K block [k0, k1) (this row tile's next K block,
+ * or the next row tile's first: the packed X runs on in memory), shared out among the block's
+ * ntl W tiles for prefetching (x_share): computed once a block (a division per tile cost
+ * tile512 5% at M = 512). */
+struct xnext {
+    const char *x; /* the next block's first byte, or the packed X when there is none */
+    size_t left;   /* bytes from x to the end of the packed X (0: none) */
+    int per;       /* lines a tile: about the block's lines / ntl */
+};
+AI void x_next(const struct cols_args *a, int m, int R, int k0, int k1, int ntl, struct xnext *xn) {
+    const size_t K16 = (size_t)a->op->W->cols - (size_t)a->op->W->cols % 16;
+    const size_t end = (size_t)a->op->M * K16 * sizeof(float);
+    const size_t off = ((size_t)m * K16 + (size_t)k1 * R) * sizeof(float);
+    xn->per = (int)(((size_t)(k1 - k0) / 16 * R + ntl - 1) / ntl);
+    xn->x = (const char *)a->Xp + (off < end ? off : 0);
+    xn->left = off < end ? end - off : 0;
+}
+/* W tile j's share: *npf lines from *pf, none past the end of the packed X. */
+AI void x_share(const struct xnext *xn, int j, const char **pf, int *npf) {
+    size_t o = (size_t)j * xn->per * 64;
+    *pf = xn->x;
+    *npf = 0;
+    if (o >= xn->left) return;
+    *pf += o;
+    *npf = (xn->left - o) / 64 < (size_t)xn->per ? (int)((xn->left - o) / 64) : xn->per;
+}
 
 /* Sets src for the tile of X rows m.. (R of them, m a multiple of the family's R) and W rows
  * n.. over K block [k0, k1) of the task a (a->Xp packed: the x86 families always get it). */
@@ -197,9 +224,11 @@ AI T512 void tile512(const struct tile_src *src, int steps, float *buf, int firs
         acc[i] = first ? _mm512_setzero_ps() : _mm512_load_ps(buf + 16 * i);
     const float *X = src->Xt, *W = src->Wt;
     const size_t wr = src->ldw;
+    const char *pfx = src->pf; /* up to 2 lines a step: the share x_share gives, when ntl >= R / 2 */
+    const int npf = src->npf;
     for (int s = 0; s < steps; s++, X += R * 16, W += 16) {
-        if (s < src->npf) _mm_prefetch(src->pf + 64 * s, _MM_HINT_T1);
-        if (s + steps < src->npf) _mm_prefetch(src->pf + 64 * (s + steps), _MM_HINT_T1);
+        if (s < npf) _mm_prefetch(pfx + 64 * s, _MM_HINT_T1);
+        if (s + steps < npf) _mm_prefetch(pfx + 64 * (s + steps), _MM_HINT_T1);
         __m512 w[C512];
         _Pragma("GCC unroll 3") for (int c = 0; c < C; c++) w[c] = _mm512_loadu_ps(W + c * wr);
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {
@@ -234,23 +263,22 @@ AI T512 void tile512(const struct tile_src *src, int steps, float *buf, int firs
             int steps = (k1 - k0) / 16;                                                                            \
             float *tb = buf;                                                                                       \
             int n = n0;                                                                                            \
-            /* the next X block (this row tile's next K block, or the next row tile's first: the */               \
-            /* packed X runs on in memory) is prefetched a share per tile, about as long as this one */           \
-            const char *nx = (const char *)(a->Xp + (size_t)m * K16 + (size_t)k1 * R);                             \
-            int ntl = (n1 - n0 + (CMAX)-1) / (CMAX), per = (steps * R + ntl - 1) / ntl;                            \
-            for (; n + (CMAX) <= n1; n += (CMAX), tb += 16 * (RMAX) * (CMAX), nx += 64 * per) {                   \
+            const int ntl = (n1 - n0 + (CMAX)-1) / (CMAX);                                                         \
+            struct xnext xn;                                                                                       \
+            x_next(a, m, R, k0, k1, ntl, &xn);                                                                     \
+            for (; n + (CMAX) <= n1; n += (CMAX), tb += 16 * (RMAX) * (CMAX)) {                                    \
                 tile_at(a, m, R, n, k0, &src);                                                                     \
-                src.pf = nx, src.npf = per;                                                                        \
+                x_share(&xn, (n - n0) / (CMAX), &src.pf, &src.npf);                                                \
                 TILE(&src, steps, tb, first, last, (int)K, b ? b + n : NULL, y + n, N, R, CMAX);                   \
             }                                                                                                      \
             if (n1 - n == 2) {                                                                                     \
                 tile_at(a, m, R, n, k0, &src);                                                                     \
-                src.pf = nx, src.npf = per;                                                                        \
+                x_share(&xn, (n - n0) / (CMAX), &src.pf, &src.npf);                                                \
                 TILE(&src, steps, tb, first, last, (int)K, b ? b + n : NULL, y + n, N, R, 2);                      \
             }                                                                                                      \
             if (n1 - n == 1) {                                                                                     \
                 tile_at(a, m, R, n, k0, &src);                                                                     \
-                src.pf = nx, src.npf = per;                                                                        \
+                x_share(&xn, (n - n0) / (CMAX), &src.pf, &src.npf);                                                \
                 TILE(&src, steps, tb, first, last, (int)K, b ? b + n : NULL, y + n, N, R, 1);                      \
             }                                                                                                      \
         }                                                                                                          \
@@ -336,11 +364,11 @@ static T256 void cols_avx2(const struct cols_args *a) {
 /* ---- AVX-512: F16/BF16 rows in the grouped layout, widened in registers ----
  * Steps of DECODE_ROWS < M <= HTILE_MAX_M rows with F16/BF16 weights in f32 arithmetic (decode
  * of many sequences, short prefill chunks). The panel path widens each task's 16-bit rows into
- * an f32 panel (kv_fgroup_rows) and runs tile512 over it. These tiles read the grouped layout (qdot.h: rows in
- * groups of KV_FGROUP_ROWS = 4, interleaved in 64-byte chunks, so row i of a full group has chunk
- * c at i * 64 + c * 256 bytes from its group's start), widen each W vector as they load it,
- * exactly (vcvtph2ps; bf16: the bits shifted up 16), and do tile512's fmas in tile512's order on
- * the same packed X: the same bits as the panel path (test_matmul). One chunk holds two 16-float
+ * an f32 panel (kv_fgroup_rows) and runs tile512 over it. These tiles read the grouped layout
+ * (qdot.h: rows in groups of KV_FGROUP_ROWS = 4, interleaved in 64-byte chunks, so row i of a
+ * full group has chunk c at i * 64 + c * 256 bytes from its group's start), widen each W vector
+ * as they load it, exactly (vcvtph2ps; bf16: the bits shifted up 16), and do tile512's fmas in
+ * tile512's order on the same packed X: the same bits as the panel path (test_matmul). One chunk holds two 16-float
  * steps, so the K blocks here end on even steps (k_bound's granule 32); the blocking changes no
  * bit. Only for matrices whose every group is full (rows % 4 == 0: every Llama/Qwen shape).
  *
@@ -366,17 +394,29 @@ AI T512 __m512 h16_512(const uint8_t *p, const int bf) {
     return _mm512_cvtph_ps(v);
 }
 
+/* What a grouped tile prefetches: chunks 0 .. wch - 1 of the grouped rows w[c] (hrows512), and
+ * nx lines of the next X block from x (x_share). */
+struct hpf {
+    const uint8_t *w[C512];
+    int wch;
+    const char *x;
+    int nx;
+};
+
 /* One R x C tile over `chunks` chunks (2 steps each) of the grouped rows Wr[c]; buf: the
- * tile's R*C*16 saved lanes (tile512's scheme). */
-AI T512 void htile512(const float *Xt, const uint8_t *const *Wr, const uint8_t *const *Pf, const char *px, int npx,
-                      int chunks, float *buf, int first, int last, const float *bias, float *Y, size_t ldy, const int R,
-                      const int C, const int bf) {
+ * tile's R*C*16 saved lanes (tile512's scheme); pf: its prefetches. */
+AI T512 void htile512(const float *Xt, const uint8_t *const *Wr, const struct hpf *pf, int chunks, float *buf,
+                      int first, int last, const float *bias, float *Y, size_t ldy, const int R, const int C,
+                      const int bf) {
     __m512 acc[R512 * C512];
     _Pragma("GCC unroll 24") for (int i = 0; i < R * C; i++)
         acc[i] = first ? _mm512_setzero_ps() : _mm512_load_ps(buf + 16 * i);
     const float *X = Xt;
-    const uint8_t *wp[C512];
+    const uint8_t *wp[C512], *pw[C512];
     _Pragma("GCC unroll 3") for (int c = 0; c < C; c++) wp[c] = Wr[c];
+    _Pragma("GCC unroll 3") for (int c = 0; c < C512; c++) pw[c] = pf->w[c];
+    const char *px = pf->x; /* 2 lines a chunk (its 2 steps): the share x_share gives when ntl >= R */
+    const int npx = pf->nx, wch = pf->wch;
     for (int ch = 0; ch < chunks; ch++) {
         if (2 * ch < npx) {
             _mm_prefetch(px + 128 * ch, _MM_HINT_T1);
@@ -391,10 +431,10 @@ AI T512 void htile512(const float *Xt, const uint8_t *const *Wr, const uint8_t *
                 _Pragma("GCC unroll 3") for (int c = 0; c < C; c++) acc[r * C + c] = _mm512_fmadd_ps(x, w[c], acc[r * C + c]);
             }
         }
-        _Pragma("GCC unroll 3") for (int c = 0; c < C; c++) {
-            wp[c] += HCHUNK;
-            _mm_prefetch((const char *)Pf[c] + (size_t)ch * HCHUNK, _MM_HINT_T0);
-        }
+        _Pragma("GCC unroll 3") for (int c = 0; c < C; c++) wp[c] += HCHUNK;
+        if (ch < wch)
+            _Pragma("GCC unroll 3") for (int c = 0; c < C512; c++)
+                _mm_prefetch((const char *)pw[c] + (size_t)ch * HCHUNK, _MM_HINT_T0);
     }
     float s[R512 * C512];
     if (!end512(acc, buf, last, R * C, s)) return;
@@ -418,26 +458,29 @@ AI T512 void hrows512(const struct cols_args *a, const uint8_t *g, int m, float 
         int first = kb == 0, last = kb == nkb - 1;
         const float *Xt = a->Xp + (size_t)m * K16 + (size_t)(k0 / 16) * R * 16;
         float *tb = buf;
-        /* the next X block, a share a tile (ROWS_FN; past the last one, lines after the packed X:
-         * a prefetch never faults) */
-        const char *nx = (const char *)(a->Xp + (size_t)m * K16 + (size_t)k1 * R);
-        int ntl = (n1 - n0 + C512 - 1) / C512, per = ((k1 - k0) / 16 * R + ntl - 1) / ntl;
-        for (int n = n0; n < n1; n += C512, tb += 16 * R512 * C512, nx += 64 * per) {
-            const uint8_t *wr[C512], *pf[C512];
+        const int ntl = (n1 - n0 + C512 - 1) / C512, ch = (k1 - k0) / 32;
+        const int nch = kb + 1 < nkb ? (k_bound(K16, nkb, kb + 2, 32) - k1) / 32 : 0; /* the next block's chunks */
+        struct xnext xn;
+        x_next(a, m, R, k0, k1, ntl, &xn);
+        for (int n = n0; n < n1; n += C512, tb += 16 * R512 * C512) {
+            const uint8_t *wr[C512];
             for (int c = 0; c < C512; c++) wr[c] = hrow_at(g, rb, n + c < n1 ? n + c : n, k0);
-            /* the rows HPF_TILES tiles ahead (in the next K block past the task's last row;
-             * the tile's own rows after the last block) */
-            int pn = n + HPF_TILES * C512, pk = k0;
-            if (pn >= n1) {
-                pn = n0 + (pn - n1), pk = k1;
-                if (kb + 1 >= nkb || pn >= n1) pn = n, pk = k0;
+            /* the tile HPF_TILES ahead: in this K block, or past the task's last tile the next
+             * block's (its chunks), or none after the last block */
+            struct hpf pf;
+            int j = (n - n0) / C512 + HPF_TILES, pn = n0 + j * C512, pk = k0;
+            pf.wch = ch;
+            if (j >= ntl) {
+                pn = n0 + (j - ntl) * C512, pk = k1;
+                pf.wch = pn < n1 ? nch : 0;
+                if (!pf.wch) pn = n, pk = k0;
             }
-            for (int c = 0; c < C512; c++) pf[c] = hrow_at(g, rb, pn + c < n1 ? pn + c : pn, pk);
+            for (int c = 0; c < C512; c++) pf.w[c] = hrow_at(g, rb, pn + c < n1 ? pn + c : pn, pk);
+            x_share(&xn, (n - n0) / C512, &pf.x, &pf.nx);
             const float *bn = b ? b + n : NULL;
-            int ch = (k1 - k0) / 32;
-            if (n1 - n >= C512) htile512(Xt, wr, pf, nx, per, ch, tb, first, last, bn, y + n, N, R, C512, bf);
-            else if (n1 - n == 2) htile512(Xt, wr, pf, nx, per, ch, tb, first, last, bn, y + n, N, R, 2, bf);
-            else htile512(Xt, wr, pf, nx, per, ch, tb, first, last, bn, y + n, N, R, 1, bf);
+            if (n1 - n >= C512) htile512(Xt, wr, &pf, ch, tb, first, last, bn, y + n, N, R, C512, bf);
+            else if (n1 - n == 2) htile512(Xt, wr, &pf, ch, tb, first, last, bn, y + n, N, R, 2, bf);
+            else htile512(Xt, wr, &pf, ch, tb, first, last, bn, y + n, N, R, 1, bf);
         }
     }
 }

@@ -203,7 +203,7 @@ static void test_isas_identical_f16_panel(void **st) {
  * repacks them into at load): M <= 4 runs the grouped decode tiles, 5..64 rows on AVX-512 the
  * grouped tiles that widen the weights in registers (with their prefetches running past the
  * task's rows and the packed X), the rest (and AVX2, generic, N % 4 != 0) the f32 panel.
- * M from 1 to 33 (every row remainder of a tile), 64 and 65 (the bound) and a few larger, K of
+ * M from 1 to 33 (every row remainder of a tile), 48, 64 and 65 (the bound) and a few larger, K of
  * 1, 2 and 3 K blocks (K 1056: 33 chunks, blocks of an odd chunk count), N a multiple of 4 or
  * not, with and without bias, one and two threads: every ISA gives the bits of the reference on the widened weights. */
 static void test_isas_identical_grouped(void **st) {
@@ -214,7 +214,7 @@ static void test_isas_identical_grouped(void **st) {
      * 64: 1), with and without bias; N 30 and 9 keep the panel */
     static const int shapes[][3] = {{52, 1056, 1}, {32, 2048, 0}, {20, 64, 1}, {8, 96, 0}, {30, 2048, 1}, {9, 96, 0}};
     static const int Ms[] = {1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15, 16, 17, 18, 19,
-                             20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 35, 64, 65, 70, 129};
+                             20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 35, 48, 64, 65, 70, 129};
     enum kv_matmul_isa isas[] = {KV_MATMUL_ISA_GENERIC, KV_MATMUL_ISA_AVX2, KV_MATMUL_ISA_AVX512};
     int tested = 0;
     for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
