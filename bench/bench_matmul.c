@@ -45,8 +45,11 @@ static int parse_list(const char *opt, const char *s, int *out, int cap, long lo
         char *end;
         long v = strtol(s, &end, 10);
         if (end == s || (*end && *end != ',') || v < lo || v > hi || n == cap) {
-            fprintf(stderr, "bench_matmul: %s: expected up to %d comma-separated integers in [%ld, %ld]\n", opt, cap,
-                    lo, hi);
+            if (cap == 1)
+                fprintf(stderr, "bench_matmul: %s: expected an integer in [%ld, %ld]\n", opt, lo, hi);
+            else
+                fprintf(stderr, "bench_matmul: %s: expected up to %d comma-separated integers in [%ld, %ld]\n", opt,
+                        cap, lo, hi);
             return -1;
         }
         out[n++] = (int)v;
