@@ -187,8 +187,11 @@ AI void x_share(const struct xnext *xn, int j, const char **pf, int *npf) {
 }
 
 /* Sets src for the tile of X rows m.. (R of them, m a multiple of the family's R) and W rows
- * n.. over K block [k0, k1) of the task a (a->Xp packed: the x86 families always get it). */
-AI void tile_at(const struct cols_args *a, int m, int R, int n, int k0, struct tile_src *src) {
+ * n.. over K block [k0, k1) of the task a (a->Xp packed: the x86 families always get it), with
+ * its share of the next X block xn (tiles of C W rows). */
+AI void tile_at(const struct cols_args *a, int m, int R, int n, int k0, const struct xnext *xn, int C,
+                struct tile_src *src) {
+    x_share(xn, (n - a->n0) / C, &src->pf, &src->npf);
     const size_t K = (size_t)a->op->W->cols, K16 = K - K % 16;
     src->Xt = a->Xp + (size_t)m * K16 + (size_t)(k0 / 16) * R * 16;
     src->Xtl = a->op->X + (size_t)m * K + K16;
@@ -267,18 +270,15 @@ AI T512 void tile512(const struct tile_src *src, int steps, float *buf, int firs
             struct xnext xn;                                                                                       \
             x_next(a, m, R, k0, k1, ntl, &xn);                                                                     \
             for (; n + (CMAX) <= n1; n += (CMAX), tb += 16 * (RMAX) * (CMAX)) {                                    \
-                tile_at(a, m, R, n, k0, &src);                                                                     \
-                x_share(&xn, (n - n0) / (CMAX), &src.pf, &src.npf);                                                \
+                tile_at(a, m, R, n, k0, &xn, CMAX, &src);                                                          \
                 TILE(&src, steps, tb, first, last, (int)K, b ? b + n : NULL, y + n, N, R, CMAX);                   \
             }                                                                                                      \
             if (n1 - n == 2) {                                                                                     \
-                tile_at(a, m, R, n, k0, &src);                                                                     \
-                x_share(&xn, (n - n0) / (CMAX), &src.pf, &src.npf);                                                \
+                tile_at(a, m, R, n, k0, &xn, CMAX, &src);                                                          \
                 TILE(&src, steps, tb, first, last, (int)K, b ? b + n : NULL, y + n, N, R, 2);                      \
             }                                                                                                      \
             if (n1 - n == 1) {                                                                                     \
-                tile_at(a, m, R, n, k0, &src);                                                                     \
-                x_share(&xn, (n - n0) / (CMAX), &src.pf, &src.npf);                                                \
+                tile_at(a, m, R, n, k0, &xn, CMAX, &src);                                                          \
                 TILE(&src, steps, tb, first, last, (int)K, b ? b + n : NULL, y + n, N, R, 1);                      \
             }                                                                                                      \
         }                                                                                                          \
