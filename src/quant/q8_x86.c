@@ -488,12 +488,22 @@ void kv_q8_dot_avx512(int type, const void *w, size_t rb, int n_rows, const stru
     else dot512_plain(type, w, rb, n_rows, a, m0, M, Y, ldy);
 }
 
-/* Decode over a panel repacked at load (Q8_0, one activation row): each row group is one
- * sequential stream; asking for the group two ahead into L1 gave +7-15% tokens/s at 1B
- * (memory-bound; with 4 streams side by side 1, 2, 4 or 6 ahead measured alike). grp: the
- * current group of grp_bytes. */
-static ALWAYS void prefetch_group_ahead(const uint8_t *grp, size_t grp_bytes) {
-    const char *pf = (const char *)grp + 2 * grp_bytes;
+/* Software prefetch of a panel repacked at load (Q8_0; Q4_0 alike), into L1: the grp_bytes that
+ * lie `ahead` bytes after the current group grp (0: none). Each row group is one sequential
+ * stream. Not for the K-quants: their panels are made per task and step (kv_q8_pack), so their
+ * tiles read L2, not DRAM.
+ * - decode (one activation row, up to 4 row groups side by side): two groups ahead gave +7-15%
+ *   tokens/s at 1B (memory-bound; 1, 2, 4 or 6 ahead measured alike): PF_DECODE.
+ * - more rows (a decode step of many sequences; prefill): the first tile of a row group reads
+ *   it from DRAM, the others find it in L1/L2. Without a prefetch that first pass waited on DRAM
+ *   latency; PF_MANY ahead: 1B Q8_0, 16 sequences (bench_engine --concurrency 16, Zen 5, one
+ *   thread, alternated): AVX-512 VNNI decode 163 -> 210-220 tokens/s (2 groups ahead: 175-180,
+ *   8: 195-215, 16-64: 210-225), AVX2 +3-8%.
+ * Only loads are added: same bits. */
+#define PF_DECODE(g) ((g).kq ? 0 : 2 * (int)(g).grp)
+#define PF_MANY(g) ((g).kq ? 0 : 16384)
+static ALWAYS void prefetch_group_ahead(const uint8_t *grp, size_t grp_bytes, int ahead) {
+    const char *pf = (const char *)grp + ahead;
     for (size_t l = 0; l < grp_bytes; l += 64) _mm_prefetch(pf + l, _MM_HINT_T0);
 }
 
@@ -505,7 +515,7 @@ static ALWAYS void prefetch_group_ahead(const uint8_t *grp, size_t grp_bytes) {
  * streams in flight (docs/benchmarks.md). Each output's sums run in the same order whatever NG
  * is (the groups are independent): the same bits. */
 AVX512 static ALWAYS void packed_tile(int type, const uint8_t *rg, size_t rgb, int nr, const struct kv_q8_act *a,
-                                      int m0, float *Y, size_t ldy, const int MR, const int NG) {
+                                      int m0, float *Y, size_t ldy, const int MR, const int NG, const int pf) {
     const struct kv_q8_geo g = kv_q8_geo(type);
     const int K = a->K, ng = K / g.G;
     __m512 acc[8][4], mn[8][4]; /* [m][u] */
@@ -514,7 +524,7 @@ AVX512 static ALWAYS void packed_tile(int type, const uint8_t *rg, size_t rgb, i
     for (int s = 0; s < ng; s++) {
         const uint8_t *gp[4]; /* group s of each row group */
         _Pragma("GCC unroll 4") for (int u = 0; u < NG; u++) gp[u] = rg + (size_t)u * rgb + (size_t)s * g.grp;
-        if (MR == 1 && !g.kq) _Pragma("GCC unroll 4") for (int u = 0; u < NG; u++) prefetch_group_ahead(gp[u], g.grp);
+        if (pf) _Pragma("GCC unroll 4") for (int u = 0; u < NG; u++) prefetch_group_ahead(gp[u], g.grp, pf);
         __m512i I[8][4];
         _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++)
             _Pragma("GCC unroll 4") for (int u = 0; u < NG; u++) I[m][u] = _mm512_setzero_si512();
@@ -596,10 +606,10 @@ AVX512 static ALWAYS void packed_t(int type, const uint8_t *panel, int n_rows, c
             for (int m = 0; m < M; m++) {
                 float *y = Y + (size_t)m * ldy + r;
                 switch (c) {
-                case 1: packed_tile(type, rg, rgb, nr, a, m0 + m, y, ldy, 1, 1); break;
-                case 2: packed_tile(type, rg, rgb, nr, a, m0 + m, y, ldy, 1, 2); break;
-                case 3: packed_tile(type, rg, rgb, nr, a, m0 + m, y, ldy, 1, 3); break;
-                default: packed_tile(type, rg, rgb, nr, a, m0 + m, y, ldy, 1, 4); break;
+                case 1: packed_tile(type, rg, rgb, nr, a, m0 + m, y, ldy, 1, 1, PF_DECODE(g)); break;
+                case 2: packed_tile(type, rg, rgb, nr, a, m0 + m, y, ldy, 1, 2, PF_DECODE(g)); break;
+                case 3: packed_tile(type, rg, rgb, nr, a, m0 + m, y, ldy, 1, 3, PF_DECODE(g)); break;
+                default: packed_tile(type, rg, rgb, nr, a, m0 + m, y, ldy, 1, 4, PF_DECODE(g)); break;
                 }
             }
             q += c;
@@ -610,9 +620,10 @@ AVX512 static ALWAYS void packed_t(int type, const uint8_t *panel, int n_rows, c
         const int nr = n_rows - r < 16 ? n_rows - r : 16;
         const uint8_t *rg = panel + (size_t)(r / 16) * rgb;
         int m = 0;
-        for (; m + 8 <= M; m += 8) packed_tile(type, rg, rgb, nr, a, m0 + m, Y + (size_t)m * ldy + r, ldy, 8, 1);
-        for (; m + 4 <= M; m += 4) packed_tile(type, rg, rgb, nr, a, m0 + m, Y + (size_t)m * ldy + r, ldy, 4, 1);
-        for (; m < M; m++) packed_tile(type, rg, rgb, nr, a, m0 + m, Y + (size_t)m * ldy + r, ldy, 1, 1);
+        /* the first tile of the row group streams it in (prefetch_group_ahead) */
+        for (; m + 8 <= M; m += 8) packed_tile(type, rg, rgb, nr, a, m0 + m, Y + (size_t)m * ldy + r, ldy, 8, 1, m ? 0 : PF_MANY(g));
+        for (; m + 4 <= M; m += 4) packed_tile(type, rg, rgb, nr, a, m0 + m, Y + (size_t)m * ldy + r, ldy, 4, 1, m ? 0 : PF_MANY(g));
+        for (; m < M; m++) packed_tile(type, rg, rgb, nr, a, m0 + m, Y + (size_t)m * ldy + r, ldy, 1, 1, 0);
     }
 }
 
@@ -1155,7 +1166,7 @@ static void kq_dec_rows256(int type, const uint8_t *w8, size_t rb, int n_rows, c
  * streams, as packed_tile; the same bits for every NG. */
 AVX2 static ALWAYS void packed_tile256(int type, const uint8_t *rg, size_t rgb, int half, int nr,
                                       const struct kv_q8_act *a, int m0, float *Y, size_t ldy, const int MR, const int H,
-                                      const int NG) {
+                                      const int NG, const int pf) {
     const struct kv_q8_geo g = kv_q8_geo(type);
     const int K = a->K, ng = K / g.G;
     const int off = type == KV_QTYPE_Q4_0 ? 8 : type == KV_QTYPE_Q6_K ? 32 : 0;
@@ -1167,8 +1178,7 @@ AVX2 static ALWAYS void packed_tile256(int type, const uint8_t *rg, size_t rgb, 
     for (int s = 0; s < ng; s++) {
         const uint8_t *gp[4]; /* group s of each row group */
         _Pragma("GCC unroll 4") for (int u = 0; u < NG; u++) gp[u] = rg + (size_t)u * rgb + (size_t)s * g.grp;
-        if (MR == 1 && !g.kq && half == 0) /* H = 1: the second half reads from L1/L2 */
-            _Pragma("GCC unroll 4") for (int u = 0; u < NG; u++) prefetch_group_ahead(gp[u], g.grp);
+        if (pf) _Pragma("GCC unroll 4") for (int u = 0; u < NG; u++) prefetch_group_ahead(gp[u], g.grp, pf);
         __m256i I[4][4][2];
         _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++)
             _Pragma("GCC unroll 4") for (int u = 0; u < NG; u++)
@@ -1262,10 +1272,10 @@ AVX2 static ALWAYS void packed_t256(int type, const uint8_t *panel, int n_rows, 
             for (int m = 0; m < M; m++) {
                 float *y = Y + (size_t)m * ldy + r;
                 switch (c) {
-                case 1: packed_tile256(type, rg, rgb, 0, nr, a, m0 + m, y, ldy, 1, 2, 1); break;
-                case 2: packed_tile256(type, rg, rgb, 0, nr, a, m0 + m, y, ldy, 1, 2, 2); break;
-                case 3: packed_tile256(type, rg, rgb, 0, nr, a, m0 + m, y, ldy, 1, 2, 3); break;
-                default: packed_tile256(type, rg, rgb, 0, nr, a, m0 + m, y, ldy, 1, 2, 4); break;
+                case 1: packed_tile256(type, rg, rgb, 0, nr, a, m0 + m, y, ldy, 1, 2, 1, PF_DECODE(g)); break;
+                case 2: packed_tile256(type, rg, rgb, 0, nr, a, m0 + m, y, ldy, 1, 2, 2, PF_DECODE(g)); break;
+                case 3: packed_tile256(type, rg, rgb, 0, nr, a, m0 + m, y, ldy, 1, 2, 3, PF_DECODE(g)); break;
+                default: packed_tile256(type, rg, rgb, 0, nr, a, m0 + m, y, ldy, 1, 2, 4, PF_DECODE(g)); break;
                 }
             }
             r += 16 * c;
@@ -1274,8 +1284,13 @@ AVX2 static ALWAYS void packed_t256(int type, const uint8_t *panel, int n_rows, 
         const int nr = n_rows - r < 8 ? n_rows - r : 8;
         const int half = (r / 8) & 1;
         int m = 0;
-        for (; m + 4 <= M; m += 4) packed_tile256(type, rg, rgb, half, nr, a, m0 + m, Y + (size_t)m * ldy + r, ldy, 4, 1, 1);
-        for (; m < M; m++) packed_tile256(type, rg, rgb, half, nr, a, m0 + m, Y + (size_t)m * ldy + r, ldy, 1, 1, 1);
+        /* H = 1: the first tile of half 0 streams the group's lines in, the second half's pass
+         * finds them in L1/L2; fewer than 4 rows (decode) prefetch as the decode tiles do */
+        const int pf = half ? 0 : M < 4 ? PF_DECODE(g) : PF_MANY(g);
+        for (; m + 4 <= M; m += 4)
+            packed_tile256(type, rg, rgb, half, nr, a, m0 + m, Y + (size_t)m * ldy + r, ldy, 4, 1, 1, m ? 0 : pf);
+        for (; m < M; m++)
+            packed_tile256(type, rg, rgb, half, nr, a, m0 + m, Y + (size_t)m * ldy + r, ldy, 1, 1, 1, M < 4 || !m ? pf : 0);
         r += 8;
     }
 }
