@@ -488,20 +488,21 @@ void kv_q8_dot_avx512(int type, const void *w, size_t rb, int n_rows, const stru
     else dot512_plain(type, w, rb, n_rows, a, m0, M, Y, ldy);
 }
 
-/* Software prefetch of a panel repacked at load (Q8_0; Q4_0 alike), into L1: the grp_bytes that
- * lie `ahead` bytes after the current group grp (0: none). Each row group is one sequential
- * stream. Not for the K-quants: their panels are made per task and step (kv_q8_pack), so their
- * tiles read L2, not DRAM.
- * - decode (one activation row, up to 4 row groups side by side): two groups ahead gave +7-15%
- *   tokens/s at 1B (memory-bound; 1, 2, 4 or 6 ahead measured alike): PF_DECODE.
- * - more rows (a decode step of many sequences; prefill): the first tile of a row group reads
- *   it from DRAM, the others find it in L1/L2. Without a prefetch that first pass waited on DRAM
- *   latency; PF_MANY ahead: 1B Q8_0, 16 sequences (bench_engine --concurrency 16, Zen 5, one
- *   thread, alternated): AVX-512 VNNI decode 163 -> 210-220 tokens/s (2 groups ahead: 175-180,
- *   8: 195-215, 16-64: 210-225), AVX2 +3-8%.
- * Only loads are added: same bits. */
+/* Software prefetch of a panel repacked at load, into L1: the grp_bytes that lie `ahead` bytes
+ * after the current group grp (0: none). Each row group is one sequential stream.
+ * - decode (one activation row, up to 4 row groups side by side; every type but the K-quants,
+ *   as before): two groups ahead gave +7-15% tokens/s at 1B (memory-bound; 1, 2, 4 or 6 ahead
+ *   measured alike): PF_DECODE.
+ * - 4 or more rows (a decode step of many sequences; prefill), Q8_0 only (the one type the CPU
+ *   backend repacks at load; the others' panels are made per task and step, kv_q8_pack, and
+ *   read from L2): the first tile over a row group reads it from DRAM, the others find it in
+ *   L1/L2, so only the first prefetches, PF_MANY ahead. Without it that first pass waited on
+ *   DRAM latency: 1B Q8_0, 16 sequences (bench_engine --concurrency 16, Zen 5, one thread,
+ *   alternated pairs): AVX-512 VNNI decode 154-168 -> 192-210 tokens/s (1.14-1.36x; 2 groups
+ *   ahead: 175-180, 8: 195-215, 16-64: 195-228), AVX2 1.03-1.05x (docs/benchmarks.md).
+ * Prefetches only: same bits. */
 #define PF_DECODE(g) ((g).kq ? 0 : 2 * (int)(g).grp)
-#define PF_MANY(g) ((g).kq ? 0 : 16384)
+#define PF_MANY(type) ((type) == KV_QTYPE_Q8_0 ? 16384 : 0)
 static ALWAYS void prefetch_group_ahead(const uint8_t *grp, size_t grp_bytes, int ahead) {
     const char *pf = (const char *)grp + ahead;
     for (size_t l = 0; l < grp_bytes; l += 64) _mm_prefetch(pf + l, _MM_HINT_T0);
@@ -621,8 +622,8 @@ AVX512 static ALWAYS void packed_t(int type, const uint8_t *panel, int n_rows, c
         const uint8_t *rg = panel + (size_t)(r / 16) * rgb;
         int m = 0;
         /* the first tile of the row group streams it in (prefetch_group_ahead) */
-        for (; m + 8 <= M; m += 8) packed_tile(type, rg, rgb, nr, a, m0 + m, Y + (size_t)m * ldy + r, ldy, 8, 1, m ? 0 : PF_MANY(g));
-        for (; m + 4 <= M; m += 4) packed_tile(type, rg, rgb, nr, a, m0 + m, Y + (size_t)m * ldy + r, ldy, 4, 1, m ? 0 : PF_MANY(g));
+        for (; m + 8 <= M; m += 8) packed_tile(type, rg, rgb, nr, a, m0 + m, Y + (size_t)m * ldy + r, ldy, 8, 1, m ? 0 : PF_MANY(type));
+        for (; m + 4 <= M; m += 4) packed_tile(type, rg, rgb, nr, a, m0 + m, Y + (size_t)m * ldy + r, ldy, 4, 1, m ? 0 : PF_MANY(type));
         for (; m < M; m++) packed_tile(type, rg, rgb, nr, a, m0 + m, Y + (size_t)m * ldy + r, ldy, 1, 1, 0);
     }
 }
@@ -1286,7 +1287,7 @@ AVX2 static ALWAYS void packed_t256(int type, const uint8_t *panel, int n_rows, 
         int m = 0;
         /* H = 1: the first tile of half 0 streams the group's lines in, the second half's pass
          * finds them in L1/L2; fewer than 4 rows (decode) prefetch as the decode tiles do */
-        const int pf = half ? 0 : M < 4 ? PF_DECODE(g) : PF_MANY(g);
+        const int pf = half ? 0 : M < 4 ? PF_DECODE(g) : PF_MANY(type);
         for (; m + 4 <= M; m += 4)
             packed_tile256(type, rg, rgb, half, nr, a, m0 + m, Y + (size_t)m * ldy + r, ldy, 4, 1, 1, m ? 0 : pf);
         for (; m < M; m++)
