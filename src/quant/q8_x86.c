@@ -1291,7 +1291,7 @@ AVX2 static ALWAYS void packed_t256(int type, const uint8_t *panel, int n_rows, 
         for (; m + 4 <= M; m += 4)
             packed_tile256(type, rg, rgb, half, nr, a, m0 + m, Y + (size_t)m * ldy + r, ldy, 4, 1, 1, m ? 0 : pf);
         for (; m < M; m++)
-            packed_tile256(type, rg, rgb, half, nr, a, m0 + m, Y + (size_t)m * ldy + r, ldy, 1, 1, 1, M < 4 || !m ? pf : 0);
+            packed_tile256(type, rg, rgb, half, nr, a, m0 + m, Y + (size_t)m * ldy + r, ldy, 1, 1, 1, M < 4 ? pf : 0);
         r += 8;
     }
 }

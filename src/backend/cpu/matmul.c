@@ -368,9 +368,10 @@ static T256 void cols_avx2(const struct cols_args *a) {
  * (qdot.h: rows in groups of KV_FGROUP_ROWS = 4, interleaved in 64-byte chunks, so row i of a
  * full group has chunk c at i * 64 + c * 256 bytes from its group's start), widen each W vector
  * as they load it, exactly (vcvtph2ps; bf16: the bits shifted up 16), and do tile512's fmas in
- * tile512's order on the same packed X: the same bits as the panel path (test_matmul). One chunk holds two 16-float
- * steps, so the K blocks here end on even steps (k_bound's granule 32); the blocking changes no
- * bit. Only for matrices whose every group is full (rows % 4 == 0: every Llama/Qwen shape).
+ * tile512's order on the same packed X: the same bits as the panel path (test_matmul). One
+ * chunk holds two 16-float steps, so the K blocks here end on even steps (k_bound's granule 32);
+ * the blocking changes no bit. Only for matrices whose every group is full (rows % 4 == 0:
+ * every Llama/Qwen shape).
  *
  * Prefetch: the weights come from DRAM once a step (the first row tile of a task) and the
  * hardware prefetchers do not follow the grouped pattern (3 rows of a 4-row group, 256 bytes
