@@ -1,6 +1,6 @@
 /*
  * q8: activation quantization, the scalar reference of the integer dot contract (q8.h), the
- * generic kernel and the per-ISA dispatch. The AVX2 / AVX-512 kernels are in q8_x86.c.
+ * generic kernel and the per-ISA dispatch. The x86 kernels are in q8_avx2.c, q8_avx512.c and q8_amx.c.
  *
  * Integer bounds (why no sum can overflow int32, |q| <= 127):
  *   block / sub-block sums: 32 * 128 * 127 = 520,192
@@ -53,7 +53,7 @@ int kv_q8_act_init(struct kv_q8_act *a, void *buf, int M, int K, int group) {
     return 0;
 }
 
-/* ---- quantization (scalar; the vector versions are in q8_x86.c and give the same bytes) ---- */
+/* ---- quantization (scalar; the vector versions are in q8_avx2.c / q8_avx512.c and give the same bytes) ---- */
 
 void kv_q8_quantize_group_generic(const float *x, int G, int8_t *q, float *d) {
     float amax = 0.0f;

@@ -1,6 +1,7 @@
 /*
- * q8_internal: what q8.c (quantization, reference, dispatch) and q8_x86.c (the AVX2 and
- * AVX-512 kernels) share. Not a public interface.
+ * q8_internal: what q8.c (quantization, reference, dispatch) and the x86 kernel files
+ * (q8_avx2.c, q8_avx512.c, q8_amx.c; their shared helpers in q8_x86_internal.h) share. Not a
+ * public interface.
  */
 #ifndef KV_QUANT_Q8_INTERNAL_H
 #define KV_QUANT_Q8_INTERNAL_H
