@@ -1,6 +1,7 @@
 /*
- * engine internals shared by engine.c (thread, queues, step loop, events) and sched.c
- * (admission, budgets, chunked prefill, preemption). Everything below the "engine thread
+ * engine internals shared by engine.c (thread, queues, step loop, events), submit.c (request
+ * checks, the submit and cancel queues), sched.c (admission, budgets, chunked prefill,
+ * preemption) and the other parts of the engine. Everything below the "engine thread
  * only" line is touched by the engine thread alone, without locks.
  */
 #ifndef KV_ENGINE_INTERNAL_H
@@ -12,6 +13,10 @@
 #include "engine.h"
 #include "sampler.h"
 #include "stop.h"
+
+/* Most top logprobs a request may ask for (OpenAI's bound); the device sampler reports as many */
+#define ENGINE_MAX_TOP_LOGPROBS 20
+_Static_assert(ENGINE_MAX_TOP_LOGPROBS <= BACKEND_MAX_TOP, "device sampling reports up to BACKEND_MAX_TOP");
 
 /* Request states (architecture.md). Every state but FINISHED/FAILED/CANCELLED lives in one
  * engine list: WAITING in waiting[], PREFILL/DECODE in running[], TRANSFER_* in xfer[].
