@@ -2,7 +2,7 @@
  * bench_qdot: ns per weight of the fused dequantize+dot kernels (kv_qdot_rows, src/quant/
  * qdot.h) against what the CPU matmul did before them for decode: dequantize 4 weight rows
  * with kv_dequant_row into an f32 panel, then the f32 FMA tile over the panel (here the F32
- * kernel of kv_qdot_rows, the same 16-lane register tile as matmul.c's). Per type, per ISA
+ * kernel of kv_qdot_rows, the same 16-lane register tile as matmul_x86.c's). Per type, per ISA
  * this CPU has, for M = 1 and M = 4 activation rows, one thread:
  *   hot     the packed weights fit in L2 (512 KiB, cycled): compute-bound throughput
  *   stream  the weights cycle through 320 MiB (> any LLC), as a decode step reads them

@@ -2,10 +2,10 @@
  * q8_x86_internal: what the x86 kernel files of kv_q8 share (q8_avx2.c, q8_avx512.c, q8_amx.c):
  * target attributes, the dispatch over weight types, the prefetch helpers, the scalar part of
  * packing a row group and the K-quant mins helpers. Always-inline: each kernel that uses a helper
- * gets its own copy, compiled for that kernel's target. Not a public interface.
- *
- * The kernels (q8.h). Per-function target attributes: the files build for baseline x86-64 and
- * q8.c only calls a set the CPU has.
+ * gets its own copy, compiled for that kernel's target. Not a public interface. Include it after
+ * the file's `#pragma GCC optimize("fp-contract=off")`, so that the helpers are compiled under it.
+ * Per-function target attributes: the files build for baseline x86-64 and q8.c only calls a set
+ * the CPU has. The kernels (q8.h):
  *
  * Decode kernels (kv_q8_dot_rows, the packed GGUF rows as they are): a tile of 16 (AVX-512)
  * or 8 (AVX2) weight rows for one activation row. Per row, integer products into 4-element

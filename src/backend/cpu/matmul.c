@@ -228,7 +228,7 @@ struct plan {
     int first[MAX_BATCH + 1]; /* first task of op i; first[n_ops] = total */
     cols_fn fn;
     const struct kv_q8_act *q8[MAX_BATCH]; /* op i's quantized activations (integer path), or NULL */
-    const float *xp[MAX_BATCH]; /* op i's X packed for an x86 family's float tiles (pack_x), or NULL */
+    const float *xp[MAX_BATCH]; /* op i's X packed for an x86 family's float tiles (kv_mm_pack_x), or NULL */
 #ifdef KV_MATMUL_X86
     hcols_fn hf[MAX_BATCH]; /* op i's grouped 16-bit tiles (reading xp[i]), or NULL */
 #endif

@@ -39,7 +39,7 @@
  * task's W rows stream past it; between K blocks the 16 lanes are saved in a per-thread buffer
  * and reloaded (each lane still adds in increasing k), and after the last block a shuffle
  * network runs the fixed tree on 16 (AVX2: 8) outputs at once. The SIMD families read X packed
- * once per product (tile by tile, so each tile is one sequential stream; matmul.c says why).
+ * once per product (tile by tile, so each tile is one sequential stream; matmul_x86.c says why).
  * Work split: W is cut into blocks of rows (about half a core's L2 of f32, at most 1 MiB, so a
  * block stays in L2 while all rows use it; smaller for >= 4 tasks per thread) and every block
  * is one thread-pool task computing all M rows of its columns, so each output element is

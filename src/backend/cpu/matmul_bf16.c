@@ -118,7 +118,7 @@ void kv_bf16_reference(const float *X, size_t ldx, int M, int K, const uint16_t 
 }
 
 /* ---- blocking shared by the SIMD families ----
- * Like matmul.c's float tiles (its loop-nest comment): X tiles of R rows (packed once per
+ * Like matmul_x86.c's float tiles (its loop-nest comment): X tiles of R rows (packed once per
  * product, one sequential stream per tile), K blocks of at most KC steps of 32 when there is
  * more than one X tile (the X tile stays in L1 while the task's W rows stream from L2), W tiles
  * of up to 4 rows (one group of the grouped layout). Between K blocks a tile's 16 lanes go to
@@ -212,7 +212,7 @@ AI T512BF void tile_bf512(const struct tile_job *j, const int R, const int C) {
         _Pragma("GCC unroll 4") for (int c = 0; c < C; c++) w[c] = _mm512_loadu_si512(W + c * rs);
         _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {
             __m512i x = _mm512_loadu_si512(X + r * 32);
-            __asm__("" : "+v"(x)); /* one load per X vector (see matmul.c's tile512) */
+            __asm__("" : "+v"(x)); /* one load per X vector (see matmul_x86.c's tile512) */
             _Pragma("GCC unroll 4") for (int c = 0; c < C; c++)
                 acc[r * C + c] = _mm512_dpbf16_ps(acc[r * C + c], (__m512bh)x, (__m512bh)w[c]);
         }
@@ -323,7 +323,7 @@ static T256E void run_tile256(const struct tile_job *j, int R, int C) {
 
 /* ---- AVX2 emulation for prefill (M > 4): the task's rows split once into f32 planes ----
  * Each weight row is converted once per task into the X packing's float layout (per step and
- * half: odd 8, even 8), so the tile is pure loads and FMAs as matmul.c's tile256: 4 X rows x 3 W
+ * half: odd 8, even 8), so the tile is pure loads and FMAs as matmul_x86.c's tile256: 4 X rows x 3 W
  * rows, 12 accumulators + 3 W + 1 X of 16 ymm; the conversion is amortised over all M rows
  * (the f32 mode converts its panel the same way). Same products in the same order. */
 #define RP256 4

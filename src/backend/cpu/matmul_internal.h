@@ -1,6 +1,8 @@
 /*
  * matmul_internal: what matmul.c (task planning, the generic family, per-thread buffers) and
- * matmul_x86.c (the AVX-512 and AVX2 families) share. Not a public interface.
+ * matmul_x86.c (the AVX-512 and AVX2 families) share. Not a public interface. Include it after
+ * the file's `#pragma GCC optimize("fp-contract=off")`: its simd_internal.h helpers are compiled
+ * into the kernels, where only the explicit fmas may fuse.
  */
 #ifndef KV_BACKEND_CPU_MATMUL_INTERNAL_H
 #define KV_BACKEND_CPU_MATMUL_INTERNAL_H
@@ -19,7 +21,7 @@
 #define AI static inline __attribute__((always_inline))
 
 /* A task's operands: columns [n0, n1) of all M rows of op.
- *   Xp: X packed for the family's tiles (x86 families: pack_x, once per op in run_batch,
+ *   Xp: X packed for the family's tiles (x86 families: kv_mm_pack_x, once per op in run_batch,
  *       shared read-only by every task), NULL for the generic family (X read in place).
  *   Wp: W rows n0.. (f32, in place or a task's dequantized panel), ldw floats apart. */
 struct cols_args {

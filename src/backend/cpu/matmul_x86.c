@@ -43,13 +43,13 @@
  * a multiple of 4 KiB (K = 1024, 2048, 5632, ...) all of them, and the C W rows of the task's
  * panel, map the same k to the same L1 set (11 lines of a 12-way set), and the tiles ran 20-25%
  * slower than with K padded by 64 floats (bench_matmul --cpu-time, 2048 x 2048 against
- * 2048 x 2112, F16, Sapphire Rapids). So run_batch packs X once per op (pack_x) so that a tile
+ * 2048 x 2112, F16, Sapphire Rapids). So run_batch packs X once per op (kv_mm_pack_x) so that a tile
  * reads its X as one sequential stream:
  *   tile t of R rows (the last one Rt = M - t R rows), 16-float step s of K16:
  *       Xp[t R K16 + s Rt 16 + r 16 + j] = X[t R + r][16 s + j]
  * The K % 16 tail elements are read in place. Same products in the same order: no bit changes.
  * (Packing W per task in groups of C rows as well measured no better, 0-10% worse: not done.)
- * Both the packed X and the task's W panel sit on 2 MiB pages (thread_buf); on 4 KiB pages the
+ * Both the packed X and the task's W panel sit on 2 MiB pages (kv_mm_thread_buf); on 4 KiB pages the
  * packed tiles gained less than half as much (nested page walks on the VM measured).
  *
  * The next X block (the tile's next K block, or the next row tile's first: the packed X runs on

@@ -1,5 +1,5 @@
 /*
- * simd_internal: pieces shared by the CPU backend's per-ISA kernels (matmul.c, attention.c).
+ * simd_internal: pieces shared by the CPU backend's per-ISA kernels (matmul_x86.c, matmul_bf16.c, attention.c).
  * Not a public header. Include it after the file's `#pragma GCC optimize("fp-contract=off")`:
  * the kernels' arithmetic contracts allow only explicit fmas.
  *
