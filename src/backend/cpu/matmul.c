@@ -3,11 +3,8 @@
  *
  * Three kernel families do the same IEEE operations in the same order: AVX-512 and AVX2
  * (intrinsics, fused multiply-add) and generic (scalar fmaf). Only the blocking differs,
- * chosen per ISA so the accumulators fit the register file: AVX-512 has 32 zmm (8x3 tile: 24
- * accumulators + 3 W vectors + 1 X vector), AVX2 16 ymm (4x3 tile of one ymm per output, run
- * once for lanes 0-7 and once for lanes 8-15 of the contract's 16: 12 accumulators + 3 W + 1
- * X). Both cut K into blocks so the X tile stays in L1 (matmul_x86.c has them and their
- * blocking). This file holds the generic family, the ISA and mode choices, the per-thread
+ * chosen per ISA so the accumulators fit the register file (the tile shapes: matmul_internal.h;
+ * the tiles and their K blocking: matmul_x86.c). This file holds the generic family, the ISA and mode choices, the per-thread
  * buffers and the planning: which kernel runs each task's columns (f32 tiles, grouped 16-bit
  * tiles, the quantized integer path, BF16 mode) and how a batch of ops is cut into tasks.
  * The file is compiled with fp-contract off so that only the explicit fmas fuse.
