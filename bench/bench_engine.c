@@ -4,6 +4,7 @@
  *   bench_engine --model PATH [--threads N] [--prompt-len 256] [--gen-len 64]
  *                [--concurrency 1,16] [--tokens-per-block 16] [--max-num-tokens 2048]
  *                [--kv-dtype f32|f16|bf16] [--depth 16] [--grammar json|FILE.json [--grammar-reps 3]]
+ *                [--prefetch-ab N]
  *   bench_engine --make-model OUT.gguf --vocab-from VOCAB.gguf [--layers 12 --dim 768 ...]
  *
  * Prefill: C requests with prompt_len random-but-valid token ids and max_tokens 1, submitted at
@@ -23,6 +24,10 @@
  * hooks (mask, apply, accept) per sequence-step and as a share of the unconstrained step (the
  * figure machine noise does not move). Constrained requests may end early when their grammar
  * completes (the built-in schema never does before --gen-len).
+ *
+ * --prefetch-ab N: instead of the table, the decode pass N times in each software-prefetch mode
+ * (KVSERVE_CPU_PREFETCH cache / nta, quant.h) alternated inside one process; prints the pairs
+ * and the median ratio nta / cache (prefetch_ab below).
  */
 #include <pthread.h>
 #include <stdio.h>
@@ -333,9 +338,51 @@ static int grammar_passes(engine_t *e, int n_vocab, const char *conc, int depth,
     return 0;
 }
 
+/* --prefetch-ab N: the decode pass (depth-token prompts, gen_len tokens) run N times in each
+ * software-prefetch mode (quant.h: KV_PREFETCH_CACHE, KV_PREFETCH_NTA) in turn inside this one
+ * process -- same weight pages, same KV blocks -- so a VM's per-process memory placement and
+ * drift hit both modes alike; prints each pair and the median of the per-pair ratios nta / cache
+ * (the order inside a pair alternates). Leaves the mode AUTO. 0 on success. */
+static int prefetch_ab(engine_t *e, int n_vocab, const char *conc, int depth, int gen_len, int reps) {
+    printf("%-12s %-6s %14s %14s %8s\n", "concurrency", "pair", "cache tok/s", "nta tok/s", "nta/cache");
+    for (const char *p = conc; *p;) {
+        int c = atoi(p);
+        double *ratio = calloc((size_t)reps, sizeof *ratio);
+        if (!ratio) return 1;
+        struct run r = {0};
+        for (int k = 0; k < reps; k++) {
+            double rate[2] = {0, 0}; /* [0] cache, [1] nta */
+            for (int h = 0; h < 2; h++) {
+                int nta = h ^ (k & 1);
+                kv_quant_set_prefetch(nta ? KV_PREFETCH_NTA : KV_PREFETCH_CACHE);
+                double td = run_batch(e, c, depth, gen_len, n_vocab, 2, &r);
+                double span = (double)(r.finish_max - r.first_token_min) / 1e9;
+                if (td <= 0 || span <= 0) {
+                    free(ratio);
+                    kv_quant_set_prefetch(KV_PREFETCH_AUTO);
+                    return 1;
+                }
+                rate[nta] = (double)r.gen_tokens_after_first / span;
+            }
+            ratio[k] = rate[1] / rate[0];
+            printf("%-12d %-6d %14.1f %14.1f %8.3f\n", c, k + 1, rate[0], rate[1], ratio[k]);
+            fflush(stdout);
+        }
+        qsort(ratio, (size_t)reps, sizeof *ratio, cmp_dbl);
+        printf("%-12d median nta/cache %.3f (min %.3f, max %.3f)\n", c, ratio[reps / 2], ratio[0], ratio[reps - 1]);
+        free(ratio);
+        p = strchr(p, ',');
+        if (!p) break;
+        p++;
+    }
+    kv_quant_set_prefetch(KV_PREFETCH_AUTO);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     const char *model_path = NULL, *make = NULL, *vocab = NULL, *conc = "1,16", *grammar = NULL;
-    int grammar_reps = 3;
+    int grammar_reps = 3, prefetch_reps = 0;
+    bool prefetch_ab_given = false;
     int depth = 16, kv_dtype = KV_DTYPE_F32, threads = 0, prompt_len = 256, gen_len = 64, tpb = 16, max_num_tokens = 2048;
     int layers = 12, dim = 768, heads = 12, kv_heads = 12, ffn = 2048;
     for (int i = 1; i < argc; i++) {
@@ -359,6 +406,7 @@ int main(int argc, char **argv) {
         else if (OPT("--depth")) depth = atoi(v);
         else if (OPT("--grammar")) grammar = v;
         else if (OPT("--grammar-reps")) grammar_reps = atoi(v);
+        else if (OPT("--prefetch-ab")) prefetch_reps = atoi(v), prefetch_ab_given = true;
         else if (OPT("--kv-dtype")) {
             if (kv_dtype_parse(v, &kv_dtype)) {
                 fprintf(stderr, "bench_engine: --kv-dtype %s: expected f32, f16 or bf16\n", v);
@@ -377,9 +425,13 @@ int main(int argc, char **argv) {
         }
         return make_model(make, vocab, layers, dim, heads, kv_heads, ffn);
     }
+    if (prefetch_ab_given && (prefetch_reps < 1 || prefetch_reps > 1000 || grammar)) {
+        fprintf(stderr, "bench_engine: --prefetch-ab takes a pair count of 1..1000 and does not combine with --grammar\n");
+        return 2;
+    }
     if (!model_path || prompt_len < 1 || gen_len < 2) {
         fprintf(stderr, "usage: bench_engine --model PATH [--threads N] [--prompt-len N] [--gen-len N>=2] "
-                        "[--concurrency 1,16] [--kv-dtype f32|f16|bf16] [--depth N]\n");
+                        "[--concurrency 1,16] [--kv-dtype f32|f16|bf16] [--depth N] [--prefetch-ab N]\n");
         return 2;
     }
     kv_log_set_level(KV_LOG_WARN);
@@ -426,14 +478,23 @@ int main(int argc, char **argv) {
            m->cfg.dim, m->cfg.n_heads, m->cfg.n_kv_heads, m->cfg.ffn_dim, m->cfg.n_vocab);
     const char *fi = getenv("KVSERVE_CPU_ISA");
     printf("kernel %s (KVSERVE_CPU_ISA=%s), quantized matmul %s (KVSERVE_CPU_QUANT_MATMUL), prefill %s, BF16 matmul %s "
-           "(%s, KVSERVE_CPU_BF16_MATMUL), openblas core: %s (OPENBLAS_CORETYPE=%s), threads %d, KV %s\n",
+           "(%s, KVSERVE_CPU_BF16_MATMUL), prefetch %s (KVSERVE_CPU_PREFETCH), openblas core: %s (OPENBLAS_CORETYPE=%s), "
+           "threads %d, KV %s\n",
            kv_matmul_isa_name(), fi ? fi : "unset", kv_matmul_quant_name(kv_matmul_get_quant()), kv_q8_packed_name(),
            kv_matmul_bf16_name(kv_matmul_get_bf16()),
-           kv_matmul_bf16_family_name(), openblas_get_corename(),
+           kv_matmul_bf16_family_name(), kv_quant_prefetch_name(kv_quant_get_prefetch()), openblas_get_corename(),
            ct ? ct : "unset", threads, kv_dtype_name(kv_dtype));
     printf("%-12s %-12s %14s %14s\n", "concurrency", "prompt_len", "prefill tok/s", "decode tok/s");
     struct run r = {0};
     run_batch(e, 1, 32, 4, m->cfg.n_vocab, 99, &r); /* warm-up */
+    if (prefetch_reps > 0) {
+        int rc = prefetch_ab(e, m->cfg.n_vocab, conc, depth, gen_len, prefetch_reps);
+        engine_stop(e);
+        backend_free(be);
+        tok_free(tok);
+        model_free(m);
+        return rc;
+    }
     if (grammar) {
         int rc = grammar_passes(e, m->cfg.n_vocab, conc, depth, gen_len, grammar, grammar_reps);
         engine_stop(e);

@@ -80,23 +80,31 @@ static ALWAYS size_t step_off(int type, int c0, int st, size_t cs) {
  * for the hardware prefetcher to ramp up per row. Only for rows of at most 2 KiB: longer ones
  * stream well on their own and measured no faster (bench_qdot --k 2048/4096) with it. A
  * prefetch past the matrix is harmless. */
-static ALWAYS void float_prefetch(const uint8_t *w, size_t rb, int R, int st, size_t SB, size_t cs) {
+static ALWAYS void float_prefetch(const uint8_t *w, size_t rb, int R, int st, size_t SB, size_t cs, bool nta) {
     if (rb > 2048 || cs != 64) return; /* long rows, or the grouped layout: one stream already */
     const uint8_t *next = w + (size_t)R * rb + (size_t)st * R * SB;
-    for (size_t b = 0; b < (size_t)R * SB; b += 64) __builtin_prefetch(next + b, 0, 2);
+    if (nta) /* quant.h: KV_PREFETCH_NTA (AMD, which runs the grouped layout by default) */
+        for (size_t b = 0; b < (size_t)R * SB; b += 64) __builtin_prefetch(next + b, 0, 0);
+    else
+        for (size_t b = 0; b < (size_t)R * SB; b += 64) __builtin_prefetch(next + b, 0, 2);
 }
 
 /* The grouped layout (qdot.h; cs = R * 64 bytes per chunk turn, a group's rows in one
  * sequential stream): each turn prefetches the bytes GROUP_PF ahead. The one stream alone left
  * a Sapphire Rapids core (VM, 2 MiB panel pages) reading it slower than the file's row streams
  * (1B F16 decode 5.2 vs 6.6 tok/s); with it 6.5-6.8 (AVX2 6.5-7.7), 12x768 F16 38-43 -> 45-54
- * tok/s (bench_engine --concurrency 1, alternated; 1024 and 16384 ahead measured less). Only
- * loads are added: same bits. */
+ * tok/s (bench_engine --concurrency 1, alternated; 1024 and 16384 ahead measured less). That
+ * is prefetcht0 (KV_PREFETCH_CACHE); on a Zen 5 core prefetcht0 cost bandwidth instead (a
+ * 1B-shaped F16 panel stream at 0.83x of no prefetch; prefetchnta ~1.0x), so nta (quant.h:
+ * KV_PREFETCH_NTA, the default on AMD) uses prefetchnta. Only loads are added: same bits. */
 #define GROUP_PF 4096
-static ALWAYS void group_prefetch(int type, const uint8_t *w, int c0, int PER, size_t cs) {
+static ALWAYS void group_prefetch(int type, const uint8_t *w, int c0, int PER, size_t cs, bool nta) {
     if (has_scales(type) || cs == 64) return; /* block types, or file rows (float_prefetch) */
     const uint8_t *p = w + (size_t)(c0 / PER) * cs + GROUP_PF;
-    for (size_t b = 0; b < cs; b += 64) __builtin_prefetch(p + b, 0, 3);
+    if (nta)
+        for (size_t b = 0; b < cs; b += 64) __builtin_prefetch(p + b, 0, 0);
+    else
+        for (size_t b = 0; b < cs; b += 64) __builtin_prefetch(p + b, 0, 3);
 }
 
 /* weight k of an F32/F16/BF16 row (the K % 16 tail) */
@@ -272,14 +280,15 @@ AVX2 static ALWAYS void y_tile(const int type, const uint8_t *w, size_t rb, size
     float sa[4][16], sb[4][8];
     uint8_t qb[4][256] __attribute__((aligned(32)));
     const int PER = steps_per_chunk(type);
+    const bool nta = !has_scales(type) && kv_quant_get_prefetch() == KV_PREFETCH_NTA; /* quant.h */
     for (int c0 = 0; c0 < nst; c0 += PER) { /* one chunk per turn: constant strides */
-        group_prefetch(type, w, c0, PER, cs);
+        group_prefetch(type, w, c0, PER, cs, nta);
 #pragma GCC unroll 4
         for (int j = 0; j < PER; j++) {
             const int st = c0 + j;
             if (st >= nst) break;
             const uint8_t *blk = w + step_off(type, c0, st, cs);
-            if (!has_scales(type)) float_prefetch(w, rb, R, st, SB, cs);
+            if (!has_scales(type)) float_prefetch(w, rb, R, st, SB, cs, nta);
             if (has_scales(type))
 #pragma GCC unroll 4
                 for (int r = 0; r < R; r++) {
@@ -426,14 +435,15 @@ AVX512 static ALWAYS void z_tile(const int type, const uint8_t *w, size_t rb, si
     float sa[8][16], sb[8][8];
     uint8_t qb[8][256] __attribute__((aligned(64)));
     const int PER = steps_per_chunk(type);
+    const bool nta = !has_scales(type) && kv_quant_get_prefetch() == KV_PREFETCH_NTA; /* quant.h */
     for (int c0 = 0; c0 < nst; c0 += PER) { /* one chunk per turn: constant strides */
-        group_prefetch(type, w, c0, PER, cs);
+        group_prefetch(type, w, c0, PER, cs, nta);
 #pragma GCC unroll 4
         for (int j = 0; j < PER; j++) {
             const int st = c0 + j;
             if (st >= nst) break;
             const uint8_t *blk = w + step_off(type, c0, st, cs);
-            if (!has_scales(type)) float_prefetch(w, rb, R, st, SB, cs);
+            if (!has_scales(type)) float_prefetch(w, rb, R, st, SB, cs, nta);
             if (has_scales(type))
 #pragma GCC unroll 8
                 for (int r = 0; r < R; r++) {

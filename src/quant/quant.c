@@ -369,6 +369,45 @@ const char *kv_quant_isa_name(enum kv_quant_isa isa) {
     }
 }
 
+/* ---- prefetch mode (quant.h) ---- */
+
+static _Atomic int g_prefetch = KV_PREFETCH_AUTO; /* resolved mode, never AUTO after first use */
+
+int kv_quant_prefetch_env(void) {
+    const char *e = getenv("KVSERVE_CPU_PREFETCH");
+    if (!e || !*e || !strcasecmp(e, "auto")) return KV_PREFETCH_AUTO;
+    if (!strcasecmp(e, "cache")) return KV_PREFETCH_CACHE;
+    if (!strcasecmp(e, "nta")) return KV_PREFETCH_NTA;
+    return -1;
+}
+
+enum kv_prefetch kv_quant_set_prefetch(enum kv_prefetch mode) {
+    if (mode != KV_PREFETCH_CACHE && mode != KV_PREFETCH_NTA) {
+        int e = kv_quant_prefetch_env();
+        if (e == KV_PREFETCH_CACHE || e == KV_PREFETCH_NTA) {
+            mode = (enum kv_prefetch)e;
+        } else {
+            mode = KV_PREFETCH_CACHE;
+#ifdef KV_QUANT_X86
+            __builtin_cpu_init();
+            if (__builtin_cpu_is("amd")) mode = KV_PREFETCH_NTA;
+#endif
+        }
+    }
+    atomic_store(&g_prefetch, (int)mode);
+    return mode;
+}
+
+enum kv_prefetch kv_quant_get_prefetch(void) {
+    int m = atomic_load_explicit(&g_prefetch, memory_order_relaxed);
+    if (m == KV_PREFETCH_AUTO) m = (int)kv_quant_set_prefetch(KV_PREFETCH_AUTO);
+    return (enum kv_prefetch)m;
+}
+
+const char *kv_quant_prefetch_name(enum kv_prefetch mode) {
+    return mode == KV_PREFETCH_CACHE ? "cache" : mode == KV_PREFETCH_NTA ? "nta" : "auto";
+}
+
 static const struct kv_dq_table *table_for(enum kv_quant_isa isa) {
 #ifdef KV_QUANT_X86
     if (isa == KV_QUANT_ISA_AVX512) return &kv_dq_avx512;

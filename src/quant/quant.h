@@ -92,4 +92,32 @@ int kv_quant_isa_env(void);
 /* "generic", "avx2", "avx512" ("auto" for AUTO). Static string. */
 const char *kv_quant_isa_name(enum kv_quant_isa isa);
 
+/* ---- software prefetch of data read once (the kernels' streams) ----
+ * The decode kernels prefetch what they stream: the F16/BF16 weight panels and rows
+ * (qdot_x86.c: group_prefetch, float_prefetch), the integer path's Q8_0 panel groups and file
+ * rows (q8_x86_internal.h: prefetch_group_ahead, prefetch_share) and, in attention
+ * (backend/cpu/attention.c: prefetch_rows), the K/V rows of the next positions. CACHE uses the
+ * per-site hints tuned on a Sapphire Rapids core (prefetcht0 into L1 for the panels, prefetcht1
+ * into L2 for rows and K/V); NTA uses prefetchnta at every one of these sites (the prefill
+ * tiles' prefetches of data they re-read keep their hints). On a Zen 5 core the CACHE hints cost
+ * bandwidth (in-process alternated runs: the 1B-shaped F16 panel stream 0.83x of no prefetch at
+ * all, NTA ~1.0x; 8k-context decode attention 1.2-1.3x faster with NTA), so AUTO picks NTA on
+ * AMD CPUs and CACHE elsewhere (docs/benchmarks.md, "Software prefetch per vendor").
+ * KVSERVE_CPU_PREFETCH=auto|cache|nta (any case) overrides AUTO; it is read when AUTO is
+ * resolved (the first use, or kv_quant_set_prefetch(AUTO)); another value counts as unset (the
+ * CLIs refuse it first: kv_cpu_env_check). Prefetches only: every mode gives the same bits. */
+enum kv_prefetch { KV_PREFETCH_AUTO = 0, KV_PREFETCH_CACHE, KV_PREFETCH_NTA };
+/* Forces the mode (tests and benchmarks: process-wide, threads racing with it see the old or
+ * the new mode, both correct); AUTO re-applies the default choice. Returns the mode now in
+ * effect (never AUTO). */
+enum kv_prefetch kv_quant_set_prefetch(enum kv_prefetch mode);
+/* The mode in effect now (never AUTO); one relaxed atomic load after the first call, cheap
+ * enough to read once per kernel call. */
+enum kv_prefetch kv_quant_get_prefetch(void);
+/* The one parser of KVSERVE_CPU_PREFETCH: AUTO when unset or empty, the mode it names, -1 for
+ * another value. Reads the environment each call. */
+int kv_quant_prefetch_env(void);
+/* "auto", "cache", "nta". Static string. */
+const char *kv_quant_prefetch_name(enum kv_prefetch mode);
+
 #endif

@@ -801,11 +801,11 @@ kv_status backend_cpu_new_ex(const model_t *m, const struct backend_cpu_options 
     openblas_set_num_threads(n_threads);
     if (c->gemm == BACKEND_CPU_GEMM_INVARIANT)
         KV_INFO("cpu backend: %d threads, gemm invariant (kernel %s, quantized weights: %s matmul, prefill %s; "
-                "BF16 weights: %s matmul (%s); OpenBLAS core %s unused)", n_threads, kv_matmul_isa_name(),
+                "BF16 weights: %s matmul (%s); prefetch %s; OpenBLAS core %s unused)", n_threads, kv_matmul_isa_name(),
                 kv_matmul_quant_name(kv_matmul_get_quant()),
                 kv_matmul_get_quant() == KV_MATMUL_QUANT_INT8 ? kv_q8_packed_name() : "f32 kernels",
                 kv_matmul_bf16_name(kv_matmul_get_bf16()),
-                kv_matmul_bf16_family_name(),
+                kv_matmul_bf16_family_name(), kv_quant_prefetch_name(kv_quant_get_prefetch()),
                 openblas_get_corename());
     else
         KV_INFO("cpu backend: %d threads, gemm openblas (core %s; NOT batch-invariant)", n_threads,

@@ -429,6 +429,9 @@ kv_status kv_cpu_env_check(char *err, size_t errlen) {
         return kv_errf(KV_EINVAL, err, errlen, "KVSERVE_CPU_BF16_MATMUL=%s: expected auto, bf16 or f32", e);
     if (kv_q8_amx_env() < 0)
         return kv_errf(KV_EINVAL, err, errlen, "KVSERVE_CPU_AMX=%s: expected 0 (off) or 1", getenv("KVSERVE_CPU_AMX"));
+    if (kv_quant_prefetch_env() < 0)
+        return kv_errf(KV_EINVAL, err, errlen, "KVSERVE_CPU_PREFETCH=%s: expected auto, cache or nta",
+                       getenv("KVSERVE_CPU_PREFETCH"));
     enum backend_cpu_float_layout fl;
     e = getenv("KVSERVE_CPU_FLOAT_LAYOUT");
     if (e && *e && backend_cpu_float_layout_parse(e, &fl) != KV_OK)

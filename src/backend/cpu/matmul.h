@@ -161,8 +161,8 @@ const char *kv_matmul_bf16_family_name(void);
 
 /* Checks the CPU kernel environment variables a CLI honours -- KVSERVE_CPU_ISA (kv_cpu_isa_env),
  * KVSERVE_CPU_QUANT_MATMUL (int8|f32), KVSERVE_CPU_BF16_MATMUL (auto|bf16|f32), KVSERVE_CPU_AMX (0|1), KVSERVE_CPU_PREPACK,
- * KVSERVE_CPU_THP and KVSERVE_CPU_PANEL_THP (0|1), KVSERVE_CPU_FLOAT_LAYOUT (rows|grouped; backend.h)
- * -- so that `kvserve serve`,
+ * KVSERVE_CPU_THP and KVSERVE_CPU_PANEL_THP (0|1), KVSERVE_CPU_FLOAT_LAYOUT (rows|grouped; backend.h),
+ * KVSERVE_CPU_PREFETCH (auto|cache|nta; quant.h) -- so that `kvserve serve`,
  * `generate` and bench_engine refuse a typo at start instead of running other kernels than
  * asked. KV_EINVAL / KV_EUNSUPPORTED with a message naming the variable; changes nothing. */
 kv_status kv_cpu_env_check(char *err, size_t errlen);

@@ -93,16 +93,18 @@ static void run_case(int hd, int G, int R, int n_pos, int dt) {
             free(s);
         }
     enum kv_matmul_isa isas[] = {KV_MATMUL_ISA_AVX2, KV_MATMUL_ISA_AVX512};
-    for (int i = 0; i < 2; i++) {
-        if (kv_matmul_set_isa(isas[i]) != isas[i]) continue;
+    for (int i = 0; i < 4; i++) { /* each family in both software-prefetch modes (quant.h) */
+        if (kv_matmul_set_isa(isas[i / 2]) != isas[i / 2]) continue;
+        kv_quant_set_prefetch(i % 2 ? KV_PREFETCH_NTA : KV_PREFETCH_CACHE);
         a.out = out;
         memset(out, 0xff, sizeof(float) * qs * R);
         kv_attention(&a);
         if (memcmp(out, ref, sizeof(float) * qs * R))
-            fail_msg("hd %d G %d R %d n_pos %d dt %s: family %s differs from generic", hd, G, R, n_pos,
-                     kv_dtype_name(dt), kv_matmul_isa_name());
+            fail_msg("hd %d G %d R %d n_pos %d dt %s: family %s (prefetch %s) differs from generic", hd, G, R, n_pos,
+                     kv_dtype_name(dt), kv_matmul_isa_name(), kv_quant_prefetch_name(kv_quant_get_prefetch()));
     }
     kv_matmul_set_isa(KV_MATMUL_ISA_AUTO);
+    kv_quant_set_prefetch(KV_PREFETCH_AUTO);
     free(pool), free(bt), free(q), free(ref), free(out), free(scores);
 }
 

@@ -297,6 +297,12 @@ static void test_mode_parse(void **st) {
     assert_int_equal(kv_matmul_set_bf16(KV_MATMUL_BF16_AUTO), kv_matmul_bf16_default());
     unsetenv("KVSERVE_CPU_BF16_MATMUL");
     assert_int_equal(kv_matmul_set_bf16(KV_MATMUL_BF16_AUTO), kv_matmul_bf16_default());
+    setenv("KVSERVE_CPU_PREFETCH", "t1", 1); /* the CLIs' check covers the prefetch mode (quant.h) too */
+    assert_int_equal(kv_cpu_env_check(err, sizeof err), KV_EINVAL);
+    assert_non_null(strstr(err, "KVSERVE_CPU_PREFETCH"));
+    setenv("KVSERVE_CPU_PREFETCH", "nta", 1);
+    assert_int_equal(kv_cpu_env_check(err, sizeof err), KV_OK);
+    unsetenv("KVSERVE_CPU_PREFETCH");
     /* the default is the fast mode only where the kernels in effect run vdpbf16ps */
     if (kv_matmul_bf16_default() == KV_MATMUL_BF16_BF16)
         assert_int_equal(kv_bf16_family_for(kv_matmul_get_isa()), KV_BF16_AVX512);

@@ -4,7 +4,8 @@
  * 1..9, odd block counts, odd strides and alignments; the activation quantization gives the
  * same bytes on every ISA and follows q8.h's rule; a non-finite activation makes its outputs
  * NaN; the result is independent of M and of the row grouping; accuracy against the f32
- * product with the dequantized weights on the real rows of the tiny-quant files. */
+ * product with the dequantized weights on the real rows of the tiny-quant files. The ISA runs
+ * repeat in both software-prefetch modes (quant.h: cache, nta). */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -142,15 +143,19 @@ static int compare_all(int type, const uint8_t *w, size_t rb, int n_rows, const 
         enum kv_quant_isa isa = k_isas[i < N_ISAS ? i : N_ISAS - 1];
         if (!use_isa(isa)) continue;
         kv_q8_set_limits(i == N_ISAS);
-        for (size_t j = 0; j < ny; j++) got[j] = -7.25f;
-        kv_q8_dot_rows(type, w, rb, n_rows, a, 0, M, got, ldy);
-        for (size_t j = 0; j < ny; j++) {
-            if (!same(got[j], ref[j]))
-                fail_msg("%s isa %s%s n_rows %d M %d K %d: Y[%zu] = %a, contract %a", kv_qtype_name(type),
-                         kv_quant_isa_name(isa), i == N_ISAS ? " (no VNNI)" : "", n_rows, M, a->K, j, (double)got[j],
-                         (double)ref[j]);
+        for (int pf = 0; pf < 2; pf++) { /* both software-prefetch modes (quant.h) */
+            kv_quant_set_prefetch(pf ? KV_PREFETCH_NTA : KV_PREFETCH_CACHE);
+            for (size_t j = 0; j < ny; j++) got[j] = -7.25f;
+            kv_q8_dot_rows(type, w, rb, n_rows, a, 0, M, got, ldy);
+            for (size_t j = 0; j < ny; j++) {
+                if (!same(got[j], ref[j]))
+                    fail_msg("%s isa %s%s prefetch %s n_rows %d M %d K %d: Y[%zu] = %a, contract %a", kv_qtype_name(type),
+                             kv_quant_isa_name(isa), i == N_ISAS ? " (no VNNI)" : "",
+                             kv_quant_prefetch_name(kv_quant_get_prefetch()), n_rows, M, a->K, j, (double)got[j],
+                             (double)ref[j]);
+            }
+            n++;
         }
-        n++;
     }
     /* the prefill path: repacked panel, every ISA and every limit (no AMX, no VNNI) */
     size_t pb = kv_q8_pack_bytes(type, n_rows, a->K);
@@ -175,19 +180,24 @@ static int compare_all(int type, const uint8_t *w, size_t rb, int n_rows, const 
         for (int lim = 0; lim < 4; lim++) {
             if (k_isas[i] != KV_QUANT_ISA_AVX512 && lim) break;
             kv_q8_set_limits(lim);
-            for (size_t j = 0; j < ny; j++) got[j] = -7.25f;
-            kv_q8_dot_packed(type, panel, n_rows, a, 0, M, got, ldy);
-            for (size_t j = 0; j < ny; j++)
-                if (!same(got[j], ref[j]))
-                    fail_msg("%s packed isa %s limits %d n_rows %d M %d K %d: Y[%zu] = %a, contract %a",
-                             kv_qtype_name(type), kv_quant_isa_name(k_isas[i]), lim, n_rows, M, a->K, j,
-                             (double)got[j], (double)ref[j]);
-            n++;
+            for (int pf = 0; pf < 2; pf++) {
+                kv_quant_set_prefetch(pf ? KV_PREFETCH_NTA : KV_PREFETCH_CACHE);
+                for (size_t j = 0; j < ny; j++) got[j] = -7.25f;
+                kv_q8_dot_packed(type, panel, n_rows, a, 0, M, got, ldy);
+                for (size_t j = 0; j < ny; j++)
+                    if (!same(got[j], ref[j]))
+                        fail_msg("%s packed isa %s limits %d prefetch %s n_rows %d M %d K %d: Y[%zu] = %a, contract %a",
+                                 kv_qtype_name(type), kv_quant_isa_name(k_isas[i]), lim,
+                                 kv_quant_prefetch_name(kv_quant_get_prefetch()), n_rows, M, a->K, j, (double)got[j],
+                                 (double)ref[j]);
+                n++;
+            }
         }
     }
     free(panel);
     kv_q8_set_limits(0);
     kv_quant_set_isa(KV_QUANT_ISA_AUTO);
+    kv_quant_set_prefetch(KV_PREFETCH_AUTO);
     /* one row at a time and one activation row at a time: the same bits (batch invariance) */
     for (int m = 0; m < M; m++)
         for (int r = 0; r < n_rows; r++) {

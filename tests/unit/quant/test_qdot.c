@@ -3,7 +3,8 @@
  * for every ISA this CPU has: random packed rows of every type (extreme finite scales
  * included), M = 1..9, n_rows 1..9, K multiples of the block (and odd K for F32/F16/BF16),
  * odd strides; the real rows of the tiny-quant files (each also against its llama.cpp
- * dequant-f32 twin through the F32 kernel); invalid arguments write nothing. */
+ * dequant-f32 twin through the F32 kernel); invalid arguments write nothing. The random rows
+ * and the grouped layout run in both software-prefetch modes (quant.h: cache, nta). */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -63,8 +64,10 @@ static int compare_all(const char *what, int type, const uint8_t *w, size_t rb, 
     assert_non_null(got);
     ref_qdot(type, w, rb, n_rows, K, X, ldx, M, want, ldy);
     int n = 0;
-    for (int ii = 0; ii < N_ISAS; ii++) {
+    for (int ip = 0; ip < 2 * N_ISAS; ip++) { /* every ISA in both prefetch modes (quant.h) */
+        const int ii = ip / 2;
         if (!use_isa(k_isas[ii])) continue;
+        kv_quant_set_prefetch(ip % 2 ? KV_PREFETCH_NTA : KV_PREFETCH_CACHE);
         uint32_t s = SENT;
         for (size_t i = 0; i < ny; i++) memcpy(&got[i], &s, 4);
         kv_qdot_rows(type, w, rb, n_rows, K, X, ldx, M, got, ldy);
@@ -73,8 +76,9 @@ static int compare_all(const char *what, int type, const uint8_t *w, size_t rb, 
                 size_t i = (size_t)m * ldy + r;
                 if ((int)r < n_rows) {
                     if (!same(got[i], want[i]))
-                        fail_msg("%s %s %s K=%d M=%d n_rows=%d: Y[%d][%zu] = %a (0x%08x), reference %a (0x%08x)", what,
-                                 kv_qtype_name(type), kv_quant_isa_name(k_isas[ii]), K, M, n_rows, m, r, (double)got[i],
+                        fail_msg("%s %s %s (prefetch %s) K=%d M=%d n_rows=%d: Y[%d][%zu] = %a (0x%08x), reference %a (0x%08x)",
+                                 what, kv_qtype_name(type), kv_quant_isa_name(k_isas[ii]),
+                                 kv_quant_prefetch_name(kv_quant_get_prefetch()), K, M, n_rows, m, r, (double)got[i],
                                  f_bits(got[i]), (double)want[i], f_bits(want[i]));
                 } else if (f_bits(got[i]) != SENT) {
                     fail_msg("%s %s %s: Y[%d][%zu] (past n_rows) written", what, kv_qtype_name(type),
@@ -85,6 +89,7 @@ static int compare_all(const char *what, int type, const uint8_t *w, size_t rb, 
         n++;
     }
     kv_quant_set_isa(KV_QUANT_ISA_AUTO);
+    kv_quant_set_prefetch(KV_PREFETCH_AUTO);
     free(want);
     free(got);
     return n;
@@ -222,8 +227,10 @@ static void check_grouped(int type) {
                     assert_non_null(X), assert_non_null(want), assert_non_null(got);
                     fill_x(X, ldx * (size_t)M);
                     ref_qdot(type, w + (size_t)r0 * rb, rb, n, K, X, ldx, M, want, ldy);
-                    for (int ii = 0; ii < N_ISAS; ii++) {
+                    for (int ip = 0; ip < 2 * N_ISAS; ip++) { /* every ISA in both prefetch modes */
+                        const int ii = ip / 2;
                         if (!use_isa(k_isas[ii])) continue;
+                        kv_quant_set_prefetch(ip % 2 ? KV_PREFETCH_NTA : KV_PREFETCH_CACHE);
                         uint32_t sent = SENT;
                         for (size_t i = 0; i < ny; i++) memcpy(&got[i], &sent, 4);
                         kv_qdot_grouped(type, g + (size_t)r0 * RB, n, K, X, ldx, M, got, ldy);
@@ -233,14 +240,16 @@ static void check_grouped(int type) {
                                 if ((int)r >= n) {
                                     assert_int_equal(f_bits(got[i]), SENT);
                                 } else if (!same(got[i], want[i])) {
-                                    fail_msg("grouped %s %s K=%d N=%d r0=%d M=%d: Y[%d][%zu] = %a, reference %a",
-                                             kv_qtype_name(type), kv_quant_isa_name(k_isas[ii]), K, N, r0, M, m, r,
+                                    fail_msg("grouped %s %s (prefetch %s) K=%d N=%d r0=%d M=%d: Y[%d][%zu] = %a, "
+                                             "reference %a", kv_qtype_name(type), kv_quant_isa_name(k_isas[ii]),
+                                             kv_quant_prefetch_name(kv_quant_get_prefetch()), K, N, r0, M, m, r,
                                              (double)got[i], (double)want[i]);
                                 }
                             }
                         runs++;
                     }
                     kv_quant_set_isa(KV_QUANT_ISA_AUTO);
+                    kv_quant_set_prefetch(KV_PREFETCH_AUTO);
                     free(X), free(want), free(got);
                 }
             }

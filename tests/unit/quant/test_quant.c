@@ -135,6 +135,56 @@ static void test_isa_select(void **s) {
     kv_quant_set_isa(KV_QUANT_ISA_AUTO);
 }
 
+/* The software-prefetch mode (quant.h): the KVSERVE_CPU_PREFETCH parser, forcing, and AUTO =
+ * NTA exactly on AMD CPUs (the vendor read independently from /proc/cpuinfo, where it exists)
+ * unless the variable names a mode. */
+static void test_prefetch_mode(void **s) {
+    (void)s;
+    const char *saved = getenv("KVSERVE_CPU_PREFETCH");
+    char *keep = saved ? strdup(saved) : NULL;
+    static const struct { const char *v; int want; } cases[] = {
+        {"", KV_PREFETCH_AUTO},   {"auto", KV_PREFETCH_AUTO}, {"cache", KV_PREFETCH_CACHE}, {"CACHE", KV_PREFETCH_CACHE},
+        {"nta", KV_PREFETCH_NTA}, {"Nta", KV_PREFETCH_NTA},   {"t0", -1},                   {"nta ", -1},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        setenv("KVSERVE_CPU_PREFETCH", cases[i].v, 1);
+        assert_int_equal(kv_quant_prefetch_env(), cases[i].want);
+    }
+    unsetenv("KVSERVE_CPU_PREFETCH");
+    assert_int_equal(kv_quant_prefetch_env(), KV_PREFETCH_AUTO);
+    assert_int_equal(kv_quant_set_prefetch(KV_PREFETCH_CACHE), KV_PREFETCH_CACHE);
+    assert_int_equal(kv_quant_get_prefetch(), KV_PREFETCH_CACHE);
+    assert_int_equal(kv_quant_set_prefetch(KV_PREFETCH_NTA), KV_PREFETCH_NTA);
+    assert_int_equal(kv_quant_get_prefetch(), KV_PREFETCH_NTA);
+    assert_string_equal(kv_quant_prefetch_name(KV_PREFETCH_CACHE), "cache");
+    assert_string_equal(kv_quant_prefetch_name(KV_PREFETCH_NTA), "nta");
+    assert_string_equal(kv_quant_prefetch_name(KV_PREFETCH_AUTO), "auto");
+    /* AUTO: the variable when it names a mode, else the vendor's default */
+    setenv("KVSERVE_CPU_PREFETCH", "cache", 1);
+    assert_int_equal(kv_quant_set_prefetch(KV_PREFETCH_AUTO), KV_PREFETCH_CACHE);
+    setenv("KVSERVE_CPU_PREFETCH", "nta", 1);
+    assert_int_equal(kv_quant_set_prefetch(KV_PREFETCH_AUTO), KV_PREFETCH_NTA);
+    setenv("KVSERVE_CPU_PREFETCH", "bogus", 1); /* the CLIs refuse it; the library falls back to AUTO */
+    enum kv_prefetch bogus = kv_quant_set_prefetch(KV_PREFETCH_AUTO);
+    unsetenv("KVSERVE_CPU_PREFETCH");
+    enum kv_prefetch dflt = kv_quant_set_prefetch(KV_PREFETCH_AUTO);
+    assert_int_equal(bogus, dflt);
+    assert_true(dflt == KV_PREFETCH_CACHE || dflt == KV_PREFETCH_NTA);
+    FILE *f = fopen("/proc/cpuinfo", "r");
+    if (f) {
+        char line[256];
+        int amd = -1;
+        while (amd < 0 && fgets(line, sizeof line, f))
+            if (!strncmp(line, "vendor_id", 9)) amd = strstr(line, "AuthenticAMD") != NULL;
+        fclose(f);
+        if (amd >= 0) assert_int_equal(dflt, amd ? KV_PREFETCH_NTA : KV_PREFETCH_CACHE);
+    }
+    fprintf(stderr, "NOTE: prefetch mode AUTO picks %s here\n", kv_quant_prefetch_name(dflt));
+    if (keep) setenv("KVSERVE_CPU_PREFETCH", keep, 1);
+    free(keep);
+    kv_quant_set_prefetch(KV_PREFETCH_AUTO);
+}
+
 /* ---- F16 / BF16: every bit pattern against an independently computed value ---- */
 
 static void put16le(uint8_t *p, uint16_t v) {
@@ -542,6 +592,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_qtype_table),
         cmocka_unit_test(test_isa_select),
+        cmocka_unit_test(test_prefetch_mode),
         cmocka_unit_test(test_dequant_writes_nothing),
         cmocka_unit_test(test_f16_all_values),
         cmocka_unit_test(test_bf16_values),
