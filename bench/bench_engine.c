@@ -25,9 +25,11 @@
  * figure machine noise does not move). Constrained requests may end early when their grammar
  * completes (the built-in schema never does before --gen-len).
  *
- * --prefetch-ab N: instead of the table, the decode pass N times in each software-prefetch mode
- * (KVSERVE_CPU_PREFETCH cache / nta, quant.h) alternated inside one process; prints the pairs
- * and the median ratio nta / cache (prefetch_ab below).
+ * --prefetch-ab N (1..1000): instead of the table, the decode pass (prompts of --depth tokens;
+ * --prompt-len plays no part) N times in each software-prefetch mode (KVSERVE_CPU_PREFETCH
+ * cache / nta, quant.h) alternated inside one process; prints the pairs and the median ratio
+ * nta / cache (prefetch_ab below). On a tiny model a decode pass lasts about a millisecond and
+ * single pairs swing widely: measure on real-sized files.
  */
 #include <pthread.h>
 #include <stdio.h>
@@ -369,7 +371,8 @@ static int prefetch_ab(engine_t *e, int n_vocab, const char *conc, int depth, in
             fflush(stdout);
         }
         qsort(ratio, (size_t)reps, sizeof *ratio, cmp_dbl);
-        printf("%-12d median nta/cache %.3f (min %.3f, max %.3f)\n", c, ratio[reps / 2], ratio[0], ratio[reps - 1]);
+        double med = reps % 2 ? ratio[reps / 2] : (ratio[reps / 2 - 1] + ratio[reps / 2]) / 2;
+        printf("%-12d median nta/cache %.3f (min %.3f, max %.3f)\n", c, med, ratio[0], ratio[reps - 1]);
         free(ratio);
         p = strchr(p, ',');
         if (!p) break;
@@ -406,7 +409,12 @@ int main(int argc, char **argv) {
         else if (OPT("--depth")) depth = atoi(v);
         else if (OPT("--grammar")) grammar = v;
         else if (OPT("--grammar-reps")) grammar_reps = atoi(v);
-        else if (OPT("--prefetch-ab")) prefetch_reps = atoi(v), prefetch_ab_given = true;
+        else if (OPT("--prefetch-ab")) {
+            char *end = NULL;
+            long n = strtol(v, &end, 10);
+            prefetch_ab_given = true;
+            prefetch_reps = end != v && !*end && n >= 1 && n <= 1000 ? (int)n : 0; /* 0: refused below */
+        }
         else if (OPT("--kv-dtype")) {
             if (kv_dtype_parse(v, &kv_dtype)) {
                 fprintf(stderr, "bench_engine: --kv-dtype %s: expected f32, f16 or bf16\n", v);
@@ -484,7 +492,6 @@ int main(int argc, char **argv) {
            kv_matmul_bf16_name(kv_matmul_get_bf16()),
            kv_matmul_bf16_family_name(), kv_quant_prefetch_name(kv_quant_get_prefetch()), openblas_get_corename(),
            ct ? ct : "unset", threads, kv_dtype_name(kv_dtype));
-    printf("%-12s %-12s %14s %14s\n", "concurrency", "prompt_len", "prefill tok/s", "decode tok/s");
     struct run r = {0};
     run_batch(e, 1, 32, 4, m->cfg.n_vocab, 99, &r); /* warm-up */
     if (prefetch_reps > 0) {
@@ -495,6 +502,7 @@ int main(int argc, char **argv) {
         model_free(m);
         return rc;
     }
+    printf("%-12s %-12s %14s %14s\n", "concurrency", "prompt_len", "prefill tok/s", "decode tok/s");
     if (grammar) {
         int rc = grammar_passes(e, m->cfg.n_vocab, conc, depth, gen_len, grammar, grammar_reps);
         engine_stop(e);

@@ -83,13 +83,14 @@ AVX2 static ALWAYS void store8(float *Y, int nr, __m256 v) {
 /* Q8_0 / Q4_0: nr <= 8 weight rows x MR <= 4 activation rows (m0 ..), Y row m at Y + m * ldy */
 AVX2 static ALWAYS void g32_tile256(int type, const uint8_t *w, size_t rb, int nr, const struct kv_q8_act *a, int m0,
                                     float *Y, size_t ldy, const int MR, const int PF) {
+    const bool pf_nta = PF && kv_quant_get_prefetch() == KV_PREFETCH_NTA; /* quant.h; read once */
     const int K = a->K, nb = K / 32;
     const size_t bb = type == KV_QTYPE_Q8_0 ? 34 : 18;
     const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0f);
     __m256 acc[4];
     _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++) acc[m] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        if (PF) prefetch_share(w + (size_t)8 * rb, (size_t)8 * rb, b, nb);
+        if (PF) prefetch_share(w + (size_t)8 * rb, (size_t)8 * rb, b, nb, pf_nta);
         __m256i wv[8], aw[8];
         _Pragma("GCC unroll 8") for (int r = 0; r < 8; r++) {
             const uint8_t *blk = w + (size_t)(r < nr ? r : 0) * rb + (size_t)b * bb;
@@ -167,6 +168,7 @@ AVX2 static ALWAYS __m256i kq_dec_scales(int type, const uint8_t *b, __m128i *mi
  * integer sums are exact and the float steps are the contract's (q8.h), in its order: the same bits. */
 AVX2 static ALWAYS void kq_dec256(int type, const uint8_t *w, size_t rb, int nr, const struct kv_q8_act *a, int m,
                                   float *Y, const int PF) {
+    const bool pf_nta = PF && kv_quant_get_prefetch() == KV_PREFETCH_NTA; /* quant.h; read once */
     const int K = a->K, ns = K / 256;
     const size_t bb = kv_qtype_block_bytes(type);
     const int mins = type != KV_QTYPE_Q6_K;
@@ -174,7 +176,7 @@ AVX2 static ALWAYS void kq_dec256(int type, const uint8_t *w, size_t rb, int nr,
     __m256 acc = _mm256_setzero_ps(), mn = _mm256_setzero_ps();
     __m256i x32[8]; /* Q6_K: 32 * x as vpmaddubsw pairs, per chunk */
     for (int s = 0; s < ns; s++) {
-        if (PF) prefetch_share(w + (size_t)8 * rb, (size_t)8 * rb, s, ns);
+        if (PF) prefetch_share(w + (size_t)8 * rb, (size_t)8 * rb, s, ns, pf_nta);
         const int8_t *qx = a->q + (size_t)m * K + 256 * (size_t)s;
         const int16_t *s16 = a->s16 + (size_t)m * (K / 16) + 16 * (size_t)s;
         if (!mins) {
@@ -222,6 +224,7 @@ AVX2 static ALWAYS void kq_dec256(int type, const uint8_t *w, size_t rb, int nr,
  * per-step repack (kv_q8_pack) the panels need. */
 AVX2 static ALWAYS void kq_tilem256(int type, const uint8_t *w, size_t rb, int nr, const struct kv_q8_act *a, int m0,
                                     int M, float *Y, size_t ldy, const int PF) {
+    const bool pf_nta = PF && kv_quant_get_prefetch() == KV_PREFETCH_NTA; /* quant.h; read once */
     const int K = a->K, ns = K / 256;
     const size_t bb = kv_qtype_block_bytes(type);
     const int mins = type != KV_QTYPE_Q6_K;
@@ -231,7 +234,7 @@ AVX2 static ALWAYS void kq_tilem256(int type, const uint8_t *w, size_t rb, int n
     __m256i ub[8][8], scv[8][8]; /* [row][chunk]: unpacked quants, int16 scales */
     __m128i mvs[8];              /* [row]: Q4_K/Q5_K's 8 mins as int16 */
     for (int s = 0; s < ns; s++) {
-        if (PF) prefetch_share(w + (size_t)8 * rb, (size_t)8 * rb, s, ns);
+        if (PF) prefetch_share(w + (size_t)8 * rb, (size_t)8 * rb, s, ns, pf_nta);
         _Pragma("GCC unroll 1") for (int r = 0; r < 8; r++) {
             const uint8_t *b = w + (size_t)(r < nr ? r : 0) * rb + (size_t)s * bb;
             mvs[r] = _mm_setzero_si128();
@@ -347,6 +350,9 @@ AVX2 static ALWAYS void packed_tile256(int type, const uint8_t *rg, size_t rgb, 
     const int K = a->K, ng = K / g.G;
     const int off = type == KV_QTYPE_Q4_0 ? 8 : type == KV_QTYPE_Q6_K ? 32 : 0;
     const __m256i voff = _mm256_set1_epi8((char)off), ones = _mm256_set1_epi16(1);
+    /* the decode tiles' stream (one row) takes the prefetch mode (quant.h); the first tile of
+     * many rows prefetches for the tiles after it, which re-read the lines: prefetcht0 */
+    const bool pf_nta = MR == 1 && pf && kv_quant_get_prefetch() == KV_PREFETCH_NTA;
     __m256 acc[4][4][2], mn[4][4][2]; /* [m][u][h] */
     _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++)
         _Pragma("GCC unroll 4") for (int u = 0; u < NG; u++)
@@ -354,7 +360,7 @@ AVX2 static ALWAYS void packed_tile256(int type, const uint8_t *rg, size_t rgb, 
     for (int s = 0; s < ng; s++) {
         const uint8_t *gp[4]; /* group s of each row group */
         _Pragma("GCC unroll 4") for (int u = 0; u < NG; u++) gp[u] = rg + (size_t)u * rgb + (size_t)s * g.grp;
-        if (pf) _Pragma("GCC unroll 4") for (int u = 0; u < NG; u++) prefetch_group_ahead(gp[u], g.grp, pf);
+        if (pf) _Pragma("GCC unroll 4") for (int u = 0; u < NG; u++) prefetch_group_ahead(gp[u], g.grp, pf, pf_nta);
         __m256i I[4][4][2];
         _Pragma("GCC unroll 4") for (int m = 0; m < MR; m++)
             _Pragma("GCC unroll 4") for (int u = 0; u < NG; u++)

@@ -68,6 +68,7 @@ AVX512 static ALWAYS __m512 gather_h(const uint8_t *w, size_t rb, int nr, size_t
 /* Q8_0 / Q4_0, one activation row, nr <= 16 rows. */
 AVX512 static ALWAYS void g32_row512(int type, const uint8_t *w, size_t rb, int nr, const struct kv_q8_act *a, int m,
                                      float *Y, const int VN, const int PF) {
+    const bool pf_nta = PF && kv_quant_get_prefetch() == KV_PREFETCH_NTA; /* quant.h; read once */
     const int K = a->K, nb = K / 32;
     const size_t bb = type == KV_QTYPE_Q8_0 ? 34 : 18;
     const int8_t *qx = a->q + (size_t)m * K;
@@ -79,7 +80,7 @@ AVX512 static ALWAYS void g32_row512(int type, const uint8_t *w, size_t rb, int 
     __m512 acc = _mm512_setzero_ps();
     for (int b = 0; b < nb; b += 2) {
         const int one = b + 1 == nb;
-        if (PF) prefetch_share(w + (size_t)16 * rb, (size_t)16 * rb, b / 2, (nb + 1) / 2);
+        if (PF) prefetch_share(w + (size_t)16 * rb, (size_t)16 * rb, b / 2, (nb + 1) / 2, pf_nta);
         __m512i x = one ? _mm512_maskz_loadu_epi8(0xffffffffull, qx + 32 * (size_t)b)
                         : _mm512_loadu_si512((const void *)(qx + 32 * (size_t)b));
         __m512i R[16];
@@ -200,6 +201,7 @@ AVX2 static ALWAYS __m128i kq_mins16(const uint8_t *b) {
  * float steps of kq_row512 in its order: the same bits. */
 AVX512 static ALWAYS void kq_tilem512(int type, const uint8_t *w, size_t rb, int nr, const struct kv_q8_act *a, int m0,
                                       int M, float *Y, size_t ldy, const int VN, const int PF) {
+    const bool pf_nta = PF && kv_quant_get_prefetch() == KV_PREFETCH_NTA; /* quant.h; read once */
     const int K = a->K, ns = K / 256;
     const size_t bb = kv_qtype_block_bytes(type);
     const int mins = type != KV_QTYPE_Q6_K;
@@ -209,7 +211,7 @@ AVX512 static ALWAYS void kq_tilem512(int type, const uint8_t *w, size_t rb, int
     __m512i ub[16][4], scv[16][4]; /* [row][chunk]: unpacked quants, int16 scales */
     __m128i mvs[16];               /* [row]: Q4_K/Q5_K's 8 mins as int16 */
     for (int s = 0; s < ns; s++) {
-        if (PF) prefetch_share(w + (size_t)16 * rb, (size_t)16 * rb, s, ns);
+        if (PF) prefetch_share(w + (size_t)16 * rb, (size_t)16 * rb, s, ns, pf_nta);
         _Pragma("GCC unroll 1") for (int r = 0; r < 16; r++) {
             const uint8_t *b = w + (size_t)(r < nr ? r : 0) * rb + (size_t)s * bb;
             const __m512i sc = kq_scales512(type, b);
@@ -253,6 +255,7 @@ AVX512 static ALWAYS void kq_tilem512(int type, const uint8_t *w, size_t rb, int
 
 AVX512 static ALWAYS void kq_row512(int type, const uint8_t *w, size_t rb, int nr, const struct kv_q8_act *a, int m,
                                     float *Y, const int VN, const int PF) {
+    const bool pf_nta = PF && kv_quant_get_prefetch() == KV_PREFETCH_NTA; /* quant.h; read once */
     const int K = a->K, ns = K / 256;
     const size_t bb = kv_qtype_block_bytes(type);
     const int mins = type != KV_QTYPE_Q6_K;
@@ -262,7 +265,7 @@ AVX512 static ALWAYS void kq_row512(int type, const uint8_t *w, size_t rb, int n
     const __m512i k32 = _mm512_set1_epi8(32);
     __m512 acc = _mm512_setzero_ps(), mn = _mm512_setzero_ps();
     for (int s = 0; s < ns; s++) {
-        if (PF) prefetch_share(w + (size_t)16 * rb, (size_t)16 * rb, s, ns);
+        if (PF) prefetch_share(w + (size_t)16 * rb, (size_t)16 * rb, s, ns, pf_nta);
         __m512i x[4], x32[4];
         _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {
             x[c] = _mm512_loadu_si512((const void *)(qx + 256 * (size_t)s + 64 * c));
@@ -385,13 +388,16 @@ AVX512 static ALWAYS void packed_tile(int type, const uint8_t *rg, size_t rgb, i
                                       int m0, float *Y, size_t ldy, const int MR, const int NG, const int pf) {
     const struct kv_q8_geo g = kv_q8_geo(type);
     const int K = a->K, ng = K / g.G;
+    /* the decode tiles' stream (one row) takes the prefetch mode (quant.h); the first tile of
+     * many rows prefetches for the tiles after it, which re-read the lines: prefetcht0 */
+    const bool pf_nta = MR == 1 && pf && kv_quant_get_prefetch() == KV_PREFETCH_NTA;
     __m512 acc[8][4], mn[8][4]; /* [m][u] */
     _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++)
         _Pragma("GCC unroll 4") for (int u = 0; u < NG; u++) acc[m][u] = mn[m][u] = _mm512_setzero_ps();
     for (int s = 0; s < ng; s++) {
         const uint8_t *gp[4]; /* group s of each row group */
         _Pragma("GCC unroll 4") for (int u = 0; u < NG; u++) gp[u] = rg + (size_t)u * rgb + (size_t)s * g.grp;
-        if (pf) _Pragma("GCC unroll 4") for (int u = 0; u < NG; u++) prefetch_group_ahead(gp[u], g.grp, pf);
+        if (pf) _Pragma("GCC unroll 4") for (int u = 0; u < NG; u++) prefetch_group_ahead(gp[u], g.grp, pf, pf_nta);
         __m512i I[8][4];
         _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++)
             _Pragma("GCC unroll 4") for (int u = 0; u < NG; u++) I[m][u] = _mm512_setzero_si512();

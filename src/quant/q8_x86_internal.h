@@ -47,14 +47,15 @@
  * (K = 768: 27% more decode time without it); prefill re-reads a task's rows from L2 instead.
  * prefetcht1 (into L2) beats prefetcht0 by ~10% on a Sapphire Rapids core (Q8_0 and AVX2 path;
  * the L1 fill buffers are the limit), prefetchnta is 1.6x slower; one tile ahead is enough.
- * That is KV_PREFETCH_CACHE (quant.h); NTA (the default on AMD) uses prefetchnta, measured on
- * a Zen 5 core with this and prefetch_group_ahead both switched (bench_engine --prefetch-ab, one
- * thread, two runs): 1B Q4_K_M decode 1.01x (this path alone), 1B Q8_0 1.06-1.09x (AVX2 family
- * 1.01-1.07x). */
-static ALWAYS void prefetch_share(const uint8_t *next, size_t span, int i, int n) {
+ * That is KV_PREFETCH_CACHE (quant.h); with nta (the caller's kv_quant_get_prefetch() ==
+ * KV_PREFETCH_NTA, read once per call: the default on AMD) prefetchnta, measured on a Zen 5 core
+ * with this and the decode tiles' prefetch_group_ahead both switched (bench_engine
+ * --prefetch-ab, one thread, two runs): 1B Q4_K_M decode 1.01x (this path alone), 1B Q8_0
+ * 1.06-1.09x (AVX2 family 1.01-1.07x). */
+static ALWAYS void prefetch_share(const uint8_t *next, size_t span, int i, int n, bool nta) {
     const size_t per = (span + (size_t)n - 1) / (size_t)n; /* n is constant per tile: hoisted */
     const uint8_t *p = next + per * (size_t)i;
-    if (kv_quant_get_prefetch() == KV_PREFETCH_NTA)
+    if (nta)
         for (size_t o = 0; o < per; o += 64) __builtin_prefetch(p + o, 0, 0);
     else
         for (size_t o = 0; o < per; o += 64) __builtin_prefetch(p + o, 0, 2); /* to L2 (t1) */
@@ -116,14 +117,15 @@ AVX2 static ALWAYS __m256i kq_mins8(const __m128i V[8], const int16_t *s16) {
  *   DRAM latency: 1B Q8_0, 16 sequences (bench_engine --concurrency 16, Zen 5, one thread,
  *   alternated pairs): AVX-512 VNNI decode 154-168 -> 192-210 tokens/s (1.14-1.36x; 2 groups
  *   ahead: 175-180, 8: 195-215, 16-64: 195-228), AVX2 1.03-1.05x (docs/benchmarks.md).
- * That is KV_PREFETCH_CACHE (quant.h); NTA (the default on AMD) uses prefetchnta: on the Zen 5
- * core, 16 sequences of the 1B Q8_0 decode 1.01-1.03x (bench_engine --prefetch-ab, two runs).
- * Prefetches only: same bits. */
+ * That is prefetcht0; nta (the one-row decode tiles when kv_quant_get_prefetch() ==
+ * KV_PREFETCH_NTA, quant.h: the default on AMD) uses prefetchnta, part of the Zen 5 gains in
+ * prefetch_share's note. The many-row tiles keep prefetcht0: the tiles after the first re-read
+ * what it brings in. Prefetches only: same bits. */
 #define PF_DECODE(g) ((g).kq ? 0 : 2 * (int)(g).grp)
 #define PF_MANY(type) ((type) == KV_QTYPE_Q8_0 ? 16384 : 0)
-static ALWAYS void prefetch_group_ahead(const uint8_t *grp, size_t grp_bytes, int ahead) {
+static ALWAYS void prefetch_group_ahead(const uint8_t *grp, size_t grp_bytes, int ahead, bool nta) {
     const char *pf = (const char *)grp + ahead;
-    if (kv_quant_get_prefetch() == KV_PREFETCH_NTA)
+    if (nta)
         for (size_t l = 0; l < grp_bytes; l += 64) _mm_prefetch(pf + l, _MM_HINT_NTA);
     else
         for (size_t l = 0; l < grp_bytes; l += 64) _mm_prefetch(pf + l, _MM_HINT_T0);

@@ -2,7 +2,8 @@
 # bench_engine's --prefetch-ab (the decode pass alternated between the software-prefetch modes
 # of src/quant/quant.h inside one process) and KVSERVE_CPU_PREFETCH: bad values exit 2 with a
 # message and print no table; a short run on stories260K prints one line per pair with both
-# rates and their ratio, then the median; the header names the mode KVSERVE_CPU_PREFETCH forces.
+# rates and their ratio, then the median; the header names the mode KVSERVE_CPU_PREFETCH forces;
+# kvserve serve / generate refuse a bad KVSERVE_CPU_PREFETCH at start.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 source "$here/lib.sh"
@@ -23,10 +24,21 @@ expect2 --model "$model" --prefetch-ab 0
 expect2 --model "$model" --prefetch-ab -1
 expect2 --model "$model" --prefetch-ab abc
 expect2 --model "$model" --prefetch-ab 1001
+expect2 --model "$model" --prefetch-ab 1x
+expect2 --model "$model" --prefetch-ab 2.5
 expect2 --model "$model" --prefetch-ab 2 --grammar json
 [[ $usage_err == *"--prefetch-ab"* ]] || fail "the refusal does not name --prefetch-ab: $usage_err"
 KVSERVE_CPU_PREFETCH=t1 expect_usage_error "$bin" --model "$model" --concurrency 1 --gen-len 4
 [[ $usage_err == *"KVSERVE_CPU_PREFETCH"* ]] || fail "KVSERVE_CPU_PREFETCH=t1 refused without naming it: $usage_err"
+
+# the server and generate refuse it too, before loading the model
+kv="${KVSERVE_BIN:-$build/kvserve}"
+if [[ -x $kv ]]; then
+  KVSERVE_CPU_PREFETCH=t0 expect_usage_error "$kv" serve --model "$model" --port 1
+  [[ $usage_err == *"KVSERVE_CPU_PREFETCH"* ]] || fail "kvserve serve: KVSERVE_CPU_PREFETCH=t0 refused without naming it: $usage_err"
+  KVSERVE_CPU_PREFETCH=" nta" expect_usage_error "$kv" generate --model "$model" --prompt hi
+  [[ $usage_err == *"KVSERVE_CPU_PREFETCH"* ]] || fail "kvserve generate: KVSERVE_CPU_PREFETCH refused without naming it: $usage_err"
+fi
 
 "$bin" --model "$model" --threads 1 --prompt-len 8 --gen-len 8 --concurrency 1,2 --prefetch-ab 3 >"$tmp/ab" 2>&1 ||
   fail "a valid --prefetch-ab run failed: $(cat "$tmp/ab")"

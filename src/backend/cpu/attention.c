@@ -106,12 +106,12 @@ AI void rows_of(const struct kv_attn_args *a, size_t off, int p, int n, size_t r
 /* Prefetches the rows of positions [p, min(p + n, end)) of the run at off: a run of one block
  * is only tpb rows long (2 KiB for 16 f16 rows of 64), too short for the hardware prefetcher,
  * and the next block's run is elsewhere in the pool. KV_PREFETCH_CACHE (quant.h) prefetches
- * into L2 (prefetcht1); NTA (the default on AMD) uses prefetchnta: on a Zen 5 core decode attention
+ * into L2 (prefetcht1); nta (the mode NTA, read once per kv_attention call: the default on AMD)
+ * uses prefetchnta: on a Zen 5 core decode attention
  * at 8k context ran 1.2-1.3x faster with it (AVX2 family 1.18-1.2x; 8-row prefill tiles
  * 1.02-1.07x; in-process alternated runs, docs/benchmarks.md). Prefetches only: same bits. */
-AI void prefetch_rows(const struct kv_attn_args *a, size_t off, int p, int n, int end, size_t rb) {
+AI void prefetch_rows(const struct kv_attn_args *a, size_t off, int p, int n, int end, size_t rb, const bool nta) {
     int e = p + n < end ? p + n : end;
-    const bool nta = p < e && kv_quant_get_prefetch() == KV_PREFETCH_NTA;
     while (p < e) {
         int blk = p / a->tpb, slot = p - blk * a->tpb, in = a->tpb - slot < e - p ? a->tpb - slot : e - p;
         const char *r = a->pool + (size_t)a->block_table[blk] * a->block_bytes + off + (size_t)slot * rb;
@@ -319,13 +319,14 @@ static int split_heads(const struct kv_attn_args *a, struct kv_attn_args *A) {
         const int hd = (A0)->head_dim, dt = (A0)->kv_dtype, hd16 = hd - hd % 16, R = (A0)->n_rows, G = (A0)->n_group; \
         const int n_last = (A0)->n_pos + R - 1; /* positions the last row attends */ \
         const size_t rb = (size_t)hd * kv_dtype_size(dt); \
+        const bool nta_ = kv_quant_get_prefetch() == KV_PREFETCH_NTA; /* prefetch_rows; once a call */ \
         (void)hd16; \
         for (int i0 = 0; i0 < n_last; i0 += (CH)) { \
             int ni = n_last - i0 < (CH) ? n_last - i0 : (CH); \
             for (int x = 0; x < H_; x++) { \
-                if (dt == KV_DTYPE_F16) SC(&A_[x], i0, ni, rb, KV_DTYPE_F16); \
-                else if (dt == KV_DTYPE_BF16) SC(&A_[x], i0, ni, rb, KV_DTYPE_BF16); \
-                else SC(&A_[x], i0, ni, rb, KV_DTYPE_F32); \
+                if (dt == KV_DTYPE_F16) SC(&A_[x], i0, ni, rb, KV_DTYPE_F16, nta_); \
+                else if (dt == KV_DTYPE_BF16) SC(&A_[x], i0, ni, rb, KV_DTYPE_BF16, nta_); \
+                else SC(&A_[x], i0, ni, rb, KV_DTYPE_F32, nta_); \
             } \
         } \
         float invs_[KV_ATTN_MAX_HEADS][256]; \
@@ -336,7 +337,7 @@ static int split_heads(const struct kv_attn_args *a, struct kv_attn_args *A) {
         for (int p0_ = 0; p0_ < n_last; p0_ += (A0)->tpb) \
             for (int x = 0; x < H_; x++) { \
                 const struct kv_attn_args *a = &A_[x]; \
-                prefetch_rows(a, a->v_off, p0_ + a->tpb, a->tpb, n_last, rb); \
+                prefetch_rows(a, a->v_off, p0_ + a->tpb, a->tpb, n_last, rb, nta_); \
                 ATTN_VALUES_BLOCK(p0_, invs_[x], __VA_ARGS__); \
             } \
     } while (0)
@@ -430,12 +431,12 @@ AI T512 void scores512_rows(const struct kv_attn_args *a, int i0, int ni, const 
  * the stack (exact: the same products follow), so the inner loop is loads and fmas only; a
  * decode row reads the pool's rows directly (at long context its K reads are the cost, and
  * the copy measured no better for a GQA group of 4). */
-AI T512 void scores512(const struct kv_attn_args *a, int i0, int ni, size_t rb, const int dt) {
+AI T512 void scores512(const struct kv_attn_args *a, int i0, int ni, size_t rb, const int dt, const bool nta) {
     const int hd = a->head_dim, hd16 = hd - hd % 16;
     const char *kr[16];
     rows_of(a, a->k_off, i0, ni, rb, kr);
     for (int t = ni; t < 16; t++) kr[t] = kr[ni - 1];
-    prefetch_rows(a, a->k_off, i0 + 16, 16, a->n_pos + a->n_rows - 1, rb);
+    prefetch_rows(a, a->k_off, i0 + 16, 16, a->n_pos + a->n_rows - 1, rb, nta);
     if (dt == KV_DTYPE_F32 || hd16 > KV_ATTN_WIDEN_MAX || a->n_rows < 2) {
         scores512_rows(a, i0, ni, kr, dt, kr, dt);
         return;
@@ -575,12 +576,12 @@ AI T256 void scores256_rows(const struct kv_attn_args *a, int i0, int ni, const 
 }
 
 /* As scores512 with 8 positions per chunk (the same f32 copy of K rows in prefill tiles). */
-AI T256 void scores256(const struct kv_attn_args *a, int i0, int ni, size_t rb, const int dt) {
+AI T256 void scores256(const struct kv_attn_args *a, int i0, int ni, size_t rb, const int dt, const bool nta) {
     const int hd = a->head_dim, hd16 = hd - hd % 16;
     const char *kr[8];
     rows_of(a, a->k_off, i0, ni, rb, kr);
     for (int t = ni; t < 8; t++) kr[t] = kr[ni - 1];
-    prefetch_rows(a, a->k_off, i0 + 8, 8, a->n_pos + a->n_rows - 1, rb);
+    prefetch_rows(a, a->k_off, i0 + 8, 8, a->n_pos + a->n_rows - 1, rb, nta);
     if (dt == KV_DTYPE_F32 || hd16 > KV_ATTN_WIDEN_MAX || a->n_rows < 2) {
         scores256_rows(a, i0, ni, kr, dt, kr, dt);
         return;

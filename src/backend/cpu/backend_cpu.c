@@ -808,8 +808,8 @@ kv_status backend_cpu_new_ex(const model_t *m, const struct backend_cpu_options 
                 kv_matmul_bf16_family_name(), kv_quant_prefetch_name(kv_quant_get_prefetch()),
                 openblas_get_corename());
     else
-        KV_INFO("cpu backend: %d threads, gemm openblas (core %s; NOT batch-invariant)", n_threads,
-                openblas_get_corename());
+        KV_INFO("cpu backend: %d threads, gemm openblas (core %s; NOT batch-invariant; attention prefetch %s)",
+                n_threads, openblas_get_corename(), kv_quant_prefetch_name(kv_quant_get_prefetch()));
     *out = be;
     return KV_OK;
 }
