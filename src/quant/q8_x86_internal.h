@@ -55,10 +55,7 @@
 static ALWAYS void prefetch_share(const uint8_t *next, size_t span, int i, int n, bool nta) {
     const size_t per = (span + (size_t)n - 1) / (size_t)n; /* n is constant per tile: hoisted */
     const uint8_t *p = next + per * (size_t)i;
-    if (nta)
-        for (size_t o = 0; o < per; o += 64) __builtin_prefetch(p + o, 0, 0);
-    else
-        for (size_t o = 0; o < per; o += 64) __builtin_prefetch(p + o, 0, 2); /* to L2 (t1) */
+    KV_PREFETCH_RANGE(p, per, nta, 2); /* CACHE: to L2 (t1) */
 }
 
 /* Calls FN(T, args...) with T the weight type as a compile-time constant (one instantiation of
@@ -124,11 +121,7 @@ AVX2 static ALWAYS __m256i kq_mins8(const __m128i V[8], const int16_t *s16) {
 #define PF_DECODE(g) ((g).kq ? 0 : 2 * (int)(g).grp)
 #define PF_MANY(type) ((type) == KV_QTYPE_Q8_0 ? 16384 : 0)
 static ALWAYS void prefetch_group_ahead(const uint8_t *grp, size_t grp_bytes, int ahead, bool nta) {
-    const char *pf = (const char *)grp + ahead;
-    if (nta)
-        for (size_t l = 0; l < grp_bytes; l += 64) _mm_prefetch(pf + l, _MM_HINT_NTA);
-    else
-        for (size_t l = 0; l < grp_bytes; l += 64) _mm_prefetch(pf + l, _MM_HINT_T0);
+    KV_PREFETCH_RANGE(grp + ahead, grp_bytes, nta, 3); /* else prefetcht0 */
 }
 
 /* The next chunk of a decode walk over `left` row groups: at most 4 groups (streams), the

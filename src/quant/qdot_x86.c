@@ -83,10 +83,7 @@ static ALWAYS size_t step_off(int type, int c0, int st, size_t cs) {
 static ALWAYS void float_prefetch(const uint8_t *w, size_t rb, int R, int st, size_t SB, size_t cs, bool nta) {
     if (rb > 2048 || cs != 64) return; /* long rows, or the grouped layout: one stream already */
     const uint8_t *next = w + (size_t)R * rb + (size_t)st * R * SB;
-    if (nta) /* quant.h: KV_PREFETCH_NTA (AMD, which runs the grouped layout by default) */
-        for (size_t b = 0; b < (size_t)R * SB; b += 64) __builtin_prefetch(next + b, 0, 0);
-    else
-        for (size_t b = 0; b < (size_t)R * SB; b += 64) __builtin_prefetch(next + b, 0, 2);
+    KV_PREFETCH_RANGE(next, (size_t)R * SB, nta, 2); /* nta: AMD, which runs the grouped layout by default */
 }
 
 /* The grouped layout (qdot.h; cs = R * 64 bytes per chunk turn, a group's rows in one
@@ -101,10 +98,7 @@ static ALWAYS void float_prefetch(const uint8_t *w, size_t rb, int R, int st, si
 static ALWAYS void group_prefetch(int type, const uint8_t *w, int c0, int PER, size_t cs, bool nta) {
     if (has_scales(type) || cs == 64) return; /* block types, or file rows (float_prefetch) */
     const uint8_t *p = w + (size_t)(c0 / PER) * cs + GROUP_PF;
-    if (nta)
-        for (size_t b = 0; b < cs; b += 64) __builtin_prefetch(p + b, 0, 0);
-    else
-        for (size_t b = 0; b < cs; b += 64) __builtin_prefetch(p + b, 0, 3);
+    KV_PREFETCH_RANGE(p, cs, nta, 3);
 }
 
 /* weight k of an F32/F16/BF16 row (the K % 16 tail) */

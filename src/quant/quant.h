@@ -119,5 +119,16 @@ enum kv_prefetch kv_quant_get_prefetch(void);
 int kv_quant_prefetch_env(void);
 /* "auto", "cache", "nta". Static string. */
 const char *kv_quant_prefetch_name(enum kv_prefetch mode);
+/* The sites' one loop: prefetches the 64-byte lines of [p, p + bytes) with prefetchnta when nta
+ * is true, else with locality LOC (a constant: 3 = prefetcht0, 2 = prefetcht1). */
+#define KV_PREFETCH_RANGE(p, bytes, nta, LOC)                                                  \
+    do {                                                                                     \
+        const char *kv_pf_ = (const char *)(p);                                              \
+        const size_t kv_pfn_ = (bytes);                                                      \
+        if (nta)                                                                             \
+            for (size_t o_ = 0; o_ < kv_pfn_; o_ += 64) __builtin_prefetch(kv_pf_ + o_, 0, 0);   \
+        else                                                                                 \
+            for (size_t o_ = 0; o_ < kv_pfn_; o_ += 64) __builtin_prefetch(kv_pf_ + o_, 0, LOC); \
+    } while (0)
 
 #endif

@@ -107,18 +107,15 @@ AI void rows_of(const struct kv_attn_args *a, size_t off, int p, int n, size_t r
  * is only tpb rows long (2 KiB for 16 f16 rows of 64), too short for the hardware prefetcher,
  * and the next block's run is elsewhere in the pool. KV_PREFETCH_CACHE (quant.h) prefetches
  * into L2 (prefetcht1); nta (the mode NTA, read once per kv_attention call: the default on AMD)
- * uses prefetchnta: on a Zen 5 core decode attention
- * at 8k context ran 1.2-1.3x faster with it (AVX2 family 1.18-1.2x; 8-row prefill tiles
- * 1.02-1.07x; in-process alternated runs, docs/benchmarks.md). Prefetches only: same bits. */
+ * uses prefetchnta: on a Zen 5 core decode attention at 8k context ran 1.2-1.3x faster with it
+ * (AVX2 family 1.18-1.2x; 8-row prefill tiles 1.02-1.07x; in-process alternated runs,
+ * docs/benchmarks.md). Prefetches only: same bits. */
 AI void prefetch_rows(const struct kv_attn_args *a, size_t off, int p, int n, int end, size_t rb, const bool nta) {
     int e = p + n < end ? p + n : end;
     while (p < e) {
         int blk = p / a->tpb, slot = p - blk * a->tpb, in = a->tpb - slot < e - p ? a->tpb - slot : e - p;
         const char *r = a->pool + (size_t)a->block_table[blk] * a->block_bytes + off + (size_t)slot * rb;
-        if (nta)
-            for (size_t b = 0; b < (size_t)in * rb; b += 64) __builtin_prefetch(r + b, 0, 0);
-        else
-            for (size_t b = 0; b < (size_t)in * rb; b += 64) __builtin_prefetch(r + b, 0, 2);
+        KV_PREFETCH_RANGE(r, (size_t)in * rb, nta, 2);
         p += in;
     }
 }
